@@ -1,0 +1,97 @@
+#pragma once
+// YAML configs bound to typed structs. A config struct lists its keys once, in a
+// `void visit(ConfigVisitor&)` member; the same list reads and validates a file, writes the
+// effective config beside a run's outputs, and prints the config reference.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dalle/error.h"
+
+namespace dalle {
+
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+// What a value may be: numbers within [min, max], strings among `choices`.
+struct Limits {
+  std::optional<double> min;
+  std::optional<double> max;
+  std::vector<std::string> choices;
+};
+
+class ConfigVisitor {
+ public:
+  virtual ~ConfigVisitor() = default;
+  virtual void field(std::string_view key, bool& value, std::string_view help) = 0;
+  virtual void field(std::string_view key, int64_t& value, std::string_view help,
+                     const Limits& limits = {}) = 0;
+  virtual void field(std::string_view key, double& value, std::string_view help,
+                     const Limits& limits = {}) = 0;
+  virtual void field(std::string_view key, std::string& value, std::string_view help,
+                     const Limits& limits = {}) = 0;
+  virtual void field(std::string_view key, std::vector<int64_t>& value, std::string_view help,
+                     const Limits& limits = {}) = 0;
+  virtual void field(std::string_view key, std::vector<std::string>& value,
+                     std::string_view help, const Limits& limits = {}) = 0;
+  virtual void section(std::string_view key, std::string_view help,
+                       const std::function<void(ConfigVisitor&)>& body) = 0;
+
+  template <class Section>
+  void section(std::string_view key, std::string_view help, Section& value) {
+    section(key, help, [&value](ConfigVisitor& inner) { value.visit(inner); });
+  }
+};
+
+// A parsed YAML document plus the `--set key.path=value` overrides applied to it.
+class ConfigSource {
+ public:
+  static ConfigSource from_file(const std::string& path);
+  static ConfigSource from_string(const std::string& text, const std::string& name = "<string>");
+  static ConfigSource empty();
+
+  // "a.b.c=value"; the value is read as YAML, so "[1, 2]" is a list.
+  void set(const std::string& assignment);
+  void set_all(const std::vector<std::string>& assignments);
+
+  const std::string& name() const;
+
+  struct Impl;
+  const Impl& impl() const { return *impl_; }
+
+ private:
+  explicit ConfigSource(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
+};
+
+using ConfigVisit = std::function<void(ConfigVisitor&)>;
+
+// Reads `source` into the fields `visit` names. Refuses a value of the wrong type or out of
+// range, and any key that `visit` does not name, with the file, line and key path.
+void bind_config(const ConfigSource& source, const ConfigVisit& visit);
+// The config as YAML, every key with its current value.
+std::string config_to_yaml(const ConfigVisit& visit);
+// Markdown table of every key: path, type, default, limits, help.
+std::string config_reference(const ConfigVisit& visit);
+// Writes config_to_yaml atomically to `path`.
+void save_config(const std::string& path, const ConfigVisit& visit);
+
+template <class Config>
+Config load_config(const ConfigSource& source) {
+  Config config;
+  bind_config(source, [&config](ConfigVisitor& v) { config.visit(v); });
+  return config;
+}
+
+template <class Config>
+ConfigVisit visit_of(Config& config) {
+  return [&config](ConfigVisitor& v) { config.visit(v); };
+}
+
+}  // namespace dalle

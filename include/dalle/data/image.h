@@ -1,0 +1,53 @@
+#pragma once
+// Images as torch tensors: [3, H, W], float32, RGB, values in [0, 1]. OpenCV decodes and
+// encodes; everything else is tensor arithmetic.
+#include <torch/types.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dalle/error.h"
+
+namespace dalle::data {
+
+class ImageError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Reads PNG, JPEG, BMP, WebP, TIFF, PPM...; grey and 16-bit images become 8-bit-range RGB,
+// alpha is dropped. An unreadable or corrupt file throws ImageError naming it.
+torch::Tensor read_image(const std::string& path);
+torch::Tensor decode_image(std::string_view bytes, const std::string& name);
+
+// Writes [3, H, W] or [1, H, W] values in [0, 1] (clamped) as 8-bit PNG, atomically.
+void write_png(const std::string& path, const torch::Tensor& image);
+std::string encode_png(const torch::Tensor& image);
+
+// Area-averaging when shrinking, bilinear when enlarging.
+torch::Tensor resize(const torch::Tensor& image, int64_t height, int64_t width);
+// Scales so that the shorter side is `size`, keeping the aspect ratio.
+torch::Tensor resize_shorter_side(const torch::Tensor& image, int64_t size);
+torch::Tensor center_crop(const torch::Tensor& image, int64_t height, int64_t width);
+torch::Tensor random_crop(const torch::Tensor& image, int64_t height, int64_t width,
+                          std::mt19937_64& rng);
+
+// The dVAE's pixel range: x -> (1 - 2 eps) x + eps keeps logits finite; unmap clamps back.
+inline constexpr double kDvaePixelEpsilon = 0.1;
+torch::Tensor map_pixels(const torch::Tensor& image, double epsilon = kDvaePixelEpsilon);
+torch::Tensor unmap_pixels(const torch::Tensor& image, double epsilon = kDvaePixelEpsilon);
+
+struct GridOptions {
+  int64_t columns = 0;    // 0: as close to square as the count allows
+  int64_t tile_size = 0;  // tiles are scaled (nearest) to this size; 0 keeps the first image's
+  int64_t padding = 2;
+};
+// Tiles the images in rows; a non-empty `labels` (one per image) is printed under each tile,
+// wrapped to the tile's width.
+torch::Tensor make_grid(const std::vector<torch::Tensor>& images,
+                        const std::vector<std::string>& labels = {}, const GridOptions& options = {});
+
+}  // namespace dalle::data

@@ -1,0 +1,420 @@
+#include "dalle/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <charconv>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include "dalle/io/atomic_file.h"
+
+namespace dalle {
+
+struct ConfigSource::Impl {
+  std::string name;
+  YAML::Node root;
+  // Key path -> the `--set` text that gave it, to name the override in errors.
+  std::map<std::string, std::string> overrides;
+};
+
+namespace {
+
+std::string join_path(const std::string& prefix, std::string_view key) {
+  return prefix.empty() ? std::string(key) : prefix + "." + std::string(key);
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string format_double(double value) {
+  char buffer[64];
+  auto result = std::to_chars(buffer, buffer + sizeof buffer, value);
+  std::string text(buffer, result.ptr);
+  // Keep a float looking like a float in YAML ("1" would read back as an integer).
+  if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
+  return text;
+}
+
+std::string describe_limits(const Limits& limits) {
+  std::ostringstream out;
+  if (!limits.choices.empty()) {
+    out << "one of";
+    for (const auto& choice : limits.choices) out << " '" << choice << "'";
+  } else if (limits.min && limits.max) {
+    out << "in [" << format_double(*limits.min) << ", " << format_double(*limits.max) << "]";
+  } else if (limits.min) {
+    out << ">= " << format_double(*limits.min);
+  } else if (limits.max) {
+    out << "<= " << format_double(*limits.max);
+  }
+  return out.str();
+}
+
+// Reads a YAML tree into the visited fields; every key the visit does not name is an error.
+class YamlReader final : public ConfigVisitor {
+ public:
+  YamlReader(const ConfigSource::Impl& source, YAML::Node node, std::string prefix)
+      : source_(source), node_(std::move(node)), prefix_(std::move(prefix)) {}
+
+  void field(std::string_view key, bool& value, std::string_view) override {
+    read_scalar(key, "a boolean (true or false)", [&](const YAML::Node& n) { value = n.as<bool>(); });
+  }
+  void field(std::string_view key, int64_t& value, std::string_view, const Limits& limits) override {
+    read_scalar(key, "an integer", [&](const YAML::Node& n) {
+      int64_t parsed = n.as<int64_t>();
+      check_number(key, n, static_cast<double>(parsed), limits);
+      value = parsed;
+    });
+  }
+  void field(std::string_view key, double& value, std::string_view, const Limits& limits) override {
+    read_scalar(key, "a number", [&](const YAML::Node& n) {
+      double parsed = n.as<double>();
+      check_number(key, n, parsed, limits);
+      value = parsed;
+    });
+  }
+  void field(std::string_view key, std::string& value, std::string_view, const Limits& limits) override {
+    read_scalar(key, "a string", [&](const YAML::Node& n) {
+      std::string parsed = n.as<std::string>();
+      check_choice(key, n, parsed, limits);
+      value = parsed;
+    });
+  }
+  void field(std::string_view key, std::vector<int64_t>& value, std::string_view,
+             const Limits& limits) override {
+    read_sequence(key, "a list of integers", [&](const YAML::Node& n) {
+      std::vector<int64_t> parsed;
+      for (const auto& item : n) {
+        int64_t number = item.as<int64_t>();
+        check_number(key, item, static_cast<double>(number), limits);
+        parsed.push_back(number);
+      }
+      value = std::move(parsed);
+    });
+  }
+  void field(std::string_view key, std::vector<std::string>& value, std::string_view,
+             const Limits& limits) override {
+    read_sequence(key, "a list of strings", [&](const YAML::Node& n) {
+      std::vector<std::string> parsed;
+      for (const auto& item : n) {
+        if (!item.IsScalar()) throw YAML::BadConversion(item.Mark());
+        parsed.push_back(item.as<std::string>());
+        check_choice(key, item, parsed.back(), limits);
+      }
+      value = std::move(parsed);
+    });
+  }
+  void section(std::string_view key, std::string_view,
+               const std::function<void(ConfigVisitor&)>& body) override {
+    known_.insert(std::string(key));
+    const auto child = lookup(key);
+    const std::string path = join_path(prefix_, key);
+    if (child && !child->IsNull() && !child->IsMap()) {
+      fail(*child, path, path + ": expected a section (a mapping of keys to values)");
+    }
+    YamlReader inner(source_, child ? *child : YAML::Node(), path);
+    body(inner);
+    inner.refuse_unknown_keys();
+  }
+
+  void refuse_unknown_keys() const {
+    if (!node_.IsMap()) return;
+    for (const auto& entry : node_) {
+      std::string key = entry.first.as<std::string>();
+      if (known_.count(key)) continue;
+      std::string message = "unknown key '" + join_path(prefix_, key) + "'";
+      std::string best;
+      size_t best_distance = 3;
+      for (const auto& candidate : known_) {
+        size_t distance = edit_distance(key, candidate);
+        if (distance < best_distance) best_distance = distance, best = candidate;
+      }
+      if (!best.empty()) message += " (did you mean '" + join_path(prefix_, best) + "'?)";
+      else message += describe_known();
+      fail(entry.first, join_path(prefix_, key), message);
+    }
+  }
+
+  [[noreturn]] void fail(const YAML::Node& node, const std::string& path,
+                         const std::string& message) const {
+    auto override_text = source_.overrides.find(path);
+    if (override_text != source_.overrides.end()) {
+      throw ConfigError("--set " + override_text->second + ": " + message);
+    }
+    const YAML::Mark mark = node.Mark();
+    std::string where = source_.name;
+    if (!mark.is_null()) where += ":" + std::to_string(mark.line + 1) + ":" + std::to_string(mark.column + 1);
+    throw ConfigError(where + ": " + message);
+  }
+
+ private:
+  std::optional<YAML::Node> lookup(std::string_view key) const {
+    if (!node_.IsMap()) return std::nullopt;
+    for (const auto& entry : node_) {
+      if (entry.first.as<std::string>() == key) return entry.second;
+    }
+    return std::nullopt;
+  }
+
+  std::string describe_known() const {
+    std::string known = " (known keys here:";
+    for (const auto& candidate : known_) known += " " + candidate;
+    return known + ")";
+  }
+
+  template <class Parse>
+  void read_scalar(std::string_view key, const std::string& expected, Parse parse) {
+    known_.insert(std::string(key));
+    const auto child = lookup(key);
+    if (!child) return;
+    const std::string path = join_path(prefix_, key);
+    if (!child->IsScalar()) fail(*child, path, path + ": expected " + expected);
+    try {
+      parse(*child);
+    } catch (const YAML::BadConversion&) {
+      fail(*child, path, path + ": expected " + expected + ", got '" + child->Scalar() + "'");
+    }
+  }
+
+  template <class Parse>
+  void read_sequence(std::string_view key, const std::string& expected, Parse parse) {
+    known_.insert(std::string(key));
+    const auto child = lookup(key);
+    if (!child) return;
+    const std::string path = join_path(prefix_, key);
+    if (!child->IsSequence()) fail(*child, path, path + ": expected " + expected);
+    try {
+      parse(*child);
+    } catch (const YAML::BadConversion&) {
+      fail(*child, path, path + ": expected " + expected);
+    }
+  }
+
+  void check_number(std::string_view key, const YAML::Node& node, double value,
+                    const Limits& limits) const {
+    if ((limits.min && value < *limits.min) || (limits.max && value > *limits.max)) {
+      const std::string path = join_path(prefix_, key);
+      fail(node, path, path + ": " + node.Scalar() + " is out of range, expected a value " +
+                           describe_limits(limits));
+    }
+  }
+
+  void check_choice(std::string_view key, const YAML::Node& node, const std::string& value,
+                    const Limits& limits) const {
+    if (limits.choices.empty()) return;
+    if (std::find(limits.choices.begin(), limits.choices.end(), value) != limits.choices.end()) return;
+    const std::string path = join_path(prefix_, key);
+    fail(node, path, path + ": '" + value + "' is not allowed, expected " + describe_limits(limits));
+  }
+
+  const ConfigSource::Impl& source_;
+  YAML::Node node_;
+  std::string prefix_;
+  std::set<std::string> known_;
+};
+
+class YamlWriter final : public ConfigVisitor {
+ public:
+  explicit YamlWriter(YAML::Emitter& out) : out_(out) {}
+
+  void field(std::string_view key, bool& value, std::string_view) override {
+    out_ << YAML::Key << std::string(key) << YAML::Value << value;
+  }
+  void field(std::string_view key, int64_t& value, std::string_view, const Limits&) override {
+    out_ << YAML::Key << std::string(key) << YAML::Value << value;
+  }
+  void field(std::string_view key, double& value, std::string_view, const Limits&) override {
+    out_ << YAML::Key << std::string(key) << YAML::Value << format_double(value);
+  }
+  void field(std::string_view key, std::string& value, std::string_view, const Limits&) override {
+    out_ << YAML::Key << std::string(key) << YAML::Value << YAML::DoubleQuoted << value;
+  }
+  void field(std::string_view key, std::vector<int64_t>& value, std::string_view,
+             const Limits&) override {
+    out_ << YAML::Key << std::string(key) << YAML::Value << YAML::Flow << value;
+  }
+  void field(std::string_view key, std::vector<std::string>& value, std::string_view,
+             const Limits&) override {
+    out_ << YAML::Key << std::string(key) << YAML::Value << YAML::BeginSeq;
+    for (const auto& item : value) out_ << YAML::DoubleQuoted << item;
+    out_ << YAML::EndSeq;
+  }
+  void section(std::string_view key, std::string_view,
+               const std::function<void(ConfigVisitor&)>& body) override {
+    out_ << YAML::Key << std::string(key) << YAML::Value << YAML::BeginMap;
+    body(*this);
+    out_ << YAML::EndMap;
+  }
+
+ private:
+  YAML::Emitter& out_;
+};
+
+class ReferenceWriter final : public ConfigVisitor {
+ public:
+  void field(std::string_view key, bool& value, std::string_view help) override {
+    row(key, "bool", value ? "true" : "false", {}, help);
+  }
+  void field(std::string_view key, int64_t& value, std::string_view help, const Limits& limits) override {
+    row(key, "int", std::to_string(value), limits, help);
+  }
+  void field(std::string_view key, double& value, std::string_view help, const Limits& limits) override {
+    row(key, "float", format_double(value), limits, help);
+  }
+  void field(std::string_view key, std::string& value, std::string_view help, const Limits& limits) override {
+    row(key, "string", "\"" + value + "\"", limits, help);
+  }
+  void field(std::string_view key, std::vector<int64_t>& value, std::string_view help,
+             const Limits& limits) override {
+    std::string text = "[";
+    for (size_t i = 0; i < value.size(); ++i) text += (i ? ", " : "") + std::to_string(value[i]);
+    row(key, "list of int", text + "]", limits, help);
+  }
+  void field(std::string_view key, std::vector<std::string>& value, std::string_view help,
+             const Limits& limits) override {
+    std::string text = "[";
+    for (size_t i = 0; i < value.size(); ++i) text += (i ? ", " : "") + value[i];
+    row(key, "list of string", text + "]", limits, help);
+  }
+  void section(std::string_view key, std::string_view help,
+               const std::function<void(ConfigVisitor&)>& body) override {
+    std::string saved = prefix_;
+    prefix_ = join_path(prefix_, key);
+    out_ << "| `" << prefix_ << "` | section | | | " << help << " |\n";
+    body(*this);
+    prefix_ = saved;
+  }
+  std::string text() const {
+    return "| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n" + out_.str();
+  }
+
+ private:
+  void row(std::string_view key, const char* type, const std::string& value, const Limits& limits,
+           std::string_view help) {
+    out_ << "| `" << join_path(prefix_, key) << "` | " << type << " | `" << value << "` | "
+         << describe_limits(limits) << " | " << help << " |\n";
+  }
+  std::string prefix_;
+  std::ostringstream out_;
+};
+
+YAML::Node parse_yaml(const std::string& text, const std::string& name, bool is_file) {
+  try {
+    return is_file ? YAML::LoadFile(name) : YAML::Load(text);
+  } catch (const YAML::BadFile&) {
+    throw ConfigError(name + ": cannot read the config file");
+  } catch (const YAML::ParserException& error) {
+    throw ConfigError(name + ":" + std::to_string(error.mark.line + 1) + ":" +
+                      std::to_string(error.mark.column + 1) + ": YAML syntax error: " + error.msg);
+  }
+}
+
+void require_mapping(const ConfigSource::Impl& impl) {
+  if (impl.root && !impl.root.IsNull() && !impl.root.IsMap()) {
+    throw ConfigError(impl.name + ": the config must be a mapping of keys to values");
+  }
+}
+
+}  // namespace
+
+ConfigSource::ConfigSource(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ConfigSource ConfigSource::from_file(const std::string& path) {
+  auto impl = std::make_shared<Impl>();
+  impl->name = path;
+  impl->root = parse_yaml({}, path, /*is_file=*/true);
+  require_mapping(*impl);
+  return ConfigSource(impl);
+}
+
+ConfigSource ConfigSource::from_string(const std::string& text, const std::string& name) {
+  auto impl = std::make_shared<Impl>();
+  impl->name = name;
+  impl->root = parse_yaml(text, name, /*is_file=*/false);
+  require_mapping(*impl);
+  return ConfigSource(impl);
+}
+
+ConfigSource ConfigSource::empty() { return from_string("{}", "<defaults>"); }
+
+const std::string& ConfigSource::name() const { return impl_->name; }
+
+void ConfigSource::set(const std::string& assignment) {
+  const auto equals = assignment.find('=');
+  if (equals == std::string::npos || equals == 0) {
+    throw ConfigError("--set " + assignment + ": expected key.path=value");
+  }
+  const std::string path = assignment.substr(0, equals);
+  YAML::Node value;
+  try {
+    value = YAML::Load(assignment.substr(equals + 1));
+  } catch (const YAML::ParserException& error) {
+    throw ConfigError("--set " + assignment + ": the value is not valid YAML: " + error.msg);
+  }
+  if (!impl_->root || impl_->root.IsNull()) impl_->root = YAML::Node(YAML::NodeType::Map);
+  std::vector<std::string> parts;
+  std::stringstream stream(path);
+  for (std::string part; std::getline(stream, part, '.');) {
+    if (part.empty()) throw ConfigError("--set " + assignment + ": empty key in '" + path + "'");
+    parts.push_back(part);
+  }
+  YAML::Node node = impl_->root;
+  std::string walked;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    walked = join_path(walked, parts[i]);
+    YAML::Node child = node[parts[i]];
+    if (!child || child.IsNull()) child = YAML::Node(YAML::NodeType::Map);
+    if (!child.IsMap()) throw ConfigError("--set " + assignment + ": '" + walked + "' is not a section");
+    impl_->overrides.emplace(walked, assignment);
+    node.reset(child);
+  }
+  node[parts.back()] = value;
+  impl_->overrides[path] = assignment;
+}
+
+void ConfigSource::set_all(const std::vector<std::string>& assignments) {
+  for (const auto& assignment : assignments) set(assignment);
+}
+
+void bind_config(const ConfigSource& source, const ConfigVisit& visit) {
+  const auto& impl = source.impl();
+  YamlReader reader(impl, impl.root, "");
+  visit(reader);
+  reader.refuse_unknown_keys();
+}
+
+std::string config_to_yaml(const ConfigVisit& visit) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  YamlWriter writer(out);
+  visit(writer);
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::string config_reference(const ConfigVisit& visit) {
+  ReferenceWriter writer;
+  visit(writer);
+  return writer.text();
+}
+
+void save_config(const std::string& path, const ConfigVisit& visit) {
+  io::write_file_atomic(path, config_to_yaml(visit));
+}
+
+}  // namespace dalle

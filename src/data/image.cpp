@@ -1,0 +1,215 @@
+#include "dalle/data/image.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <opencv2/imgcodecs.hpp>
+#include <opencv2/imgproc.hpp>
+#include <sstream>
+
+#include "dalle/io/atomic_file.h"
+
+namespace dalle::data {
+namespace F = torch::nn::functional;
+
+namespace {
+
+void require_image(const torch::Tensor& image, const char* what) {
+  if (image.dim() != 3 || (image.size(0) != 3 && image.size(0) != 1)) {
+    std::ostringstream shape;
+    shape << image.sizes();
+    throw ImageError(std::string(what) + ": expected an image tensor [3 or 1, H, W], got " + shape.str());
+  }
+}
+
+torch::Tensor from_mat(const cv::Mat& decoded, const std::string& name) {
+  cv::Mat rgb;
+  switch (decoded.channels()) {
+    case 1: cv::cvtColor(decoded, rgb, cv::COLOR_GRAY2RGB); break;
+    case 3: cv::cvtColor(decoded, rgb, cv::COLOR_BGR2RGB); break;
+    case 4: cv::cvtColor(decoded, rgb, cv::COLOR_BGRA2RGB); break;
+    default: throw ImageError(name + ": unsupported number of channels " + std::to_string(decoded.channels()));
+  }
+  const double scale = rgb.depth() == CV_16U ? 1.0 / 65535.0 : rgb.depth() == CV_8U ? 1.0 / 255.0 : 1.0;
+  cv::Mat floats;
+  rgb.convertTo(floats, CV_32FC3, scale);
+  auto hwc = torch::from_blob(floats.data, {floats.rows, floats.cols, 3}, torch::kFloat32);
+  return hwc.permute({2, 0, 1}).clamp(0.0, 1.0).contiguous();
+}
+
+cv::Mat to_mat(const torch::Tensor& image) {
+  require_image(image, "writing an image");
+  auto rgb = image.size(0) == 1 ? image.expand({3, image.size(1), image.size(2)}) : image;
+  auto bytes = rgb.detach().to(torch::kCPU, torch::kFloat32).clamp(0.0, 1.0).mul(255.0).round()
+                   .to(torch::kUInt8).permute({1, 2, 0}).contiguous();
+  cv::Mat wrapped(static_cast<int>(bytes.size(0)), static_cast<int>(bytes.size(1)), CV_8UC3, bytes.data_ptr());
+  cv::Mat bgr;
+  cv::cvtColor(wrapped, bgr, cv::COLOR_RGB2BGR);  // copies out of the tensor's memory
+  return bgr;
+}
+
+}  // namespace
+
+torch::Tensor decode_image(std::string_view bytes, const std::string& name) {
+  if (bytes.empty()) throw ImageError(name + ": empty file");
+  cv::Mat buffer(1, static_cast<int>(bytes.size()), CV_8U, const_cast<char*>(bytes.data()));
+  cv::Mat decoded;
+  try {
+    decoded = cv::imdecode(buffer, cv::IMREAD_ANYDEPTH | cv::IMREAD_ANYCOLOR);
+  } catch (const cv::Exception& error) {
+    throw ImageError(name + ": cannot decode the image: " + error.msg);
+  }
+  if (decoded.empty()) throw ImageError(name + ": not a readable image (corrupt or unsupported format)");
+  return from_mat(decoded, name);
+}
+
+torch::Tensor read_image(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ImageError(path + ": cannot open");
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  return decode_image(bytes.str(), path);
+}
+
+std::string encode_png(const torch::Tensor& image) {
+  std::vector<uchar> png;
+  if (!cv::imencode(".png", to_mat(image), png)) throw ImageError("cannot encode the image as PNG");
+  return std::string(png.begin(), png.end());
+}
+
+void write_png(const std::string& path, const torch::Tensor& image) {
+  io::write_file_atomic(path, encode_png(image));
+}
+
+torch::Tensor resize(const torch::Tensor& image, int64_t height, int64_t width) {
+  require_image(image, "resize");
+  if (height <= 0 || width <= 0) throw ImageError("resize: the size must be positive");
+  const bool shrinking = height < image.size(1) || width < image.size(2);
+  auto options = F::InterpolateFuncOptions()
+                     .size(std::vector<int64_t>{height, width})
+                     .mode(torch::kBilinear)
+                     .align_corners(false)
+                     .antialias(shrinking);
+  return F::interpolate(image.unsqueeze(0), options).squeeze(0).clamp(0.0, 1.0);
+}
+
+torch::Tensor resize_shorter_side(const torch::Tensor& image, int64_t size) {
+  require_image(image, "resize");
+  const int64_t height = image.size(1), width = image.size(2);
+  if (std::min(height, width) == size) return image;
+  if (height <= width) {
+    return resize(image, size, std::max<int64_t>(1, std::llround(double(width) * size / height)));
+  }
+  return resize(image, std::max<int64_t>(1, std::llround(double(height) * size / width)), size);
+}
+
+torch::Tensor center_crop(const torch::Tensor& image, int64_t height, int64_t width) {
+  require_image(image, "center_crop");
+  if (height > image.size(1) || width > image.size(2)) {
+    throw ImageError("center_crop: the crop is larger than the image");
+  }
+  const int64_t top = (image.size(1) - height) / 2, left = (image.size(2) - width) / 2;
+  return image.slice(1, top, top + height).slice(2, left, left + width);
+}
+
+torch::Tensor random_crop(const torch::Tensor& image, int64_t height, int64_t width,
+                          std::mt19937_64& rng) {
+  require_image(image, "random_crop");
+  if (height > image.size(1) || width > image.size(2)) {
+    throw ImageError("random_crop: the crop is larger than the image");
+  }
+  // Modulo rather than std::uniform_int_distribution: the latter differs across standard
+  // libraries, and crops must be reproducible from a seed.
+  const int64_t top = static_cast<int64_t>(rng() % static_cast<uint64_t>(image.size(1) - height + 1));
+  const int64_t left = static_cast<int64_t>(rng() % static_cast<uint64_t>(image.size(2) - width + 1));
+  return image.slice(1, top, top + height).slice(2, left, left + width);
+}
+
+torch::Tensor map_pixels(const torch::Tensor& image, double epsilon) {
+  return image * (1.0 - 2.0 * epsilon) + epsilon;
+}
+
+torch::Tensor unmap_pixels(const torch::Tensor& image, double epsilon) {
+  return ((image - epsilon) / (1.0 - 2.0 * epsilon)).clamp(0.0, 1.0);
+}
+
+namespace {
+
+constexpr int kFont = cv::FONT_HERSHEY_SIMPLEX;
+constexpr double kFontScale = 0.35;
+constexpr int kLineHeight = 12;
+
+std::vector<std::string> wrap_words(const std::string& text, int width) {
+  std::vector<std::string> lines;
+  std::istringstream words(text);
+  std::string line;
+  for (std::string word; words >> word;) {
+    const std::string candidate = line.empty() ? word : line + " " + word;
+    int baseline = 0;
+    if (!line.empty() && cv::getTextSize(candidate, kFont, kFontScale, 1, &baseline).width > width) {
+      lines.push_back(line);
+      line = word;
+    } else {
+      line = candidate;
+    }
+  }
+  if (!line.empty()) lines.push_back(line);
+  return lines;
+}
+
+}  // namespace
+
+torch::Tensor make_grid(const std::vector<torch::Tensor>& images, const std::vector<std::string>& labels,
+                        const GridOptions& options) {
+  if (images.empty()) throw ImageError("make_grid: no images");
+  if (!labels.empty() && labels.size() != images.size()) {
+    throw ImageError("make_grid: " + std::to_string(labels.size()) + " labels for " +
+                     std::to_string(images.size()) + " images");
+  }
+  for (const auto& image : images) require_image(image, "make_grid");
+  const auto count = static_cast<int64_t>(images.size());
+  const int64_t columns = options.columns > 0
+      ? std::min(options.columns, count)
+      : static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(count))));
+  const int64_t rows = (count + columns - 1) / columns;
+  const int64_t tile_h = options.tile_size > 0 ? options.tile_size : images[0].size(1);
+  const int64_t tile_w = options.tile_size > 0 ? options.tile_size : images[0].size(2);
+  const int64_t pad = options.padding;
+
+  std::vector<std::vector<std::string>> wrapped;
+  size_t label_lines = 0;
+  for (const auto& label : labels) {
+    wrapped.push_back(wrap_words(label, static_cast<int>(tile_w)));
+    label_lines = std::max(label_lines, wrapped.back().size());
+  }
+  const int64_t label_h = static_cast<int64_t>(label_lines) * kLineHeight + (label_lines ? 4 : 0);
+  const int64_t cell_h = tile_h + label_h + pad, cell_w = tile_w + pad;
+
+  auto grid = torch::ones({3, rows * cell_h + pad, columns * cell_w + pad});
+  for (int64_t i = 0; i < count; ++i) {
+    auto tile = images[i].to(torch::kCPU, torch::kFloat32);
+    if (tile.size(0) == 1) tile = tile.expand({3, tile.size(1), tile.size(2)});
+    if (tile.size(1) != tile_h || tile.size(2) != tile_w) {
+      tile = F::interpolate(tile.unsqueeze(0), F::InterpolateFuncOptions()
+                                                   .size(std::vector<int64_t>{tile_h, tile_w})
+                                                   .mode(torch::kNearest)).squeeze(0);
+    }
+    const int64_t top = pad + (i / columns) * cell_h, left = pad + (i % columns) * cell_w;
+    grid.slice(1, top, top + tile_h).slice(2, left, left + tile_w).copy_(tile.clamp(0.0, 1.0));
+  }
+  if (label_lines == 0) return grid;
+
+  cv::Mat canvas = to_mat(grid);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t top = pad + (i / columns) * cell_h + tile_h, left = pad + (i % columns) * cell_w;
+    for (size_t line = 0; line < wrapped[i].size(); ++line) {
+      cv::Point origin(static_cast<int>(left), static_cast<int>(top + (line + 1) * kLineHeight));
+      cv::putText(canvas, wrapped[i][line], origin, kFont, kFontScale, cv::Scalar(0, 0, 0), 1, cv::LINE_AA);
+    }
+  }
+  return from_mat(canvas, "grid");
+}
+
+}  // namespace dalle::data

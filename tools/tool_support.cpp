@@ -1,0 +1,47 @@
+#include "tool_support.h"
+
+#include <iostream>
+
+#include "dalle/log.h"
+#include "dalle/runtime.h"
+
+namespace dalle::tools {
+
+void add_common_options(CLI::App& app) {
+  app.set_version_flag("--version", [] { return runtime_summary(); });
+  app.add_option_function<std::string>(
+         "--log-level", [](const std::string& level) { log::set_level(log::level_from_string(level)); },
+         "debug, info (default), warn, error or off")
+      ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}));
+  app.require_subcommand(0, 1);
+}
+
+void ConfigOptions::add_to(CLI::App& command, const std::string& what) {
+  command.add_option("--config", path, "YAML config of the " + what + " (keys: docs/config.md)")
+      ->check(CLI::ExistingFile);
+  command.add_option("--set", overrides, "override a config key: --set key.path=value (repeatable)");
+  command.add_flag("--print-config", print, "print the effective config as YAML and exit");
+}
+
+ConfigSource ConfigOptions::source() const {
+  auto source = path.empty() ? ConfigSource::empty() : ConfigSource::from_file(path);
+  source.set_all(overrides);
+  return source;
+}
+
+int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    return app.exit(error) == 0 ? 0 : kExitUsage;  // --help and --version exit 0
+  }
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& error) {
+    std::cerr << app.get_name() << ": error: " << error.what() << "\n";
+    return kExitFailure;
+  }
+}
+
+}  // namespace dalle::tools

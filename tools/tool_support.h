@@ -1,0 +1,34 @@
+#pragma once
+// What every dalle-* tool shares: --version, --log-level, --config/--set handling, and one
+// place that turns errors into a message and a non-zero exit status.
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dalle/config.h"
+
+namespace dalle::tools {
+
+// Exit statuses: 0 success, 1 the work failed (bad input, I/O), 2 bad command line.
+inline constexpr int kExitFailure = 1;
+inline constexpr int kExitUsage = 2;
+
+// Adds --log-level and --version to `app`.
+void add_common_options(CLI::App& app);
+
+// --config FILE, repeated --set key.path=value and --print-config on a (sub)command.
+struct ConfigOptions {
+  std::string path;
+  std::vector<std::string> overrides;
+  bool print = false;
+  void add_to(CLI::App& command, const std::string& what);
+  // The file (or the defaults when none was given) with the overrides applied.
+  ConfigSource source() const;
+};
+
+// Parses the command line and runs `body`, printing any error as "dalle-x: error: ...".
+int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body);
+
+}  // namespace dalle::tools
