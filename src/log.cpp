@@ -19,6 +19,7 @@ std::shared_ptr<spdlog::logger> make_logger() {
       "dalle", std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
   logger->set_pattern("[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] %v");
   logger->set_level(spdlog::level::info);
+  logger->flush_on(spdlog::level::info);  // a run's log file is complete when it dies
   return logger;
 }
 

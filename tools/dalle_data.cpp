@@ -45,6 +45,8 @@ int main(int argc, char** argv) {
   inspect_command->add_option("--grid", grid_path, "write a labelled sample grid PNG here");
   inspect_command->add_option("--count", grid_count, "images in the grid")->check(CLI::Range(1, 1024));
   inspect_command->add_option("--seed", grid_seed, "which images the grid shows");
+  bool verify = false;
+  inspect_command->add_flag("--verify", verify, "decode every image to count the unreadable ones");
 
   return tools::run_tool(app, argc, argv, [&] {
     if (*import_command) {
@@ -62,6 +64,7 @@ int main(int argc, char** argv) {
                 (std::filesystem::path(compose_out) / "sample_grid.png").string());
     } else if (*inspect_command) {
       auto dataset = data::ImageCaptionDataset::open(inspect_root);
+      if (verify) data::verify_images(*dataset);
       if (!grid_path.empty()) data::write_sample_grid(*dataset, grid_path, grid_count, grid_seed);
       std::cout << inspect_root << ": " << dataset->report().summary() << "\n";
       if (!grid_path.empty()) std::cout << "sample grid: " << grid_path << "\n";

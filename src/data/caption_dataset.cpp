@@ -166,6 +166,16 @@ DatasetReport ImageCaptionDataset::report() const {
   return report;
 }
 
+void verify_images(const ImageCaptionDataset& dataset) {
+  log::Progress progress("verifying images", static_cast<int64_t>(dataset.size()));
+  std::mt19937_64 rng(0);
+  for (size_t i = 0; i < dataset.size(); ++i) {
+    dataset.get(i, rng);
+    progress.advance();
+  }
+  progress.finish();
+}
+
 void write_sample_grid(const ImageCaptionDataset& dataset, const std::string& path, int64_t count,
                        uint64_t seed, int64_t tile_size) {
   const auto order = ShardedSampler(static_cast<int64_t>(dataset.size()), {.seed = seed}).indices(0);

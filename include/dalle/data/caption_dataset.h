@@ -71,6 +71,9 @@ class ImageCaptionDataset {
   mutable std::atomic<int64_t> unreadable_{0};
 };
 
+// Decodes every image once (with progress), so that report() counts all unreadable ones.
+void verify_images(const ImageCaptionDataset& dataset);
+
 // Writes a labelled grid of `count` examples drawn by a seeded shuffle, captions under
 // the pictures, scaled to `tile_size` pixels: the way to check that captions match images.
 void write_sample_grid(const ImageCaptionDataset& dataset, const std::string& path, int64_t count,

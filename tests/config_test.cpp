@@ -1,0 +1,152 @@
+#include "dalle/config.h"
+
+#include "test_support.h"
+
+namespace dalle {
+namespace {
+
+using testing::ScratchDir;
+
+struct OptimizerSection {
+  double learning_rate = 1e-4;
+  std::vector<int64_t> betas_permille = {900, 999};
+  void visit(ConfigVisitor& v) {
+    v.field("learning_rate", learning_rate, "peak learning rate", {.min = 0.0, .max = 1.0});
+    v.field("betas_permille", betas_permille, "Adam betas x 1000", {.min = 0, .max = 1000});
+  }
+};
+
+struct ExampleConfig {
+  int64_t layers = 2;
+  bool fp16 = false;
+  std::string attention = "row";
+  std::vector<std::string> captions = {"a", "b"};
+  OptimizerSection optimizer;
+  void visit(ConfigVisitor& v) {
+    v.field("layers", layers, "number of layers", {.min = 1, .max = 64});
+    v.field("fp16", fp16, "train in fp16");
+    v.field("attention", attention, "attention mask", {.choices = {"row", "column", "conv"}});
+    v.field("captions", captions, "validation captions");
+    v.section("optimizer", "the optimizer", optimizer);
+  }
+};
+
+ExampleConfig parse(const std::string& yaml, const std::vector<std::string>& sets = {}) {
+  auto source = ConfigSource::from_string(yaml, "test.yaml");
+  source.set_all(sets);
+  return load_config<ExampleConfig>(source);
+}
+
+TEST(Config, EmptyDocumentKeepsDefaults) {
+  const auto config = parse("");
+  EXPECT_EQ(config.layers, 2);
+  EXPECT_EQ(config.attention, "row");
+  EXPECT_DOUBLE_EQ(config.optimizer.learning_rate, 1e-4);
+}
+
+TEST(Config, ReadsEveryFieldType) {
+  const auto config = parse(
+      "layers: 12\nfp16: true\nattention: conv\ncaptions: [x, y, z]\n"
+      "optimizer:\n  learning_rate: 4.5e-4\n  betas_permille: [900, 960]\n");
+  EXPECT_EQ(config.layers, 12);
+  EXPECT_TRUE(config.fp16);
+  EXPECT_EQ(config.attention, "conv");
+  EXPECT_EQ(config.captions, (std::vector<std::string>{"x", "y", "z"}));
+  EXPECT_DOUBLE_EQ(config.optimizer.learning_rate, 4.5e-4);
+  EXPECT_EQ(config.optimizer.betas_permille, (std::vector<int64_t>{900, 960}));
+}
+
+TEST(Config, UnknownKeyIsRefusedWithLineAndSuggestion) {
+  EXPECT_THROW_WITH(parse("layers: 3\nlayres: 4\n"), ConfigError, "test.yaml:2:1",
+                    "unknown key 'layres'", "did you mean 'layers'");
+}
+
+TEST(Config, MisspeltNestedKeyNamesItsPath) {
+  EXPECT_THROW_WITH(parse("optimizer:\n  learning_rat: 0.1\n"), ConfigError, "test.yaml:2:3",
+                    "'optimizer.learning_rat'", "did you mean 'optimizer.learning_rate'");
+}
+
+TEST(Config, UnknownKeyWithoutCloseMatchListsKnownKeys) {
+  EXPECT_THROW_WITH(parse("completely_different: 1\n"), ConfigError, "known keys here:", "layers");
+}
+
+TEST(Config, WrongTypeIsRefused) {
+  EXPECT_THROW_WITH(parse("\nlayers: many\n"), ConfigError, "test.yaml:2:9", "layers: expected an integer",
+                    "'many'");
+  EXPECT_THROW_WITH(parse("layers: 2.5\n"), ConfigError, "expected an integer");
+  EXPECT_THROW_WITH(parse("fp16: maybe\n"), ConfigError, "fp16: expected a boolean");
+  EXPECT_THROW_WITH(parse("captions: just-one\n"), ConfigError, "captions: expected a list of strings");
+  EXPECT_THROW_WITH(parse("optimizer: 3\n"), ConfigError, "optimizer: expected a section");
+  EXPECT_THROW_WITH(parse("layers: [1, 2]\n"), ConfigError, "layers: expected an integer");
+}
+
+TEST(Config, OutOfRangeAndDisallowedChoiceAreRefused) {
+  EXPECT_THROW_WITH(parse("layers: 65\n"), ConfigError, "layers: 65 is out of range", "in [1.0, 64.0]");
+  EXPECT_THROW_WITH(parse("optimizer: {betas_permille: [900, 1001]}\n"), ConfigError,
+                    "optimizer.betas_permille: 1001 is out of range");
+  EXPECT_THROW_WITH(parse("attention: diagonal\n"), ConfigError, "'diagonal' is not allowed",
+                    "one of 'row' 'column' 'conv'");
+}
+
+TEST(Config, YamlSyntaxErrorNamesFileAndLine) {
+  EXPECT_THROW_WITH(parse("layers: 3\noptimizer: [unclosed\n"), ConfigError, "test.yaml:", "YAML syntax error");
+  EXPECT_THROW_WITH(parse("- a list\n- at the top\n"), ConfigError, "must be a mapping");
+}
+
+TEST(Config, MissingFileIsReported) {
+  EXPECT_THROW_WITH(ConfigSource::from_file("/nonexistent/config.yaml"), ConfigError,
+                    "/nonexistent/config.yaml", "cannot read");
+}
+
+TEST(Config, SetOverridesFileValuesAndCreatesSections) {
+  const auto config = parse("layers: 3\n", {"layers=5", "optimizer.learning_rate=0.5", "captions=[p, q]"});
+  EXPECT_EQ(config.layers, 5);
+  EXPECT_DOUBLE_EQ(config.optimizer.learning_rate, 0.5);
+  EXPECT_EQ(config.captions, (std::vector<std::string>{"p", "q"}));
+}
+
+TEST(Config, BadOverridesNameTheOverride) {
+  EXPECT_THROW_WITH(parse("", {"optimizer.learnin_rate=0.1"}), ConfigError,
+                    "--set optimizer.learnin_rate=0.1", "unknown key");
+  EXPECT_THROW_WITH(parse("", {"layers=lots"}), ConfigError, "--set layers=lots", "expected an integer");
+  EXPECT_THROW_WITH(parse("", {"layers"}), ConfigError, "expected key.path=value");
+  EXPECT_THROW_WITH(parse("layers: 3\n", {"layers.deeper=1"}), ConfigError, "'layers' is not a section");
+  EXPECT_THROW_WITH(parse("", {"layers.deeper=1"}), ConfigError, "--set layers.deeper=1: layers: expected an integer");
+  EXPECT_THROW_WITH(parse("", {"a..b=1"}), ConfigError, "empty key");
+}
+
+TEST(Config, YamlRoundTripPreservesEveryValue) {
+  auto original = parse("layers: 7\nfp16: true\nattention: column\ncaptions: ['a: colon', \"quote\\\"d\"]\n"
+                        "optimizer: {learning_rate: 0.1, betas_permille: [1, 2, 3]}\n");
+  const std::string yaml = config_to_yaml(visit_of(original));
+  const auto copy = load_config<ExampleConfig>(ConfigSource::from_string(yaml));
+  EXPECT_EQ(copy.layers, 7);
+  EXPECT_TRUE(copy.fp16);
+  EXPECT_EQ(copy.attention, "column");
+  EXPECT_EQ(copy.captions, original.captions);
+  EXPECT_EQ(copy.optimizer.learning_rate, 0.1);  // exact: doubles are written round-trippable
+  EXPECT_EQ(copy.optimizer.betas_permille, (std::vector<int64_t>{1, 2, 3}));
+}
+
+TEST(Config, SaveConfigWritesTheEffectiveConfig) {
+  ScratchDir dir;
+  auto config = parse("layers: 9\n", {"optimizer.learning_rate=0.25"});
+  save_config(dir / "config.yaml", visit_of(config));
+  const auto reread = load_config<ExampleConfig>(ConfigSource::from_file(dir / "config.yaml"));
+  EXPECT_EQ(reread.layers, 9);
+  EXPECT_EQ(reread.optimizer.learning_rate, 0.25);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), {}), 1) << "a temporary was left";
+}
+
+TEST(Config, ReferenceListsEveryKeyWithDefaultsAndLimits) {
+  ExampleConfig config;
+  const std::string reference = config_reference(visit_of(config));
+  for (const char* expected : {"`layers` | int | `2` | in [1.0, 64.0] | number of layers",
+                               "`optimizer.learning_rate`", "`optimizer.betas_permille`",
+                               "one of 'row' 'column' 'conv'", "`fp16` | bool | `false`"}) {
+    EXPECT_THAT(reference, ::testing::HasSubstr(expected));
+  }
+}
+
+}  // namespace
+}  // namespace dalle

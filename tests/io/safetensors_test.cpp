@@ -1,0 +1,158 @@
+#include "dalle/io/safetensors.h"
+
+#include <torch/torch.h>
+
+#include <cstring>
+#include <random>
+
+#include "test_support.h"
+
+namespace dalle::io {
+namespace {
+
+using testing::ScratchDir;
+
+std::string with_header(const std::string& header, const std::string& data) {
+  std::string bytes(8, '\0');
+  const uint64_t size = header.size();
+  std::memcpy(bytes.data(), &size, 8);
+  return bytes + header + data;
+}
+
+TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
+  TensorMap tensors = {
+      {"f64", torch::randn({2, 3}, torch::kFloat64)},
+      {"f32", torch::randn({4}, torch::kFloat32)},
+      {"f16", torch::randn({3, 1}).to(torch::kFloat16)},
+      {"bf16", torch::randn({5}).to(torch::kBFloat16)},
+      {"f8e4m3", torch::randn({2}).to(torch::kFloat8_e4m3fn)},
+      {"f8e5m2", torch::randn({2}).to(torch::kFloat8_e5m2)},
+      {"i64", torch::arange(5, torch::kInt64)},
+      {"i32", torch::arange(3, torch::kInt32)},
+      {"i16", torch::arange(3, torch::kInt16)},
+      {"i8", torch::arange(-2, 2, torch::kInt8)},
+      {"u8", torch::arange(4, torch::kUInt8)},
+      {"bool", torch::tensor({true, false})},
+      {"scalar", torch::tensor(2.5)},
+      {"empty", torch::zeros({0, 3})},
+      {"strided", torch::arange(12, torch::kFloat32).view({3, 4}).t()},
+  };
+  const std::string bytes = serialize_safetensors(tensors, {{"step", "12"}, {"format", "pt"}});
+  uint64_t header_size;
+  std::memcpy(&header_size, bytes.data(), 8);
+  EXPECT_EQ(header_size % 8, 0u) << "the header is padded to 8 bytes";
+
+  const auto read = parse_safetensors(bytes);
+  ASSERT_EQ(read.tensors.size(), tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    const auto& copy = read.tensors.at(name);
+    EXPECT_EQ(copy.scalar_type(), tensor.scalar_type()) << name;
+    EXPECT_EQ(copy.sizes(), tensor.sizes()) << name;
+    // Compare bytes, not values: NaN != NaN, and the float8 types have no equality kernel.
+    const auto bytes_of = [](const torch::Tensor& t) { return t.contiguous().reshape({-1}).view(torch::kUInt8); };
+    EXPECT_TRUE(torch::equal(bytes_of(copy), bytes_of(tensor))) << name;
+  }
+  EXPECT_EQ(read.metadata, (Metadata{{"step", "12"}, {"format", "pt"}}));
+}
+
+TEST(Safetensors, ReadsFilesWrittenByTheReferencePackage) {
+  const auto read = read_safetensors(std::string(DALLE_SOURCE_DIR) + "/tests/fixtures/reference.safetensors");
+  EXPECT_EQ(read.metadata.at("note"), "dalle fixture");
+  EXPECT_TRUE(torch::equal(read.tensors.at("float32"), torch::arange(6, torch::kFloat32).view({2, 3}) / 4));
+  EXPECT_TRUE(torch::equal(read.tensors.at("float16"), torch::tensor({1.5, -2.25}).to(torch::kFloat16)));
+  EXPECT_TRUE(torch::equal(read.tensors.at("bfloat16"), torch::tensor({0.5, -8.0}).view({2, 1}).to(torch::kBFloat16)));
+  EXPECT_TRUE(torch::equal(read.tensors.at("int64"), torch::tensor({int64_t{-3}, int64_t{1} << 40})));
+  EXPECT_TRUE(torch::equal(read.tensors.at("uint8"), torch::tensor({0, 255, 7}).to(torch::kUInt8)));
+  EXPECT_TRUE(torch::equal(read.tensors.at("bool"), torch::tensor({true, false, true})));
+  EXPECT_EQ(read.tensors.at("scalar").dim(), 0);
+  EXPECT_EQ(read.tensors.at("scalar").item<double>(), 3.0);
+  EXPECT_EQ(read.tensors.at("empty").sizes(), (std::vector<int64_t>{0, 4}));
+}
+
+TEST(Safetensors, WriteIsAtomicAndReadable) {
+  ScratchDir dir;
+  write_safetensors(dir / "w.safetensors", {{"x", torch::ones({2})}});
+  write_safetensors(dir / "w.safetensors", {{"x", torch::zeros({3})}});
+  EXPECT_TRUE(torch::equal(read_safetensors(dir / "w.safetensors").tensors.at("x"), torch::zeros({3})));
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), {}), 1);
+}
+
+TEST(Safetensors, TruncatedFilesAreRefusedAtEveryLength) {
+  const std::string bytes = serialize_safetensors({{"a", torch::randn({4, 4})}, {"b", torch::ones({3})}});
+  for (size_t length = 0; length < bytes.size(); ++length) {
+    EXPECT_THROW(parse_safetensors(std::string_view(bytes).substr(0, length)), FormatError) << length;
+  }
+  EXPECT_THROW_WITH(parse_safetensors(std::string_view(bytes).substr(0, 5), "t.safetensors"), FormatError,
+                    "t.safetensors", "truncated");
+  EXPECT_THROW_WITH(parse_safetensors(std::string_view(bytes).substr(0, bytes.size() - 1)), FormatError,
+                    "outside the", "truncated file?");
+}
+
+TEST(Safetensors, HostileHeadersAreRefusedWithReasons) {
+  const std::string four_floats(16, '\0');
+  auto parse = [&](const std::string& header, const std::string& data) {
+    return parse_safetensors(with_header(header, data), "h.safetensors");
+  };
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [0, 32]}}", four_floats),
+                    FormatError, "outside the 16 data bytes");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"F32\", \"shape\": [3], \"data_offsets\": [0, 16]}}", four_floats),
+                    FormatError, "holds 16 bytes but its dtype and shape need 12");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
+                          " \"b\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [4, 12]}}", four_floats),
+                    FormatError, "overlaps");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [8, 16]}}", four_floats),
+                    FormatError, "belong to no tensor");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}", four_floats),
+                    FormatError, "8 trailing bytes");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [12, 4]}}", four_floats),
+                    FormatError, "byte range");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"Q4\", \"shape\": [16], \"data_offsets\": [0, 16]}}", four_floats),
+                    FormatError, "unsupported dtype 'Q4'");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"U8\", \"shape\": [-16], \"data_offsets\": [0, 16]}}", four_floats),
+                    FormatError, "negative dimension");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"F64\", \"shape\": [4294967296, 4294967296], \"data_offsets\": [0, 16]}}",
+                          four_floats), FormatError, "too large");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"U8\", \"shape\": [16], \"data_offsets\": [0, -16]}}", four_floats),
+                    FormatError, "'data_offsets' must be two non-negative integers");
+  EXPECT_THROW_WITH(parse("{\"a\": {\"dtype\": \"U8\", \"shape\": [16], \"offsets\": [0, 16]}}", four_floats),
+                    FormatError, "unknown field 'offsets'");
+  EXPECT_THROW_WITH(parse("{\"a\": 3}", ""), FormatError, "not described by an object");
+  EXPECT_THROW_WITH(parse("[1, 2]", ""), FormatError, "not a JSON object");
+  EXPECT_THROW_WITH(parse("{\"a\": ", ""), FormatError, "not valid JSON");
+  EXPECT_THROW_WITH(parse("{\"__metadata__\": {\"k\": 1}}", ""), FormatError, "is not a string");
+  EXPECT_THROW_WITH(parse(std::string(100000, '[') + std::string(100000, ']'), ""), FormatError, "nests deeper");
+
+  std::string huge(8, '\0');
+  const uint64_t size = kMaxSafetensorsHeaderBytes + 1;
+  std::memcpy(huge.data(), &size, 8);
+  EXPECT_THROW_WITH(parse_safetensors(huge), FormatError, "exceeds the limit");
+}
+
+// Random corruption must end in a FormatError or a successful parse, never a crash.
+TEST(Safetensors, SurvivesRandomCorruption) {
+  const std::string bytes = serialize_safetensors({{"a", torch::randn({3, 3})}, {"b", torch::arange(4)}},
+                                                  {{"k", "v"}});
+  std::mt19937 rng(1234);
+  int refused = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    std::string corrupt = bytes;
+    for (int flips = 1 + static_cast<int>(rng() % 4); flips > 0; --flips) {
+      corrupt[rng() % std::min<size_t>(corrupt.size(), 200)] = static_cast<char>(rng());
+    }
+    try {
+      parse_safetensors(corrupt);
+    } catch (const FormatError&) {
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 1000);
+}
+
+TEST(Safetensors, MissingFileAndUnsupportedDtypeAreReported) {
+  EXPECT_THROW_WITH(read_safetensors("/nonexistent.safetensors"), Error, "/nonexistent.safetensors", "cannot open");
+  EXPECT_THROW_WITH(serialize_safetensors({{"c", torch::ones({2}, torch::kComplexFloat)}}), FormatError,
+                    "cannot hold tensors of dtype");
+}
+
+}  // namespace
+}  // namespace dalle::io

@@ -1,0 +1,57 @@
+#pragma once
+// Helpers shared by the tests: a scratch directory per test, file I/O, a matcher for
+// error messages.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace dalle::testing {
+
+// A fresh directory under the system temp dir, removed when the test ends.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = std::filesystem::temp_directory_path() /
+            ("dalle-test-" + std::string(info->test_suite_name()) + "-" + info->name() + "-" +
+             std::to_string(::getpid()));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~ScratchDir() { std::filesystem::remove_all(path_); }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+inline void write_text(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Asserts that `statement` throws `Exception` whose message contains every `parts`.
+#define EXPECT_THROW_WITH(statement, Exception, ...)                                   \
+  do {                                                                                 \
+    try {                                                                              \
+      statement;                                                                       \
+      ADD_FAILURE() << "expected " #Exception " from " #statement;                     \
+    } catch (const Exception& error) {                                                 \
+      for (const std::string& part : {__VA_ARGS__}) {                                  \
+        EXPECT_THAT(std::string(error.what()), ::testing::HasSubstr(part));            \
+      }                                                                                \
+    }                                                                                  \
+  } while (0)
+
+}  // namespace dalle::testing
