@@ -41,10 +41,15 @@ size_t edit_distance(std::string_view a, std::string_view b) {
   return row[b.size()];
 }
 
-std::string format_double(double value) {
+// The shortest text that reads back as the same double.
+std::string format_number(double value) {
   char buffer[64];
   auto result = std::to_chars(buffer, buffer + sizeof buffer, value);
-  std::string text(buffer, result.ptr);
+  return std::string(buffer, result.ptr);
+}
+
+std::string format_double(double value) {
+  std::string text = format_number(value);
   // Keep a float looking like a float in YAML ("1" would read back as an integer).
   if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
   return text;
@@ -56,11 +61,11 @@ std::string describe_limits(const Limits& limits) {
     out << "one of";
     for (const auto& choice : limits.choices) out << " '" << choice << "'";
   } else if (limits.min && limits.max) {
-    out << "in [" << format_double(*limits.min) << ", " << format_double(*limits.max) << "]";
+    out << "in [" << format_number(*limits.min) << ", " << format_number(*limits.max) << "]";
   } else if (limits.min) {
-    out << ">= " << format_double(*limits.min);
+    out << ">= " << format_number(*limits.min);
   } else if (limits.max) {
-    out << "<= " << format_double(*limits.max);
+    out << "<= " << format_number(*limits.max);
   }
   return out.str();
 }

@@ -81,7 +81,7 @@ TEST(Config, WrongTypeIsRefused) {
 }
 
 TEST(Config, OutOfRangeAndDisallowedChoiceAreRefused) {
-  EXPECT_THROW_WITH(parse("layers: 65\n"), ConfigError, "layers: 65 is out of range", "in [1.0, 64.0]");
+  EXPECT_THROW_WITH(parse("layers: 65\n"), ConfigError, "layers: 65 is out of range", "in [1, 64]");
   EXPECT_THROW_WITH(parse("optimizer: {betas_permille: [900, 1001]}\n"), ConfigError,
                     "optimizer.betas_permille: 1001 is out of range");
   EXPECT_THROW_WITH(parse("attention: diagonal\n"), ConfigError, "'diagonal' is not allowed",
@@ -141,7 +141,7 @@ TEST(Config, SaveConfigWritesTheEffectiveConfig) {
 TEST(Config, ReferenceListsEveryKeyWithDefaultsAndLimits) {
   ExampleConfig config;
   const std::string reference = config_reference(visit_of(config));
-  for (const char* expected : {"`layers` | int | `2` | in [1.0, 64.0] | number of layers",
+  for (const char* expected : {"`layers` | int | `2` | in [1, 64] | number of layers",
                                "`optimizer.learning_rate`", "`optimizer.betas_permille`",
                                "one of 'row' 'column' 'conv'", "`fp16` | bool | `false`"}) {
     EXPECT_THAT(reference, ::testing::HasSubstr(expected));

@@ -100,6 +100,16 @@ TEST(Tools, InspectReportsCorruptImagesAndKeepsGoing) {
   EXPECT_THAT(result.output, ::testing::HasSubstr("000002.png"));
 }
 
+TEST(Tools, ConfigReferenceInDocsIsCurrent) {
+  const std::string docs = testing::read_text(std::string(DALLE_SOURCE_DIR) + "/docs/config.md");
+  for (const auto& [tool, command] : {std::pair{"dalle-data", "compose --print-reference"},
+                                      std::pair{"dalle-tokenizer", "train --print-reference"}}) {
+    const auto result = run(tool, command);
+    ASSERT_EQ(result.status, 0) << result.output;
+    EXPECT_THAT(docs, ::testing::HasSubstr(result.output)) << "run scripts/gen-config-docs";
+  }
+}
+
 TEST(Tools, FailuresExitNonZeroWithTheReason) {
   ScratchDir dir;
   auto result = run("dalle-data", "inspect " + (dir / "missing"));

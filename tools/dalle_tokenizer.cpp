@@ -69,9 +69,8 @@ int main(int argc, char** argv) {
   uint32_t seed = 0;
   tools::ConfigOptions train_config, use_config;
   auto* train = app.add_subcommand("train", "train a BPE model on captions");
-  train->add_option("--captions", captions, "dataset folder, or a text file with one caption per line")
-      ->required();
-  train->add_option("--out", model, "where to write the model (its config goes to <out>.yaml)")->required();
+  train->add_option("--captions", captions, "dataset folder, or a text file with one caption per line (required)");
+  train->add_option("--out", model, "where to write the model, its config beside it as <out>.yaml (required)");
   train->add_option("--seed", seed, "random seed of the trainer");
   train_config.add_to(*train, "tokenizer (configs/text/tokenizer.yaml)");
 
@@ -92,10 +91,8 @@ int main(int argc, char** argv) {
   return tools::run_tool(app, argc, argv, [&] {
     if (*train) {
       auto config = load_config<text::TokenizerConfig>(train_config.source());
-      if (train_config.print) {
-        std::cout << config_to_yaml(visit_of(config));
-        return;
-      }
+      if (train_config.print_requested(visit_of(config))) return;
+      if (captions.empty() || model.empty()) throw Error("train: --captions and --out are required");
       const auto all = read_captions(captions);
       text::Tokenizer::train(all, config, model, seed);
       save_config(config_path_for(model), visit_of(config));
@@ -108,6 +105,8 @@ int main(int argc, char** argv) {
     }
     auto tokenizer = load_tokenizer(model, use_config);
     if (*encode) {
+      auto config = tokenizer.config();
+      if (use_config.print_requested(visit_of(config))) return;
       text::Tokenizer::seed_dropout(seed);
       for (const auto& line : lines) {
         auto encoding = dropout ? tokenizer.encode_for_training(line) : tokenizer.encode(line);

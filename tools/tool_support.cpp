@@ -21,12 +21,19 @@ void ConfigOptions::add_to(CLI::App& command, const std::string& what) {
       ->check(CLI::ExistingFile);
   command.add_option("--set", overrides, "override a config key: --set key.path=value (repeatable)");
   command.add_flag("--print-config", print, "print the effective config as YAML and exit");
+  command.add_flag("--print-reference", print_reference, "print every config key as a Markdown table and exit");
 }
 
 ConfigSource ConfigOptions::source() const {
   auto source = path.empty() ? ConfigSource::empty() : ConfigSource::from_file(path);
   source.set_all(overrides);
   return source;
+}
+
+bool ConfigOptions::print_requested(const ConfigVisit& visit) const {
+  if (print) std::cout << config_to_yaml(visit);
+  if (print_reference) std::cout << config_reference(visit);
+  return print || print_reference;
 }
 
 int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body) {

@@ -18,14 +18,18 @@ inline constexpr int kExitUsage = 2;
 // Adds --log-level and --version to `app`.
 void add_common_options(CLI::App& app);
 
-// --config FILE, repeated --set key.path=value and --print-config on a (sub)command.
+// --config FILE, repeated --set key.path=value, --print-config and --print-reference on a
+// (sub)command.
 struct ConfigOptions {
   std::string path;
   std::vector<std::string> overrides;
   bool print = false;
+  bool print_reference = false;
   void add_to(CLI::App& command, const std::string& what);
   // The file (or the defaults when none was given) with the overrides applied.
   ConfigSource source() const;
+  // Handles --print-config / --print-reference: prints and returns true when either was given.
+  bool print_requested(const ConfigVisit& visit) const;
 };
 
 // Parses the command line and runs `body`, printing any error as "dalle-x: error: ...".
