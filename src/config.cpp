@@ -159,7 +159,8 @@ class YamlReader final : public ConfigVisitor {
                          const std::string& message) const {
     auto override_text = source_.overrides.find(path);
     if (override_text != source_.overrides.end()) {
-      throw ConfigError("--set " + override_text->second + ": " + message);
+      // Built by append: GCC 12 warns falsely (-Wstringop-overflow) on "literal" + string&&.
+      throw ConfigError(std::string("--set ").append(override_text->second).append(": ").append(message));
     }
     const YAML::Mark mark = node.Mark();
     std::string where = source_.name;

@@ -14,11 +14,13 @@ namespace dalle::testing {
 // A fresh directory under the system temp dir, removed when the test ends.
 class ScratchDir {
  public:
+  // Outside a test (in a suite's set-up) the directory is named after the running suite.
   ScratchDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::temp_directory_path() /
-            ("dalle-test-" + std::string(info->test_suite_name()) + "-" + info->name() + "-" +
-             std::to_string(::getpid()));
+    const auto* unit = ::testing::UnitTest::GetInstance();
+    const auto* test = unit->current_test_info();
+    const std::string name = test ? std::string(test->test_suite_name()) + "-" + test->name()
+                                  : std::string(unit->current_test_suite()->name()) + "-suite";
+    path_ = std::filesystem::temp_directory_path() / ("dalle-test-" + name + "-" + std::to_string(::getpid()));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }

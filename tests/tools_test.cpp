@@ -38,6 +38,9 @@ TEST(Tools, HelpDescribesEverySubcommand) {
     EXPECT_THAT(tokenizer.output, ::testing::HasSubstr(command));
   }
   EXPECT_EQ(run("dalle-data", "compose --help").status, 0);
+  const auto train_vae = run("dalle-train-vae", "--help");
+  EXPECT_EQ(train_vae.status, 0);
+  EXPECT_THAT(train_vae.output, ::testing::HasSubstr("--out"));
   EXPECT_THAT(run("dalle-data", "--version").output, ::testing::HasSubstr("torch 2.11"));
 }
 
@@ -103,7 +106,8 @@ TEST(Tools, InspectReportsCorruptImagesAndKeepsGoing) {
 TEST(Tools, ConfigReferenceInDocsIsCurrent) {
   const std::string docs = testing::read_text(std::string(DALLE_SOURCE_DIR) + "/docs/config.md");
   for (const auto& [tool, command] : {std::pair{"dalle-data", "compose --print-reference"},
-                                      std::pair{"dalle-tokenizer", "train --print-reference"}}) {
+                                      std::pair{"dalle-tokenizer", "train --print-reference"},
+                                      std::pair{"dalle-train-vae", "--print-reference"}}) {
     const auto result = run(tool, command);
     ASSERT_EQ(result.status, 0) << result.output;
     EXPECT_THAT(docs, ::testing::HasSubstr(result.output)) << "run scripts/gen-config-docs";

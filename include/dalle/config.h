@@ -21,9 +21,9 @@ class ConfigError : public Error {
 
 // What a value may be: numbers within [min, max], strings among `choices`.
 struct Limits {
-  std::optional<double> min;
-  std::optional<double> max;
-  std::vector<std::string> choices;
+  std::optional<double> min = {};
+  std::optional<double> max = {};
+  std::vector<std::string> choices = {};
 };
 
 class ConfigVisitor {

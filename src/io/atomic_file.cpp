@@ -21,6 +21,7 @@ std::string temporary_sibling(const std::string& path) {
 
 namespace {
 
+// Best effort: a failed fsync only weakens durability across a power cut, never correctness.
 void sync_to_disk(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY);
   if (fd < 0) return;
@@ -44,6 +45,9 @@ void write_file_atomic(const std::string& path, const std::function<void(std::os
     }
     sync_to_disk(temporary);
     fs::rename(temporary, path);
+    // The rename itself must reach the disk, or a crash could bring the old file back.
+    const auto parent = fs::path(path).parent_path();
+    sync_to_disk(parent.empty() ? std::string(".") : parent.string());
   } catch (...) {
     std::error_code ignored;
     fs::remove(temporary, ignored);

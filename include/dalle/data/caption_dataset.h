@@ -41,7 +41,7 @@ struct DatasetReport {
 };
 
 struct ImageCaptionOptions {
-  std::string captions_file;  // empty: <root>/captions.jsonl, else <root>/captions.tsv
+  std::string captions_file = {};  // empty: <root>/captions.jsonl, else <root>/captions.tsv
   int64_t image_size = 0;     // > 0: resize the shorter side, then crop a square of this size
   bool random_crop = false;   // crop at a random place instead of the centre
 };

@@ -1,0 +1,16 @@
+#pragma once
+// A module's parameters and buffers by their dotted names, as PyTorch's state_dict().
+#include <torch/nn/module.h>
+
+#include "dalle/io/safetensors.h"
+
+namespace dalle::io {
+
+TensorMap state_dict(const torch::nn::Module& module);
+
+// Copies `tensors` into the module's parameters and buffers. Every name must match and every
+// shape agree: a missing, unexpected or misshapen tensor is refused by name, and nothing is
+// copied unless everything matches. Dtypes are converted to the module's.
+void load_state_dict(torch::nn::Module& module, const TensorMap& tensors, const std::string& source = "weights");
+
+}  // namespace dalle::io

@@ -1,0 +1,87 @@
+#pragma once
+// Trains OpenAI's dVAE as DALL-E describes it: gumbel-softmax relaxation with a cosine
+// temperature schedule, KL against the uniform prior with a cosine-warmed weight, the
+// logit-Laplace reconstruction loss, AdamW with a cosine learning rate, and an EMA of the
+// weights. A run directory holds the effective config, metrics.jsonl, reconstruction grids
+// and checkpoints; a trainer opened on a directory with a checkpoint resumes from it and
+// continues exactly as an uninterrupted run would.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dalle/config.h"
+#include "dalle/models/dvae.h"
+#include "dalle/train/schedule.h"
+
+namespace dalle::train {
+
+struct DvaeDataConfig {
+  std::string train;       // image-caption dataset folder
+  std::string validation;  // held-out images for PSNR and reconstruction grids
+  int64_t image_size = 256;
+  int64_t batch_size = 8;
+  int64_t workers = 2;
+  bool random_crop = false;
+
+  void visit(ConfigVisitor& v) {
+    v.field("train", train, "image-caption dataset folder to train on (required)");
+    v.field("validation", validation, "dataset folder of held-out images for PSNR and grids (required)");
+    v.field("image_size", image_size, "images are resized and cropped to this square side", {.min = 8, .max = 4096});
+    v.field("batch_size", batch_size, "images per update", {.min = 1, .max = 1 << 16});
+    v.field("workers", workers, "loader threads (0: load on the training thread)", {.min = 0, .max = 64});
+    v.field("random_crop", random_crop, "crop at random places instead of the centre");
+  }
+};
+
+struct DvaeTrainConfig {
+  models::DvaeConfig model;
+  DvaeDataConfig data;
+  CosineSchedule learning_rate{1e-4, 1.25e-6, 1'200'000};
+  CosineSchedule temperature{1.0, 1.0 / 16, 150'000};
+  CosineSchedule kl_weight{0.0, 6.6, 5'000};
+  double beta1 = 0.9, beta2 = 0.999, epsilon = 1e-8, weight_decay = 1e-4;
+  double ema_decay = 0.999;
+  int64_t steps = 1'200'000;
+  int64_t log_every = 100;
+  int64_t validate_every = 1000;
+  int64_t checkpoint_every = 1000;
+  int64_t keep_checkpoints = 3;
+  int64_t grid_images = 8;
+  int64_t seed = 0;
+  int64_t threads = 0;
+
+  void visit(ConfigVisitor& v);
+};
+
+struct DvaeStepMetrics {
+  int64_t step = 0;  // updates done, this one included
+  double loss = 0, reconstruction = 0, kl = 0;
+  double temperature = 0, kl_weight = 0, learning_rate = 0;
+};
+
+struct DvaeValidation {
+  double psnr = 0;  // of argmax-decoded reconstructions, EMA weights
+  double perplexity = 0;
+  double codes_used = 0;  // fraction of the codebook
+};
+
+class DvaeTrainer {
+ public:
+  // Creates `run_directory` or resumes the run in it.
+  DvaeTrainer(DvaeTrainConfig config, std::string run_directory);
+  ~DvaeTrainer();
+
+  // Trains until config.steps updates are done, validating and checkpointing on schedule.
+  void run();
+  int64_t step() const;
+  // PSNR and codebook usage on the validation set, with the EMA weights; writes a grid.
+  DvaeValidation validate();
+  models::Dvae& model();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace dalle::train

@@ -1,0 +1,27 @@
+#pragma once
+// An exponential moving average of a module's weights, kept beside the module:
+// shadow = decay * shadow + (1 - decay) * weight after each update. Buffers are copied.
+#include <torch/nn/module.h>
+
+#include "dalle/io/safetensors.h"
+
+namespace dalle::train {
+
+class Ema {
+ public:
+  Ema(const torch::nn::Module& module, double decay);
+
+  void update(const torch::nn::Module& module);
+  // Writes the averaged weights into `module` (e.g. a copy used for evaluation).
+  void copy_to(torch::nn::Module& module) const;
+
+  const io::TensorMap& weights() const { return shadow_; }
+  // Restores from a checkpoint; names and shapes must be the module's.
+  void load(const io::TensorMap& weights);
+
+ private:
+  double decay_;
+  io::TensorMap shadow_;
+};
+
+}  // namespace dalle::train

@@ -1,0 +1,278 @@
+#include "dalle/train/dvae_trainer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/caption_dataset.h"
+#include "dalle/data/image.h"
+#include "dalle/data/loader.h"
+#include "dalle/io/atomic_file.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/log.h"
+#include "dalle/models/dvae_objective.h"
+#include "dalle/train/ema.h"
+#include "dalle/train/optimizer_state.h"
+
+namespace dalle::train {
+namespace fs = std::filesystem;
+
+void DvaeTrainConfig::visit(ConfigVisitor& v) {
+  v.section("model", "dVAE sizes", model);
+  v.section("data", "datasets and batching", data);
+  v.section("learning_rate", "cosine learning-rate schedule (DALL-E: 1e-4 -> 1.25e-6 over 1.2M updates)",
+            learning_rate);
+  v.section("temperature", "cosine gumbel-softmax temperature schedule (DALL-E: 1 -> 1/16 over 150k updates)",
+            temperature);
+  v.section("kl_weight", "cosine KL weight schedule, beta (DALL-E: 0 -> 6.6 over 5k updates)", kl_weight);
+  v.field("beta1", beta1, "AdamW beta1", {.min = 0.0, .max = 1.0});
+  v.field("beta2", beta2, "AdamW beta2", {.min = 0.0, .max = 1.0});
+  v.field("epsilon", epsilon, "AdamW epsilon", {.min = 0.0});
+  v.field("weight_decay", weight_decay, "AdamW decoupled weight decay (DALL-E: 1e-4)", {.min = 0.0});
+  v.field("ema_decay", ema_decay, "decay of the weights' moving average (DALL-E: 0.999)", {.min = 0.0, .max = 0.999999});
+  v.field("steps", steps, "updates to train for", {.min = 1});
+  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
+  v.field("validate_every", validate_every, "updates between validations (PSNR, codebook usage, grid)", {.min = 1});
+  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
+  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
+  v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
+  v.field("seed", seed, "seed of initialisation, data order and gumbel noise", {.min = 0});
+  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+}
+
+struct DvaeTrainer::State {
+  DvaeTrainConfig config;
+  fs::path run;
+  models::Dvae model{nullptr};
+  models::Dvae ema_model{nullptr};
+  std::unique_ptr<Ema> ema;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
+  std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
+  at::Generator noise;
+  io::CheckpointStore checkpoints;
+  int64_t step = 0;
+
+  State(DvaeTrainConfig c, fs::path r)
+      : config(std::move(c)),
+        run(std::move(r)),
+        noise(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed))),
+        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)) {}
+
+  DvaeStepMetrics train_step(const torch::Tensor& images);
+  void save_checkpoint();
+  void resume(const std::string& directory);
+  void append_metrics(const nlohmann::json& line);
+  void drop_metrics_after(int64_t step);
+};
+
+namespace {
+
+torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples) {
+  std::vector<torch::Tensor> images;
+  for (const auto& example : examples) images.push_back(example.image);
+  return torch::stack(images);
+}
+
+}  // namespace
+
+DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
+  if (config.data.train.empty() || config.data.validation.empty()) {
+    throw Error("dvae training: data.train and data.validation must name dataset folders");
+  }
+  config.model.validate();
+  if (config.data.image_size % config.model.downsampling_factor() != 0) {
+    throw Error("dvae training: data.image_size must be a multiple of 2^model.downsamplings");
+  }
+  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  torch::manual_seed(static_cast<uint64_t>(config.seed));
+
+  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  auto& s = *state_;
+  fs::create_directories(s.run / "samples");
+  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+
+  s.model = models::Dvae(s.config.model);
+  s.ema_model = models::Dvae(s.config.model);
+  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
+  s.optimizer = std::make_unique<torch::optim::AdamW>(
+      s.model->parameters(), torch::optim::AdamWOptions(s.config.learning_rate.at(0))
+                                 .betas({s.config.beta1, s.config.beta2})
+                                 .eps(s.config.epsilon)
+                                 .weight_decay(s.config.weight_decay));
+
+  const data::ImageCaptionOptions train_images{.image_size = s.config.data.image_size,
+                                               .random_crop = s.config.data.random_crop};
+  s.train_set = data::ImageCaptionDataset::open(s.config.data.train, train_images);
+  s.validation_set = data::ImageCaptionDataset::open(s.config.data.validation, {.image_size = s.config.data.image_size});
+  s.loader = std::make_unique<data::DataLoader<data::ImageCaptionDataset>>(
+      s.train_set, data::LoaderOptions{.batch_size = s.config.data.batch_size,
+                                       .workers = s.config.data.workers,
+                                       .sampler = {.seed = static_cast<uint64_t>(s.config.seed)}});
+  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
+}
+
+DvaeTrainer::~DvaeTrainer() = default;
+
+int64_t DvaeTrainer::step() const { return state_->step; }
+models::Dvae& DvaeTrainer::model() { return state_->model; }
+
+DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
+  DvaeStepMetrics metrics;
+  metrics.temperature = config.temperature.at(step);
+  metrics.kl_weight = config.kl_weight.at(step);
+  metrics.learning_rate = config.learning_rate.at(step);
+  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+
+  const auto pixels = data::map_pixels(images);
+  const auto logits = model->encoder->forward(pixels);
+  const auto codes = models::gumbel_softmax(logits, metrics.temperature, noise);
+  const auto output = model->decoder->forward(codes);
+  const auto reconstruction = models::logit_laplace_nll(output, pixels);
+  const auto kl = models::kl_to_uniform(logits);
+  // DALL-E divides the whole loss by the number of pixel values; the KL, a mean per token
+  // position, is therefore scaled by positions / pixel values = 1 / (f^2 C).
+  const double f = static_cast<double>(config.model.downsampling_factor());
+  const auto loss = reconstruction + metrics.kl_weight * kl / (f * f * static_cast<double>(config.model.input_channels));
+
+  optimizer->zero_grad();
+  loss.backward();
+  optimizer->step();
+  ema->update(*model);
+  ++step;
+
+  metrics.step = step;
+  metrics.loss = loss.item<double>();
+  metrics.reconstruction = reconstruction.item<double>();
+  metrics.kl = kl.item<double>();
+  return metrics;
+}
+
+void DvaeTrainer::run() {
+  auto& s = *state_;
+  if (s.step >= s.config.steps) {
+    log::info("dvae: already trained for ", s.step, " updates");
+    return;
+  }
+  log::info("dvae: training from update ", s.step, " to ", s.config.steps, " in ", s.run.string());
+  log::Progress progress("dvae", s.config.steps - s.step);
+  while (s.step < s.config.steps) {
+    auto batch = s.loader->next();
+    if (batch.examples.empty()) continue;
+    const auto metrics = s.train_step(stack_images(batch.examples));
+    progress.advance();
+    progress.set_loss(metrics.loss);
+    const bool last = s.step == s.config.steps;
+    if (s.step % s.config.log_every == 0 || last) {
+      s.append_metrics({{"step", metrics.step}, {"loss", metrics.loss}, {"reconstruction", metrics.reconstruction},
+                        {"kl", metrics.kl}, {"temperature", metrics.temperature},
+                        {"kl_weight", metrics.kl_weight}, {"learning_rate", metrics.learning_rate}});
+    }
+    if (s.step % s.config.validate_every == 0 || last) {
+      const auto validation = validate();
+      log::info("dvae: update ", s.step, " loss ", metrics.loss, " validation PSNR ", validation.psnr,
+                " dB, perplexity ", validation.perplexity, ", codes used ", validation.codes_used);
+    }
+    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
+  }
+  progress.finish();
+}
+
+DvaeValidation DvaeTrainer::validate() {
+  auto& s = *state_;
+  torch::NoGradGuard no_grad;
+  s.ema->copy_to(*s.ema_model);
+  s.ema_model->eval();
+  const int64_t count = std::min<int64_t>(static_cast<int64_t>(s.validation_set->size()), 256);
+  std::vector<torch::Tensor> originals, reconstructions, tokens;
+  for (int64_t begin = 0; begin < count; begin += s.config.data.batch_size) {
+    std::vector<data::ImageCaptionExample> examples;
+    for (int64_t i = begin; i < std::min(count, begin + s.config.data.batch_size); ++i) {
+      std::mt19937_64 rng(static_cast<uint64_t>(i));
+      if (auto example = s.validation_set->get(static_cast<size_t>(i), rng)) examples.push_back(std::move(*example));
+    }
+    if (examples.empty()) continue;
+    const auto images = stack_images(examples);
+    const auto codes = s.ema_model->encode_tokens(images);
+    originals.push_back(images);
+    tokens.push_back(codes);
+    reconstructions.push_back(s.ema_model->decode_tokens(codes));
+  }
+  if (originals.empty()) throw Error("dvae: no readable validation image");
+  const auto original = torch::cat(originals), reconstruction = torch::cat(reconstructions);
+  const auto usage = models::codebook_usage(torch::cat(tokens), s.config.model.vocab_size);
+  DvaeValidation result{models::psnr(reconstruction, original), usage.perplexity, usage.used_fraction};
+
+  std::vector<torch::Tensor> tiles;
+  std::vector<std::string> labels;
+  for (int64_t i = 0; i < std::min<int64_t>(s.config.grid_images, original.size(0)); ++i) {
+    tiles.push_back(original[i]);
+    tiles.push_back(reconstruction[i]);
+    labels.push_back("original");
+    labels.push_back("update " + std::to_string(s.step));
+  }
+  char name[48];
+  std::snprintf(name, sizeof name, "samples/step-%09lld.png", static_cast<long long>(s.step));
+  data::write_png((s.run / name).string(), data::make_grid(tiles, labels, {.columns = 4, .tile_size = 128}));
+  s.append_metrics({{"step", s.step}, {"validation_psnr", result.psnr}, {"perplexity", result.perplexity},
+                    {"codes_used", result.codes_used}});
+  return result;
+}
+
+void DvaeTrainer::State::append_metrics(const nlohmann::json& line) {
+  std::ofstream out(run / "metrics.jsonl", std::ios::app);
+  out << line.dump() << '\n';
+}
+
+void DvaeTrainer::State::drop_metrics_after(int64_t last_step) {
+  const fs::path path = run / "metrics.jsonl";
+  if (!fs::exists(path)) return;
+  std::ifstream in(path);
+  std::string kept;
+  for (std::string line; std::getline(in, line);) {
+    auto entry = nlohmann::json::parse(line, nullptr, false);
+    if (entry.is_object() && entry.value("step", int64_t{0}) <= last_step) kept += line + "\n";
+  }
+  io::write_file_atomic(path.string(), kept);
+}
+
+void DvaeTrainer::State::save_checkpoint() {
+  io::Checkpoint checkpoint;
+  checkpoint.config_yaml = config_to_yaml(visit_of(config));
+  checkpoint.weights = io::state_dict(*model);
+  for (const auto& [name, tensor] : ema->weights()) checkpoint.state.emplace("ema." + name, tensor);
+  for (const auto& [name, tensor] : adamw_state(*optimizer, *model)) checkpoint.state.emplace("adamw." + name, tensor);
+  checkpoint.state.emplace("rng.noise", noise.get_state());
+  checkpoint.state.emplace("rng.torch", at::detail::getDefaultCPUGenerator().get_state());
+  const auto position = loader->position();
+  checkpoint.state_metadata = {{"step", std::to_string(step)},
+                               {"loader_epoch", std::to_string(position.epoch)},
+                               {"loader_batch", std::to_string(position.batch)}};
+  log::info("dvae: checkpoint ", checkpoints.save(step, checkpoint));
+}
+
+void DvaeTrainer::State::resume(const std::string& directory) {
+  auto checkpoint = io::load_checkpoint(directory);
+  io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors");
+  io::TensorMap ema_weights, adam;
+  for (const auto& [name, tensor] : checkpoint.state) {
+    if (name.rfind("ema.", 0) == 0) ema_weights.emplace(name.substr(4), tensor);
+    if (name.rfind("adamw.", 0) == 0) adam.emplace(name.substr(6), tensor);
+  }
+  ema->load(ema_weights);
+  load_adamw_state(*optimizer, *model, adam);
+  noise.set_state(checkpoint.state.at("rng.noise"));
+  auto torch_generator = at::detail::getDefaultCPUGenerator();  // a handle: setting its state sets torch's
+  torch_generator.set_state(checkpoint.state.at("rng.torch"));
+  const auto& meta = checkpoint.state_metadata;
+  step = std::stoll(meta.at("step"));
+  loader->seek({std::stoll(meta.at("loader_epoch")), std::stoll(meta.at("loader_batch"))});
+  drop_metrics_after(step);
+  log::info("dvae: resumed from ", directory, " at update ", step);
+}
+
+}  // namespace dalle::train

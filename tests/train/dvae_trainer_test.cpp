@@ -1,0 +1,115 @@
+#include "dalle/train/dvae_trainer.h"
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/fashion_compose.h"
+#include "test_support.h"
+
+namespace dalle::train {
+namespace {
+
+using testing::ScratchDir;
+
+class DvaeTrainerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_ = new ScratchDir();
+    data::FashionComposeConfig compose;
+    compose.train_images = 48;
+    compose.test_images = 8;
+    compose.heldout_images = 0;
+    data::build_fashion_compose(compose, *data_ / "fc");
+  }
+  static void TearDownTestSuite() { delete data_; }
+
+  static DvaeTrainConfig tiny(int64_t steps) {
+    DvaeTrainConfig config;
+    config.model.hidden = 8;
+    config.model.decoder_init = 8;
+    config.model.groups = 2;
+    config.model.blocks_per_group = 1;
+    config.model.downsamplings = 1;
+    config.model.vocab_size = 32;
+    config.data.train = *data_ / "fc/train";
+    config.data.validation = *data_ / "fc/test";
+    config.data.image_size = 16;
+    config.data.batch_size = 8;
+    config.learning_rate = {.start = 3e-3, .end = 3e-3, .steps = 0};
+    config.temperature = {.start = 1.0, .end = 0.5, .steps = 20};
+    config.kl_weight = {.start = 0.0, .end = 1.0, .steps = 20};
+    config.steps = steps;
+    config.log_every = 1;
+    config.validate_every = 1000;
+    config.checkpoint_every = 3;
+    config.grid_images = 2;
+    config.ema_decay = 0.8;
+    return config;
+  }
+
+  // step -> the metric line's text, for lines that carry a training loss.
+  static std::map<int64_t, std::string> losses(const std::string& run) {
+    std::map<int64_t, std::string> out;
+    std::ifstream in(run + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto entry = nlohmann::json::parse(line);
+      if (entry.contains("loss")) out[entry["step"].get<int64_t>()] = line;
+    }
+    return out;
+  }
+
+  static ScratchDir* data_;
+};
+ScratchDir* DvaeTrainerTest::data_ = nullptr;
+
+TEST_F(DvaeTrainerTest, ResumedRunContinuesWithTheSameLosses) {
+  ScratchDir runs;
+  DvaeTrainer(tiny(8), runs / "whole").run();
+
+  DvaeTrainer(tiny(4), runs / "interrupted").run();  // stops after update 4, checkpoint at 3 and 4
+  std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
+  testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
+  DvaeTrainer resumed(tiny(8), runs / "interrupted");
+  EXPECT_EQ(resumed.step(), 3);
+  resumed.run();
+
+  const auto whole = losses(runs / "whole"), interrupted = losses(runs / "interrupted");
+  ASSERT_EQ(whole.size(), 8u);
+  EXPECT_EQ(interrupted, whole) << "every update's loss, bit for bit, and no duplicated lines";
+  EXPECT_TRUE(std::filesystem::exists(runs / "whole/samples/step-000000008.png"));
+  EXPECT_TRUE(std::filesystem::exists(runs / "whole/config.yaml"));
+}
+
+TEST_F(DvaeTrainerTest, LossGoesDownAndValidationReportsUsage) {
+  ScratchDir runs;
+  auto config = tiny(60);
+  config.checkpoint_every = 1000;
+  DvaeTrainer trainer(config, runs / "run");
+  const auto untrained = trainer.validate();
+  trainer.run();
+  const auto lines = losses(runs / "run");
+  auto loss_at = [&](int64_t step) { return nlohmann::json::parse(lines.at(step))["reconstruction"].get<double>(); };
+  double first = 0, last = 0;
+  for (int64_t step = 1; step <= 5; ++step) first += loss_at(step) / 5;
+  for (int64_t step = 56; step <= 60; ++step) last += loss_at(step) / 5;
+  EXPECT_LT(last, first - 0.2) << "reconstruction loss " << first << " -> " << last;
+  const auto validation = trainer.validate();
+  EXPECT_GT(validation.psnr, untrained.psnr + 1.0) << "PSNR of argmax reconstructions, EMA weights";
+  EXPECT_GT(validation.perplexity, 1.0);
+  EXPECT_GT(validation.codes_used, 0.0);
+  EXPECT_LE(validation.codes_used, 1.0);
+}
+
+TEST_F(DvaeTrainerTest, BadSettingsAreRefused) {
+  ScratchDir runs;
+  auto config = tiny(1);
+  config.data.image_size = 15;
+  EXPECT_THROW_WITH(DvaeTrainer(config, runs / "a"), Error, "multiple of 2^model.downsamplings");
+  config = tiny(1);
+  config.data.train = "";
+  EXPECT_THROW_WITH(DvaeTrainer(config, runs / "b"), Error, "data.train and data.validation");
+}
+
+}  // namespace
+}  // namespace dalle::train
