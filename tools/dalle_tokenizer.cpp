@@ -31,13 +31,11 @@ std::vector<std::string> read_captions(const std::string& path) {
   return captions;
 }
 
-// The tokenizer's config is saved beside its model as <model>.yaml.
-std::string config_path_for(const std::string& model) { return model + ".yaml"; }
-
+// --config and --set override the config saved beside the model.
 text::Tokenizer load_tokenizer(const std::string& model, const tools::ConfigOptions& options) {
   auto config_options = options;
-  if (config_options.path.empty() && fs::exists(config_path_for(model))) {
-    config_options.path = config_path_for(model);
+  if (config_options.path.empty() && fs::exists(text::Tokenizer::config_path(model))) {
+    config_options.path = text::Tokenizer::config_path(model);
   }
   return text::Tokenizer::load(model, load_config<text::TokenizerConfig>(config_options.source()));
 }
@@ -95,7 +93,6 @@ int main(int argc, char** argv) {
       if (captions.empty() || model.empty()) throw Error("train: --captions and --out are required");
       const auto all = read_captions(captions);
       text::Tokenizer::train(all, config, model, seed);
-      save_config(config_path_for(model), visit_of(config));
       log::info("trained a ", config.vocab_size, "-token BPE model on ", all.size(), " captions: ", model);
       return;
     }

@@ -85,6 +85,14 @@ void Tokenizer::train(const std::vector<std::string>& captions, const TokenizerC
   require_ok(sentencepiece::SentencePieceTrainer::Train(options, &iterator, &model),
              "training the tokenizer on " + std::to_string(normalized.size()) + " captions failed");
   io::write_file_atomic(model_path, model);
+  auto saved = config;
+  save_config(config_path(model_path), visit_of(saved));
+}
+
+Tokenizer Tokenizer::load(const std::string& model_path) {
+  std::ifstream sidecar(config_path(model_path));
+  const auto source = sidecar ? ConfigSource::from_file(config_path(model_path)) : ConfigSource::empty();
+  return load(model_path, load_config<TokenizerConfig>(source));
 }
 
 Tokenizer Tokenizer::load(const std::string& model_path, const TokenizerConfig& config) {

@@ -275,4 +275,24 @@ void DvaeTrainer::State::resume(const std::string& directory) {
   log::info("dvae: resumed from ", directory, " at update ", step);
 }
 
+TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint) {
+  std::string directory = run_or_checkpoint;
+  if (!fs::exists(fs::path(directory) / "model.safetensors")) {
+    auto latest = io::CheckpointStore((fs::path(directory) / "checkpoints").string()).latest();
+    if (!latest) throw Error(run_or_checkpoint + ": neither a dVAE checkpoint nor a run with checkpoints");
+    directory = *latest;
+  }
+  const auto checkpoint = io::load_checkpoint(directory);
+  const auto config = load_config<DvaeTrainConfig>(
+      ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
+  io::TensorMap ema;
+  for (const auto& [name, tensor] : checkpoint.state) {
+    if (name.rfind("ema.", 0) == 0) ema.emplace(name.substr(4), tensor);
+  }
+  TrainedDvae trained{models::Dvae(config.model), config.data.image_size};
+  io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);
+  trained.model->eval();
+  return trained;
+}
+
 }  // namespace dalle::train

@@ -4,7 +4,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "dalle/data/caption_dataset.h"
 #include "dalle/data/fashion_compose.h"
+#include "dalle/data/image.h"
+#include "dalle/text/tokenizer.h"
+#include "dalle/train/encode_images.h"
 #include "test_support.h"
 
 namespace dalle::train {
@@ -99,6 +103,40 @@ TEST_F(DvaeTrainerTest, LossGoesDownAndValidationReportsUsage) {
   EXPECT_GT(validation.perplexity, 1.0);
   EXPECT_GT(validation.codes_used, 0.0);
   EXPECT_LE(validation.codes_used, 1.0);
+}
+
+TEST_F(DvaeTrainerTest, EncodeImagesWritesTheDvaeTokensAndCaptionIds) {
+  ScratchDir dir;
+  DvaeTrainer(tiny(2), dir / "dvae").run();
+  const auto images = data::ImageCaptionDataset::open(*data_ / "fc/test");
+  std::vector<std::string> captions;
+  for (size_t i = 0; i < images->size(); ++i) captions.push_back(images->record(i).captions[0]);
+  text::TokenizerConfig tokenizer_config;
+  tokenizer_config.vocab_size = 60;
+  tokenizer_config.text_length = 24;
+  text::Tokenizer::train(captions, tokenizer_config, dir / "tok.model");
+
+  const auto info = encode_images({.dataset = *data_ / "fc/test", .dvae = dir / "dvae", .tokenizer = dir / "tok.model",
+                                   .out = dir / "tokens", .batch_size = 3, .images_per_shard = 5});
+  EXPECT_EQ(info.images, 8);
+  EXPECT_EQ(info.shards, 2);
+  EXPECT_EQ(info.grid_height, 8);
+
+  auto dvae = load_trained_dvae(dir / "dvae");
+  const auto tokenizer = text::Tokenizer::load(dir / "tok.model");
+  const auto tokens = data::TokenDataset::open(dir / "tokens");
+  ASSERT_EQ(tokens->size(), 8u);
+  std::mt19937_64 rng(0);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < tokens->size(); ++i) {
+    const auto example = tokens->get(i, rng);
+    const auto source = images->get(i, rng);
+    EXPECT_EQ(example->caption, images->record(i).captions[0]);
+    EXPECT_TRUE(torch::equal(example->text_tokens, torch::tensor(tokenizer.encode(example->caption).ids)));
+    const auto resized = data::resize(source->image, 16, 16).unsqueeze(0);
+    EXPECT_EQ(example->image_tokens.sizes(), (std::vector<int64_t>{8, 8}));
+    EXPECT_TRUE(torch::equal(example->image_tokens, dvae.model->encode_tokens(resized)[0])) << i;
+  }
 }
 
 TEST_F(DvaeTrainerTest, BadSettingsAreRefused) {

@@ -41,10 +41,14 @@ class Tokenizer {
   static constexpr int64_t kBeginId = 2;
   static constexpr int64_t kEndId = 3;
 
-  // Trains a BPE model on `captions` and writes it atomically to `model_path`.
+  // Trains a BPE model on `captions` and writes it atomically to `model_path`, with its
+  // config beside it as `<model_path>.yaml`.
   static void train(const std::vector<std::string>& captions, const TokenizerConfig& config,
                     const std::string& model_path, uint32_t seed = 0);
   static Tokenizer load(const std::string& model_path, const TokenizerConfig& config);
+  // With the config saved beside the model (the defaults when there is none).
+  static Tokenizer load(const std::string& model_path);
+  static std::string config_path(const std::string& model_path) { return model_path + ".yaml"; }
 
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;

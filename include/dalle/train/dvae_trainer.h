@@ -84,4 +84,13 @@ class DvaeTrainer {
   std::unique_ptr<State> state_;
 };
 
+// A trained dVAE from a run directory (its latest checkpoint) or a checkpoint directory:
+// the EMA weights, as DALL-E evaluates and tokenizes with them, and the image side it was
+// trained at.
+struct TrainedDvae {
+  models::Dvae model{nullptr};
+  int64_t image_size = 0;
+};
+TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint);
+
 }  // namespace dalle::train

@@ -1,0 +1,23 @@
+#pragma once
+// Turns an image-caption dataset into the token dataset stage 2 trains on: each image
+// through a trained dVAE (argmax tokens), each caption through the tokenizer.
+#include <cstdint>
+#include <string>
+
+#include "dalle/data/token_dataset.h"
+
+namespace dalle::train {
+
+struct EncodeImagesOptions {
+  std::string dataset;    // image-caption dataset folder
+  std::string dvae;       // dVAE run directory or checkpoint
+  std::string tokenizer;  // tokenizer model (its config beside it)
+  std::string out;        // token dataset folder
+  int64_t batch_size = 32;
+  int64_t workers = 2;
+  int64_t images_per_shard = 4096;
+};
+
+data::TokenDatasetInfo encode_images(const EncodeImagesOptions& options);
+
+}  // namespace dalle::train

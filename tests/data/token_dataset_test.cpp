@@ -1,0 +1,69 @@
+#include "dalle/data/token_dataset.h"
+
+#include <torch/torch.h>
+
+#include "dalle/error.h"
+#include "test_support.h"
+
+namespace dalle::data {
+namespace {
+
+using testing::ScratchDir;
+
+TokenDatasetInfo info(int64_t image_vocab = 512) {
+  return {.image_vocab_size = image_vocab, .text_vocab_size = 100, .grid_height = 2, .grid_width = 3,
+          .text_length = 4, .source = "test"};
+}
+
+TEST(TokenDataset, RoundTripsAcrossShardsWithSeveralCaptionsPerImage) {
+  ScratchDir dir;
+  TokenDatasetWriter writer(dir / "tokens", info(), /*images_per_shard=*/2);
+  std::vector<torch::Tensor> grids;
+  for (int64_t i = 0; i < 5; ++i) {
+    grids.push_back(torch::arange(6).view({2, 3}) + 100 * i);
+    const int64_t captions = 1 + i % 2;
+    writer.add(grids.back(), torch::full({captions, 4}, i), std::vector<std::string>(captions, "image " + std::to_string(i)));
+  }
+  const auto written = writer.finish();
+  EXPECT_EQ(written.shards, 3);
+  EXPECT_EQ(written.images, 5);
+  EXPECT_EQ(written.captions, 7);
+
+  const auto dataset = TokenDataset::open(dir / "tokens");
+  ASSERT_EQ(dataset->size(), 7u);
+  std::mt19937_64 rng(0);
+  for (size_t index = 0; index < dataset->size(); ++index) {
+    const auto example = dataset->get(index, rng);
+    const int64_t image = example->text_tokens[0].item<int64_t>();
+    EXPECT_TRUE(torch::equal(example->image_tokens, grids[image])) << index;
+    EXPECT_EQ(example->caption, "image " + std::to_string(image));
+    EXPECT_EQ(example->image_tokens.scalar_type(), torch::kInt64);
+  }
+  EXPECT_EQ(dataset->info().grid_width, 3);
+}
+
+TEST(TokenDataset, LargeVocabulariesKeepTheirIds) {
+  ScratchDir dir;
+  TokenDatasetWriter writer(dir / "tokens", info(70000));
+  writer.add(torch::full({2, 3}, 69999), torch::zeros({1, 4}), {"x"});
+  writer.finish();
+  std::mt19937_64 rng(0);
+  EXPECT_EQ(TokenDataset::open(dir / "tokens")->get(0, rng)->image_tokens.max().item<int64_t>(), 69999);
+}
+
+TEST(TokenDataset, RefusesBadInputAndIncompleteFolders) {
+  ScratchDir dir;
+  TokenDatasetWriter writer(dir / "tokens", info());
+  EXPECT_THROW_WITH(writer.add(torch::zeros({3, 3}), torch::zeros({1, 4}), {"x"}), Error, "[2, 3] grid");
+  EXPECT_THROW_WITH(writer.add(torch::zeros({2, 3}), torch::zeros({2, 4}), {"x"}), Error, "one row per caption");
+  writer.add(torch::zeros({2, 3}), torch::zeros({1, 4}), {"x"});
+  EXPECT_THROW_WITH(TokenDataset::open(dir / "tokens"), Error, "no dataset.json");
+  writer.finish();
+  testing::write_text(dir / "tokens/shard-00000.jsonl", "\"x\"\n\"extra\"\n");
+  EXPECT_THROW_WITH(TokenDataset::open(dir / "tokens"), Error, "caption count differs");
+  testing::write_text(dir / "tokens/dataset.json", "{\"format\": \"something-else\"}");
+  EXPECT_THROW_WITH(TokenDataset::open(dir / "tokens"), Error, "not a dalle-tokens-1 description");
+}
+
+}  // namespace
+}  // namespace dalle::data
