@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <set>
@@ -213,6 +214,10 @@ class YamlReader final : public ConfigVisitor {
 
   void check_number(std::string_view key, const YAML::Node& node, double value,
                     const Limits& limits) const {
+    if (!std::isfinite(value)) {
+      const std::string path = join_path(prefix_, key);
+      fail(node, path, path + ": expected a finite number, got '" + node.Scalar() + "'");
+    }
     if ((limits.min && value < *limits.min) || (limits.max && value > *limits.max)) {
       const std::string path = join_path(prefix_, key);
       fail(node, path, path + ": " + node.Scalar() + " is out of range, expected a value " +
@@ -319,6 +324,39 @@ class ReferenceWriter final : public ConfigVisitor {
   std::ostringstream out_;
 };
 
+class Flattener final : public ConfigVisitor {
+ public:
+  void field(std::string_view key, bool& value, std::string_view) override { add(key, value ? "true" : "false"); }
+  void field(std::string_view key, int64_t& value, std::string_view, const Limits&) override {
+    add(key, std::to_string(value));
+  }
+  void field(std::string_view key, double& value, std::string_view, const Limits&) override {
+    add(key, format_double(value));
+  }
+  void field(std::string_view key, std::string& value, std::string_view, const Limits&) override { add(key, value); }
+  void field(std::string_view key, std::vector<int64_t>& value, std::string_view, const Limits&) override {
+    std::string text;
+    for (auto item : value) text += std::to_string(item) + ",";
+    add(key, text);
+  }
+  void field(std::string_view key, std::vector<std::string>& value, std::string_view, const Limits&) override {
+    std::string text;
+    for (const auto& item : value) text += item + "\n";
+    add(key, text);
+  }
+  void section(std::string_view key, std::string_view, const std::function<void(ConfigVisitor&)>& body) override {
+    const std::string saved = prefix_;
+    prefix_ = join_path(prefix_, key);
+    body(*this);
+    prefix_ = saved;
+  }
+  std::vector<std::pair<std::string, std::string>> entries;
+
+ private:
+  void add(std::string_view key, std::string value) { entries.emplace_back(join_path(prefix_, key), std::move(value)); }
+  std::string prefix_;
+};
+
 YAML::Node parse_yaml(const std::string& text, const std::string& name, bool is_file) {
   try {
     return is_file ? YAML::LoadFile(name) : YAML::Load(text);
@@ -417,6 +455,12 @@ std::string config_reference(const ConfigVisit& visit) {
   ReferenceWriter writer;
   visit(writer);
   return writer.text();
+}
+
+std::vector<std::pair<std::string, std::string>> flatten_config(const ConfigVisit& visit) {
+  Flattener flattener;
+  visit(flattener);
+  return std::move(flattener.entries);
 }
 
 void save_config(const std::string& path, const ConfigVisit& visit) {

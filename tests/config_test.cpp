@@ -78,6 +78,8 @@ TEST(Config, WrongTypeIsRefused) {
   EXPECT_THROW_WITH(parse("captions: just-one\n"), ConfigError, "captions: expected a list of strings");
   EXPECT_THROW_WITH(parse("optimizer: 3\n"), ConfigError, "optimizer: expected a section");
   EXPECT_THROW_WITH(parse("layers: [1, 2]\n"), ConfigError, "layers: expected an integer");
+  EXPECT_THROW_WITH(parse("optimizer: {learning_rate: .nan}\n"), ConfigError, "expected a finite number");
+  EXPECT_THROW_WITH(parse("optimizer: {learning_rate: .inf}\n"), ConfigError, "expected a finite number");
 }
 
 TEST(Config, OutOfRangeAndDisallowedChoiceAreRefused) {

@@ -96,14 +96,14 @@ int main(int argc, char** argv) {
       log::info("trained a ", config.vocab_size, "-token BPE model on ", all.size(), " captions: ", model);
       return;
     }
+    auto tokenizer = load_tokenizer(model, use_config);
+    auto config = tokenizer.config();
+    if (*encode && use_config.print_requested(visit_of(config))) return;
     auto lines = *encode ? texts : id_lists;
     if (lines.empty()) {
       for (std::string line; std::getline(std::cin, line);) lines.push_back(line);
     }
-    auto tokenizer = load_tokenizer(model, use_config);
     if (*encode) {
-      auto config = tokenizer.config();
-      if (use_config.print_requested(visit_of(config))) return;
       text::Tokenizer::seed_dropout(seed);
       for (const auto& line : lines) {
         auto encoding = dropout ? tokenizer.encode_for_training(line) : tokenizer.encode(line);

@@ -79,6 +79,8 @@ void bind_config(const ConfigSource& source, const ConfigVisit& visit);
 std::string config_to_yaml(const ConfigVisit& visit);
 // Markdown table of every key: path, type, default, limits, help.
 std::string config_reference(const ConfigVisit& visit);
+// Every key path ("model.hidden") with its value as text, in visiting order.
+std::vector<std::pair<std::string, std::string>> flatten_config(const ConfigVisit& visit);
 // Writes config_to_yaml atomically to `path`.
 void save_config(const std::string& path, const ConfigVisit& visit);
 

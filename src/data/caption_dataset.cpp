@@ -80,7 +80,9 @@ void read_jsonl(std::istream& in, const fs::path& root, const std::string& name,
       continue;
     }
     const std::string image = (root / entry["image"].get<std::string>()).string();
-    if (entry.contains("caption")) collector.add(image, entry["caption"].get<std::string>(), where);
+    if (entry.contains("caption")) {
+      collector.add(image, entry["caption"].is_string() ? entry["caption"].get<std::string>() : std::string(), where);
+    }
     if (entry.contains("captions")) {
       for (const auto& caption : entry["captions"]) {
         collector.add(image, caption.is_string() ? caption.get<std::string>() : std::string(), where);

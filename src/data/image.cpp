@@ -24,7 +24,11 @@ void require_image(const torch::Tensor& image, const char* what) {
   }
 }
 
-torch::Tensor from_mat(const cv::Mat& decoded, const std::string& name) {
+torch::Tensor from_mat(const cv::Mat& input, const std::string& name) {
+  // cvtColor takes 8-bit, 16-bit and float images only; other depths go through float.
+  cv::Mat decoded = input;
+  const int depth = input.depth();
+  if (depth != CV_8U && depth != CV_16U && depth != CV_32F) input.convertTo(decoded, CV_32F);
   cv::Mat rgb;
   switch (decoded.channels()) {
     case 1: cv::cvtColor(decoded, rgb, cv::COLOR_GRAY2RGB); break;
@@ -62,7 +66,11 @@ torch::Tensor decode_image(std::string_view bytes, const std::string& name) {
     throw ImageError(name + ": cannot decode the image: " + error.msg);
   }
   if (decoded.empty()) throw ImageError(name + ": not a readable image (corrupt or unsupported format)");
-  return from_mat(decoded, name);
+  try {
+    return from_mat(decoded, name);
+  } catch (const cv::Exception& error) {
+    throw ImageError(name + ": cannot convert the decoded image: " + error.msg);
+  }
 }
 
 torch::Tensor read_image(const std::string& path) {

@@ -6,7 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
+#include <tuple>
 
 #include "dalle/error.h"
 #include "dalle/io/atomic_file.h"
@@ -30,13 +32,25 @@ torch::ScalarType compact_type(int64_t vocab_size) {
 }  // namespace
 
 TokenDatasetWriter::TokenDatasetWriter(std::string directory, TokenDatasetInfo info, int64_t images_per_shard)
-    : directory_(std::move(directory)), info_(std::move(info)), images_per_shard_(images_per_shard) {
+    : target_(std::move(directory)),
+      directory_(io::temporary_sibling(target_)),
+      info_(std::move(info)),
+      images_per_shard_(images_per_shard) {
   if (images_per_shard < 1) throw Error("a shard must hold at least one image");
+  // Only an earlier token dataset may be replaced, and only once the new one is complete.
+  if (fs::exists(target_) && !fs::exists(fs::path(target_) / "dataset.json")) {
+    throw Error(target_ + " exists and is not a token dataset; refusing to replace it");
+  }
   fs::create_directories(directory_);
   info_.images = info_.captions = info_.shards = 0;
 }
 
-TokenDatasetWriter::~TokenDatasetWriter() = default;
+TokenDatasetWriter::~TokenDatasetWriter() {
+  if (!finished_) {
+    std::error_code ignored;
+    fs::remove_all(directory_, ignored);
+  }
+}
 
 void TokenDatasetWriter::add(const torch::Tensor& image_tokens, const torch::Tensor& text_tokens,
                              const std::vector<std::string>& captions) {
@@ -67,7 +81,9 @@ void TokenDatasetWriter::flush() {
                          {"text_tokens", torch::cat(texts_)},
                          {"caption_image", torch::tensor(caption_image_, torch::kInt32)}});
   std::ostringstream lines;
-  for (const auto& caption : captions_) lines << nlohmann::json(caption).dump() << '\n';
+  for (const auto& caption : captions_) {
+    lines << nlohmann::json(caption).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+  }
   io::write_file_atomic(stem + ".jsonl", lines.str());
   info_.images += static_cast<int64_t>(images_.size());
   info_.captions += static_cast<int64_t>(captions_.size());
@@ -88,7 +104,15 @@ TokenDatasetInfo TokenDatasetWriter::finish() {
       {"text_length", info_.text_length},    {"images", info_.images},
       {"captions", info_.captions},          {"shards", info_.shards},
       {"source", info_.source}};
-  io::write_file_atomic((fs::path(directory_) / "dataset.json").string(), description.dump(2) + "\n");
+  io::write_file_atomic((fs::path(directory_) / "dataset.json").string(),
+                        description.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+  std::optional<std::string> previous;
+  if (fs::exists(target_)) {
+    previous = io::temporary_sibling(target_);
+    fs::rename(target_, *previous);
+  }
+  fs::rename(directory_, target_);
+  if (previous) fs::remove_all(*previous);
   return info_;
 }
 
@@ -124,6 +148,16 @@ std::shared_ptr<TokenDataset> TokenDataset::open(const std::string& directory) {
     const auto& image_tokens = tensors.at("image_tokens");
     const auto& text_tokens = tensors.at("text_tokens");
     const auto& owner = tensors.at("caption_image");
+    // Ids reach embedding lookups: a corrupt shard must stop here, not in a CUDA kernel.
+    for (const auto& [tensor, vocab, what] : {std::tuple{image_tokens, info.image_vocab_size, "image_tokens"},
+                                              std::tuple{text_tokens, info.text_vocab_size, "text_tokens"}}) {
+      if (!c10::isIntegralType(tensor.scalar_type(), /*includeBool=*/false)) {
+        throw Error(stem + ".safetensors: '" + what + "' must hold integers");
+      }
+      if (tensor.numel() > 0 && (tensor.min().item<int64_t>() < 0 || tensor.max().item<int64_t>() >= vocab)) {
+        throw Error(stem + ".safetensors: '" + what + "' holds ids outside [0, " + std::to_string(vocab) + ")");
+      }
+    }
     if (image_tokens.dim() != 3 || image_tokens.size(1) != info.grid_height || image_tokens.size(2) != info.grid_width ||
         text_tokens.dim() != 2 || text_tokens.size(1) != info.text_length || owner.dim() != 1 ||
         owner.size(0) != text_tokens.size(0) ||

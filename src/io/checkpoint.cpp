@@ -52,7 +52,12 @@ void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint)
       previous = temporary_sibling(directory);
       fs::rename(target, *previous);
     }
-    fs::rename(staging, target);
+    try {
+      fs::rename(staging, target);
+    } catch (...) {
+      if (previous) fs::rename(*previous, target);  // put the old checkpoint back
+      throw;
+    }
     if (previous) fs::remove_all(*previous);
   } catch (...) {
     std::error_code ignored;
@@ -109,7 +114,7 @@ std::optional<std::string> CheckpointStore::latest() const {
     std::string name = read_text(pointer);
     name.erase(name.find_last_not_of(" \n\r\t") + 1);
     const fs::path directory = fs::path(root_) / name;
-    if (fs::is_directory(directory)) return directory.string();
+    if (step_of(directory) && fs::is_directory(directory)) return directory.string();
     log::warn(pointer.string(), " names '", name, "', which is missing; using the newest step directory");
   }
   const auto found = steps();

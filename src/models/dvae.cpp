@@ -129,7 +129,10 @@ torch::Tensor DvaeImpl::encode_tokens(const torch::Tensor& images) {
 }
 
 torch::Tensor DvaeImpl::decode_tokens(const torch::Tensor& tokens) {
-  auto codes = F::one_hot(tokens, config_.vocab_size).permute({0, 3, 1, 2}).to(torch::kFloat32);
+  // Scattered straight into float: one_hot would build an int64 tensor 2x the size first.
+  auto codes = torch::zeros({tokens.size(0), config_.vocab_size, tokens.size(1), tokens.size(2)},
+                            torch::TensorOptions().device(tokens.device()))
+                   .scatter_(1, tokens.unsqueeze(1), 1.0);
   return reconstruction(decoder->forward(codes));
 }
 

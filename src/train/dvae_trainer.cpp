@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -64,6 +65,7 @@ struct DvaeTrainer::State {
         checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)) {}
 
   DvaeStepMetrics train_step(const torch::Tensor& images);
+  data::Batch<data::ImageCaptionExample> next_batch();
   void save_checkpoint();
   void resume(const std::string& directory);
   void append_metrics(const nlohmann::json& line);
@@ -71,6 +73,51 @@ struct DvaeTrainer::State {
 };
 
 namespace {
+
+// Values the schedules may not take: a zero temperature divides by zero, negative rates
+// and weights train backwards.
+void validate_schedules(const DvaeTrainConfig& config) {
+  if (std::min(config.temperature.start, config.temperature.end) <= 0.0) {
+    throw Error("dvae training: temperature.start and temperature.end must be positive");
+  }
+  if (std::min(config.learning_rate.start, config.learning_rate.end) < 0.0) {
+    throw Error("dvae training: learning_rate.start and learning_rate.end cannot be negative");
+  }
+  if (std::min(config.kl_weight.start, config.kl_weight.end) < 0.0) {
+    throw Error("dvae training: kl_weight.start and kl_weight.end cannot be negative");
+  }
+}
+
+// Keys that may change when a run resumes: how long and how often, not what is trained.
+bool may_change_on_resume(const std::string& key) {
+  return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
+         key == "keep_checkpoints" || key == "grid_images" || key == "threads" || key == "data.workers";
+}
+
+void check_resumable(const DvaeTrainConfig& now, const std::string& checkpoint_yaml, const std::string& where) {
+  auto before = load_config<DvaeTrainConfig>(ConfigSource::from_string(checkpoint_yaml, where));
+  auto current = now;
+  const auto old_values = flatten_config(visit_of(before));
+  const auto new_values = flatten_config(visit_of(current));
+  std::string changed;
+  for (size_t i = 0; i < old_values.size(); ++i) {
+    if (old_values[i].second != new_values[i].second && !may_change_on_resume(old_values[i].first)) {
+      changed += " " + old_values[i].first + " (" + old_values[i].second + " -> " + new_values[i].second + ")";
+    }
+  }
+  if (!changed.empty()) {
+    throw Error(where + ": the run was started with a different config; changed:" + changed +
+                ". Resume with the run's own config.yaml, or train into a new --out directory");
+  }
+}
+
+// A directory the trainer may write into: new, empty, or an earlier run of the trainer.
+void check_run_directory(const fs::path& run) {
+  if (!fs::exists(run) || fs::is_empty(run)) return;
+  if (!fs::is_directory(run) || !(fs::exists(run / "checkpoints") || fs::exists(run / "metrics.jsonl"))) {
+    throw Error(run.string() + " exists and is not a dVAE run directory; refusing to write into it");
+  }
+}
 
 torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples) {
   std::vector<torch::Tensor> images;
@@ -85,6 +132,8 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
     throw Error("dvae training: data.train and data.validation must name dataset folders");
   }
   config.model.validate();
+  validate_schedules(config);
+  check_run_directory(run_directory);
   if (config.data.image_size % config.model.downsampling_factor() != 0) {
     throw Error("dvae training: data.image_size must be a multiple of 2^model.downsamplings");
   }
@@ -93,8 +142,6 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
 
   state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
   auto& s = *state_;
-  fs::create_directories(s.run / "samples");
-  save_config((s.run / "config.yaml").string(), visit_of(s.config));
 
   s.model = models::Dvae(s.config.model);
   s.ema_model = models::Dvae(s.config.model);
@@ -114,6 +161,9 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
                                        .workers = s.config.data.workers,
                                        .sampler = {.seed = static_cast<uint64_t>(s.config.seed)}});
   if (auto latest = s.checkpoints.latest()) s.resume(*latest);
+  // Written only once a resume has succeeded, so a refused resume leaves the run untouched.
+  fs::create_directories(s.run / "samples");
+  save_config((s.run / "config.yaml").string(), visit_of(s.config));
 }
 
 DvaeTrainer::~DvaeTrainer() = default;
@@ -139,6 +189,12 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
   const double f = static_cast<double>(config.model.downsampling_factor());
   const auto loss = reconstruction + metrics.kl_weight * kl / (f * f * static_cast<double>(config.model.input_channels));
 
+  if (!torch::isfinite(loss).item<bool>()) {
+    // Stop before the weights, the EMA or a checkpoint take the non-finite values.
+    throw Error("dvae: the loss is not finite at update " + std::to_string(step + 1) +
+                " (reconstruction " + std::to_string(reconstruction.item<double>()) + ", KL " +
+                std::to_string(kl.item<double>()) + "); lower the learning rate or resume from an earlier checkpoint");
+  }
   optimizer->zero_grad();
   loss.backward();
   optimizer->step();
@@ -161,8 +217,7 @@ void DvaeTrainer::run() {
   log::info("dvae: training from update ", s.step, " to ", s.config.steps, " in ", s.run.string());
   log::Progress progress("dvae", s.config.steps - s.step);
   while (s.step < s.config.steps) {
-    auto batch = s.loader->next();
-    if (batch.examples.empty()) continue;
+    auto batch = s.next_batch();
     const auto metrics = s.train_step(stack_images(batch.examples));
     progress.advance();
     progress.set_loss(metrics.loss);
@@ -180,6 +235,15 @@ void DvaeTrainer::run() {
     if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
   }
   progress.finish();
+}
+
+data::Batch<data::ImageCaptionExample> DvaeTrainer::State::next_batch() {
+  // A whole epoch without one readable image means none will come: say so, do not spin.
+  for (int64_t empty = 0; empty < loader->batches_per_epoch(); ++empty) {
+    auto batch = loader->next();
+    if (!batch.examples.empty()) return batch;
+  }
+  throw Error(config.data.train + ": a whole epoch without a readable image (" + train_set->report().summary() + ")");
 }
 
 DvaeValidation DvaeTrainer::validate() {
@@ -257,6 +321,7 @@ void DvaeTrainer::State::save_checkpoint() {
 
 void DvaeTrainer::State::resume(const std::string& directory) {
   auto checkpoint = io::load_checkpoint(directory);
+  check_resumable(config, checkpoint.config_yaml, directory + "/config.yaml");
   io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors");
   io::TensorMap ema_weights, adam;
   for (const auto& [name, tensor] : checkpoint.state) {

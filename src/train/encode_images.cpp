@@ -45,6 +45,9 @@ data::TokenDatasetInfo encode_images(const EncodeImagesOptions& options) {
     }
   }
   progress.finish();
+  if (skipped == static_cast<int64_t>(dataset->size())) {
+    throw Error(options.dataset + ": no image could be read (" + dataset->report().summary() + ")");
+  }
   const auto info = writer.finish();
   log::info("encoded ", info.images, " images and ", info.captions, " captions into ", info.shards,
             " shards in ", options.out, "; ", skipped, " unreadable images skipped");

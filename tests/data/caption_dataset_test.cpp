@@ -60,11 +60,12 @@ TEST_F(CaptionDatasetTest, MalformedJsonLinesAreSkipped) {
   testing::write_text(dir_ / "captions.jsonl",
                       "{\"image\": \"images/0.png\", \"caption\": \"ok\"}\n{not json\n[1, 2]\n"
                       "{\"image\": 3, \"caption\": \"x\"}\n{\"image\": \"images/1.png\"}\n"
-                      "{\"image\": \"images/2.png\", \"captions\": [\"\", 4]}\n");
+                      "{\"image\": \"images/2.png\", \"captions\": [\"\", 4]}\n"
+                      "{\"image\": \"images/1.png\", \"caption\": 5, \"captions\": [\"five\"]}\n");
   const auto dataset = ImageCaptionDataset::open(dir_.path());
-  EXPECT_EQ(dataset->size(), 1u);
+  EXPECT_EQ(dataset->size(), 2u);
   EXPECT_EQ(dataset->report().skipped_malformed_lines, 4);
-  EXPECT_EQ(dataset->report().skipped_empty_captions, 2);
+  EXPECT_EQ(dataset->report().skipped_empty_captions, 3);
 }
 
 TEST_F(CaptionDatasetTest, CorruptImagesAreSkippedAndCountedWhenLoaded) {

@@ -109,6 +109,9 @@ TEST(Loader, RefusesBatchesLargerThanTheShard) {
   EXPECT_THROW_WITH(DataLoader<CountingDataset>(dataset(4), {.batch_size = 8}), Error, "holds no full batch");
   DataLoader<CountingDataset> loader(dataset(8), {.batch_size = 2});
   EXPECT_THROW(loader.seek({0, 5}), Error);
+  EXPECT_EQ(loader.next().examples.size(), 2u) << "a refused seek leaves the loader working";
+  EXPECT_THROW_WITH(DataLoader<CountingDataset>(dataset(8), {.batch_size = 2, .prefetch_batches = 0}), Error,
+                    "prefetch at least one batch");
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "dalle/error.h"
+#include "dalle/io/safetensors.h"
 #include "test_support.h"
 
 namespace dalle::data {
@@ -49,6 +50,47 @@ TEST(TokenDataset, LargeVocabulariesKeepTheirIds) {
   writer.finish();
   std::mt19937_64 rng(0);
   EXPECT_EQ(TokenDataset::open(dir / "tokens")->get(0, rng)->image_tokens.max().item<int64_t>(), 69999);
+}
+
+TEST(TokenDataset, ReplacesOnlyTokenDatasetsAndOnlyWhenComplete) {
+  ScratchDir dir;
+  std::filesystem::create_directories(dir / "mine");
+  testing::write_text(dir / "mine/notes.txt", "keep me");
+  EXPECT_THROW_WITH(TokenDatasetWriter(dir / "mine", info()), Error, "is not a token dataset");
+  EXPECT_EQ(testing::read_text(dir / "mine/notes.txt"), "keep me");
+
+  TokenDatasetWriter first(dir / "tokens", info());
+  first.add(torch::zeros({2, 3}), torch::zeros({1, 4}), {"old"});
+  first.finish();
+  {
+    TokenDatasetWriter interrupted(dir / "tokens", info(), 1);
+    interrupted.add(torch::ones({2, 3}), torch::ones({1, 4}), {"new"});  // a shard is written...
+  }  // ...and the writer dies before finish()
+  std::mt19937_64 rng(0);
+  EXPECT_EQ(TokenDataset::open(dir / "tokens")->get(0, rng)->caption, "old");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), {}), 2) << "no temporary left";
+
+  TokenDatasetWriter second(dir / "tokens", info());
+  second.add(torch::ones({2, 3}), torch::ones({1, 4}), {"new \xff"});  // invalid UTF-8 is replaced
+  second.finish();
+  EXPECT_EQ(TokenDataset::open(dir / "tokens")->get(0, rng)->caption, "new \xef\xbf\xbd");
+}
+
+TEST(TokenDataset, RefusesIdsOutsideTheVocabulary) {
+  ScratchDir dir;
+  TokenDatasetWriter writer(dir / "tokens", info());
+  writer.add(torch::full({2, 3}, 511), torch::zeros({1, 4}), {"x"});
+  writer.finish();
+  io::write_safetensors(dir / "tokens/shard-00000.safetensors",
+                        {{"image_tokens", torch::full({1, 2, 3}, 512, torch::kInt16)},
+                         {"text_tokens", torch::zeros({1, 4}, torch::kInt16)},
+                         {"caption_image", torch::zeros({1}, torch::kInt32)}});
+  EXPECT_THROW_WITH(TokenDataset::open(dir / "tokens"), Error, "'image_tokens' holds ids outside [0, 512)");
+  io::write_safetensors(dir / "tokens/shard-00000.safetensors",
+                        {{"image_tokens", torch::zeros({1, 2, 3})},
+                         {"text_tokens", torch::zeros({1, 4}, torch::kInt16)},
+                         {"caption_image", torch::zeros({1}, torch::kInt32)}});
+  EXPECT_THROW_WITH(TokenDataset::open(dir / "tokens"), Error, "must hold integers");
 }
 
 TEST(TokenDataset, RefusesBadInputAndIncompleteFolders) {

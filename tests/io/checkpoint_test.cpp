@@ -68,8 +68,10 @@ TEST(CheckpointStore, FallsBackToNewestStepWhenLatestIsStale) {
   CheckpointStore store(dir / "checkpoints", 0);
   store.save(1, make_checkpoint(1));
   store.save(2, make_checkpoint(2));
-  testing::write_text(dir / "checkpoints/latest", "step-000000099\n");
-  EXPECT_EQ(load_checkpoint(*store.latest()).state_metadata.at("step"), "2");
+  for (const char* pointer : {"step-000000099\n", "\n", "../..\n"}) {
+    testing::write_text(dir / "checkpoints/latest", pointer);
+    EXPECT_EQ(load_checkpoint(*store.latest()).state_metadata.at("step"), "2") << pointer;
+  }
 }
 
 }  // namespace

@@ -52,13 +52,16 @@ class DvaeTrainerTest : public ::testing::Test {
     return config;
   }
 
-  // step -> the metric line's text, for lines that carry a training loss.
+  // step -> the metric line's text, for lines that carry a training loss; a step logged
+  // twice fails the test.
   static std::map<int64_t, std::string> losses(const std::string& run) {
     std::map<int64_t, std::string> out;
     std::ifstream in(run + "/metrics.jsonl");
     for (std::string line; std::getline(in, line);) {
       auto entry = nlohmann::json::parse(line);
-      if (entry.contains("loss")) out[entry["step"].get<int64_t>()] = line;
+      if (!entry.contains("loss")) continue;
+      const bool first = out.emplace(entry["step"].get<int64_t>(), line).second;
+      EXPECT_TRUE(first) << "update " << entry["step"] << " logged twice in " << run;
     }
     return out;
   }
@@ -139,8 +142,29 @@ TEST_F(DvaeTrainerTest, EncodeImagesWritesTheDvaeTokensAndCaptionIds) {
   }
 }
 
+TEST_F(DvaeTrainerTest, ResumeRefusesAChangedRecipeAndLeavesTheRunAlone) {
+  ScratchDir runs;
+  DvaeTrainer(tiny(3), runs / "run").run();
+  const std::string config_before = testing::read_text(runs / "run/config.yaml");
+  auto changed = tiny(6);
+  changed.data.batch_size = 4;
+  changed.seed = 5;
+  EXPECT_THROW_WITH(DvaeTrainer(changed, runs / "run"), Error, "different config", "data.batch_size (8 -> 4)",
+                    "seed (0 -> 5)");
+  EXPECT_EQ(testing::read_text(runs / "run/config.yaml"), config_before);
+  auto longer = tiny(6);
+  longer.checkpoint_every = 2;
+  EXPECT_EQ(DvaeTrainer(longer, runs / "run").step(), 3) << "how long and how often may change";
+}
+
 TEST_F(DvaeTrainerTest, BadSettingsAreRefused) {
   ScratchDir runs;
+  testing::write_text(runs / "notes.txt", "a user's file");
+  EXPECT_THROW_WITH(DvaeTrainer(tiny(1), runs.path().string()), Error, "not a dVAE run directory");
+  EXPECT_EQ(testing::read_text(runs / "notes.txt"), "a user's file");
+  auto cold = tiny(1);
+  cold.temperature.end = 0.0;
+  EXPECT_THROW_WITH(DvaeTrainer(cold, runs / "c"), Error, "temperature.start and temperature.end must be positive");
   auto config = tiny(1);
   config.data.image_size = 15;
   EXPECT_THROW_WITH(DvaeTrainer(config, runs / "a"), Error, "multiple of 2^model.downsamplings");

@@ -55,6 +55,7 @@ class DataLoader {
         sampler_(static_cast<int64_t>(dataset_->size()), options.sampler) {
     if (options_.batch_size < 1) throw Error("the batch size must be at least 1");
     if (options_.workers < 0) throw Error("the number of loader workers cannot be negative");
+    if (options_.prefetch_batches < 1) throw Error("the loader must prefetch at least one batch");
     if (batches_per_epoch() == 0) {
       throw Error("a rank's shard of " + std::to_string(sampler_.shard_size()) +
                   " examples holds no full batch of " + std::to_string(options_.batch_size));
@@ -75,11 +76,11 @@ class DataLoader {
 
   // Continues from `position` (as saved by position()).
   void seek(LoaderPosition position) {
-    stop_workers();
     if (position.batch < 0 || position.batch > batches_per_epoch() || position.epoch < 0) {
       throw Error("invalid loader position: epoch " + std::to_string(position.epoch) + ", batch " +
                   std::to_string(position.batch));
     }
+    stop_workers();
     if (position.batch == batches_per_epoch()) position = {position.epoch + 1, 0};
     position_ = position;
     order_ = sampler_.indices(position_.epoch);
@@ -93,8 +94,9 @@ class DataLoader {
       batch = load(position_.batch);
     } else {
       std::unique_lock lock(mutex_);
+      // A failure in a batch loaded ahead surfaces only if the wanted batch is not ready.
       ready_.wait(lock, [&] { return error_ || done_.count(position_.batch); });
-      if (error_) std::rethrow_exception(error_);
+      if (!done_.count(position_.batch)) std::rethrow_exception(error_);
       batch = std::move(done_.at(position_.batch));
       done_.erase(position_.batch);
       consumed_ = position_.batch + 1;

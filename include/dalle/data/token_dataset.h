@@ -34,6 +34,9 @@ struct TokenExample {
 };
 
 // Appends images and their captions, cutting a new shard every `images_per_shard` images.
+// Shards are written to a temporary sibling folder that finish() renames into place, so an
+// interrupted run leaves the previous dataset (if any) intact; a folder that is not a
+// token dataset is never replaced. Destroyed unfinished, the writer removes its shards.
 class TokenDatasetWriter {
  public:
   TokenDatasetWriter(std::string directory, TokenDatasetInfo info, int64_t images_per_shard = 4096);
@@ -46,7 +49,8 @@ class TokenDatasetWriter {
 
  private:
   void flush();
-  std::string directory_;
+  std::string target_;
+  std::string directory_;  // a temporary sibling of target_, renamed into place by finish()
   TokenDatasetInfo info_;
   int64_t images_per_shard_;
   std::vector<torch::Tensor> images_, texts_;
