@@ -3,11 +3,14 @@
 // error messages.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+
+#include "dalle/io/safetensors.h"
 
 namespace dalle::testing {
 
@@ -31,6 +34,23 @@ class ScratchDir {
  private:
   std::filesystem::path path_;
 };
+
+// Max |a - b| relative to max |b|: robust to entries near zero.
+inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
+}
+
+inline io::TensorMap with_prefix_removed(const io::TensorMap& tensors, const std::string& prefix) {
+  io::TensorMap out;
+  for (const auto& [name, tensor] : tensors) {
+    if (name.rfind(prefix, 0) == 0) out.emplace(name.substr(prefix.size()), tensor);
+  }
+  return out;
+}
+
+inline std::string fixture_path(const std::string& name) {
+  return std::string(DALLE_SOURCE_DIR) + "/tests/fixtures/" + name;
+}
 
 inline void write_text(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;

@@ -18,6 +18,7 @@
 #include "dalle/models/dvae_objective.h"
 #include "dalle/train/ema.h"
 #include "dalle/train/optimizer_state.h"
+#include "run_directory.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -41,6 +42,10 @@ void DvaeTrainConfig::visit(ConfigVisitor& v) {
   v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
   v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
   v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
+  v.field("reconstruction_loss", reconstruction_loss,
+          "logit_laplace: DALL-E's likelihood, which also learns a per-pixel scale; mse: squared error of the "
+          "decoded pixels, which cannot trade colour accuracy for a wider scale (pair it with a smaller kl_weight)",
+          {.choices = {"logit_laplace", "mse"}});
   v.field("seed", seed, "seed of initialisation, data order and gumbel noise", {.min = 0});
   v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
 }
@@ -56,20 +61,20 @@ struct DvaeTrainer::State {
   std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
   at::Generator noise;
   io::CheckpointStore checkpoints;
+  MetricsLog metrics_log;
   int64_t step = 0;
 
   State(DvaeTrainConfig c, fs::path r)
       : config(std::move(c)),
         run(std::move(r)),
         noise(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed))),
-        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)) {}
+        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
+        metrics_log(run / "metrics.jsonl") {}
 
   DvaeStepMetrics train_step(const torch::Tensor& images);
   data::Batch<data::ImageCaptionExample> next_batch();
   void save_checkpoint();
   void resume(const std::string& directory);
-  void append_metrics(const nlohmann::json& line);
-  void drop_metrics_after(int64_t step);
 };
 
 namespace {
@@ -94,31 +99,6 @@ bool may_change_on_resume(const std::string& key) {
          key == "keep_checkpoints" || key == "grid_images" || key == "threads" || key == "data.workers";
 }
 
-void check_resumable(const DvaeTrainConfig& now, const std::string& checkpoint_yaml, const std::string& where) {
-  auto before = load_config<DvaeTrainConfig>(ConfigSource::from_string(checkpoint_yaml, where));
-  auto current = now;
-  const auto old_values = flatten_config(visit_of(before));
-  const auto new_values = flatten_config(visit_of(current));
-  std::string changed;
-  for (size_t i = 0; i < old_values.size(); ++i) {
-    if (old_values[i].second != new_values[i].second && !may_change_on_resume(old_values[i].first)) {
-      changed += " " + old_values[i].first + " (" + old_values[i].second + " -> " + new_values[i].second + ")";
-    }
-  }
-  if (!changed.empty()) {
-    throw Error(where + ": the run was started with a different config; changed:" + changed +
-                ". Resume with the run's own config.yaml, or train into a new --out directory");
-  }
-}
-
-// A directory the trainer may write into: new, empty, or an earlier run of the trainer.
-void check_run_directory(const fs::path& run) {
-  if (!fs::exists(run) || fs::is_empty(run)) return;
-  if (!fs::is_directory(run) || !(fs::exists(run / "checkpoints") || fs::exists(run / "metrics.jsonl"))) {
-    throw Error(run.string() + " exists and is not a dVAE run directory; refusing to write into it");
-  }
-}
-
 torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples) {
   std::vector<torch::Tensor> images;
   for (const auto& example : examples) images.push_back(example.image);
@@ -133,7 +113,7 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
   }
   config.model.validate();
   validate_schedules(config);
-  check_run_directory(run_directory);
+  check_run_directory(run_directory, "dVAE");
   if (config.data.image_size % config.model.downsampling_factor() != 0) {
     throw Error("dvae training: data.image_size must be a multiple of 2^model.downsamplings");
   }
@@ -182,7 +162,9 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
   const auto logits = model->encoder->forward(pixels);
   const auto codes = models::gumbel_softmax(logits, metrics.temperature, noise);
   const auto output = model->decoder->forward(codes);
-  const auto reconstruction = models::logit_laplace_nll(output, pixels);
+  const auto reconstruction = config.reconstruction_loss == "mse"
+                                  ? torch::mse_loss(model->reconstruction(output), images)
+                                  : models::logit_laplace_nll(output, pixels);
   const auto kl = models::kl_to_uniform(logits);
   // DALL-E divides the whole loss by the number of pixel values; the KL, a mean per token
   // position, is therefore scaled by positions / pixel values = 1 / (f^2 C).
@@ -223,7 +205,7 @@ void DvaeTrainer::run() {
     progress.set_loss(metrics.loss);
     const bool last = s.step == s.config.steps;
     if (s.step % s.config.log_every == 0 || last) {
-      s.append_metrics({{"step", metrics.step}, {"loss", metrics.loss}, {"reconstruction", metrics.reconstruction},
+      s.metrics_log.append({{"step", metrics.step}, {"loss", metrics.loss}, {"reconstruction", metrics.reconstruction},
                         {"kl", metrics.kl}, {"temperature", metrics.temperature},
                         {"kl_weight", metrics.kl_weight}, {"learning_rate", metrics.learning_rate}});
     }
@@ -282,26 +264,9 @@ DvaeValidation DvaeTrainer::validate() {
   char name[48];
   std::snprintf(name, sizeof name, "samples/step-%09lld.png", static_cast<long long>(s.step));
   data::write_png((s.run / name).string(), data::make_grid(tiles, labels, {.columns = 4, .tile_size = 128}));
-  s.append_metrics({{"step", s.step}, {"validation_psnr", result.psnr}, {"perplexity", result.perplexity},
+  s.metrics_log.append({{"step", s.step}, {"validation_psnr", result.psnr}, {"perplexity", result.perplexity},
                     {"codes_used", result.codes_used}});
   return result;
-}
-
-void DvaeTrainer::State::append_metrics(const nlohmann::json& line) {
-  std::ofstream out(run / "metrics.jsonl", std::ios::app);
-  out << line.dump() << '\n';
-}
-
-void DvaeTrainer::State::drop_metrics_after(int64_t last_step) {
-  const fs::path path = run / "metrics.jsonl";
-  if (!fs::exists(path)) return;
-  std::ifstream in(path);
-  std::string kept;
-  for (std::string line; std::getline(in, line);) {
-    auto entry = nlohmann::json::parse(line, nullptr, false);
-    if (entry.is_object() && entry.value("step", int64_t{0}) <= last_step) kept += line + "\n";
-  }
-  io::write_file_atomic(path.string(), kept);
 }
 
 void DvaeTrainer::State::save_checkpoint() {
@@ -321,7 +286,7 @@ void DvaeTrainer::State::save_checkpoint() {
 
 void DvaeTrainer::State::resume(const std::string& directory) {
   auto checkpoint = io::load_checkpoint(directory);
-  check_resumable(config, checkpoint.config_yaml, directory + "/config.yaml");
+  check_resumable<DvaeTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change_on_resume);
   io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors");
   io::TensorMap ema_weights, adam;
   for (const auto& [name, tensor] : checkpoint.state) {
@@ -336,17 +301,12 @@ void DvaeTrainer::State::resume(const std::string& directory) {
   const auto& meta = checkpoint.state_metadata;
   step = std::stoll(meta.at("step"));
   loader->seek({std::stoll(meta.at("loader_epoch")), std::stoll(meta.at("loader_batch"))});
-  drop_metrics_after(step);
+  metrics_log.drop_after(step);
   log::info("dvae: resumed from ", directory, " at update ", step);
 }
 
 TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint) {
-  std::string directory = run_or_checkpoint;
-  if (!fs::exists(fs::path(directory) / "model.safetensors")) {
-    auto latest = io::CheckpointStore((fs::path(directory) / "checkpoints").string()).latest();
-    if (!latest) throw Error(run_or_checkpoint + ": neither a dVAE checkpoint nor a run with checkpoints");
-    directory = *latest;
-  }
+  const auto directory = resolve_checkpoint(run_or_checkpoint, "dVAE");
   const auto checkpoint = io::load_checkpoint(directory);
   const auto config = load_config<DvaeTrainConfig>(
       ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));

@@ -10,18 +10,8 @@
 namespace dalle::models {
 namespace {
 
-// Max |a - b| relative to max |b|: robust to entries near zero.
-double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
-  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
-}
-
-io::TensorMap with_prefix_removed(const io::TensorMap& tensors, const std::string& prefix) {
-  io::TensorMap out;
-  for (const auto& [name, tensor] : tensors) {
-    if (name.rfind(prefix, 0) == 0) out.emplace(name.substr(prefix.size()), tensor);
-  }
-  return out;
-}
+using testing::relative_error;
+using testing::with_prefix_removed;
 
 DvaeConfig tiny_config() {
   DvaeConfig config;

@@ -48,6 +48,7 @@ struct DvaeTrainConfig {
   int64_t checkpoint_every = 1000;
   int64_t keep_checkpoints = 3;
   int64_t grid_images = 8;
+  std::string reconstruction_loss = "logit_laplace";
   int64_t seed = 0;
   int64_t threads = 0;
 

@@ -1,0 +1,58 @@
+#include "run_directory.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dalle/error.h"
+#include "dalle/io/atomic_file.h"
+#include "dalle/io/checkpoint.h"
+
+namespace dalle::train {
+namespace fs = std::filesystem;
+
+void check_run_directory(const fs::path& run, const std::string& what) {
+  if (!fs::exists(run) || fs::is_empty(run)) return;
+  if (!fs::is_directory(run) || !(fs::exists(run / "checkpoints") || fs::exists(run / "metrics.jsonl"))) {
+    throw Error(run.string() + " exists and is not a " + what + " run directory; refusing to write into it");
+  }
+}
+
+std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what) {
+  if (fs::exists(fs::path(run_or_checkpoint) / "model.safetensors")) return run_or_checkpoint;
+  auto latest = io::CheckpointStore((fs::path(run_or_checkpoint) / "checkpoints").string()).latest();
+  if (!latest) throw Error(run_or_checkpoint + ": neither a " + what + " checkpoint nor a run with checkpoints");
+  return *latest;
+}
+
+void MetricsLog::append(const nlohmann::json& line) const {
+  std::ofstream out(path_, std::ios::app);
+  out << line.dump() << '\n';
+}
+
+void MetricsLog::drop_after(int64_t step) const {
+  if (!fs::exists(path_)) return;
+  std::ifstream in(path_);
+  std::string kept;
+  for (std::string line; std::getline(in, line);) {
+    auto entry = nlohmann::json::parse(line, nullptr, false);
+    if (entry.is_object() && entry.value("step", int64_t{0}) <= step) kept += line + "\n";
+  }
+  io::write_file_atomic(path_.string(), kept);
+}
+
+void check_same_config(const std::vector<std::pair<std::string, std::string>>& before,
+                       const std::vector<std::pair<std::string, std::string>>& now, const std::string& where,
+                       const std::function<bool(const std::string&)>& may_change) {
+  std::string changed;
+  for (size_t i = 0; i < before.size() && i < now.size(); ++i) {
+    if (before[i].second != now[i].second && !may_change(before[i].first)) {
+      changed += " " + before[i].first + " (" + before[i].second + " -> " + now[i].second + ")";
+    }
+  }
+  if (!changed.empty()) {
+    throw Error(where + ": the run was started with a different config; changed:" + changed +
+                ". Resume with the run's own config.yaml, or train into a new --out directory");
+  }
+}
+
+}  // namespace dalle::train

@@ -1,0 +1,48 @@
+#pragma once
+// What every trainer does with its run directory: refuse to write into a foreign folder,
+// append metrics, refuse a resume under a changed config, find the latest checkpoint.
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "dalle/config.h"
+
+namespace dalle::train {
+
+// A directory a trainer may write into: new, empty, or an earlier run (checkpoints/ or
+// metrics.jsonl inside). `what` names the trainer in the error.
+void check_run_directory(const std::filesystem::path& run, const std::string& what);
+
+// A run's checkpoint directory: `run_or_checkpoint` itself when it holds model.safetensors,
+// else the latest checkpoint of the run.
+std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what);
+
+// metrics.jsonl: one JSON object per line, each with the update ("step") it belongs to.
+class MetricsLog {
+ public:
+  explicit MetricsLog(std::filesystem::path path) : path_(std::move(path)) {}
+  void append(const nlohmann::json& line) const;
+  // Drops the lines of updates after `step`: a resumed run rewrites them.
+  void drop_after(int64_t step) const;
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Throws unless `now` equals the config a checkpoint was written with, except for the keys
+// `may_change` accepts (how long and how often, not what is trained).
+void check_same_config(const std::vector<std::pair<std::string, std::string>>& before,
+                       const std::vector<std::pair<std::string, std::string>>& now, const std::string& where,
+                       const std::function<bool(const std::string&)>& may_change);
+
+template <class Config>
+void check_resumable(const Config& now, const std::string& checkpoint_yaml, const std::string& where,
+                     const std::function<bool(const std::string&)>& may_change) {
+  auto before = load_config<Config>(ConfigSource::from_string(checkpoint_yaml, where));
+  auto current = now;
+  check_same_config(flatten_config(visit_of(before)), flatten_config(visit_of(current)), where, may_change);
+}
+
+}  // namespace dalle::train
