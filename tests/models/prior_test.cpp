@@ -1,0 +1,206 @@
+#include "dalle/models/prior.h"
+
+#include <torch/torch.h>
+
+#include "dalle/io/safetensors.h"
+#include "dalle/io/state_dict.h"
+#include "test_support.h"
+
+namespace dalle::models {
+namespace {
+
+using testing::relative_error;
+using torch::indexing::Slice;
+
+// The sizes of tests/fixtures/rudalle_prior_parity.safetensors (docs/rudalle-prior.md).
+PriorConfig rudalle_fixture_config() {
+  PriorConfig config;
+  config.text_length = 8;
+  config.text_vocab_size = 32;
+  config.grid_size = 4;
+  config.image_vocab_size = 16;
+  config.layers = 4;
+  config.width = 64;
+  config.heads = 4;
+  config.sandwich_norm = true;
+  config.head_norm = true;
+  config.gelu = "tanh";
+  return config;
+}
+
+PriorConfig tiny_config() {
+  PriorConfig config;
+  config.text_length = 6;
+  config.text_vocab_size = 20;
+  config.grid_size = 5;
+  config.image_vocab_size = 12;
+  config.layers = 5;
+  config.width = 32;
+  config.heads = 4;
+  config.conv_kernel = 3;
+  return config;
+}
+
+torch::Tensor random_tokens(const PriorConfig& config, int64_t batch) {
+  auto text = torch::randint(4, config.text_vocab_size, {batch, config.text_length});
+  text.index_put_({Slice(), 0}, 2);
+  text.index_put_({Slice(), Slice(config.text_length - 2)}, 0);  // padding
+  return torch::cat({text, torch::randint(0, config.image_vocab_size, {batch, config.image_length()})}, 1);
+}
+
+class RudalleParity : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    io::load_state_dict(*prior_, import_rudalle_state(testing::with_prefix_removed(fixture_.tensors, "state."),
+                                                      rudalle_fixture_config()));
+    prior_->eval();
+  }
+  io::Safetensors fixture_ = io::read_safetensors(testing::fixture_path("rudalle_prior_parity.safetensors"));
+  Prior prior_{rudalle_fixture_config()};
+  const torch::Tensor& at(const std::string& name) const { return fixture_.tensors.at(name); }
+};
+
+TEST_F(RudalleParity, LogitsMatchOnBothAttentionPaths) {
+  torch::NoGradGuard no_grad;
+  for (const char* path : {"sparse", "dense"}) {
+    auto config = rudalle_fixture_config();
+    config.attention_path = path;
+    Prior prior(config);
+    io::load_state_dict(*prior, io::state_dict(*prior_));
+    const auto logits = prior->forward(at("input.ids"));
+    EXPECT_EQ(logits.sizes(), at("output.logits").sizes());
+    EXPECT_LT(relative_error(logits, at("output.logits")), 1e-4) << path;
+  }
+}
+
+TEST_F(RudalleParity, LayerMasksAreRudalles) {
+  for (int64_t layer = 0; layer < 4; ++layer) {
+    const auto& block = dynamic_cast<AttentionResblockImpl&>(*prior_->resblocks()[2 * layer]);
+    EXPECT_TRUE(torch::equal(block.mask().dense(), at("mask.layer_" + std::to_string(layer)).to(torch::kBool)))
+        << layer;
+  }
+}
+
+TEST_F(RudalleParity, CachedStepsMatchItsCachedLogits) {
+  torch::NoGradGuard no_grad;
+  const auto ids = at("input.ids");
+  const int64_t prefix = at("cache.prefix_len").item<int64_t>();
+  auto cache = prior_->make_cache(ids.size(0));
+  const auto prefix_logits = prior_->forward_cached(ids.index({Slice(), Slice(0, prefix)}), cache);
+  EXPECT_LT(relative_error(prefix_logits, at("cache.prefix_logits")), 1e-4);
+  std::vector<torch::Tensor> steps;
+  const auto ends = at("cache.step_ends");
+  for (int64_t i = 0; i < ends.size(0); ++i) {
+    steps.push_back(prior_->forward_cached(ids.index({Slice(), Slice(cache.length, ends[i].item<int64_t>())}), cache));
+  }
+  EXPECT_LT(relative_error(torch::cat(steps, 1), at("cache.step_logits")), 1e-4);
+  EXPECT_EQ(cache.length, ids.size(1));
+}
+
+TEST(RudalleImport, RefusesUnknownTensors) {
+  io::TensorMap state{{"transformer.layers.0.attention.rotary.weight", torch::zeros({1})}};
+  EXPECT_THROW_WITH(import_rudalle_state(state, rudalle_fixture_config()), Error,
+                    "transformer.layers.0.attention.rotary.weight");
+}
+
+TEST(Prior, CachedAndUncachedForwardAgree) {
+  torch::manual_seed(1);
+  torch::NoGradGuard no_grad;
+  Prior prior(tiny_config());
+  prior->eval();
+  const auto tokens = random_tokens(tiny_config(), 3);
+  const auto full = prior->forward(tokens);
+  auto cache = prior->make_cache(3);
+  std::vector<torch::Tensor> steps{prior->forward_cached(tokens.index({Slice(), Slice(0, 6)}), cache)};
+  while (cache.length < tokens.size(1)) {
+    steps.push_back(prior->forward_cached(tokens.index({Slice(), Slice(cache.length, cache.length + 1)}), cache));
+  }
+  EXPECT_LT(relative_error(torch::cat(steps, 1), full), 1e-5);
+}
+
+TEST(Prior, ResblocksAreListedAndCanBeWrapped) {
+  Prior prior(tiny_config());
+  ASSERT_EQ(prior->resblocks().size(), 10u);
+  const auto names = io::state_dict(*prior);
+  EXPECT_TRUE(names.contains("resblocks.0.qkv.weight"));
+  EXPECT_TRUE(names.contains("resblocks.9.fc_out.bias"));
+  EXPECT_FALSE(names.contains("resblocks.0.output_norm.weight"));  // no sandwich norm by default
+
+  const auto tokens = random_tokens(tiny_config(), 2);
+  prior->eval();
+  const auto plain = prior->forward(tokens);
+  int calls = 0;
+  prior->set_resblock_runner([&](ResblockImpl& block, const torch::Tensor& x, const ResblockContext& context) {
+    ++calls;
+    return x + block.branch(x, context);
+  });
+  EXPECT_TRUE(torch::allclose(prior->forward(tokens), plain));
+  EXPECT_EQ(calls, 10);
+}
+
+TEST(Prior, LossWeighsTextAndImageByTheirOwnCounts) {
+  const auto config = tiny_config();
+  const auto tokens = random_tokens(config, 2);
+  const int64_t classes = config.text_classes() + config.image_vocab_size;
+  // Uniform logits: each part is log(its own number of classes).
+  const auto uniform = prior_loss(torch::zeros({2, config.length(), classes}), tokens, config);
+  EXPECT_NEAR(uniform.text.item<double>(), std::log(double(config.text_classes())), 1e-5);
+  EXPECT_NEAR(uniform.image.item<double>(), std::log(double(config.image_vocab_size)), 1e-5);
+  EXPECT_NEAR(uniform.total.item<double>(),
+              0.125 * std::log(double(config.text_classes())) + 0.875 * std::log(double(config.image_vocab_size)),
+              1e-5);
+  // Logits that put all mass on the right next token: text targets are the next ids with
+  // padding replaced by its position's id, image targets the next codes, the first one
+  // predicted from the last text position.
+  auto perfect = torch::full({2, config.length(), classes}, -50.0);
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t p = 0; p + 1 < config.length(); ++p) {
+      int64_t next = tokens[b][p + 1].item<int64_t>();
+      if (p + 1 < config.text_length) {
+        if (next == 0) next = config.text_vocab_size + p + 1;
+      } else {
+        next += config.text_classes();
+      }
+      perfect[b][p][next] = 50.0;
+    }
+  }
+  const auto best = prior_loss(perfect, tokens, config);
+  EXPECT_LT(best.total.item<double>(), 1e-6);
+}
+
+TEST(Prior, TrainingStepsLowerTheLoss) {
+  torch::manual_seed(2);
+  auto config = tiny_config();
+  Prior prior(config);
+  const auto tokens = random_tokens(config, 4);
+  torch::optim::AdamW optimizer(prior->parameters(), torch::optim::AdamWOptions(3e-3));
+  double first = 0, last = 0;
+  for (int step = 0; step < 30; ++step) {
+    auto loss = prior_loss(prior->forward(tokens), tokens, config).total;
+    if (step == 0) first = loss.item<double>();
+    last = loss.item<double>();
+    optimizer.zero_grad();
+    loss.backward();
+    optimizer.step();
+  }
+  EXPECT_LT(last, 0.5 * first);
+}
+
+TEST(Prior, RefusesBadTokensAndSizes) {
+  Prior prior(tiny_config());
+  auto tokens = random_tokens(tiny_config(), 1);
+  tokens[0][7] = 12;  // an image code past the codebook
+  EXPECT_THROW_WITH(prior->forward(tokens), Error, "image codes must lie in [0, 12)");
+  EXPECT_THROW_WITH(prior->forward(torch::zeros({1, 40}, torch::kInt64)), Error, "do not fit the sequence of 31");
+  auto config = tiny_config();
+  config.heads = 5;
+  EXPECT_THROW_WITH(Prior{config}, Error, "does not divide into 5 heads");
+}
+
+TEST(Prior, EmptyCaptionIsEndOfTextThenPadding) {
+  const auto ids = empty_caption(5, 2);
+  EXPECT_TRUE(torch::equal(ids[1], torch::tensor({3, 0, 0, 0, 0}, torch::kInt64)));
+}
+
+}  // namespace
+}  // namespace dalle::models
