@@ -1,0 +1,117 @@
+#include "dalle/models/prior_sampling.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <limits>
+
+#include "dalle/error.h"
+
+namespace dalle::models {
+using torch::indexing::Slice;
+
+void SamplingOptions::visit(ConfigVisitor& v) {
+  v.field("temperature", temperature, "divides the logits before sampling (DALL-E: 1)", {.min = 1e-4, .max = 100.0});
+  v.field("top_k", top_k, "sample among the k likeliest codes (0: all)", {.min = 0});
+  v.field("top_p", top_p, "sample among the likeliest codes whose probabilities sum to p (1: all)",
+          {.min = 1e-6, .max = 1.0});
+  v.field("guidance_scale", guidance_scale,
+          "classifier-free guidance: logits = uncond + scale * (cond - uncond), uncond from the empty caption "
+          "(1: no guidance, one model call per token)",
+          {.min = 0.0, .max = 100.0});
+  v.field("use_cache", use_cache, "decode with the KV cache (false: recompute the whole prefix per token)");
+  v.field("seed", seed, "seed of the sampling; the same seed gives the same images", {.min = 0});
+}
+
+torch::Tensor filter_logits(const torch::Tensor& logits, const SamplingOptions& options) {
+  constexpr double kMinusInfinity = -std::numeric_limits<double>::infinity();
+  auto filtered = logits.to(torch::kFloat32) / options.temperature;
+  const int64_t classes = filtered.size(-1);
+  if (options.top_k > 0 && options.top_k < classes) {
+    const auto kth = std::get<0>(filtered.topk(options.top_k, -1)).index({Slice(), Slice(-1, torch::indexing::None)});
+    filtered = filtered.masked_fill(filtered < kth, kMinusInfinity);
+  }
+  if (options.top_p < 1.0) {
+    auto [sorted, order] = filtered.sort(-1, /*descending=*/true);
+    const auto cumulative = sorted.softmax(-1).cumsum(-1);
+    // Drop a code when the codes before it already reach top_p; the likeliest always stays.
+    auto drop = (cumulative - sorted.softmax(-1)) >= options.top_p;
+    filtered = filtered.masked_fill(torch::zeros_like(drop).scatter(-1, order, drop), kMinusInfinity);
+  }
+  return filtered;
+}
+
+namespace {
+
+class TokenSource {
+ public:
+  TokenSource(Prior& prior, const torch::Tensor& captions, bool use_cache)
+      : prior_(prior), use_cache_(use_cache), sequence_(captions) {
+    if (use_cache_) cache_ = prior_->make_cache(captions.size(0));
+  }
+  // Logits [B, classes] for the position after the last token given.
+  torch::Tensor next_logits() {
+    const auto logits = use_cache_ ? prior_->forward_cached(pending(), cache_) : prior_->forward(sequence_);
+    return logits.select(1, logits.size(1) - 1);
+  }
+  void append(const torch::Tensor& codes) { sequence_ = torch::cat({sequence_, codes.unsqueeze(1)}, 1); }
+
+ private:
+  torch::Tensor pending() const { return sequence_.index({Slice(), Slice(cache_.length, torch::indexing::None)}); }
+  Prior& prior_;
+  bool use_cache_;
+  torch::Tensor sequence_;
+  KvCache cache_;
+};
+
+void check_inputs(const PriorConfig& config, const torch::Tensor& captions, const ImagePrompt* prompt) {
+  if (captions.dim() != 2 || captions.size(1) != config.text_length) {
+    throw Error("sampling: expected captions [batch, " + std::to_string(config.text_length) + "]");
+  }
+  if (prompt && (prompt->known.numel() != config.image_length() || prompt->tokens.size(-1) != config.image_length())) {
+    throw Error("sampling: an image prompt needs tokens and a known-mask for all " +
+                std::to_string(config.image_length()) + " positions");
+  }
+}
+
+}  // namespace
+
+torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
+                                  const ImagePrompt* prompt,
+                                  const std::function<void(int64_t, int64_t)>& on_token) {
+  const auto& config = prior->config();
+  check_inputs(config, captions, prompt);
+  torch::NoGradGuard no_grad;
+  const bool guided = options.guidance_scale != 1.0;
+  const int64_t batch = captions.size(0), total = config.image_length();
+  const auto device = prior->parameters().front().device();
+  auto inputs = captions.to(device);
+  if (guided) inputs = torch::cat({inputs, empty_caption(config.text_length, batch).to(device)});
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(options.seed));
+  const auto known = prompt ? prompt->known.to(torch::kBool).cpu() : torch::Tensor();
+  const auto prompt_tokens = prompt ? prompt->tokens.expand({batch, total}).to(device) : torch::Tensor();
+
+  TokenSource source(prior, inputs, options.use_cache);
+  std::vector<torch::Tensor> codes;
+  for (int64_t position = 0; position < total; ++position) {
+    torch::Tensor next;
+    if (prompt && known[position].item<bool>()) {
+      // No model call: the token joins the pending ones the next call takes in one step.
+      next = prompt_tokens.select(1, position);
+    } else {
+      auto logits = source.next_logits().index({Slice(), Slice(config.text_classes(), torch::indexing::None)});
+      if (guided) {
+        const auto conditional = logits.index({Slice(0, batch)}), unconditional = logits.index({Slice(batch)});
+        logits = unconditional + options.guidance_scale * (conditional - unconditional);
+      }
+      const auto probabilities = filter_logits(logits, options).softmax(-1).cpu();
+      next = torch::multinomial(probabilities, 1, false, generator).squeeze(1).to(device);
+    }
+    codes.push_back(next);
+    if (position + 1 < total) source.append(guided ? torch::cat({next, next}) : next);
+    if (on_token) on_token(position + 1, total);
+  }
+  return torch::stack(codes, 1).view({batch, config.grid_size, config.grid_size});
+}
+
+}  // namespace dalle::models
