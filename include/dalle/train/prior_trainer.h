@@ -1,0 +1,113 @@
+#pragma once
+// Trains the transformer prior on a token dataset (from dalle-encode-images) as DALL-E
+// describes it: AdamW (0.9, 0.96, eps 1e-8, weight decay 4.5e-2 on the matrices), linear
+// warmup then a cosine decay or halving on plateau, gradient clipping at norm 4, an EMA of
+// the weights, and caption dropout so that the same model is also unconditional (for
+// classifier-free guidance). A run directory holds the effective config, metrics.jsonl,
+// sample grids from fixed validation captions and checkpoints; reopening it resumes
+// exactly where it stopped.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dalle/config.h"
+#include "dalle/models/prior.h"
+#include "dalle/models/prior_sampling.h"
+
+namespace dalle::train {
+
+struct PriorDataConfig {
+  std::string train;       // token dataset folder
+  std::string validation;  // token dataset folder for the validation loss ("" -> none)
+  int64_t batch_size = 16;
+  int64_t workers = 2;
+  double caption_dropout = 0.1;
+
+  void visit(ConfigVisitor& v) {
+    v.field("train", train, "token dataset folder to train on, from dalle-encode-images (required)");
+    v.field("validation", validation, "token dataset folder for the validation loss (empty: none)");
+    v.field("batch_size", batch_size, "captioned images per update", {.min = 1, .max = 1 << 16});
+    v.field("workers", workers, "loader threads (0: load on the training thread)", {.min = 0, .max = 64});
+    v.field("caption_dropout", caption_dropout,
+            "probability of training an example on the empty caption, which classifier-free guidance needs",
+            {.min = 0.0, .max = 1.0});
+  }
+};
+
+// Linear warmup to `peak`, then either half a cosine down to `end` at the last update, or
+// `peak` multiplied by `plateau_factor` whenever the validation loss has not improved for
+// `plateau_patience` validations (at most `plateau_reductions` times).
+struct PriorLearningRate {
+  double peak = 4.5e-4;
+  int64_t warmup_steps = 5000;
+  std::string decay = "plateau";
+  double end = 0.0;
+  double plateau_factor = 0.5;
+  int64_t plateau_patience = 3;
+  int64_t plateau_reductions = 5;
+
+  void visit(ConfigVisitor& v);
+  double at(int64_t step, int64_t total_steps, int64_t reductions) const;
+};
+
+struct PriorTrainConfig {
+  models::PriorConfig model;
+  PriorDataConfig data;
+  PriorLearningRate learning_rate;
+  double beta1 = 0.9, beta2 = 0.96, epsilon = 1e-8, weight_decay = 4.5e-2;
+  double grad_clip = 4.0;
+  double ema_decay = 0.99;
+  int64_t steps = 430'000;
+  int64_t log_every = 100;
+  int64_t validate_every = 1000;
+  int64_t checkpoint_every = 1000;
+  int64_t keep_checkpoints = 3;
+  std::string tokenizer;        // caption tokenizer model, for the sample grids
+  std::string image_tokenizer;  // dVAE run that made the tokens, for the sample grids
+  std::vector<std::string> sample_captions;
+  int64_t samples_per_caption = 2;
+  models::SamplingOptions sampling;
+  int64_t seed = 0;
+  int64_t threads = 0;
+
+  void visit(ConfigVisitor& v);
+};
+
+struct PriorStepMetrics {
+  int64_t step = 0;
+  double loss = 0, text_loss = 0, image_loss = 0, grad_norm = 0, learning_rate = 0;
+};
+
+struct PriorValidation {
+  double loss = 0, text_loss = 0, image_loss = 0;  // EMA weights; NaN without a validation set
+};
+
+class PriorTrainer {
+ public:
+  PriorTrainer(PriorTrainConfig config, std::string run_directory);
+  ~PriorTrainer();
+
+  void run();
+  int64_t step() const;
+  PriorStepMetrics last_metrics() const;
+  // Validation loss (EMA weights) and, when the config names a tokenizer and an image
+  // tokenizer, a grid of samples for the sample captions.
+  PriorValidation validate();
+  models::Prior& model();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// The EMA weights of a run's latest checkpoint (or of a checkpoint directory), with the
+// config it was trained with.
+struct TrainedPrior {
+  models::Prior model{nullptr};
+  PriorTrainConfig config;
+  std::string checkpoint;
+};
+TrainedPrior load_trained_prior(const std::string& run_or_checkpoint);
+
+}  // namespace dalle::train

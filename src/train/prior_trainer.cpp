@@ -1,0 +1,395 @@
+#include "dalle/train/prior_trainer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/image.h"
+#include "dalle/data/loader.h"
+#include "dalle/data/token_dataset.h"
+#include "dalle/io/atomic_file.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/log.h"
+#include "dalle/text/tokenizer.h"
+#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/ema.h"
+#include "dalle/train/optimizer_state.h"
+#include "run_directory.h"
+
+namespace dalle::train {
+namespace fs = std::filesystem;
+using torch::indexing::Slice;
+
+void PriorLearningRate::visit(ConfigVisitor& v) {
+  v.field("peak", peak, "learning rate reached after the warmup (DALL-E: 4.5e-4)", {.min = 0.0, .max = 1.0});
+  v.field("warmup_steps", warmup_steps, "updates of linear warmup from 0 (DALL-E: 5000)", {.min = 0});
+  v.field("decay", decay, "after the warmup: cosine down to `end` at the last update, or plateau halving (DALL-E)",
+          {.choices = {"cosine", "plateau"}});
+  v.field("end", end, "cosine: the learning rate at the last update", {.min = 0.0, .max = 1.0});
+  v.field("plateau_factor", plateau_factor, "plateau: factor applied at each reduction (DALL-E: 0.5)",
+          {.min = 0.0, .max = 1.0});
+  v.field("plateau_patience", plateau_patience,
+          "plateau: validations without a better validation loss before a reduction", {.min = 1});
+  v.field("plateau_reductions", plateau_reductions, "plateau: the most reductions (DALL-E: 5)", {.min = 0});
+}
+
+double PriorLearningRate::at(int64_t step, int64_t total_steps, int64_t reductions) const {
+  if (step < warmup_steps) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+  if (decay == "plateau") return peak * std::pow(plateau_factor, static_cast<double>(reductions));
+  const double span = static_cast<double>(std::max<int64_t>(total_steps - warmup_steps, 1));
+  const double progress = std::min(1.0, static_cast<double>(step - warmup_steps) / span);
+  return end + 0.5 * (peak - end) * (1.0 + std::cos(M_PI * progress));
+}
+
+void PriorTrainConfig::visit(ConfigVisitor& v) {
+  v.section("model", "transformer sizes and options", model);
+  v.section("data", "token datasets and batching", data);
+  v.section("learning_rate", "warmup, then cosine or plateau decay", learning_rate);
+  v.field("beta1", beta1, "AdamW beta1 (DALL-E: 0.9)", {.min = 0.0, .max = 1.0});
+  v.field("beta2", beta2, "AdamW beta2 (DALL-E: 0.96)", {.min = 0.0, .max = 1.0});
+  v.field("epsilon", epsilon, "AdamW epsilon (DALL-E: 1e-8)", {.min = 0.0});
+  v.field("weight_decay", weight_decay,
+          "AdamW decoupled weight decay of the weight matrices; gains, biases and embeddings have none "
+          "(DALL-E: 4.5e-2)",
+          {.min = 0.0});
+  v.field("grad_clip", grad_clip, "clip the global gradient norm to this (DALL-E: 4; 0: no clipping)", {.min = 0.0});
+  v.field("ema_decay", ema_decay, "decay of the weights' moving average (DALL-E: 0.99)", {.min = 0.0, .max = 0.999999});
+  v.field("steps", steps, "updates to train for", {.min = 1});
+  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
+  v.field("validate_every", validate_every, "updates between validations (loss, sample grid)", {.min = 1});
+  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
+  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
+  v.field("tokenizer", tokenizer, "caption tokenizer model that made the dataset's text tokens (for sample grids)");
+  v.field("image_tokenizer", image_tokenizer, "dVAE run that made the image tokens (for sample grids)");
+  v.field("sample_captions", sample_captions, "captions drawn at each validation (needs tokenizer and image_tokenizer)");
+  v.field("samples_per_caption", samples_per_caption, "images per sample caption", {.min = 1, .max = 64});
+  v.section("sampling", "sampling settings of the grids", sampling);
+  v.field("seed", seed, "seed of initialisation, data order, caption dropout and dropout", {.min = 0});
+  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+}
+
+struct PriorTrainer::State {
+  PriorTrainConfig config;
+  fs::path run;
+  models::Prior model{nullptr}, ema_model{nullptr};
+  std::unique_ptr<Ema> ema;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::shared_ptr<data::TokenDataset> train_set, validation_set;
+  std::unique_ptr<data::DataLoader<data::TokenDataset>> loader;
+  at::Generator caption_dropout;
+  io::CheckpointStore checkpoints;
+  MetricsLog metrics_log;
+  int64_t step = 0;
+  // Plateau decay: the best validation loss, validations since it, reductions made.
+  double best_validation = std::numeric_limits<double>::infinity();
+  int64_t validations_since_best = 0, reductions = 0;
+  PriorStepMetrics last;
+
+  State(PriorTrainConfig c, fs::path r)
+      : config(std::move(c)),
+        run(std::move(r)),
+        caption_dropout(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1)),
+        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
+        metrics_log(run / "metrics.jsonl") {}
+
+  torch::Tensor batch_tokens(const std::vector<data::TokenExample>& examples, bool drop_captions);
+  PriorStepMetrics train_step(const torch::Tensor& tokens);
+  void save_checkpoint();
+  void resume(const std::string& directory);
+  void update_plateau(double validation_loss);
+};
+
+namespace {
+
+bool may_change_on_resume(const std::string& key) {
+  return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
+         key == "keep_checkpoints" || key == "threads" || key == "data.workers" || key == "sample_captions" ||
+         key == "samples_per_caption" || key.starts_with("sampling.") || key == "tokenizer" ||
+         key == "image_tokenizer";
+}
+
+void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig& model, const std::string& where) {
+  std::string problems;
+  if (info.text_length != model.text_length) {
+    problems += " text_length " + std::to_string(info.text_length) + " (model " + std::to_string(model.text_length) + ")";
+  }
+  if (info.grid_height != model.grid_size || info.grid_width != model.grid_size) {
+    problems += " grid " + std::to_string(info.grid_height) + "x" + std::to_string(info.grid_width) + " (model " +
+                std::to_string(model.grid_size) + ")";
+  }
+  if (info.text_vocab_size > model.text_vocab_size) {
+    problems += " text vocabulary " + std::to_string(info.text_vocab_size) + " (model " +
+                std::to_string(model.text_vocab_size) + ")";
+  }
+  if (info.image_vocab_size > model.image_vocab_size) {
+    problems += " image vocabulary " + std::to_string(info.image_vocab_size) + " (model " +
+                std::to_string(model.image_vocab_size) + ")";
+  }
+  if (!problems.empty()) throw Error(where + ": the token dataset does not fit the model:" + problems);
+}
+
+// Weight decay for the matrices only: DALL-E keeps gains, biases and embeddings undecayed.
+std::vector<torch::optim::OptimizerParamGroup> parameter_groups(models::PriorImpl& model, double weight_decay) {
+  std::vector<torch::Tensor> decayed, undecayed;
+  for (const auto& item : model.named_parameters()) {
+    const bool matrix = item.value().dim() == 2 && item.key().find("embedding") == std::string::npos;
+    (matrix ? decayed : undecayed).push_back(item.value());
+  }
+  auto decay_options = std::make_unique<torch::optim::AdamWOptions>();
+  decay_options->weight_decay(weight_decay);
+  auto plain_options = std::make_unique<torch::optim::AdamWOptions>();
+  plain_options->weight_decay(0.0);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decayed, std::move(decay_options));
+  groups.emplace_back(undecayed, std::move(plain_options));
+  return groups;
+}
+
+}  // namespace
+
+PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
+  if (config.data.train.empty()) throw Error("prior training: data.train must name a token dataset folder");
+  config.model.validate();
+  check_run_directory(run_directory, "prior");
+  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  torch::manual_seed(static_cast<uint64_t>(config.seed));
+
+  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  auto& s = *state_;
+  s.train_set = data::TokenDataset::open(s.config.data.train);
+  check_dataset(s.train_set->info(), s.config.model, s.config.data.train);
+  if (!s.config.data.validation.empty()) {
+    s.validation_set = data::TokenDataset::open(s.config.data.validation);
+    check_dataset(s.validation_set->info(), s.config.model, s.config.data.validation);
+  }
+  s.model = models::Prior(s.config.model);
+  s.ema_model = models::Prior(s.config.model);
+  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
+  auto groups = parameter_groups(*s.model, s.config.weight_decay);
+  s.optimizer = std::make_unique<torch::optim::AdamW>(
+      std::move(groups), torch::optim::AdamWOptions(s.config.learning_rate.peak)
+                             .betas({s.config.beta1, s.config.beta2})
+                             .eps(s.config.epsilon));
+  for (auto& group : s.optimizer->param_groups()) {
+    auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
+    options.betas({s.config.beta1, s.config.beta2}).eps(s.config.epsilon);
+  }
+  s.loader = std::make_unique<data::DataLoader<data::TokenDataset>>(
+      s.train_set, data::LoaderOptions{.batch_size = s.config.data.batch_size,
+                                       .workers = s.config.data.workers,
+                                       .sampler = {.seed = static_cast<uint64_t>(s.config.seed)}});
+  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
+  fs::create_directories(s.run / "samples");
+  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+}
+
+PriorTrainer::~PriorTrainer() = default;
+int64_t PriorTrainer::step() const { return state_->step; }
+PriorStepMetrics PriorTrainer::last_metrics() const { return state_->last; }
+models::Prior& PriorTrainer::model() { return state_->model; }
+
+torch::Tensor PriorTrainer::State::batch_tokens(const std::vector<data::TokenExample>& examples,
+                                                bool drop_captions) {
+  std::vector<torch::Tensor> rows;
+  for (const auto& example : examples) {
+    auto text = example.text_tokens;
+    if (drop_captions &&
+        torch::rand({1}, caption_dropout).item<double>() < config.data.caption_dropout) {
+      text = models::empty_caption(config.model.text_length)[0];
+    }
+    rows.push_back(torch::cat({text, example.image_tokens.flatten()}));
+  }
+  return torch::stack(rows);
+}
+
+PriorStepMetrics PriorTrainer::State::train_step(const torch::Tensor& tokens) {
+  PriorStepMetrics metrics;
+  metrics.learning_rate = config.learning_rate.at(step, config.steps, reductions);
+  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+  model->train();
+  const auto loss = models::prior_loss(model->forward(tokens), tokens, config.model);
+  if (!torch::isfinite(loss.total).item<bool>()) {
+    throw Error("prior: the loss is not finite at update " + std::to_string(step + 1) +
+                "; lower the learning rate or resume from an earlier checkpoint");
+  }
+  optimizer->zero_grad();
+  loss.total.backward();
+  const double clip = config.grad_clip > 0 ? config.grad_clip : std::numeric_limits<double>::infinity();
+  metrics.grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), clip);
+  optimizer->step();
+  ema->update(*model);
+  ++step;
+  metrics.step = step;
+  metrics.loss = loss.total.item<double>();
+  metrics.text_loss = loss.text.item<double>();
+  metrics.image_loss = loss.image.item<double>();
+  return metrics;
+}
+
+void PriorTrainer::run() {
+  auto& s = *state_;
+  if (s.step >= s.config.steps) {
+    log::info("prior: already trained for ", s.step, " updates");
+    return;
+  }
+  log::info("prior: training from update ", s.step, " to ", s.config.steps, " in ", s.run.string());
+  log::Progress progress("prior", s.config.steps - s.step);
+  while (s.step < s.config.steps) {
+    const auto batch = s.loader->next();
+    s.last = s.train_step(s.batch_tokens(batch.examples, /*drop_captions=*/true));
+    progress.advance();
+    progress.set_loss(s.last.loss);
+    const bool last = s.step == s.config.steps;
+    if (s.step % s.config.log_every == 0 || last) {
+      s.metrics_log.append({{"step", s.last.step}, {"loss", s.last.loss}, {"text_loss", s.last.text_loss},
+                        {"image_loss", s.last.image_loss}, {"grad_norm", s.last.grad_norm},
+                        {"learning_rate", s.last.learning_rate}});
+    }
+    if (s.step % s.config.validate_every == 0 || last) {
+      const auto validation = validate();
+      log::info("prior: update ", s.step, " loss ", s.last.loss, " validation loss ", validation.loss, " (text ",
+                validation.text_loss, ", image ", validation.image_loss, ")");
+    }
+    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
+  }
+  progress.finish();
+}
+
+void PriorTrainer::State::update_plateau(double validation_loss) {
+  if (validation_loss < best_validation * (1.0 - 1e-4)) {
+    best_validation = validation_loss;
+    validations_since_best = 0;
+    return;
+  }
+  if (++validations_since_best >= config.learning_rate.plateau_patience &&
+      reductions < config.learning_rate.plateau_reductions && step >= config.learning_rate.warmup_steps) {
+    ++reductions;
+    validations_since_best = 0;
+    log::info("prior: validation loss on a plateau; learning rate x", config.learning_rate.plateau_factor);
+  }
+}
+
+namespace {
+
+void write_sample_grid(models::Prior& model, const PriorTrainConfig& config,
+                       const fs::path& path) {
+  const auto tokenizer = text::Tokenizer::load(config.tokenizer);
+  auto decoder = load_trained_dvae(config.image_tokenizer);
+  std::vector<torch::Tensor> captions, tiles;
+  std::vector<std::string> labels;
+  for (const auto& caption : config.sample_captions) {
+    const auto ids = torch::tensor(tokenizer.encode(caption).ids, torch::kInt64);
+    for (int64_t i = 0; i < config.samples_per_caption; ++i) {
+      captions.push_back(ids);
+      labels.push_back(caption);
+    }
+  }
+  const auto tokens = models::sample_image_tokens(model, torch::stack(captions), config.sampling);
+  torch::NoGradGuard no_grad;
+  const auto images = decoder.model->decode_tokens(tokens);
+  for (int64_t i = 0; i < images.size(0); ++i) tiles.push_back(images[i]);
+  data::write_png(path.string(), data::make_grid(tiles, labels, {.columns = config.samples_per_caption * 2,
+                                                                 .tile_size = 128}));
+}
+
+}  // namespace
+
+PriorValidation PriorTrainer::validate() {
+  auto& s = *state_;
+  torch::NoGradGuard no_grad;
+  s.ema->copy_to(*s.ema_model);
+  s.ema_model->eval();
+  PriorValidation result{std::nan(""), std::nan(""), std::nan("")};
+  if (s.validation_set) {
+    const int64_t count = std::min<int64_t>(static_cast<int64_t>(s.validation_set->size()), 256);
+    double total = 0, text = 0, image = 0;
+    int64_t batches = 0;
+    for (int64_t begin = 0; begin < count; begin += s.config.data.batch_size) {
+      std::vector<data::TokenExample> examples;
+      for (int64_t i = begin; i < std::min(count, begin + s.config.data.batch_size); ++i) {
+        std::mt19937_64 rng(static_cast<uint64_t>(i));
+        if (auto example = s.validation_set->get(static_cast<size_t>(i), rng)) examples.push_back(std::move(*example));
+      }
+      const auto tokens = s.batch_tokens(examples, /*drop_captions=*/false);
+      const auto loss = models::prior_loss(s.ema_model->forward(tokens), tokens, s.config.model);
+      total += loss.total.item<double>();
+      text += loss.text.item<double>();
+      image += loss.image.item<double>();
+      ++batches;
+    }
+    result = {total / batches, text / batches, image / batches};
+    s.metrics_log.append({{"step", s.step}, {"validation_loss", result.loss}, {"validation_text_loss", result.text_loss},
+                      {"validation_image_loss", result.image_loss}});
+    if (s.config.learning_rate.decay == "plateau") s.update_plateau(result.loss);
+  }
+  if (!s.config.sample_captions.empty() && !s.config.tokenizer.empty() && !s.config.image_tokenizer.empty()) {
+    char name[48];
+    std::snprintf(name, sizeof name, "samples/step-%09lld.png", static_cast<long long>(s.step));
+    write_sample_grid(s.ema_model, s.config, s.run / name);
+  }
+  return result;
+}
+
+void PriorTrainer::State::save_checkpoint() {
+  io::Checkpoint checkpoint;
+  checkpoint.config_yaml = config_to_yaml(visit_of(config));
+  checkpoint.weights = io::state_dict(*model);
+  for (const auto& [name, tensor] : ema->weights()) checkpoint.state.emplace("ema." + name, tensor);
+  for (const auto& [name, tensor] : adamw_state(*optimizer, *model)) checkpoint.state.emplace("adamw." + name, tensor);
+  checkpoint.state.emplace("rng.caption_dropout", caption_dropout.get_state());
+  checkpoint.state.emplace("rng.torch", at::detail::getDefaultCPUGenerator().get_state());
+  const auto position = loader->position();
+  checkpoint.state_metadata = {{"step", std::to_string(step)},
+                               {"loader_epoch", std::to_string(position.epoch)},
+                               {"loader_batch", std::to_string(position.batch)},
+                               {"best_validation", std::to_string(best_validation)},
+                               {"validations_since_best", std::to_string(validations_since_best)},
+                               {"reductions", std::to_string(reductions)}};
+  log::info("prior: checkpoint ", checkpoints.save(step, checkpoint));
+}
+
+void PriorTrainer::State::resume(const std::string& directory) {
+  auto checkpoint = io::load_checkpoint(directory);
+  check_resumable<PriorTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change_on_resume);
+  io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors");
+  io::TensorMap ema_weights, adam;
+  for (const auto& [name, tensor] : checkpoint.state) {
+    if (name.starts_with("ema.")) ema_weights.emplace(name.substr(4), tensor);
+    if (name.starts_with("adamw.")) adam.emplace(name.substr(6), tensor);
+  }
+  ema->load(ema_weights);
+  load_adamw_state(*optimizer, *model, adam);
+  caption_dropout.set_state(checkpoint.state.at("rng.caption_dropout"));
+  auto torch_generator = at::detail::getDefaultCPUGenerator();
+  torch_generator.set_state(checkpoint.state.at("rng.torch"));
+  const auto& meta = checkpoint.state_metadata;
+  step = std::stoll(meta.at("step"));
+  best_validation = std::stod(meta.at("best_validation"));
+  validations_since_best = std::stoll(meta.at("validations_since_best"));
+  reductions = std::stoll(meta.at("reductions"));
+  loader->seek({std::stoll(meta.at("loader_epoch")), std::stoll(meta.at("loader_batch"))});
+  metrics_log.drop_after(step);
+  log::info("prior: resumed from ", directory, " at update ", step);
+}
+
+TrainedPrior load_trained_prior(const std::string& run_or_checkpoint) {
+  const auto directory = resolve_checkpoint(run_or_checkpoint, "prior");
+  const auto checkpoint = io::load_checkpoint(directory);
+  auto config = load_config<PriorTrainConfig>(ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
+  io::TensorMap ema;
+  for (const auto& [name, tensor] : checkpoint.state) {
+    if (name.starts_with("ema.")) ema.emplace(name.substr(4), tensor);
+  }
+  TrainedPrior trained{models::Prior(config.model), config, directory};
+  io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);
+  trained.model->eval();
+  return trained;
+}
+
+}  // namespace dalle::train

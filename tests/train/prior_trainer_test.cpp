@@ -1,0 +1,132 @@
+#include "dalle/train/prior_trainer.h"
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/token_dataset.h"
+#include "test_support.h"
+
+namespace dalle::train {
+namespace {
+
+using testing::ScratchDir;
+
+// Captions [eos-terminated word, padding] and 4x4 image grids that are a function of the
+// caption's word, so that a prior can learn them.
+void write_token_dataset(const std::string& directory, int64_t images, uint64_t seed) {
+  data::TokenDatasetWriter writer(directory, {.image_vocab_size = 16, .text_vocab_size = 24, .grid_height = 4,
+                                              .grid_width = 4, .text_length = 6, .source = "synthetic"});
+  std::mt19937_64 rng(seed);
+  for (int64_t i = 0; i < images; ++i) {
+    const int64_t word = 4 + static_cast<int64_t>(rng() % 8);
+    const auto text = torch::tensor({word, int64_t{3}, int64_t{0}, int64_t{0}, int64_t{0}, int64_t{0}}).view({1, 6});
+    const auto image = (torch::arange(16).view({4, 4}) + word) % 16;
+    writer.add(image, text, {"word " + std::to_string(word)});
+  }
+  writer.finish();
+}
+
+class PriorTrainerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_ = new ScratchDir();
+    write_token_dataset(*data_ / "train", 64, 1);
+    write_token_dataset(*data_ / "validation", 16, 2);
+  }
+  static void TearDownTestSuite() { delete data_; }
+
+  static PriorTrainConfig tiny(int64_t steps) {
+    PriorTrainConfig config;
+    config.model.text_length = 6;
+    config.model.text_vocab_size = 24;
+    config.model.grid_size = 4;
+    config.model.image_vocab_size = 16;
+    config.model.layers = 2;
+    config.model.width = 32;
+    config.model.heads = 2;
+    config.model.conv_kernel = 3;
+    config.model.dropout = 0.1;
+    config.data.train = *data_ / "train";
+    config.data.validation = *data_ / "validation";
+    config.data.batch_size = 8;
+    config.data.caption_dropout = 0.25;
+    config.learning_rate = {.peak = 3e-3, .warmup_steps = 3, .decay = "cosine", .end = 1e-4};
+    config.steps = steps;
+    config.log_every = 1;
+    config.validate_every = 4;
+    config.checkpoint_every = 3;
+    config.ema_decay = 0.8;
+    return config;
+  }
+
+  static std::map<int64_t, std::string> losses(const std::string& run) {
+    std::map<int64_t, std::string> out;
+    std::ifstream in(run + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto entry = nlohmann::json::parse(line);
+      if (!entry.contains("loss")) continue;
+      EXPECT_TRUE(out.emplace(entry["step"].get<int64_t>(), line).second) << "update logged twice in " << run;
+    }
+    return out;
+  }
+  static ScratchDir* data_;
+};
+ScratchDir* PriorTrainerTest::data_ = nullptr;
+
+TEST_F(PriorTrainerTest, ResumedRunContinuesWithTheSameLosses) {
+  ScratchDir runs;
+  PriorTrainer(tiny(8), runs / "whole").run();
+  PriorTrainer(tiny(4), runs / "interrupted").run();
+  std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
+  testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
+  PriorTrainer resumed(tiny(8), runs / "interrupted");
+  EXPECT_EQ(resumed.step(), 3);
+  resumed.run();
+  const auto whole = losses(runs / "whole");
+  ASSERT_EQ(whole.size(), 8u);
+  EXPECT_EQ(losses(runs / "interrupted"), whole) << "every update's loss and gradient norm, bit for bit";
+}
+
+TEST_F(PriorTrainerTest, LossGoesDownAndTheRunLoads) {
+  ScratchDir runs;
+  auto config = tiny(80);
+  config.validate_every = 40;
+  config.checkpoint_every = 80;
+  PriorTrainer trainer(config, runs / "run");
+  const auto untrained = trainer.validate();
+  trainer.run();
+  const auto trained = trainer.validate();
+  EXPECT_LT(trained.image_loss, 0.5 * untrained.image_loss)
+      << "validation image loss " << untrained.image_loss << " -> " << trained.image_loss;
+  auto loaded = load_trained_prior(runs / "run");
+  EXPECT_EQ(loaded.config.model.layers, 2);
+  torch::NoGradGuard no_grad;
+  const auto tokens = torch::cat({torch::tensor({5, 3, 0, 0, 0, 0}), (torch::arange(16) + 5) % 16}).view({1, 22});
+  const auto loss = models::prior_loss(loaded.model->forward(tokens), tokens, loaded.config.model);
+  EXPECT_LT(loss.image.item<double>(), 0.5 * untrained.image_loss) << "the EMA weights are loaded";
+}
+
+TEST_F(PriorTrainerTest, RefusesADatasetThatDoesNotFitTheModel) {
+  ScratchDir runs;
+  auto config = tiny(1);
+  config.model.text_length = 8;
+  EXPECT_THROW_WITH(PriorTrainer(config, runs / "a"), Error, "does not fit the model", "text_length 6 (model 8)");
+  config = tiny(1);
+  config.model.image_vocab_size = 8;
+  EXPECT_THROW_WITH(PriorTrainer(config, runs / "b"), Error, "image vocabulary 16 (model 8)");
+}
+
+TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {
+  PriorLearningRate rate{.peak = 1.0, .warmup_steps = 10, .decay = "cosine", .end = 0.1};
+  EXPECT_DOUBLE_EQ(rate.at(0, 110, 0), 0.1);
+  EXPECT_DOUBLE_EQ(rate.at(9, 110, 0), 1.0);
+  EXPECT_NEAR(rate.at(60, 110, 0), 0.55, 1e-12);
+  EXPECT_NEAR(rate.at(110, 110, 0), 0.1, 1e-12);
+  rate.decay = "plateau";
+  EXPECT_DOUBLE_EQ(rate.at(50, 110, 2), 0.25);
+}
+
+}  // namespace
+}  // namespace dalle::train
