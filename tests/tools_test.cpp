@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 
 #include "test_support.h"
 
@@ -38,9 +39,11 @@ TEST(Tools, HelpDescribesEverySubcommand) {
     EXPECT_THAT(tokenizer.output, ::testing::HasSubstr(command));
   }
   EXPECT_EQ(run("dalle-data", "compose --help").status, 0);
-  const auto train_vae = run("dalle-train-vae", "--help");
-  EXPECT_EQ(train_vae.status, 0);
-  EXPECT_THAT(train_vae.output, ::testing::HasSubstr("--out"));
+  for (const char* tool : {"dalle-train-vae", "dalle-train", "dalle-encode-images", "dalle-generate"}) {
+    const auto help = run(tool, "--help");
+    EXPECT_EQ(help.status, 0) << tool;
+    EXPECT_THAT(help.output, ::testing::HasSubstr("--out")) << tool;
+  }
   EXPECT_THAT(run("dalle-data", "--version").output, ::testing::HasSubstr("torch 2.11"));
 }
 
@@ -123,6 +126,57 @@ TEST(Tools, FailuresExitNonZeroWithTheReason) {
   result = run("dalle-tokenizer", "decode --model " + (dir / "ids.txt") + " '1 2'");
   EXPECT_EQ(result.status, 1);
   EXPECT_THAT(result.output, ::testing::HasSubstr("not a SentencePiece model"));
+}
+
+// The whole chain a user runs: images -> tokenizer, dVAE -> token dataset -> prior ->
+// generated images, each tool with its own command line.
+TEST(Tools, TrainAPriorAndGenerateFromIt) {
+  ScratchDir dir;
+  auto check = [](const Result& result) { ASSERT_EQ(result.status, 0) << result.output; };
+  check(run("dalle-data", "compose --out " + (dir / "fc") +
+                              " --set train_images=32 --set test_images=8 --set heldout_images=0"));
+  check(run("dalle-tokenizer", "train --captions " + (dir / "fc/train") + " --out " + (dir / "tok.model") +
+                                   " --set vocab_size=60 --set text_length=12"));
+  check(run("dalle-train-vae", "--out " + (dir / "dvae") + " --set data.train=" + (dir / "fc/train") +
+                                   " --set data.validation=" + (dir / "fc/test") +
+                                   " --set data.image_size=16 --set data.batch_size=8 --set model.hidden=8"
+                                   " --set model.decoder_init=8 --set model.groups=2 --set model.downsamplings=1"
+                                   " --set model.blocks_per_group=1 --set model.vocab_size=32 --set steps=2"));
+  for (const char* split : {"train", "test"}) {
+    check(run("dalle-encode-images", "--dataset " + (dir / "fc/" + split) + " --dvae " + (dir / "dvae") +
+                                         " --tokenizer " + (dir / "tok.model") + " --out " + (dir / "tokens-" + split)));
+  }
+  testing::write_text(dir / "prior.yaml",
+                      "model: {text_length: 12, text_vocab_size: 60, grid_size: 8, image_vocab_size: 32,\n"
+                      "        layers: 2, width: 32, heads: 2, conv_kernel: 3}\n"
+                      "data: {train: " + (dir / "tokens-train") + ", validation: " + (dir / "tokens-test") +
+                      ", batch_size: 8}\n"
+                      "learning_rate: {peak: 1.0e-3, warmup_steps: 2, decay: cosine}\n"
+                      "steps: 4\nvalidate_every: 4\ncheckpoint_every: 4\n"
+                      "tokenizer: " + (dir / "tok.model") + "\nimage_tokenizer: " + (dir / "dvae") + "\n"
+                      "sample_captions: [a red bag on the left]\n");
+  check(run("dalle-train", "--config " + (dir / "prior.yaml") + " --out " + (dir / "prior")));
+  EXPECT_TRUE(std::filesystem::exists(dir / "prior/samples/step-000000004.png"));
+
+  const std::string prompts = " 'a red bag on the left' 'a blue sneaker at the top'";
+  check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "out") + " -n 2 --seed 7" + prompts));
+  for (const char* stem : {"0000-00", "0000-01", "0001-00", "0001-01"}) {
+    EXPECT_TRUE(std::filesystem::exists(dir / "out/" + stem + ".png")) << stem;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "out/grid.png"));
+  const auto sidecar = nlohmann::json::parse(testing::read_text(dir / "out/0001-01.json"));
+  EXPECT_EQ(sidecar["prompt"], "a blue sneaker at the top");
+  EXPECT_EQ(sidecar["seed"], 8);
+  EXPECT_EQ(sidecar["image_tokens"].size(), 64u);
+  check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "again") + " -n 2 --seed 7 --no-cache" +
+                                  prompts));
+  EXPECT_EQ(nlohmann::json::parse(testing::read_text(dir / "again/0001-01.json"))["image_tokens"],
+            sidecar["image_tokens"])
+      << "the same seed gives the same images, with or without the cache";
+
+  const auto no_prompts = run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "none"));
+  EXPECT_EQ(no_prompts.status, 1);
+  EXPECT_THAT(no_prompts.output, ::testing::HasSubstr("no captions"));
 }
 
 }  // namespace

@@ -1,0 +1,174 @@
+// Benchmarks of the prior, printed as JSON lines (docs/benchmarks.md has the tables):
+//   attention: the sparse path against dense masked attention, per mask kind, forward and
+//              backward of one attention resblock on a text + 32x32 sequence;
+//   generation: image tokens per second with and without the KV cache;
+//   training: tokens per second and peak resident memory of full training steps.
+// Ratios are taken within one run, on one machine.
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "dalle/models/prior.h"
+#include "dalle/models/prior_sampling.h"
+
+using namespace dalle;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Median-free but warm: one untimed call, then the mean of `repeats`.
+template <class Body>
+double time_per_call(int repeats, Body body) {
+  body();
+  const auto start = Clock::now();
+  for (int i = 0; i < repeats; ++i) body();
+  return seconds_since(start) / repeats;
+}
+
+double peak_rss_mib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;
+}
+
+torch::Tensor random_tokens(const models::PriorConfig& config, int64_t batch) {
+  return torch::cat({torch::randint(4, config.text_vocab_size, {batch, config.text_length}),
+                     torch::randint(0, config.image_vocab_size, {batch, config.image_length()})},
+                    1);
+}
+
+void attention(int64_t text_length, int64_t width, int64_t heads, int repeats) {
+  const models::SequenceLayout layout{.text_length = text_length, .grid_size = 32};
+  const int64_t length = layout.length(), head_width = width / heads;
+  for (const char* kind : {"row", "column", "conv"}) {
+    const models::LayerMask mask({.kind = models::parse_attention_kind(kind), .conv_kernel = 11}, layout);
+    auto q = torch::randn({1, heads, length, head_width}, torch::requires_grad());
+    auto k = torch::randn({1, heads, length, head_width}, torch::requires_grad());
+    auto v = torch::randn({1, heads, length, head_width}, torch::requires_grad());
+    nlohmann::json line = {{"benchmark", "attention"}, {"mask", kind}, {"text", text_length}, {"grid", 32},
+                           {"heads", heads}, {"head_width", head_width}};
+    for (auto path : {models::AttentionPath::dense, models::AttentionPath::sparse}) {
+      const std::string name = path == models::AttentionPath::dense ? "dense" : "sparse";
+      line[name + "_forward_ms"] = 1e3 * time_per_call(repeats, [&] {
+        torch::NoGradGuard no_grad;
+        models::masked_attention(q, k, v, mask, 0, path);
+      });
+      line[name + "_forward_backward_ms"] = 1e3 * time_per_call(repeats, [&] {
+        models::masked_attention(q, k, v, mask, 0, path).sum().backward();
+      });
+    }
+    line["forward_speedup"] = line["dense_forward_ms"].get<double>() / line["sparse_forward_ms"].get<double>();
+    line["forward_backward_speedup"] =
+        line["dense_forward_backward_ms"].get<double>() / line["sparse_forward_backward_ms"].get<double>();
+    std::printf("%s\n", line.dump().c_str());
+    std::fflush(stdout);
+  }
+}
+
+void generation(const models::PriorConfig& config, int64_t batch, const std::string& name) {
+  torch::manual_seed(0);
+  models::Prior prior(config);
+  prior->eval();
+  const auto captions = random_tokens(config, batch).index({torch::indexing::Slice(), torch::indexing::Slice(0, config.text_length)});
+  nlohmann::json line = {{"benchmark", "generation"}, {"model", name}, {"batch", batch},
+                         {"image_tokens", config.image_length()}, {"layers", config.layers}, {"width", config.width}};
+  for (bool cached : {true, false}) {
+    const auto start = Clock::now();
+    models::sample_image_tokens(prior, captions, {.use_cache = cached, .seed = 1});
+    const double elapsed = seconds_since(start);
+    line[cached ? "cached_tokens_per_s" : "uncached_tokens_per_s"] =
+        static_cast<double>(batch * config.image_length()) / elapsed;
+  }
+  line["cache_speedup"] = line["cached_tokens_per_s"].get<double>() / line["uncached_tokens_per_s"].get<double>();
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
+void training(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name) {
+  torch::manual_seed(0);
+  const double rss_before = peak_rss_mib();
+  models::Prior prior(config);
+  torch::optim::AdamW optimizer(prior->parameters(), torch::optim::AdamWOptions(1e-4));
+  const auto tokens = random_tokens(config, batch);
+  auto step = [&] {
+    auto loss = models::prior_loss(prior->forward(tokens), tokens, config).total;
+    optimizer.zero_grad();
+    loss.backward();
+    optimizer.step();
+  };
+  const double seconds = time_per_call(steps, step);
+  int64_t parameters = 0;
+  for (const auto& p : prior->parameters()) parameters += p.numel();
+  const nlohmann::json line = {{"benchmark", "training"},     {"model", name},
+                               {"layers", config.layers},     {"width", config.width},
+                               {"parameters", parameters},    {"batch", batch},
+                               {"sequence", config.length()}, {"attention_path", config.attention_path},
+                               {"step_s", seconds},           {"tokens_per_s", batch * config.length() / seconds},
+                               {"peak_rss_mib", peak_rss_mib()}, {"rss_before_mib", rss_before}};
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
+models::PriorConfig tiny() {
+  models::PriorConfig config;
+  config.text_length = 24;
+  config.text_vocab_size = 128;
+  config.grid_size = 8;
+  config.image_vocab_size = 512;
+  config.layers = 4;
+  config.width = 128;
+  config.heads = 4;
+  config.conv_kernel = 5;
+  return config;
+}
+
+// A few layers of ruDALL-E XL's 1.3B layout (width 2048, 16 heads, 128 + 32x32 tokens).
+models::PriorConfig rudalle_xl_slice(int64_t layers) {
+  models::PriorConfig config;
+  config.text_length = 128;
+  config.grid_size = 32;
+  config.layers = layers;
+  config.width = 2048;
+  config.heads = 16;
+  config.sandwich_norm = true;
+  config.head_norm = true;
+  config.gelu = "tanh";
+  return config;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // One benchmark per process, so that each peak resident memory is its own.
+  const std::string which = argc > 1 ? argv[1] : "";
+  const bool quick = argc > 2 && std::strcmp(argv[2], "--quick") == 0;
+  if (which == "attention") {
+    attention(256, 512, 8, quick ? 1 : 5);
+  } else if (which == "generation") {
+    auto config = tiny();
+    config.grid_size = 32;
+    config.text_length = 32;
+    generation(config, 4, "tiny, 32x32 grid");
+  } else if (which == "training-tiny") {
+    training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)");
+  } else if (which == "training-xl-slice") {
+    auto slice = rudalle_xl_slice(2);
+    slice.attention_path = argc > 3 ? argv[3] : "sparse";
+    training(slice, 1, quick ? 1 : 2, "ruDALL-E XL layout, 2-layer slice");
+  } else {
+    std::fprintf(stderr,
+                 "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice [--quick|--full] "
+                 "[sparse|dense]\n");
+    return 2;
+  }
+  return 0;
+}
