@@ -165,8 +165,11 @@ class YamlReader final : public ConfigVisitor {
     }
     const YAML::Mark mark = node.Mark();
     std::string where = source_.name;
-    if (!mark.is_null()) where += ":" + std::to_string(mark.line + 1) + ":" + std::to_string(mark.column + 1);
-    throw ConfigError(where + ": " + message);
+    if (!mark.is_null()) {
+      // Appended piecewise for the same GCC 12 false warning.
+      where.append(":").append(std::to_string(mark.line + 1)).append(":").append(std::to_string(mark.column + 1));
+    }
+    throw ConfigError(where.append(": ").append(message));
   }
 
  private:
@@ -440,6 +443,15 @@ void bind_config(const ConfigSource& source, const ConfigVisit& visit) {
   YamlReader reader(impl, impl.root, "");
   visit(reader);
   reader.refuse_unknown_keys();
+}
+
+std::string peek_choice(const ConfigSource& source, std::string_view key, const std::string& fallback,
+                        const std::vector<std::string>& choices) {
+  const auto& impl = source.impl();
+  YamlReader reader(impl, impl.root, "");
+  std::string value = fallback;
+  reader.field(key, value, "", {.choices = choices});
+  return value;
 }
 
 std::string config_to_yaml(const ConfigVisit& visit) {

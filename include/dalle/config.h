@@ -75,6 +75,11 @@ using ConfigVisit = std::function<void(ConfigVisitor&)>;
 // Reads `source` into the fields `visit` names. Refuses a value of the wrong type or out of
 // range, and any key that `visit` does not name, with the file, line and key path.
 void bind_config(const ConfigSource& source, const ConfigVisit& visit);
+// Reads one top-level string key ahead of binding, to choose which struct binds the rest
+// (dalle-train-vae's `kind`): `fallback` when the key is absent; a value outside `choices`
+// is refused with the file, line and key, as bind_config refuses it. Other keys are ignored.
+std::string peek_choice(const ConfigSource& source, std::string_view key, const std::string& fallback,
+                        const std::vector<std::string>& choices);
 // The config as YAML, every key with its current value.
 std::string config_to_yaml(const ConfigVisit& visit);
 // Markdown table of every key: path, type, default, limits, help.
