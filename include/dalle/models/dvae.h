@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "dalle/config.h"
+#include "dalle/models/image_tokenizer.h"
 
 namespace dalle::models {
 
@@ -105,14 +106,17 @@ TORCH_MODULE(DvaeDecoder);
 
 // Encoder and decoder together, with the token-level operations stage 2 needs. Its
 // parameters are named encoder.* and decoder.*.
-class DvaeImpl : public torch::nn::Module {
+class DvaeImpl : public torch::nn::Module, public ImageTokenizer {
  public:
   explicit DvaeImpl(const DvaeConfig& config);
 
   // [B, 3, H, W] images in [0, 1] -> [B, H/f, W/f] int64 tokens (argmax, no noise).
-  torch::Tensor encode_tokens(const torch::Tensor& images);
+  torch::Tensor encode_tokens(const torch::Tensor& images) override;
   // [B, h, w] tokens -> [B, 3, h*f, w*f] images in [0, 1].
-  torch::Tensor decode_tokens(const torch::Tensor& tokens);
+  torch::Tensor decode_tokens(const torch::Tensor& tokens) override;
+  int64_t vocab_size() const override { return config_.vocab_size; }
+  int64_t downsampling_factor() const override { return config_.downsampling_factor(); }
+  torch::nn::Module& module() override { return *this; }
   // Decoder output -> images in [0, 1]: unmap(sigmoid(mu)).
   static torch::Tensor reconstruction(const torch::Tensor& decoder_output);
 
