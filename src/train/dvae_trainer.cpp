@@ -5,13 +5,11 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/image.h"
 #include "dalle/data/loader.h"
-#include "dalle/io/atomic_file.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
@@ -19,6 +17,7 @@
 #include "dalle/train/ema.h"
 #include "dalle/train/optimizer_state.h"
 #include "run_directory.h"
+#include "trainer_support.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -91,18 +90,6 @@ void validate_schedules(const DvaeTrainConfig& config) {
   if (std::min(config.kl_weight.start, config.kl_weight.end) < 0.0) {
     throw Error("dvae training: kl_weight.start and kl_weight.end cannot be negative");
   }
-}
-
-// Keys that may change when a run resumes: how long and how often, not what is trained.
-bool may_change_on_resume(const std::string& key) {
-  return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
-         key == "keep_checkpoints" || key == "grid_images" || key == "threads" || key == "data.workers";
-}
-
-torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples) {
-  std::vector<torch::Tensor> images;
-  for (const auto& example : examples) images.push_back(example.image);
-  return torch::stack(images);
 }
 
 }  // namespace
@@ -200,7 +187,7 @@ void DvaeTrainer::run() {
   log::Progress progress("dvae", s.config.steps - s.step);
   while (s.step < s.config.steps) {
     auto batch = s.next_batch();
-    const auto metrics = s.train_step(stack_images(batch.examples));
+    const auto metrics = s.train_step(detail::stack_images(batch.examples));
     progress.advance();
     progress.set_loss(metrics.loss);
     const bool last = s.step == s.config.steps;
@@ -220,53 +207,15 @@ void DvaeTrainer::run() {
 }
 
 data::Batch<data::ImageCaptionExample> DvaeTrainer::State::next_batch() {
-  // A whole epoch without one readable image means none will come: say so, do not spin.
-  for (int64_t empty = 0; empty < loader->batches_per_epoch(); ++empty) {
-    auto batch = loader->next();
-    if (!batch.examples.empty()) return batch;
-  }
-  throw Error(config.data.train + ": a whole epoch without a readable image (" + train_set->report().summary() + ")");
+  return detail::next_nonempty_batch(*loader, *train_set);
 }
 
 DvaeValidation DvaeTrainer::validate() {
   auto& s = *state_;
-  torch::NoGradGuard no_grad;
   s.ema->copy_to(*s.ema_model);
   s.ema_model->eval();
-  const int64_t count = std::min<int64_t>(static_cast<int64_t>(s.validation_set->size()), 256);
-  std::vector<torch::Tensor> originals, reconstructions, tokens;
-  for (int64_t begin = 0; begin < count; begin += s.config.data.batch_size) {
-    std::vector<data::ImageCaptionExample> examples;
-    for (int64_t i = begin; i < std::min(count, begin + s.config.data.batch_size); ++i) {
-      std::mt19937_64 rng(static_cast<uint64_t>(i));
-      if (auto example = s.validation_set->get(static_cast<size_t>(i), rng)) examples.push_back(std::move(*example));
-    }
-    if (examples.empty()) continue;
-    const auto images = stack_images(examples);
-    const auto codes = s.ema_model->encode_tokens(images);
-    originals.push_back(images);
-    tokens.push_back(codes);
-    reconstructions.push_back(s.ema_model->decode_tokens(codes));
-  }
-  if (originals.empty()) throw Error("dvae: no readable validation image");
-  const auto original = torch::cat(originals), reconstruction = torch::cat(reconstructions);
-  const auto usage = models::codebook_usage(torch::cat(tokens), s.config.model.vocab_size);
-  DvaeValidation result{models::psnr(reconstruction, original), usage.perplexity, usage.used_fraction};
-
-  std::vector<torch::Tensor> tiles;
-  std::vector<std::string> labels;
-  for (int64_t i = 0; i < std::min<int64_t>(s.config.grid_images, original.size(0)); ++i) {
-    tiles.push_back(original[i]);
-    tiles.push_back(reconstruction[i]);
-    labels.push_back("original");
-    labels.push_back("update " + std::to_string(s.step));
-  }
-  char name[48];
-  std::snprintf(name, sizeof name, "samples/step-%09lld.png", static_cast<long long>(s.step));
-  data::write_png((s.run / name).string(), data::make_grid(tiles, labels, {.columns = 4, .tile_size = 128}));
-  s.metrics_log.append({{"step", s.step}, {"validation_psnr", result.psnr}, {"perplexity", result.perplexity},
-                    {"codes_used", result.codes_used}});
-  return result;
+  return detail::validate_tokenizer(*s.ema_model, *s.validation_set, s.config.data.batch_size, s.config.grid_images,
+                                    s.step, s.run, s.metrics_log, "dvae");
 }
 
 void DvaeTrainer::State::save_checkpoint() {
@@ -286,15 +235,11 @@ void DvaeTrainer::State::save_checkpoint() {
 
 void DvaeTrainer::State::resume(const std::string& directory) {
   auto checkpoint = io::load_checkpoint(directory);
-  check_resumable<DvaeTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change_on_resume);
+  check_resumable<DvaeTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
+                                   detail::may_change_on_resume);
   io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors");
-  io::TensorMap ema_weights, adam;
-  for (const auto& [name, tensor] : checkpoint.state) {
-    if (name.rfind("ema.", 0) == 0) ema_weights.emplace(name.substr(4), tensor);
-    if (name.rfind("adamw.", 0) == 0) adam.emplace(name.substr(6), tensor);
-  }
-  ema->load(ema_weights);
-  load_adamw_state(*optimizer, *model, adam);
+  ema->load(detail::with_prefix_removed(checkpoint.state, "ema."));
+  load_adamw_state(*optimizer, *model, detail::with_prefix_removed(checkpoint.state, "adamw."));
   noise.set_state(checkpoint.state.at("rng.noise"));
   auto torch_generator = at::detail::getDefaultCPUGenerator();  // a handle: setting its state sets torch's
   torch_generator.set_state(checkpoint.state.at("rng.torch"));
@@ -310,10 +255,7 @@ TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint) {
   const auto checkpoint = io::load_checkpoint(directory);
   const auto config = load_config<DvaeTrainConfig>(
       ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
-  io::TensorMap ema;
-  for (const auto& [name, tensor] : checkpoint.state) {
-    if (name.rfind("ema.", 0) == 0) ema.emplace(name.substr(4), tensor);
-  }
+  const auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
   TrainedDvae trained{models::Dvae(config.model), config.data.image_size};
   io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);
   trained.model->eval();

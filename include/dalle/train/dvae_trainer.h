@@ -13,10 +13,12 @@
 #include "dalle/config.h"
 #include "dalle/models/dvae.h"
 #include "dalle/train/schedule.h"
+#include "dalle/train/tokenizer_validation.h"
 
 namespace dalle::train {
 
-struct DvaeDataConfig {
+// Image datasets and batching: the same keys for every image-tokenizer trainer.
+struct ImageDataConfig {
   std::string train;       // image-caption dataset folder
   std::string validation;  // held-out images for PSNR and reconstruction grids
   int64_t image_size = 256;
@@ -33,6 +35,8 @@ struct DvaeDataConfig {
     v.field("random_crop", random_crop, "crop at random places instead of the centre");
   }
 };
+
+using DvaeDataConfig = ImageDataConfig;
 
 struct DvaeTrainConfig {
   models::DvaeConfig model;
@@ -61,11 +65,8 @@ struct DvaeStepMetrics {
   double temperature = 0, kl_weight = 0, learning_rate = 0;
 };
 
-struct DvaeValidation {
-  double psnr = 0;  // of argmax-decoded reconstructions, EMA weights
-  double perplexity = 0;
-  double codes_used = 0;  // fraction of the codebook
-};
+// PSNR of argmax-decoded reconstructions with the EMA weights, codebook usage.
+using DvaeValidation = TokenizerValidation;
 
 class DvaeTrainer {
  public:

@@ -1,0 +1,93 @@
+#include "trainer_support.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "dalle/data/image.h"
+#include "dalle/models/dvae_objective.h"
+
+namespace dalle::train::detail {
+namespace fs = std::filesystem;
+
+bool may_change_on_resume(const std::string& key) {
+  return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
+         key == "keep_checkpoints" || key == "grid_images" || key == "threads" || key == "data.workers";
+}
+
+torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples) {
+  std::vector<torch::Tensor> images;
+  for (const auto& example : examples) images.push_back(example.image);
+  return torch::stack(images);
+}
+
+data::Batch<data::ImageCaptionExample> next_nonempty_batch(data::DataLoader<data::ImageCaptionDataset>& loader,
+                                                          const data::ImageCaptionDataset& dataset) {
+  // A whole epoch without one readable image means none will come: say so, do not spin.
+  for (int64_t empty = 0; empty < loader.batches_per_epoch(); ++empty) {
+    auto batch = loader.next();
+    if (!batch.examples.empty()) return batch;
+  }
+  throw Error(dataset.root() + ": a whole epoch without a readable image (" + dataset.report().summary() + ")");
+}
+
+io::TensorMap with_prefix_removed(const io::TensorMap& tensors, const std::string& prefix) {
+  io::TensorMap out;
+  for (const auto& [name, tensor] : tensors) {
+    if (name.rfind(prefix, 0) == 0) out.emplace(name.substr(prefix.size()), tensor);
+  }
+  return out;
+}
+
+namespace {
+
+void write_grid(const torch::Tensor& original, const torch::Tensor& reconstruction, int64_t count, int64_t step,
+                const fs::path& run) {
+  std::vector<torch::Tensor> tiles;
+  std::vector<std::string> labels;
+  for (int64_t i = 0; i < std::min<int64_t>(count, original.size(0)); ++i) {
+    tiles.push_back(original[i]);
+    tiles.push_back(reconstruction[i]);
+    labels.push_back("original");
+    labels.push_back("update " + std::to_string(step));
+  }
+  char name[48];
+  std::snprintf(name, sizeof name, "samples/step-%09lld.png", static_cast<long long>(step));
+  data::write_png((run / name).string(), data::make_grid(tiles, labels, {.columns = 4, .tile_size = 128}));
+}
+
+}  // namespace
+
+TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const data::ImageCaptionDataset& images,
+                                       int64_t batch_size, int64_t grid_images, int64_t step, const fs::path& run,
+                                       const MetricsLog& metrics, const std::string& what) {
+  torch::NoGradGuard no_grad;
+  const int64_t count = std::min<int64_t>(static_cast<int64_t>(images.size()), 256);
+  std::vector<torch::Tensor> originals, reconstructions, tokens;
+  for (int64_t begin = 0; begin < count; begin += batch_size) {
+    std::vector<data::ImageCaptionExample> examples;
+    for (int64_t i = begin; i < std::min(count, begin + batch_size); ++i) {
+      std::mt19937_64 rng(static_cast<uint64_t>(i));
+      if (auto example = images.get(static_cast<size_t>(i), rng)) examples.push_back(std::move(*example));
+    }
+    if (examples.empty()) continue;
+    const auto batch = stack_images(examples);
+    const auto codes = tokenizer.encode_tokens(batch);
+    originals.push_back(batch);
+    tokens.push_back(codes);
+    reconstructions.push_back(tokenizer.decode_tokens(codes));
+  }
+  if (originals.empty()) throw Error(what + ": no readable validation image in " + images.root());
+  const auto original = torch::cat(originals), reconstruction = torch::cat(reconstructions);
+  const auto usage = models::codebook_usage(torch::cat(tokens), tokenizer.vocab_size());
+  TokenizerValidation result{models::psnr(reconstruction, original), usage.perplexity, usage.used_fraction};
+  write_grid(original, reconstruction, grid_images, step, run);
+  metrics.append({{"step", step}, {"validation_psnr", result.psnr}, {"perplexity", result.perplexity},
+                  {"codes_used", result.codes_used}});
+  return result;
+}
+
+}  // namespace dalle::train::detail

@@ -1,0 +1,39 @@
+#pragma once
+// What the image-tokenizer trainers (dVAE, VQGAN) share beyond run_directory.h: the keys a
+// resume may change, batches that never come back empty, and validation with a
+// reconstruction grid over any ImageTokenizer. Private to the library.
+#include <torch/types.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "dalle/data/caption_dataset.h"
+#include "dalle/data/loader.h"
+#include "dalle/io/safetensors.h"
+#include "dalle/models/image_tokenizer.h"
+#include "dalle/train/tokenizer_validation.h"
+#include "run_directory.h"
+
+namespace dalle::train::detail {
+
+// Keys that may change when a run resumes: how long and how often, not what is trained.
+bool may_change_on_resume(const std::string& key);
+
+torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples);
+
+// The next batch with at least one image; throws after a whole epoch of unreadable ones.
+data::Batch<data::ImageCaptionExample> next_nonempty_batch(data::DataLoader<data::ImageCaptionDataset>& loader,
+                                                          const data::ImageCaptionDataset& dataset);
+
+// Tensors of `tensors` whose name starts with `prefix`, the prefix removed.
+io::TensorMap with_prefix_removed(const io::TensorMap& tensors, const std::string& prefix);
+
+// PSNR of decode(encode(x)) and codebook usage over the first 256 validation images; writes
+// original | reconstruction pairs to run/samples/step-N.png and a line to the metrics log.
+TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const data::ImageCaptionDataset& images,
+                                       int64_t batch_size, int64_t grid_images, int64_t step,
+                                       const std::filesystem::path& run, const MetricsLog& metrics,
+                                       const std::string& what);
+
+}  // namespace dalle::train::detail
