@@ -6,24 +6,25 @@
 #include "dalle/data/loader.h"
 #include "dalle/log.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/image_tokenizer_loader.h"
 
 namespace dalle::train {
 
 data::TokenDatasetInfo encode_images(const EncodeImagesOptions& options) {
-  auto dvae = load_trained_dvae(options.dvae);
+  const auto vae = load_image_tokenizer(options.image_tokenizer);
   const auto tokenizer = text::Tokenizer::load(options.tokenizer);
-  auto dataset = data::ImageCaptionDataset::open(options.dataset, {.image_size = dvae.image_size});
+  auto dataset = data::ImageCaptionDataset::open(options.dataset, {.image_size = vae.image_size});
   data::DataLoader<data::ImageCaptionDataset> loader(
       dataset, {.batch_size = options.batch_size, .workers = options.workers, .drop_last = false,
                 .sampler = {.shuffle = false}});
 
-  const int64_t grid = dvae.image_size / dvae.model->config().downsampling_factor();
+  const int64_t grid = vae.grid_size();
   data::TokenDatasetWriter writer(
       options.out,
-      {.image_vocab_size = dvae.model->config().vocab_size, .text_vocab_size = tokenizer.vocab_size(),
+      {.image_vocab_size = vae.model->vocab_size(), .text_vocab_size = tokenizer.vocab_size(),
        .grid_height = grid, .grid_width = grid, .text_length = tokenizer.text_length(),
-       .source = "images " + options.dataset + ", dVAE " + options.dvae + ", tokenizer " + options.tokenizer},
+       .source = "images " + options.dataset + ", " + vae.kind + " " + options.image_tokenizer + ", tokenizer " +
+                 options.tokenizer},
       options.images_per_shard);
 
   torch::NoGradGuard no_grad;
@@ -36,7 +37,7 @@ data::TokenDatasetInfo encode_images(const EncodeImagesOptions& options) {
     if (batch.examples.empty()) continue;
     std::vector<torch::Tensor> images;
     for (const auto& example : batch.examples) images.push_back(example.image);
-    const auto tokens = dvae.model->encode_tokens(torch::stack(images));
+    const auto tokens = vae.model->encode_tokens(torch::stack(images));
     for (size_t i = 0; i < batch.examples.size(); ++i) {
       const auto& captions = dataset->record(static_cast<size_t>(batch.examples[i].index)).captions;
       std::vector<torch::Tensor> ids;

@@ -119,8 +119,9 @@ TEST_F(DvaeTrainerTest, EncodeImagesWritesTheDvaeTokensAndCaptionIds) {
   tokenizer_config.text_length = 24;
   text::Tokenizer::train(captions, tokenizer_config, dir / "tok.model");
 
-  const auto info = encode_images({.dataset = *data_ / "fc/test", .dvae = dir / "dvae", .tokenizer = dir / "tok.model",
-                                   .out = dir / "tokens", .batch_size = 3, .images_per_shard = 5});
+  const auto info = encode_images({.dataset = *data_ / "fc/test", .image_tokenizer = dir / "dvae",
+                                   .tokenizer = dir / "tok.model", .out = dir / "tokens", .batch_size = 3,
+                                   .images_per_shard = 5});
   EXPECT_EQ(info.images, 8);
   EXPECT_EQ(info.shards, 2);
   EXPECT_EQ(info.grid_height, 8);

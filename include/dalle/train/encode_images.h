@@ -1,6 +1,7 @@
 #pragma once
 // Turns an image-caption dataset into the token dataset stage 2 trains on: each image
-// through a trained dVAE (argmax tokens), each caption through the tokenizer.
+// through a trained image tokenizer (a dVAE's argmax tokens or a VQGAN's codes), each
+// caption through the text tokenizer.
 #include <cstdint>
 #include <string>
 
@@ -10,7 +11,7 @@ namespace dalle::train {
 
 struct EncodeImagesOptions {
   std::string dataset;    // image-caption dataset folder
-  std::string dvae;       // dVAE run directory or checkpoint
+  std::string image_tokenizer;  // dVAE or VQGAN run directory or checkpoint
   std::string tokenizer;  // tokenizer model (its config beside it)
   std::string out;        // token dataset folder
   int64_t batch_size = 32;

@@ -1,0 +1,105 @@
+#pragma once
+// Trains a VQGAN image tokenizer (taming-transformers' recipe without the perceptual loss):
+// an L1 or MSE reconstruction loss on images in [-1, 1], the quantizer's loss (the gumbel
+// quantizer's KL to uniform, or the vector quantizer's codebook + commitment terms, with
+// restarts of unused codes), and optionally a PatchGAN discriminator with hinge losses from
+// a configured update on, its weight balanced adaptively at the decoder's last layer.
+// The run directory, checkpoints, exact resume, EMA, metrics and validation are the dVAE
+// trainer's.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "dalle/config.h"
+#include "dalle/models/vqgan.h"
+#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/schedule.h"
+#include "dalle/train/tokenizer_validation.h"
+
+namespace dalle::train {
+
+struct DiscriminatorConfig {
+  bool enabled = false;
+  int64_t start = 10'000;
+  double weight = 0.8;
+  bool adaptive_weight = true;
+  int64_t channels = 64;
+  int64_t layers = 3;
+
+  void visit(ConfigVisitor& v) {
+    v.field("enabled", enabled, "train a PatchGAN discriminator and add its hinge loss to the generator's");
+    v.field("start", start, "update from which the discriminator trains and its loss counts (taming: disc_start)",
+            {.min = 0});
+    v.field("weight", weight, "weight of the generator's adversarial loss (taming: disc_weight 0.8)", {.min = 0.0});
+    v.field("adaptive_weight", adaptive_weight,
+            "scale the adversarial loss by |grad reconstruction| / |grad adversarial| at the decoder's last layer");
+    v.field("channels", channels, "channels of the discriminator's first conv (taming: 64)", {.min = 1, .max = 4096});
+    v.field("layers", layers, "stride-2 convs; images must be at least 3 * 2^layers pixels wide (taming: 3)",
+            {.min = 1, .max = 8});
+  }
+};
+
+struct VqganTrainConfig {
+  std::string kind = "vqgan";
+  models::VqganConfig model;
+  ImageDataConfig data;
+  std::string reconstruction_loss = "l1";
+  CosineSchedule learning_rate{1e-4, 1e-5, 500'000};
+  CosineSchedule temperature{0.9, 1e-6, 1'000'001};
+  double kl_weight = 1e-8;
+  double commitment = 0.25;
+  int64_t restart_every = 200;
+  DiscriminatorConfig discriminator;
+  double beta1 = 0.5, beta2 = 0.9, epsilon = 1e-8, weight_decay = 0.0;
+  double ema_decay = 0.999;
+  int64_t steps = 500'000;
+  int64_t log_every = 100;
+  int64_t validate_every = 1000;
+  int64_t checkpoint_every = 1000;
+  int64_t keep_checkpoints = 3;
+  int64_t grid_images = 8;
+  int64_t seed = 0;
+  int64_t threads = 0;
+
+  void visit(ConfigVisitor& v);
+};
+
+struct VqganStepMetrics {
+  int64_t step = 0;  // updates done, this one included
+  double loss = 0;            // everything the generator minimised
+  double reconstruction = 0;  // L1 or MSE on [-1, 1] images
+  double quantizer = 0;       // weighted: kl_weight * KL, or codebook + commitment * commitment term
+  double adversarial = 0;     // generator hinge loss (0 before the discriminator starts)
+  double adversarial_weight = 0;  // weight * adaptive factor actually applied
+  double discriminator = 0;   // discriminator hinge loss
+  double temperature = 0, learning_rate = 0;
+  int64_t restarted = 0;      // codes restarted at this update
+};
+
+class VqganTrainer {
+ public:
+  // Creates `run_directory` or resumes the run in it.
+  VqganTrainer(VqganTrainConfig config, std::string run_directory);
+  ~VqganTrainer();
+
+  void run();
+  int64_t step() const;
+  // PSNR and codebook usage on the validation set, with the EMA weights; writes a grid.
+  TokenizerValidation validate();
+  models::Vqgan& model();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+// A trained VQGAN from a run directory (its latest checkpoint) or a checkpoint directory,
+// e.g. one written by scripts/export_rudalle_vqgan.py: the EMA weights when the checkpoint
+// has them, and the image side it was trained at.
+struct TrainedVqgan {
+  models::Vqgan model{nullptr};
+  int64_t image_size = 0;
+};
+TrainedVqgan load_trained_vqgan(const std::string& run_or_checkpoint);
+
+}  // namespace dalle::train

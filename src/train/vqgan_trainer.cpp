@@ -1,0 +1,349 @@
+#include "dalle/train/vqgan_trainer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/caption_dataset.h"
+#include "dalle/data/loader.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/log.h"
+#include "dalle/models/patch_discriminator.h"
+#include "dalle/train/ema.h"
+#include "dalle/train/optimizer_state.h"
+#include "run_directory.h"
+#include "trainer_support.h"
+
+namespace dalle::train {
+namespace fs = std::filesystem;
+
+void VqganTrainConfig::visit(ConfigVisitor& v) {
+  v.field("kind", kind, "image tokenizer the recipe trains; dalle-train-vae reads it first (vqgan: this table)",
+          {.choices = {"vqgan"}});
+  v.section("model", "VQGAN sizes (taming-transformers' ddconfig, ruDALL-E's names)", model);
+  v.section("data", "datasets and batching", data);
+  v.field("reconstruction_loss", reconstruction_loss,
+          "pixel loss between images and reconstructions in [-1, 1]: l1 (taming) or mse", {.choices = {"l1", "mse"}});
+  v.section("learning_rate", "cosine learning-rate schedule, shared by the discriminator", learning_rate);
+  v.section("temperature",
+            "cosine gumbel-softmax temperature schedule, gumbel quantizer only (ruDALL-E's recipe: 0.9 -> 1e-6 "
+            "over 1M updates)",
+            temperature);
+  v.field("kl_weight", kl_weight, "weight of the gumbel quantizer's KL to the uniform prior (ruDALL-E: 1e-8)",
+          {.min = 0.0});
+  v.field("commitment", commitment,
+          "beta: weight of the vector quantizer's commitment term; the codebook term has weight 1 (VQ-VAE: 0.25)",
+          {.min = 0.0});
+  v.field("restart_every", restart_every,
+          "vector quantizer: every this many updates, codes no encoder output chose since the last restart are "
+          "moved onto encoder outputs of the current batch (0: never)",
+          {.min = 0});
+  v.section("discriminator", "PatchGAN discriminator with hinge losses (taming's VQGAN loss without LPIPS)",
+            discriminator);
+  v.field("beta1", beta1, "AdamW beta1 (taming: 0.5)", {.min = 0.0, .max = 1.0});
+  v.field("beta2", beta2, "AdamW beta2 (taming: 0.9)", {.min = 0.0, .max = 1.0});
+  v.field("epsilon", epsilon, "AdamW epsilon", {.min = 0.0});
+  v.field("weight_decay", weight_decay, "AdamW decoupled weight decay (taming: 0)", {.min = 0.0});
+  v.field("ema_decay", ema_decay, "decay of the weights' moving average, used to validate and tokenize",
+          {.min = 0.0, .max = 0.999999});
+  v.field("steps", steps, "updates to train for", {.min = 1});
+  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
+  v.field("validate_every", validate_every, "updates between validations (PSNR, codebook usage, grid)", {.min = 1});
+  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
+  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
+  v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
+  v.field("seed", seed, "seed of initialisation, data order, gumbel noise and code restarts", {.min = 0});
+  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+}
+
+struct VqganTrainer::State {
+  VqganTrainConfig config;
+  fs::path run;
+  models::Vqgan model{nullptr};
+  models::Vqgan ema_model{nullptr};
+  std::unique_ptr<Ema> ema;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  models::PatchDiscriminator discriminator{nullptr};
+  std::unique_ptr<torch::optim::AdamW> discriminator_optimizer;
+  std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
+  std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
+  at::Generator noise;
+  io::CheckpointStore checkpoints;
+  MetricsLog metrics_log;
+  torch::Tensor usage;  // vector quantizer: how often each code was chosen since the last restart
+  int64_t step = 0;
+
+  State(VqganTrainConfig c, fs::path r)
+      : config(std::move(c)),
+        run(std::move(r)),
+        noise(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed))),
+        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
+        metrics_log(run / "metrics.jsonl"),
+        usage(torch::zeros({config.model.n_embed}, torch::kInt64)) {}
+
+  VqganStepMetrics train_step(const torch::Tensor& images);
+  torch::Tensor reconstruction_loss(const torch::Tensor& output, const torch::Tensor& target) const;
+  double adaptive_factor(const torch::Tensor& reconstruction, const torch::Tensor& adversarial);
+  double train_discriminator(const torch::Tensor& real, const torch::Tensor& fake);
+  int64_t track_usage(const models::VqganOutput& out);
+  void log_step(const VqganStepMetrics& metrics);
+  void save_checkpoint();
+  void resume(const std::string& directory);
+};
+
+namespace {
+
+std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<torch::Tensor>& parameters,
+                                                const VqganTrainConfig& config) {
+  return std::make_unique<torch::optim::AdamW>(parameters, torch::optim::AdamWOptions(config.learning_rate.at(0))
+                                                               .betas({config.beta1, config.beta2})
+                                                               .eps(config.epsilon)
+                                                               .weight_decay(config.weight_decay));
+}
+
+void validate_settings(const VqganTrainConfig& config) {
+  if (config.data.train.empty() || config.data.validation.empty()) {
+    throw Error("vqgan training: data.train and data.validation must name dataset folders");
+  }
+  config.model.validate();
+  if (config.data.image_size % config.model.downsampling_factor() != 0) {
+    throw Error("vqgan training: data.image_size must be a multiple of 2^(levels - 1) = " +
+                std::to_string(config.model.downsampling_factor()));
+  }
+  if (config.model.gumbel() && std::min(config.temperature.start, config.temperature.end) <= 0.0) {
+    throw Error("vqgan training: temperature.start and temperature.end must be positive");
+  }
+  if (std::min(config.learning_rate.start, config.learning_rate.end) < 0.0) {
+    throw Error("vqgan training: learning_rate.start and learning_rate.end cannot be negative");
+  }
+  const int64_t smallest = models::PatchDiscriminatorImpl::min_image_size(config.discriminator.layers);
+  if (config.discriminator.enabled && config.data.image_size < smallest) {
+    throw Error("vqgan training: a discriminator with " + std::to_string(config.discriminator.layers) +
+                " layers needs images of at least " + std::to_string(smallest) + " pixels; lower discriminator.layers");
+  }
+}
+
+}  // namespace
+
+VqganTrainer::VqganTrainer(VqganTrainConfig config, std::string run_directory) {
+  validate_settings(config);
+  check_run_directory(run_directory, "VQGAN");
+  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  torch::manual_seed(static_cast<uint64_t>(config.seed));
+
+  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  auto& s = *state_;
+  s.model = models::Vqgan(s.config.model);
+  s.ema_model = models::Vqgan(s.config.model);
+  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
+  s.optimizer = make_adamw(s.model->parameters(), s.config);
+  if (s.config.discriminator.enabled) {
+    s.discriminator = models::PatchDiscriminator(s.config.model.out_channels, s.config.discriminator.channels,
+                                                 s.config.discriminator.layers);
+    s.discriminator_optimizer = make_adamw(s.discriminator->parameters(), s.config);
+  }
+
+  s.train_set = data::ImageCaptionDataset::open(
+      s.config.data.train, {.image_size = s.config.data.image_size, .random_crop = s.config.data.random_crop});
+  s.validation_set = data::ImageCaptionDataset::open(s.config.data.validation, {.image_size = s.config.data.image_size});
+  s.loader = std::make_unique<data::DataLoader<data::ImageCaptionDataset>>(
+      s.train_set, data::LoaderOptions{.batch_size = s.config.data.batch_size,
+                                       .workers = s.config.data.workers,
+                                       .sampler = {.seed = static_cast<uint64_t>(s.config.seed)}});
+  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
+  // Written only once a resume has succeeded, so a refused resume leaves the run untouched.
+  fs::create_directories(s.run / "samples");
+  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+}
+
+VqganTrainer::~VqganTrainer() = default;
+
+int64_t VqganTrainer::step() const { return state_->step; }
+models::Vqgan& VqganTrainer::model() { return state_->model; }
+
+torch::Tensor VqganTrainer::State::reconstruction_loss(const torch::Tensor& output, const torch::Tensor& target) const {
+  return config.reconstruction_loss == "mse" ? (output - target).pow(2).mean() : (output - target).abs().mean();
+}
+
+double VqganTrainer::State::adaptive_factor(const torch::Tensor& reconstruction, const torch::Tensor& adversarial) {
+  // taming's balance: both losses pull on the decoder's last layer about equally hard.
+  const auto last = model->decoder->last_layer_weight();
+  const auto reconstruction_grad = torch::autograd::grad({reconstruction}, {last}, {}, /*retain_graph=*/true)[0];
+  const auto adversarial_grad = torch::autograd::grad({adversarial}, {last}, {}, /*retain_graph=*/true)[0];
+  return (reconstruction_grad.norm() / (adversarial_grad.norm() + 1e-4)).clamp(0.0, 1e4).item<double>();
+}
+
+double VqganTrainer::State::train_discriminator(const torch::Tensor& real, const torch::Tensor& fake) {
+  discriminator_optimizer->zero_grad();  // also drops what the generator's loss left on it
+  const auto loss = models::discriminator_hinge_loss(discriminator->forward(real), discriminator->forward(fake));
+  loss.backward();
+  discriminator_optimizer->step();
+  return loss.item<double>();
+}
+
+int64_t VqganTrainer::State::track_usage(const models::VqganOutput& out) {
+  if (!model->vector) return 0;
+  usage += torch::bincount(out.quantized.tokens.flatten().to(torch::kCPU), {}, config.model.n_embed);
+  if (config.restart_every == 0 || step % config.restart_every != 0) return 0;
+  const int64_t restarted = model->vector->restart_unused(usage, out.latents, noise);
+  usage.zero_();
+  return restarted;
+}
+
+VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
+  VqganStepMetrics metrics;
+  metrics.temperature = config.temperature.at(step);
+  metrics.learning_rate = config.learning_rate.at(step);
+  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+  if (discriminator_optimizer) {
+    for (auto& group : discriminator_optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+  }
+
+  const auto x = images * 2.0 - 1.0;
+  const auto out = model->forward(x, metrics.temperature, noise);
+  const auto reconstruction = reconstruction_loss(out.reconstruction, x);
+  const auto& q = out.quantized;
+  const auto quantizer = model->gumbel ? config.kl_weight * q.kl : q.codebook + config.commitment * q.commitment;
+  auto loss = reconstruction + quantizer;
+  const bool adversarial = discriminator && step >= config.discriminator.start;
+  torch::Tensor generator_loss;
+  if (adversarial) {
+    generator_loss = models::generator_hinge_loss(discriminator->forward(out.reconstruction));
+    const double factor = config.discriminator.adaptive_weight ? adaptive_factor(reconstruction, generator_loss) : 1.0;
+    metrics.adversarial_weight = config.discriminator.weight * factor;
+    loss = loss + metrics.adversarial_weight * generator_loss;
+  }
+  if (!torch::isfinite(loss).item<bool>()) {
+    // Stop before the weights, the EMA or a checkpoint take the non-finite values.
+    throw Error("vqgan: the loss is not finite at update " + std::to_string(step + 1) + " (reconstruction " +
+                std::to_string(reconstruction.item<double>()) + ", quantizer " +
+                std::to_string(quantizer.item<double>()) +
+                "); lower the learning rate or resume from an earlier checkpoint");
+  }
+  optimizer->zero_grad();
+  loss.backward();
+  optimizer->step();
+  ema->update(*model);
+  if (adversarial) metrics.discriminator = train_discriminator(x, out.reconstruction.detach());
+  ++step;
+  metrics.restarted = track_usage(out);
+
+  metrics.step = step;
+  metrics.loss = loss.item<double>();
+  metrics.reconstruction = reconstruction.item<double>();
+  metrics.quantizer = quantizer.item<double>();
+  metrics.adversarial = adversarial ? generator_loss.item<double>() : 0.0;
+  return metrics;
+}
+
+void VqganTrainer::State::log_step(const VqganStepMetrics& m) {
+  nlohmann::json line = {{"step", m.step}, {"loss", m.loss}, {"reconstruction", m.reconstruction},
+                         {"quantizer", m.quantizer}, {"learning_rate", m.learning_rate}};
+  if (model->gumbel) line["temperature"] = m.temperature;
+  if (model->vector) line["restarted"] = m.restarted;
+  if (discriminator) {
+    line["adversarial"] = m.adversarial;
+    line["adversarial_weight"] = m.adversarial_weight;
+    line["discriminator"] = m.discriminator;
+  }
+  metrics_log.append(line);
+}
+
+void VqganTrainer::run() {
+  auto& s = *state_;
+  if (s.step >= s.config.steps) {
+    log::info("vqgan: already trained for ", s.step, " updates");
+    return;
+  }
+  log::info("vqgan: training from update ", s.step, " to ", s.config.steps, " in ", s.run.string());
+  log::Progress progress("vqgan", s.config.steps - s.step);
+  while (s.step < s.config.steps) {
+    auto batch = detail::next_nonempty_batch(*s.loader, *s.train_set);
+    const auto metrics = s.train_step(detail::stack_images(batch.examples));
+    progress.advance();
+    progress.set_loss(metrics.loss);
+    const bool last = s.step == s.config.steps;
+    if (s.step % s.config.log_every == 0 || last) s.log_step(metrics);
+    if (s.step % s.config.validate_every == 0 || last) {
+      const auto validation = validate();
+      log::info("vqgan: update ", s.step, " loss ", metrics.loss, " validation PSNR ", validation.psnr,
+                " dB, perplexity ", validation.perplexity, ", codes used ", validation.codes_used);
+    }
+    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
+  }
+  progress.finish();
+}
+
+TokenizerValidation VqganTrainer::validate() {
+  auto& s = *state_;
+  s.ema->copy_to(*s.ema_model);
+  s.ema_model->eval();
+  return detail::validate_tokenizer(*s.ema_model, *s.validation_set, s.config.data.batch_size, s.config.grid_images,
+                                    s.step, s.run, s.metrics_log, "vqgan");
+}
+
+void VqganTrainer::State::save_checkpoint() {
+  io::Checkpoint checkpoint;
+  checkpoint.config_yaml = config_to_yaml(visit_of(config));
+  checkpoint.weights = io::state_dict(*model);
+  auto& state = checkpoint.state;
+  for (const auto& [name, tensor] : ema->weights()) state.emplace("ema." + name, tensor);
+  for (const auto& [name, tensor] : adamw_state(*optimizer, *model)) state.emplace("adamw." + name, tensor);
+  if (discriminator) {
+    for (const auto& [name, tensor] : io::state_dict(*discriminator)) state.emplace("discriminator." + name, tensor);
+    for (const auto& [name, tensor] : adamw_state(*discriminator_optimizer, *discriminator)) {
+      state.emplace("discriminator_adamw." + name, tensor);
+    }
+  }
+  state.emplace("vq.usage", usage);
+  state.emplace("rng.noise", noise.get_state());
+  state.emplace("rng.torch", at::detail::getDefaultCPUGenerator().get_state());
+  const auto position = loader->position();
+  checkpoint.state_metadata = {{"step", std::to_string(step)},
+                               {"loader_epoch", std::to_string(position.epoch)},
+                               {"loader_batch", std::to_string(position.batch)}};
+  log::info("vqgan: checkpoint ", checkpoints.save(step, checkpoint));
+}
+
+void VqganTrainer::State::resume(const std::string& directory) {
+  auto checkpoint = io::load_checkpoint(directory);
+  check_resumable<VqganTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
+                                    detail::may_change_on_resume);
+  const auto& state = checkpoint.state;
+  io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors");
+  ema->load(detail::with_prefix_removed(state, "ema."));
+  load_adamw_state(*optimizer, *model, detail::with_prefix_removed(state, "adamw."));
+  if (discriminator) {
+    io::load_state_dict(*discriminator, detail::with_prefix_removed(state, "discriminator."),
+                        directory + "/state.safetensors (discriminator.*)");
+    load_adamw_state(*discriminator_optimizer, *discriminator,
+                     detail::with_prefix_removed(state, "discriminator_adamw."));
+  }
+  usage.copy_(state.at("vq.usage"));
+  noise.set_state(state.at("rng.noise"));
+  auto torch_generator = at::detail::getDefaultCPUGenerator();  // a handle: setting its state sets torch's
+  torch_generator.set_state(state.at("rng.torch"));
+  const auto& meta = checkpoint.state_metadata;
+  step = std::stoll(meta.at("step"));
+  loader->seek({std::stoll(meta.at("loader_epoch")), std::stoll(meta.at("loader_batch"))});
+  metrics_log.drop_after(step);
+  log::info("vqgan: resumed from ", directory, " at update ", step);
+}
+
+TrainedVqgan load_trained_vqgan(const std::string& run_or_checkpoint) {
+  const std::string directory = resolve_checkpoint(run_or_checkpoint, "VQGAN");
+  const auto checkpoint = io::load_checkpoint(directory);
+  const auto config = load_config<VqganTrainConfig>(
+      ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
+  const auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
+  TrainedVqgan trained{models::Vqgan(config.model), config.data.image_size};
+  io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);
+  trained.model->eval();
+  return trained;
+}
+
+}  // namespace dalle::train

@@ -1,0 +1,215 @@
+#include "dalle/train/vqgan_trainer.h"
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/caption_dataset.h"
+#include "dalle/data/fashion_compose.h"
+#include "dalle/data/image.h"
+#include "dalle/data/token_dataset.h"
+#include "dalle/text/tokenizer.h"
+#include "dalle/train/encode_images.h"
+#include "dalle/train/image_tokenizer_loader.h"
+#include "test_support.h"
+
+namespace dalle::train {
+namespace {
+
+using testing::ScratchDir;
+
+class VqganTrainerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_ = new ScratchDir();
+    data::FashionComposeConfig compose;
+    compose.train_images = 48;
+    compose.test_images = 8;
+    compose.heldout_images = 0;
+    data::build_fashion_compose(compose, *data_ / "fc");
+  }
+  static void TearDownTestSuite() { delete data_; }
+
+  static VqganTrainConfig tiny(int64_t steps, const std::string& quantizer = "gumbel") {
+    VqganTrainConfig config;
+    config.model.ch = 8;
+    config.model.ch_mult = {1, 2};
+    config.model.num_res_blocks = 1;
+    config.model.attn_resolutions = {8};
+    config.model.z_channels = 8;
+    config.model.embed_dim = 8;
+    config.model.n_embed = 32;
+    config.model.resolution = 16;
+    config.model.norm_groups = 4;
+    config.model.quantizer = quantizer;
+    config.data.train = *data_ / "fc/train";
+    config.data.validation = *data_ / "fc/test";
+    config.data.image_size = 16;
+    config.data.batch_size = 8;
+    config.learning_rate = {.start = 3e-3, .end = 3e-3, .steps = 0};
+    config.temperature = {.start = 1.0, .end = 0.5, .steps = 20};
+    config.kl_weight = 1e-3;
+    config.beta1 = 0.9;
+    config.beta2 = 0.99;
+    config.steps = steps;
+    config.log_every = 1;
+    config.validate_every = 1000;
+    config.checkpoint_every = 3;
+    config.grid_images = 2;
+    config.ema_decay = 0.8;
+    return config;
+  }
+
+  static VqganTrainConfig with_discriminator(VqganTrainConfig config, int64_t start) {
+    config.discriminator.enabled = true;
+    config.discriminator.start = start;
+    config.discriminator.channels = 8;
+    config.discriminator.layers = 2;
+    return config;
+  }
+
+  // step -> the metric line, for lines that carry a training loss; a step logged twice fails.
+  static std::map<int64_t, nlohmann::json> losses(const std::string& run) {
+    std::map<int64_t, nlohmann::json> out;
+    std::ifstream in(run + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto entry = nlohmann::json::parse(line);
+      if (!entry.contains("loss")) continue;
+      const bool first = out.emplace(entry["step"].get<int64_t>(), entry).second;
+      EXPECT_TRUE(first) << "update " << entry["step"] << " logged twice in " << run;
+    }
+    return out;
+  }
+
+  // Runs `config` for 8 updates whole, and stopped after 4 then resumed from update 3.
+  static void expect_exact_resume(const VqganTrainConfig& config) {
+    ScratchDir runs;
+    auto whole_config = config, half_config = config;
+    whole_config.steps = 8;
+    half_config.steps = 4;
+    VqganTrainer(whole_config, runs / "whole").run();
+    VqganTrainer(half_config, runs / "interrupted").run();  // checkpoints at 3 and 4
+    std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
+    testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
+    VqganTrainer resumed(whole_config, runs / "interrupted");
+    EXPECT_EQ(resumed.step(), 3);
+    resumed.run();
+
+    const auto whole = losses(runs / "whole"), interrupted = losses(runs / "interrupted");
+    ASSERT_EQ(whole.size(), 8u);
+    EXPECT_EQ(interrupted, whole) << "every update's losses, bit for bit, and no duplicated lines";
+    EXPECT_TRUE(std::filesystem::exists(runs / "whole/samples/step-000000008.png"));
+  }
+
+  static ScratchDir* data_;
+};
+ScratchDir* VqganTrainerTest::data_ = nullptr;
+
+TEST_F(VqganTrainerTest, ResumedGumbelRunWithADiscriminatorContinuesWithTheSameLosses) {
+  // The discriminator starts at update 2, so the checkpoint at 3 carries its weights,
+  // BatchNorm statistics and moments.
+  expect_exact_resume(with_discriminator(tiny(8), 2));
+}
+
+TEST_F(VqganTrainerTest, ResumedVectorRunWithRestartsContinuesWithTheSameLosses) {
+  auto config = tiny(8, "vector");
+  config.restart_every = 2;  // a usage window open across the checkpoint at 3
+  expect_exact_resume(config);
+}
+
+TEST_F(VqganTrainerTest, VectorRunLearnsAndRestartsUnusedCodes) {
+  ScratchDir runs;
+  auto config = tiny(40, "vector");
+  config.restart_every = 10;
+  config.checkpoint_every = 1000;
+  VqganTrainer trainer(config, runs / "run");
+  const auto untrained = trainer.validate();
+  trainer.run();
+  const auto lines = losses(runs / "run");
+  double first = 0, last = 0;
+  for (int64_t step = 1; step <= 5; ++step) first += lines.at(step)["reconstruction"].get<double>() / 5;
+  for (int64_t step = 36; step <= 40; ++step) last += lines.at(step)["reconstruction"].get<double>() / 5;
+  EXPECT_LT(last, 0.7 * first) << "L1 reconstruction " << first << " -> " << last;
+  EXPECT_GT(lines.at(10)["restarted"].get<int64_t>(), 0) << "32 codes, few used by a fresh encoder";
+  EXPECT_EQ(lines.at(9)["restarted"].get<int64_t>(), 0) << "restarts happen only every restart_every updates";
+  const auto validation = trainer.validate();
+  EXPECT_GT(validation.psnr, untrained.psnr + 1.0);
+  EXPECT_GT(validation.codes_used, 1.0 / 32);
+  EXPECT_LE(validation.codes_used, 1.0);
+}
+
+TEST_F(VqganTrainerTest, AdversarialLossCountsFromItsStartWithAnAdaptiveWeight) {
+  ScratchDir runs;
+  auto config = with_discriminator(tiny(4), 2);
+  config.checkpoint_every = 1000;
+  VqganTrainer(config, runs / "run").run();
+  const auto lines = losses(runs / "run");
+  for (int64_t step : {1, 2}) {
+    EXPECT_EQ(lines.at(step)["adversarial_weight"].get<double>(), 0.0) << step;
+    EXPECT_EQ(lines.at(step)["discriminator"].get<double>(), 0.0) << step;
+  }
+  for (int64_t step : {3, 4}) {
+    EXPECT_GT(lines.at(step)["adversarial_weight"].get<double>(), 0.0) << step;
+    EXPECT_GT(lines.at(step)["discriminator"].get<double>(), 0.0) << step << ": the hinge loss is positive";
+    const double sum = lines.at(step)["reconstruction"].get<double>() + lines.at(step)["quantizer"].get<double>() +
+                       lines.at(step)["adversarial_weight"].get<double>() * lines.at(step)["adversarial"].get<double>();
+    EXPECT_NEAR(lines.at(step)["loss"].get<double>(), sum, 1e-5) << step;
+  }
+}
+
+TEST_F(VqganTrainerTest, EncodeImagesAcceptsAVqganRun) {
+  ScratchDir dir;
+  VqganTrainer(tiny(2), dir / "vqgan").run();
+  const auto images = data::ImageCaptionDataset::open(*data_ / "fc/test");
+  std::vector<std::string> captions;
+  for (size_t i = 0; i < images->size(); ++i) captions.push_back(images->record(i).captions[0]);
+  text::TokenizerConfig tokenizer_config;
+  tokenizer_config.vocab_size = 60;
+  tokenizer_config.text_length = 24;
+  text::Tokenizer::train(captions, tokenizer_config, dir / "tok.model");
+
+  const auto info = encode_images({.dataset = *data_ / "fc/test", .image_tokenizer = dir / "vqgan",
+                                   .tokenizer = dir / "tok.model", .out = dir / "tokens", .batch_size = 3});
+  EXPECT_EQ(info.images, 8);
+  EXPECT_EQ(info.grid_height, 8);
+  EXPECT_EQ(info.image_vocab_size, 32);
+
+  const auto loaded = load_image_tokenizer(dir / "vqgan");
+  EXPECT_EQ(loaded.kind, "vqgan");
+  EXPECT_EQ(loaded.grid_size(), 8);
+  const auto tokens = data::TokenDataset::open(dir / "tokens");
+  std::mt19937_64 rng(0);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < tokens->size(); ++i) {
+    const auto example = tokens->get(i, rng);
+    const auto source = images->get(i, rng);
+    const auto resized = data::resize(source->image, 16, 16).unsqueeze(0);
+    EXPECT_TRUE(torch::equal(example->image_tokens, loaded.model->encode_tokens(resized)[0])) << i;
+  }
+}
+
+TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
+  ScratchDir runs;
+  testing::write_text(runs / "notes.txt", "a user's file");
+  EXPECT_THROW_WITH(VqganTrainer(tiny(1), runs.path().string()), Error, "not a VQGAN run directory");
+  auto config = with_discriminator(tiny(1), 0);
+  config.discriminator.layers = 3;
+  EXPECT_THROW_WITH(VqganTrainer(config, runs / "a"), Error, "discriminator with 3 layers needs images of at least 24");
+  config = tiny(1);
+  config.data.image_size = 15;
+  EXPECT_THROW_WITH(VqganTrainer(config, runs / "b"), Error, "data.image_size must be a multiple of", "= 2");
+  config = tiny(1);
+  config.temperature.end = 0.0;
+  EXPECT_THROW_WITH(VqganTrainer(config, runs / "c"), Error, "temperature.start and temperature.end must be positive");
+  config = tiny(1);
+  config.model.norm_groups = 3;
+  EXPECT_THROW_WITH(VqganTrainer(config, runs / "d"), Error, "multiple of norm_groups (3)");
+
+  VqganTrainer(tiny(1), runs / "vq").run();
+  auto changed = tiny(2);
+  changed.model.quantizer = "vector";
+  EXPECT_THROW_WITH(VqganTrainer(changed, runs / "vq"), Error, "different config", "model.quantizer (gumbel -> vector)");
+}
+
+}  // namespace
+}  // namespace dalle::train
