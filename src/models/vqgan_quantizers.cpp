@@ -73,17 +73,17 @@ torch::Tensor VectorQuantizerImpl::lookup(const torch::Tensor& tokens) {
   return channels_first(embedding->forward(tokens));
 }
 
-int64_t VectorQuantizerImpl::restart_unused(const torch::Tensor& usage, const torch::Tensor& z,
-                                            at::Generator generator) {
+torch::Tensor VectorQuantizerImpl::restart_unused(const torch::Tensor& usage, const torch::Tensor& z,
+                                                  at::Generator generator) {
   auto& codes = embedding->weight;
   const auto unused = (usage.to(torch::kCPU) == 0).nonzero().flatten();
   const int64_t count = unused.numel();
-  if (count == 0) return 0;
+  if (count == 0) return unused;
   const auto rows = z.detach().permute({0, 2, 3, 1}).reshape({-1, codes.size(1)});
   const auto picks = torch::randint(rows.size(0), {count}, generator, torch::TensorOptions().dtype(torch::kInt64));
   torch::NoGradGuard no_grad;
   codes.index_copy_(0, unused.to(codes.device()), rows.index_select(0, picks.to(rows.device())).to(codes.dtype()));
-  return count;
+  return unused;
 }
 
 }  // namespace dalle::models

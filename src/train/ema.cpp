@@ -19,6 +19,13 @@ void Ema::update(const torch::nn::Module& module) {
   for (const auto& item : module.named_buffers()) shadow_.at(item.key()).copy_(item.value());
 }
 
+void Ema::overwrite_rows(const std::string& name, const torch::Tensor& index, const torch::Tensor& values) {
+  auto found = shadow_.find(name);
+  if (found == shadow_.end()) throw Error("EMA: no parameter named '" + name + "'");
+  torch::NoGradGuard no_grad;
+  found->second.index_copy_(0, index.to(found->second.device()), values.detach().to(found->second.dtype()));
+}
+
 void Ema::copy_to(torch::nn::Module& module) const { io::load_state_dict(module, shadow_, "EMA weights"); }
 
 void Ema::load(const io::TensorMap& weights) {

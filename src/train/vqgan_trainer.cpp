@@ -189,9 +189,12 @@ int64_t VqganTrainer::State::track_usage(const models::VqganOutput& out) {
   if (!model->vector) return 0;
   usage += torch::bincount(out.quantized.tokens.flatten().to(torch::kCPU), {}, config.model.n_embed);
   if (config.restart_every == 0 || step % config.restart_every != 0) return 0;
-  const int64_t restarted = model->vector->restart_unused(usage, out.latents, noise);
+  const auto restarted = model->vector->restart_unused(usage, out.latents, noise);
   usage.zero_();
-  return restarted;
+  // The average would drag a restarted code back towards where it was useless.
+  const auto& codes = model->vector->embedding->weight;
+  ema->overwrite_rows("quantize.embedding.weight", restarted, codes.index_select(0, restarted.to(codes.device())));
+  return restarted.numel();
 }
 
 VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {

@@ -49,9 +49,9 @@ class VectorQuantizerImpl : public torch::nn::Module {
   Quantized forward(const torch::Tensor& z);
   torch::Tensor lookup(const torch::Tensor& tokens);
   // Replaces every code whose `usage` count is zero by an encoder output drawn at random
-  // from `z` ([B, D, h, w]); returns how many were replaced. A remedy for codes that no
-  // encoder output is ever nearest to, which otherwise never receive a gradient.
-  int64_t restart_unused(const torch::Tensor& usage, const torch::Tensor& z, at::Generator generator);
+  // from `z` ([B, D, h, w]); returns the indices of the replaced codes. A remedy for codes
+  // that no encoder output is ever nearest to, which otherwise never receive a gradient.
+  torch::Tensor restart_unused(const torch::Tensor& usage, const torch::Tensor& z, at::Generator generator);
 
   torch::nn::Embedding embedding{nullptr};
 };

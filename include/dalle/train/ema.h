@@ -16,6 +16,9 @@ class Ema {
   void copy_to(torch::nn::Module& module) const;
 
   const io::TensorMap& weights() const { return shadow_; }
+  // Sets rows `index` of the average of parameter `name` to `values`: for changes that are
+  // not optimizer steps (a codebook restart), which averaging would only blur.
+  void overwrite_rows(const std::string& name, const torch::Tensor& index, const torch::Tensor& values);
   // Restores from a checkpoint; names and shapes must be the module's.
   void load(const io::TensorMap& weights);
 
