@@ -110,11 +110,34 @@ TEST(Tools, ConfigReferenceInDocsIsCurrent) {
   const std::string docs = testing::read_text(std::string(DALLE_SOURCE_DIR) + "/docs/config.md");
   for (const auto& [tool, command] : {std::pair{"dalle-data", "compose --print-reference"},
                                       std::pair{"dalle-tokenizer", "train --print-reference"},
-                                      std::pair{"dalle-train-vae", "--print-reference"}}) {
+                                      std::pair{"dalle-train-vae", "--print-reference"},
+                                      std::pair{"dalle-train-vae", "--set kind=vqgan --print-reference"}}) {
     const auto result = run(tool, command);
     ASSERT_EQ(result.status, 0) << result.output;
     EXPECT_THAT(docs, ::testing::HasSubstr(result.output)) << "run scripts/gen-config-docs";
   }
+}
+
+TEST(Tools, TrainVaeReadsTheRecipeOfItsKind) {
+  ScratchDir dir;
+  const std::string configs = std::string(DALLE_SOURCE_DIR) + "/configs/";
+  auto result = run("dalle-train-vae", "--config " + configs + "vqgan/fashion-compose-tiny.yaml --print-config");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("kind: \"vqgan\""));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("n_embed: 512"));
+  result = run("dalle-train-vae", "--config " + configs + "dvae/fashion-compose-tiny.yaml --print-config");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("kind: \"dvae\""));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("vocab_size: 512"));
+
+  testing::write_text(dir / "vq.yaml", "kind: vqgan\nmodel:\n  hidden: 8\n");
+  result = run("dalle-train-vae", "--config " + (dir / "vq.yaml") + " --out " + (dir / "run"));
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("vq.yaml:3:3: unknown key 'model.hidden'"));
+  result = run("dalle-train-vae", "--config " + (dir / "vq.yaml") + " --set kind=gan --out " + (dir / "run"));
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("--set kind=gan: kind: 'gan' is not allowed"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "run"));
 }
 
 TEST(Tools, FailuresExitNonZeroWithTheReason) {

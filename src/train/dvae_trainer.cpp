@@ -23,6 +23,8 @@ namespace dalle::train {
 namespace fs = std::filesystem;
 
 void DvaeTrainConfig::visit(ConfigVisitor& v) {
+  v.field("kind", kind, "image tokenizer the recipe trains; dalle-train-vae reads it first (dvae: this table)",
+          {.choices = {"dvae"}});
   v.section("model", "dVAE sizes", model);
   v.section("data", "datasets and batching", data);
   v.section("learning_rate", "cosine learning-rate schedule (DALL-E: 1e-4 -> 1.25e-6 over 1.2M updates)",

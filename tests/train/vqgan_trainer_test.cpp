@@ -205,7 +205,9 @@ TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
   config.model.norm_groups = 3;
   EXPECT_THROW_WITH(VqganTrainer(config, runs / "d"), Error, "multiple of norm_groups (3)");
 
+  // A run of the other kind is not resumed as this one.
   VqganTrainer(tiny(1), runs / "vq").run();
+  EXPECT_THROW_WITH(load_trained_dvae(runs / "vq"), Error, "kind: 'vqgan' is not allowed, expected one of 'dvae'");
   auto changed = tiny(2);
   changed.model.quantizer = "vector";
   EXPECT_THROW_WITH(VqganTrainer(changed, runs / "vq"), Error, "different config", "model.quantizer (gumbel -> vector)");

@@ -39,6 +39,7 @@ struct ImageDataConfig {
 using DvaeDataConfig = ImageDataConfig;
 
 struct DvaeTrainConfig {
+  std::string kind = "dvae";  // read first by dalle-train-vae to pick the recipe's struct
   models::DvaeConfig model;
   DvaeDataConfig data;
   CosineSchedule learning_rate{1e-4, 1.25e-6, 1'200'000};
