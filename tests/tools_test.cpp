@@ -202,5 +202,37 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_THAT(no_prompts.output, ::testing::HasSubstr("no captions"));
 }
 
+// The same chain with a VQGAN as the image tokenizer: encode-images, the prior's sample
+// grid and dalle-generate find its kind in its checkpoint.
+TEST(Tools, GenerateDecodesWithAVqgan) {
+  ScratchDir dir;
+  auto check = [](const Result& result) { ASSERT_EQ(result.status, 0) << result.output; };
+  check(run("dalle-data", "compose --out " + (dir / "fc") +
+                              " --set train_images=16 --set test_images=0 --set heldout_images=0"));
+  check(run("dalle-tokenizer", "train --captions " + (dir / "fc/train") + " --out " + (dir / "tok.model") +
+                                   " --set vocab_size=60 --set text_length=12"));
+  testing::write_text(dir / "vqgan.yaml",
+                      "kind: vqgan\n"
+                      "model: {ch: 8, ch_mult: [1, 2], num_res_blocks: 1, attn_resolutions: [8], z_channels: 8,\n"
+                      "        embed_dim: 8, n_embed: 32, resolution: 16, norm_groups: 4}\n"
+                      "data: {train: " + (dir / "fc/train") + ", validation: " + (dir / "fc/train") +
+                      ", image_size: 16, batch_size: 8}\n"
+                      "steps: 1\n");
+  check(run("dalle-train-vae", "--config " + (dir / "vqgan.yaml") + " --out " + (dir / "vqgan")));
+  check(run("dalle-encode-images", "--dataset " + (dir / "fc/train") + " --vqgan " + (dir / "vqgan") +
+                                       " --tokenizer " + (dir / "tok.model") + " --out " + (dir / "tokens")));
+  testing::write_text(dir / "prior.yaml",
+                      "model: {text_length: 12, text_vocab_size: 60, grid_size: 8, image_vocab_size: 32,\n"
+                      "        layers: 1, width: 16, heads: 2, conv_kernel: 3}\n"
+                      "data: {train: " + (dir / "tokens") + ", batch_size: 8}\n"
+                      "steps: 1\nvalidate_every: 1\ncheckpoint_every: 1\n"
+                      "tokenizer: " + (dir / "tok.model") + "\nimage_tokenizer: " + (dir / "vqgan") + "\n"
+                      "sample_captions: [a red bag on the left]\n");
+  check(run("dalle-train", "--config " + (dir / "prior.yaml") + " --out " + (dir / "prior")));
+  EXPECT_TRUE(std::filesystem::exists(dir / "prior/samples/step-000000001.png"));
+  check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "out") + " -n 1 'a red bag'"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "out/0000-00.png"));
+}
+
 }  // namespace
 }  // namespace dalle

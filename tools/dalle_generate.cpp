@@ -10,7 +10,7 @@
 #include "dalle/log.h"
 #include "dalle/models/prior_sampling.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/image_tokenizer_loader.h"
 #include "dalle/train/prior_trainer.h"
 #include "tool_support.h"
 
@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
   app.add_option("--prompts-file", prompts_file, "a file of captions, one per line");
   app.add_option("--prior", prior_path, "prior run directory or checkpoint")->required();
   app.add_option("--tokenizer", tokenizer_path, "caption tokenizer model (default: the prior run's)");
-  app.add_option("--decoder", decoder_path, "dVAE run or checkpoint (default: the prior run's image tokenizer)");
+  app.add_option("--decoder", decoder_path, "dVAE or VQGAN run or checkpoint (default: the prior run's image tokenizer)");
   app.add_option("--out", out, "output folder: one PNG and JSON per image, grid.png")->required();
   app.add_option("-n,--images-per-prompt", images_per_prompt, "images per caption, sampled as one batch")
       ->check(CLI::Range(1, 4096));
@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
       throw Error("the prior run names no tokenizer or image tokenizer: give --tokenizer and --decoder");
     }
     const auto tokenizer = text::Tokenizer::load(tokenizer_path);
-    auto decoder = train::load_trained_dvae(decoder_path);
+    auto decoder = train::load_image_tokenizer(decoder_path);
     fs::create_directories(out);
 
     std::vector<torch::Tensor> tiles;

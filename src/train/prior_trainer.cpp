@@ -17,7 +17,7 @@
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/image_tokenizer_loader.h"
 #include "dalle/train/ema.h"
 #include "dalle/train/optimizer_state.h"
 #include "run_directory.h"
@@ -66,7 +66,7 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
   v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
   v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
   v.field("tokenizer", tokenizer, "caption tokenizer model that made the dataset's text tokens (for sample grids)");
-  v.field("image_tokenizer", image_tokenizer, "dVAE run that made the image tokens (for sample grids)");
+  v.field("image_tokenizer", image_tokenizer, "dVAE or VQGAN run that made the image tokens (for sample grids)");
   v.field("sample_captions", sample_captions, "captions drawn at each validation (needs tokenizer and image_tokenizer)");
   v.field("samples_per_caption", samples_per_caption, "images per sample caption", {.min = 1, .max = 64});
   v.section("sampling", "sampling settings of the grids", sampling);
@@ -280,7 +280,7 @@ namespace {
 void write_sample_grid(models::Prior& model, const PriorTrainConfig& config,
                        const fs::path& path) {
   const auto tokenizer = text::Tokenizer::load(config.tokenizer);
-  auto decoder = load_trained_dvae(config.image_tokenizer);
+  auto decoder = load_image_tokenizer(config.image_tokenizer);
   std::vector<torch::Tensor> captions, tiles;
   std::vector<std::string> labels;
   for (const auto& caption : config.sample_captions) {

@@ -64,7 +64,7 @@ struct PriorTrainConfig {
   int64_t checkpoint_every = 1000;
   int64_t keep_checkpoints = 3;
   std::string tokenizer;        // caption tokenizer model, for the sample grids
-  std::string image_tokenizer;  // dVAE run that made the tokens, for the sample grids
+  std::string image_tokenizer;  // dVAE or VQGAN run that made the tokens, for the sample grids
   std::vector<std::string> sample_captions;
   int64_t samples_per_caption = 2;
   models::SamplingOptions sampling;
