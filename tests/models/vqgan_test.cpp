@@ -10,10 +10,7 @@
 namespace dalle::models {
 namespace {
 
-// Max |a - b| relative to max |b|: robust to entries near zero.
-double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
-  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
-}
+using testing::relative_error;
 
 // The sizes make_vqgan_fixture.py builds ruDALL-E's GumbelVQ with.
 VqganConfig fixture_config() {
@@ -62,8 +59,7 @@ class VqganParity : public ::testing::Test {
   }
   const torch::Tensor& at(const std::string& name) const { return fixture_.tensors.at(name); }
 
-  io::Safetensors fixture_ =
-      io::read_safetensors(std::string(DALLE_SOURCE_DIR) + "/tests/fixtures/vqgan_parity.safetensors");
+  io::Safetensors fixture_ = io::read_safetensors(testing::fixture_path("vqgan_parity.safetensors"));
   io::TensorMap weights_;
   Vqgan model_{nullptr};
 };
