@@ -21,6 +21,7 @@
 #include "dalle/train/ema.h"
 #include "dalle/train/optimizer_state.h"
 #include "run_directory.h"
+#include "trainer_support.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -358,13 +359,8 @@ void PriorTrainer::State::resume(const std::string& directory) {
   auto checkpoint = io::load_checkpoint(directory);
   check_resumable<PriorTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change_on_resume);
   io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors");
-  io::TensorMap ema_weights, adam;
-  for (const auto& [name, tensor] : checkpoint.state) {
-    if (name.starts_with("ema.")) ema_weights.emplace(name.substr(4), tensor);
-    if (name.starts_with("adamw.")) adam.emplace(name.substr(6), tensor);
-  }
-  ema->load(ema_weights);
-  load_adamw_state(*optimizer, *model, adam);
+  ema->load(detail::with_prefix_removed(checkpoint.state, "ema."));
+  load_adamw_state(*optimizer, *model, detail::with_prefix_removed(checkpoint.state, "adamw."));
   caption_dropout.set_state(checkpoint.state.at("rng.caption_dropout"));
   auto torch_generator = at::detail::getDefaultCPUGenerator();
   torch_generator.set_state(checkpoint.state.at("rng.torch"));
@@ -382,10 +378,7 @@ TrainedPrior load_trained_prior(const std::string& run_or_checkpoint) {
   const auto directory = resolve_checkpoint(run_or_checkpoint, "prior");
   const auto checkpoint = io::load_checkpoint(directory);
   auto config = load_config<PriorTrainConfig>(ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
-  io::TensorMap ema;
-  for (const auto& [name, tensor] : checkpoint.state) {
-    if (name.starts_with("ema.")) ema.emplace(name.substr(4), tensor);
-  }
+  const auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
   TrainedPrior trained{models::Prior(config.model), config, directory};
   io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);
   trained.model->eval();
