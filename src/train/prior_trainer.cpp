@@ -338,38 +338,25 @@ PriorValidation PriorTrainer::validate() {
 }
 
 void PriorTrainer::State::save_checkpoint() {
-  io::Checkpoint checkpoint;
-  checkpoint.config_yaml = config_to_yaml(visit_of(config));
-  checkpoint.weights = io::state_dict(*model);
-  for (const auto& [name, tensor] : ema->weights()) checkpoint.state.emplace("ema." + name, tensor);
-  for (const auto& [name, tensor] : adamw_state(*optimizer, *model)) checkpoint.state.emplace("adamw." + name, tensor);
+  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
   checkpoint.state.emplace("rng.caption_dropout", caption_dropout.get_state());
-  checkpoint.state.emplace("rng.torch", at::detail::getDefaultCPUGenerator().get_state());
-  const auto position = loader->position();
-  checkpoint.state_metadata = {{"step", std::to_string(step)},
-                               {"loader_epoch", std::to_string(position.epoch)},
-                               {"loader_batch", std::to_string(position.batch)},
-                               {"best_validation", std::to_string(best_validation)},
-                               {"validations_since_best", std::to_string(validations_since_best)},
-                               {"reductions", std::to_string(reductions)}};
+  checkpoint.state_metadata.insert({{"best_validation", std::to_string(best_validation)},
+                                    {"validations_since_best", std::to_string(validations_since_best)},
+                                    {"reductions", std::to_string(reductions)}});
   log::info("prior: checkpoint ", checkpoints.save(step, checkpoint));
 }
 
 void PriorTrainer::State::resume(const std::string& directory) {
   auto checkpoint = io::load_checkpoint(directory);
   check_resumable<PriorTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change_on_resume);
-  io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors");
-  ema->load(detail::with_prefix_removed(checkpoint.state, "ema."));
-  load_adamw_state(*optimizer, *model, detail::with_prefix_removed(checkpoint.state, "adamw."));
+  const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
   caption_dropout.set_state(checkpoint.state.at("rng.caption_dropout"));
-  auto torch_generator = at::detail::getDefaultCPUGenerator();
-  torch_generator.set_state(checkpoint.state.at("rng.torch"));
   const auto& meta = checkpoint.state_metadata;
-  step = std::stoll(meta.at("step"));
   best_validation = std::stod(meta.at("best_validation"));
   validations_since_best = std::stoll(meta.at("validations_since_best"));
   reductions = std::stoll(meta.at("reductions"));
-  loader->seek({std::stoll(meta.at("loader_epoch")), std::stoll(meta.at("loader_batch"))});
+  step = progress.step;
+  loader->seek(progress.position);
   metrics_log.drop_after(step);
   log::info("prior: resumed from ", directory, " at update ", step);
 }

@@ -6,6 +6,9 @@
 #include "dalle/error.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/io/checkpoint.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/train/optimizer_state.h"
+#include "trainer_support.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -53,6 +56,31 @@ void check_same_config(const std::vector<std::pair<std::string, std::string>>& b
     throw Error(where + ": the run was started with a different config; changed:" + changed +
                 ". Resume with the run's own config.yaml, or train into a new --out directory");
   }
+}
+
+io::Checkpoint make_checkpoint(std::string config_yaml, const torch::nn::Module& model, const Ema& ema,
+                               torch::optim::AdamW& optimizer, int64_t step, data::LoaderPosition position) {
+  io::Checkpoint checkpoint;
+  checkpoint.config_yaml = std::move(config_yaml);
+  checkpoint.weights = io::state_dict(model);
+  for (const auto& [name, tensor] : ema.weights()) checkpoint.state.emplace("ema." + name, tensor);
+  for (const auto& [name, tensor] : adamw_state(optimizer, model)) checkpoint.state.emplace("adamw." + name, tensor);
+  checkpoint.state.emplace("rng.torch", at::detail::getDefaultCPUGenerator().get_state());
+  checkpoint.state_metadata = {{"step", std::to_string(step)},
+                               {"loader_epoch", std::to_string(position.epoch)},
+                               {"loader_batch", std::to_string(position.batch)}};
+  return checkpoint;
+}
+
+RestoredProgress restore_checkpoint(const io::Checkpoint& checkpoint, const std::string& directory,
+                                    torch::nn::Module& model, Ema& ema, torch::optim::AdamW& optimizer) {
+  io::load_state_dict(model, checkpoint.weights, directory + "/model.safetensors");
+  ema.load(detail::with_prefix_removed(checkpoint.state, "ema."));
+  load_adamw_state(optimizer, model, detail::with_prefix_removed(checkpoint.state, "adamw."));
+  auto torch_generator = at::detail::getDefaultCPUGenerator();  // a handle: setting its state sets torch's
+  torch_generator.set_state(checkpoint.state.at("rng.torch"));
+  const auto& meta = checkpoint.state_metadata;
+  return {std::stoll(meta.at("step")), {std::stoll(meta.at("loader_epoch")), std::stoll(meta.at("loader_batch"))}};
 }
 
 }  // namespace dalle::train

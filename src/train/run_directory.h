@@ -8,6 +8,9 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "dalle/config.h"
+#include "dalle/data/loader.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/train/ema.h"
 
 namespace dalle::train {
 
@@ -44,5 +47,19 @@ void check_resumable(const Config& now, const std::string& checkpoint_yaml, cons
   auto current = now;
   check_same_config(flatten_config(visit_of(before)), flatten_config(visit_of(current)), where, may_change);
 }
+
+// What every trainer's checkpoint holds: the config, the weights, their moving average
+// ("ema."), the AdamW moments ("adamw."), torch's generator, the update count and the
+// loader's position. Trainers add their own extras to the result.
+io::Checkpoint make_checkpoint(std::string config_yaml, const torch::nn::Module& model, const Ema& ema,
+                               torch::optim::AdamW& optimizer, int64_t step, data::LoaderPosition position);
+
+struct RestoredProgress {
+  int64_t step = 0;
+  data::LoaderPosition position;
+};
+// The inverse of make_checkpoint, into an already built model, EMA and optimizer.
+RestoredProgress restore_checkpoint(const io::Checkpoint& checkpoint, const std::string& directory,
+                                    torch::nn::Module& model, Ema& ema, torch::optim::AdamW& optimizer);
 
 }  // namespace dalle::train

@@ -290,12 +290,8 @@ TokenizerValidation VqganTrainer::validate() {
 }
 
 void VqganTrainer::State::save_checkpoint() {
-  io::Checkpoint checkpoint;
-  checkpoint.config_yaml = config_to_yaml(visit_of(config));
-  checkpoint.weights = io::state_dict(*model);
+  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
   auto& state = checkpoint.state;
-  for (const auto& [name, tensor] : ema->weights()) state.emplace("ema." + name, tensor);
-  for (const auto& [name, tensor] : adamw_state(*optimizer, *model)) state.emplace("adamw." + name, tensor);
   if (discriminator) {
     for (const auto& [name, tensor] : io::state_dict(*discriminator)) state.emplace("discriminator." + name, tensor);
     for (const auto& [name, tensor] : adamw_state(*discriminator_optimizer, *discriminator)) {
@@ -304,11 +300,6 @@ void VqganTrainer::State::save_checkpoint() {
   }
   state.emplace("vq.usage", usage);
   state.emplace("rng.noise", noise.get_state());
-  state.emplace("rng.torch", at::detail::getDefaultCPUGenerator().get_state());
-  const auto position = loader->position();
-  checkpoint.state_metadata = {{"step", std::to_string(step)},
-                               {"loader_epoch", std::to_string(position.epoch)},
-                               {"loader_batch", std::to_string(position.batch)}};
   log::info("vqgan: checkpoint ", checkpoints.save(step, checkpoint));
 }
 
@@ -316,10 +307,8 @@ void VqganTrainer::State::resume(const std::string& directory) {
   auto checkpoint = io::load_checkpoint(directory);
   check_resumable<VqganTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
                                     detail::may_change_on_resume);
+  const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
   const auto& state = checkpoint.state;
-  io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors");
-  ema->load(detail::with_prefix_removed(state, "ema."));
-  load_adamw_state(*optimizer, *model, detail::with_prefix_removed(state, "adamw."));
   if (discriminator) {
     io::load_state_dict(*discriminator, detail::with_prefix_removed(state, "discriminator."),
                         directory + "/state.safetensors (discriminator.*)");
@@ -328,11 +317,8 @@ void VqganTrainer::State::resume(const std::string& directory) {
   }
   usage.copy_(state.at("vq.usage"));
   noise.set_state(state.at("rng.noise"));
-  auto torch_generator = at::detail::getDefaultCPUGenerator();  // a handle: setting its state sets torch's
-  torch_generator.set_state(state.at("rng.torch"));
-  const auto& meta = checkpoint.state_metadata;
-  step = std::stoll(meta.at("step"));
-  loader->seek({std::stoll(meta.at("loader_epoch")), std::stoll(meta.at("loader_batch"))});
+  step = progress.step;
+  loader->seek(progress.position);
   metrics_log.drop_after(step);
   log::info("vqgan: resumed from ", directory, " at update ", step);
 }
