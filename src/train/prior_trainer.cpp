@@ -17,9 +17,12 @@
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/image_tokenizer_loader.h"
+#include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
+#include "dalle/train/gradient_scaler.h"
+#include "dalle/train/image_tokenizer_loader.h"
 #include "dalle/train/optimizer_state.h"
+#include "dalle/train/resblock_runner.h"
 #include "run_directory.h"
 #include "trainer_support.h"
 
@@ -61,6 +64,11 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
           {.min = 0.0});
   v.field("grad_clip", grad_clip, "clip the global gradient norm to this (DALL-E: 4; 0: no clipping)", {.min = 0.0});
   v.field("ema_decay", ema_decay, "decay of the weights' moving average (DALL-E: 0.99)", {.min = 0.0, .max = 0.999999});
+  v.section("precision", "fp32, bf16, or fp16 with per-resblock gradient scales (DALL-E)", precision);
+  v.field("checkpoint_activations_every", checkpoint_activations_every,
+          "recompute the activations of resblocks 0, k, 2k, ... in backward instead of keeping them "
+          "(1: every resblock; 0: none)",
+          {.min = 0});
   v.field("steps", steps, "updates to train for", {.min = 1});
   v.field("log_every", log_every, "updates between metric lines", {.min = 1});
   v.field("validate_every", validate_every, "updates between validations (loss, sample grid)", {.min = 1});
@@ -80,7 +88,8 @@ struct PriorTrainer::State {
   fs::path run;
   models::Prior model{nullptr}, ema_model{nullptr};
   std::unique_ptr<Ema> ema;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<GradientScaler> scaler;  // fp16 only
   std::shared_ptr<data::TokenDataset> train_set, validation_set;
   std::unique_ptr<data::DataLoader<data::TokenDataset>> loader;
   at::Generator caption_dropout;
@@ -101,6 +110,9 @@ struct PriorTrainer::State {
 
   torch::Tensor batch_tokens(const std::vector<data::TokenExample>& examples, bool drop_captions);
   PriorStepMetrics train_step(const torch::Tensor& tokens);
+  void install_resblock_runner();
+  nlohmann::json metrics_line() const;
+  bool apply_gradients(PriorStepMetrics& metrics);
   void save_checkpoint();
   void resume(const std::string& directory);
   void update_plateau(double validation_loss);
@@ -173,14 +185,16 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   s.ema_model = models::Prior(s.config.model);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
   auto groups = parameter_groups(*s.model, s.config.weight_decay);
-  s.optimizer = std::make_unique<torch::optim::AdamW>(
-      std::move(groups), torch::optim::AdamWOptions(s.config.learning_rate.peak)
-                             .betas({s.config.beta1, s.config.beta2})
-                             .eps(s.config.epsilon));
+  s.optimizer = std::make_unique<AdamW>(std::move(groups),
+                                        torch::optim::AdamWOptions(s.config.learning_rate.peak)
+                                            .betas({s.config.beta1, s.config.beta2})
+                                            .eps(s.config.epsilon),
+                                        s.config.precision.moments_dtype());
   for (auto& group : s.optimizer->param_groups()) {
     auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
     options.betas({s.config.beta1, s.config.beta2}).eps(s.config.epsilon);
   }
+  s.install_resblock_runner();
   s.loader = std::make_unique<data::DataLoader<data::TokenDataset>>(
       s.train_set, data::LoaderOptions{.batch_size = s.config.data.batch_size,
                                        .workers = s.config.data.workers,
@@ -194,6 +208,18 @@ PriorTrainer::~PriorTrainer() = default;
 int64_t PriorTrainer::step() const { return state_->step; }
 PriorStepMetrics PriorTrainer::last_metrics() const { return state_->last; }
 models::Prior& PriorTrainer::model() { return state_->model; }
+const GradientScaler* PriorTrainer::gradient_scaler() const { return state_->scaler.get(); }
+
+void PriorTrainer::State::install_resblock_runner() {
+  const auto precision = config.precision.precision();
+  if (precision == Precision::fp32 && config.checkpoint_activations_every == 0) return;
+  if (precision == Precision::fp16) {
+    config.precision.gradient_scaling.validate();
+    scaler = std::make_unique<GradientScaler>(config.precision.gradient_scaling, resblock_parameter_groups(model->resblocks()));
+  }
+  model->set_resblock_runner(make_training_runner(
+      model->resblocks(), {.precision = precision, .scaler = scaler.get(), .checkpoint_every = config.checkpoint_activations_every}));
+}
 
 torch::Tensor PriorTrainer::State::batch_tokens(const std::vector<data::TokenExample>& examples,
                                                 bool drop_captions) {
@@ -221,16 +247,39 @@ PriorStepMetrics PriorTrainer::State::train_step(const torch::Tensor& tokens) {
   }
   optimizer->zero_grad();
   loss.total.backward();
-  const double clip = config.grad_clip > 0 ? config.grad_clip : std::numeric_limits<double>::infinity();
-  metrics.grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), clip);
-  optimizer->step();
-  ema->update(*model);
+  if (apply_gradients(metrics)) {
+    optimizer->step();
+    ema->update(*model);
+  }
   ++step;
   metrics.step = step;
   metrics.loss = loss.total.item<double>();
   metrics.text_loss = loss.text.item<double>();
   metrics.image_loss = loss.image.item<double>();
   return metrics;
+}
+
+// Unscales fp16 gradients and clips them; false (the update is skipped) when any is not
+// finite, which the fp16 scales then adapt to.
+bool PriorTrainer::State::apply_gradients(PriorStepMetrics& metrics) {
+  const bool finite = scaler ? scaler->unscale_and_update() : true;
+  const double clip = config.grad_clip > 0 ? config.grad_clip : std::numeric_limits<double>::infinity();
+  metrics.grad_norm = finite ? torch::nn::utils::clip_grad_norm_(model->parameters(), clip) : std::nan("");
+  metrics.skipped = !std::isfinite(metrics.grad_norm);
+  if (metrics.skipped) log::warn("prior: gradients not finite at update ", step + 1, "; the update is skipped");
+  return !metrics.skipped;
+}
+
+nlohmann::json PriorTrainer::State::metrics_line() const {
+  nlohmann::json line = {{"step", last.step},         {"loss", last.loss},
+                         {"text_loss", last.text_loss}, {"image_loss", last.image_loss},
+                         {"grad_norm", last.grad_norm}, {"learning_rate", last.learning_rate}};
+  if (scaler) {
+    const auto scales = scaler->summary();
+    line.update({{"grad_scale_min", scales.min}, {"grad_scale_median", scales.median},
+                 {"grad_scale_max", scales.max}, {"skipped_updates", scaler->skipped_updates()}});
+  }
+  return line;
 }
 
 void PriorTrainer::run() {
@@ -247,11 +296,7 @@ void PriorTrainer::run() {
     progress.advance();
     progress.set_loss(s.last.loss);
     const bool last = s.step == s.config.steps;
-    if (s.step % s.config.log_every == 0 || last) {
-      s.metrics_log.append({{"step", s.last.step}, {"loss", s.last.loss}, {"text_loss", s.last.text_loss},
-                        {"image_loss", s.last.image_loss}, {"grad_norm", s.last.grad_norm},
-                        {"learning_rate", s.last.learning_rate}});
-    }
+    if (s.step % s.config.log_every == 0 || last) s.metrics_log.append(s.metrics_line());
     if (s.step % s.config.validate_every == 0 || last) {
       const auto validation = validate();
       log::info("prior: update ", s.step, " loss ", s.last.loss, " validation loss ", validation.loss, " (text ",
@@ -340,6 +385,9 @@ PriorValidation PriorTrainer::validate() {
 void PriorTrainer::State::save_checkpoint() {
   auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
   checkpoint.state.emplace("rng.caption_dropout", caption_dropout.get_state());
+  if (scaler) {
+    for (auto& [name, tensor] : scaler->state()) checkpoint.state.emplace("gradient_scaler." + name, tensor);
+  }
   checkpoint.state_metadata.insert({{"best_validation", std::to_string(best_validation)},
                                     {"validations_since_best", std::to_string(validations_since_best)},
                                     {"reductions", std::to_string(reductions)}});
@@ -351,6 +399,7 @@ void PriorTrainer::State::resume(const std::string& directory) {
   check_resumable<PriorTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change_on_resume);
   const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
   caption_dropout.set_state(checkpoint.state.at("rng.caption_dropout"));
+  if (scaler) scaler->load_state(detail::with_prefix_removed(checkpoint.state, "gradient_scaler."));
   const auto& meta = checkpoint.state_metadata;
   best_validation = std::stod(meta.at("best_validation"));
   validations_since_best = std::stoll(meta.at("validations_since_best"));

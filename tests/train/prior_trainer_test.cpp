@@ -108,6 +108,70 @@ TEST_F(PriorTrainerTest, LossGoesDownAndTheRunLoads) {
   EXPECT_LT(loss.image.item<double>(), 0.5 * untrained.image_loss) << "the EMA weights are loaded";
 }
 
+TEST_F(PriorTrainerTest, Fp16AndBf16RunsEndNearTheFp32Run) {
+  ScratchDir runs;
+  auto final_loss = [&](const std::string& mode) {
+    auto config = tiny(24);
+    config.precision.mode = mode;
+    PriorTrainer trainer(config, runs / mode);
+    trainer.run();
+    if (mode == "fp16") EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
+    return trainer.validate().loss;
+  };
+  const double fp32 = final_loss("fp32");
+  EXPECT_NEAR(final_loss("fp16"), fp32, 0.03 * fp32);
+  EXPECT_NEAR(final_loss("bf16"), fp32, 0.03 * fp32);
+}
+
+TEST_F(PriorTrainerTest, InfInOneResblockSkipsTheUpdateAndDividesOnlyItsScale) {
+  ScratchDir runs;
+  auto config = tiny(1);
+  config.precision.mode = "fp16";
+  config.validate_every = 100;
+  std::vector<torch::Tensor> before;
+  {
+    PriorTrainer trainer(config, runs / "run");
+    for (const auto& parameter : trainer.model()->parameters()) before.push_back(parameter.detach().clone());
+    trainer.model()->resblocks()[3]->parameters()[0].register_hook(
+        [](const torch::Tensor& gradient) { return torch::full_like(gradient, INFINITY); });
+    trainer.run();
+    EXPECT_TRUE(trainer.last_metrics().skipped);
+    const auto parameters = trainer.model()->parameters();
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(parameters[i], before[i])) << "parameter " << i;
+    const auto* scaler = trainer.gradient_scaler();
+    for (size_t block = 0; block < scaler->groups(); ++block) {
+      EXPECT_DOUBLE_EQ(scaler->scale(block), std::exp2(block == 3 ? 12.5 : 13.001)) << "resblock " << block;
+    }
+  }
+  config.steps = 3;
+  PriorTrainer resumed(config, runs / "run");
+  resumed.run();
+  EXPECT_FALSE(resumed.last_metrics().skipped);
+  EXPECT_TRUE(std::isfinite(resumed.last_metrics().loss));
+  EXPECT_EQ(resumed.gradient_scaler()->skipped_updates(), 1) << "the scales come back from the checkpoint";
+  EXPECT_NEAR(resumed.gradient_scaler()->scale(3), std::exp2(12.502), 1e-9);
+  EXPECT_FALSE(torch::equal(resumed.model()->parameters()[0], before[0])) << "training went on";
+}
+
+TEST_F(PriorTrainerTest, ResumedFp16RunWithCheckpointingContinuesWithTheSameLosses) {
+  ScratchDir runs;
+  auto config = tiny(8);
+  config.precision.mode = "fp16";
+  config.precision.adam_moments = "bf16";
+  config.checkpoint_activations_every = 1;
+  PriorTrainer(config, runs / "whole").run();
+  auto first = config;
+  first.steps = 4;  // killed after update 3 (still in the warmup, whose rates do not depend on `steps`)
+  PriorTrainer(first, runs / "interrupted").run();
+  std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
+  testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
+  PriorTrainer(config, runs / "interrupted").run();
+  const auto whole = losses(runs / "whole");
+  ASSERT_EQ(whole.size(), 8u);
+  EXPECT_NE(whole.at(8).find("grad_scale_median"), std::string::npos) << "the scales are logged";
+  EXPECT_EQ(losses(runs / "interrupted"), whole) << "losses, gradient norms and scales, bit for bit";
+}
+
 TEST_F(PriorTrainerTest, RefusesADatasetThatDoesNotFitTheModel) {
   ScratchDir runs;
   auto config = tiny(1);

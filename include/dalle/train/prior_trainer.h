@@ -14,6 +14,8 @@
 #include "dalle/config.h"
 #include "dalle/models/prior.h"
 #include "dalle/models/prior_sampling.h"
+#include "dalle/train/gradient_scaler.h"
+#include "dalle/train/precision.h"
 
 namespace dalle::train {
 
@@ -58,6 +60,8 @@ struct PriorTrainConfig {
   double beta1 = 0.9, beta2 = 0.96, epsilon = 1e-8, weight_decay = 4.5e-2;
   double grad_clip = 4.0;
   double ema_decay = 0.99;
+  PrecisionConfig precision;
+  int64_t checkpoint_activations_every = 0;  // resblocks 0, k, 2k, ... recompute in backward; 0: none
   int64_t steps = 430'000;
   int64_t log_every = 100;
   int64_t validate_every = 1000;
@@ -77,6 +81,7 @@ struct PriorTrainConfig {
 struct PriorStepMetrics {
   int64_t step = 0;
   double loss = 0, text_loss = 0, image_loss = 0, grad_norm = 0, learning_rate = 0;
+  bool skipped = false;  // non-finite gradients: the weights were left as they were
 };
 
 struct PriorValidation {
@@ -95,6 +100,8 @@ class PriorTrainer {
   // tokenizer, a grid of samples for the sample captions.
   PriorValidation validate();
   models::Prior& model();
+  // fp16 only (else null): the per-resblock gradient scales.
+  const GradientScaler* gradient_scaler() const;
 
  private:
   struct State;

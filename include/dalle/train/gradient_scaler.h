@@ -1,0 +1,50 @@
+#pragma once
+// Dynamic fp16 gradient scales, one per group of parameters (DALL-E: one per resblock). The
+// backward pass multiplies a group's gradients by its scale; `unscale_and_update` divides
+// them back, then grows the scale of every group whose gradients were finite and backs off
+// the others, and says whether the optimizer may step: a single non-finite gradient skips
+// the whole update.
+#include <torch/types.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "dalle/io/safetensors.h"
+#include "dalle/train/precision.h"
+
+namespace dalle::train {
+
+struct ScaleSummary {
+  double min = 0, median = 0, max = 0;
+};
+
+class GradientScaler {
+ public:
+  // `replicas`: data-parallel replicas, which multiply every scale and its bounds.
+  GradientScaler(GradientScalingConfig config, std::vector<std::vector<torch::Tensor>> groups, int64_t replicas = 1);
+
+  size_t groups() const { return groups_.size(); }
+  double scale(size_t group) const;
+  ScaleSummary summary() const;
+  int64_t skipped_updates() const { return skipped_; }
+
+  // After backward: true when every group's gradients are finite, which are then unscaled;
+  // false when the update must be skipped. Either way the scales move by the update rule.
+  bool unscale_and_update();
+
+  // Scales and backoff history, for checkpoints.
+  io::TensorMap state() const;
+  void load_state(const io::TensorMap& state);
+
+ private:
+  std::vector<bool> finite_groups() const;
+
+  GradientScalingConfig config_;
+  std::vector<std::vector<torch::Tensor>> groups_;
+  double offset_log2_;                      // log2(replicas)
+  std::vector<double> log2_scales_;
+  std::vector<int64_t> last_backoff_;       // update of each group's latest division, -1: none
+  int64_t updates_ = 0, skipped_ = 0;
+};
+
+}  // namespace dalle::train

@@ -1,0 +1,78 @@
+#include "dalle/train/activation_checkpoint.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+#include "dalle/error.h"
+#include "dalle/train/precision.h"
+
+namespace dalle::train {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// What the recomputation needs, carried through the autograd context.
+struct Recompute : torch::CustomClassHolder {
+  std::function<torch::Tensor(const torch::Tensor&)> fn;
+  at::Generator generator;
+  torch::Tensor generator_state;
+  std::optional<torch::ScalarType> autocast;
+};
+
+torch::Tensor generator_state(at::Generator& generator) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void set_generator_state(at::Generator& generator, const torch::Tensor& state) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+class Checkpointed : public torch::autograd::Function<Checkpointed> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               c10::intrusive_ptr<Recompute> recompute) {
+    const auto device = x.device().type();
+    recompute->generator = at::globalContext().defaultGenerator(x.device());
+    recompute->generator_state = generator_state(recompute->generator);
+    if (at::autocast::is_autocast_enabled(device)) recompute->autocast = at::autocast::get_autocast_dtype(device);
+    ctx->save_for_backward({x});
+    ctx->saved_data["recompute"] = c10::IValue::make_capsule(recompute);
+    torch::NoGradGuard no_grad;
+    return recompute->fn(x);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
+    const auto input = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    torch::Tensor output;
+    {
+      // The generator is rewound for the rerun, then put back where the first run left it.
+      const auto after_forward = generator_state(recompute->generator);
+      set_generator_state(recompute->generator, recompute->generator_state);
+      torch::AutoGradMode grad_mode(true);
+      AutocastGuard autocast(input.device().type(), recompute->autocast);
+      output = recompute->fn(input);
+      set_generator_state(recompute->generator, after_forward);
+    }
+    torch::autograd::backward({output}, {grads[0]});
+    return {input.grad(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor checkpointed(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& x) {
+  if (!torch::GradMode::is_enabled()) return fn(x);
+  if (!x.requires_grad()) {
+    // The checkpoint's output would not require grad, and fn's parameters would get none.
+    throw Error("activation checkpointing needs an input that requires grad");
+  }
+  auto recompute = c10::make_intrusive<Recompute>();
+  recompute->fn = fn;
+  return Checkpointed::apply(x, recompute);
+}
+
+}  // namespace dalle::train

@@ -1,0 +1,103 @@
+#include "dalle/train/gradient_scaler.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "dalle/error.h"
+
+namespace dalle::train {
+
+GradientScaler::GradientScaler(GradientScalingConfig config, std::vector<std::vector<torch::Tensor>> groups,
+                               int64_t replicas)
+    : config_(config),
+      groups_(std::move(groups)),
+      offset_log2_(std::log2(static_cast<double>(std::max<int64_t>(replicas, 1)))),
+      log2_scales_(groups_.size(), config.initial_log2 + offset_log2_),
+      last_backoff_(groups_.size(), -1) {
+  config_.validate();
+}
+
+double GradientScaler::scale(size_t group) const { return std::exp2(log2_scales_.at(group)); }
+
+ScaleSummary GradientScaler::summary() const {
+  if (log2_scales_.empty()) return {};
+  auto sorted = log2_scales_;
+  std::sort(sorted.begin(), sorted.end());
+  return {std::exp2(sorted.front()), std::exp2(sorted[sorted.size() / 2]), std::exp2(sorted.back())};
+}
+
+std::vector<bool> GradientScaler::finite_groups() const {
+  // One flag per group, stacked on the gradients' device so that a GPU synchronises once.
+  std::vector<torch::Tensor> flags;
+  for (const auto& group : groups_) {
+    std::vector<torch::Tensor> finite;
+    for (const auto& parameter : group) {
+      if (parameter.grad().defined()) finite.push_back(torch::isfinite(parameter.grad()).all());
+    }
+    flags.push_back(finite.empty() ? torch::tensor(true) : torch::stack(finite).all());
+  }
+  std::vector<bool> result;
+  if (flags.empty()) return result;
+  for (auto& flag : flags) flag = flag.to(flags.front().device());
+  const auto all = torch::stack(flags).cpu();
+  for (int64_t i = 0; i < all.size(0); ++i) result.push_back(all[i].item<bool>());
+  return result;
+}
+
+bool GradientScaler::unscale_and_update() {
+  const auto finite = finite_groups();
+  const bool step = std::all_of(finite.begin(), finite.end(), [](bool f) { return f; });
+  torch::NoGradGuard no_grad;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (const auto& parameter : groups_[g]) {
+      if (!parameter.grad().defined()) continue;
+      if (step) {
+        parameter.mutable_grad().div_(scale(g));
+      } else {
+        parameter.mutable_grad().zero_();
+      }
+    }
+  }
+  const double low = config_.min_log2 + offset_log2_, high = config_.max_log2 + offset_log2_;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    double& log2_scale = log2_scales_[g];
+    if (finite[g]) {
+      log2_scale += config_.growth_log2;
+    } else if (last_backoff_[g] < 0 || updates_ - last_backoff_[g] >= config_.backoff_interval) {
+      log2_scale -= config_.backoff_log2;
+      last_backoff_[g] = updates_;
+    }
+    log2_scale = std::clamp(log2_scale, low, high);
+  }
+  ++updates_;
+  if (!step) ++skipped_;
+  return step;
+}
+
+io::TensorMap GradientScaler::state() const {
+  auto options = torch::TensorOptions().dtype(torch::kFloat64);
+  return {{"log2_scales", torch::tensor(log2_scales_, options)},
+          {"last_backoff", torch::tensor(last_backoff_, torch::kInt64)},
+          {"counters", torch::tensor({updates_, skipped_}, torch::kInt64)}};
+}
+
+void GradientScaler::load_state(const io::TensorMap& state) {
+  const auto scales = state.find("log2_scales"), last_backoff = state.find("last_backoff"),
+             counters = state.find("counters");
+  if (scales == state.end() || last_backoff == state.end() || counters == state.end() ||
+      scales->second.numel() != static_cast<int64_t>(groups_.size()) ||
+      last_backoff->second.numel() != static_cast<int64_t>(groups_.size()) || counters->second.numel() != 2) {
+    throw Error("the checkpoint's gradient scales do not fit: expected " + std::to_string(groups_.size()) +
+                " scales with their backoff history");
+  }
+  const auto s = scales->second.to(torch::kFloat64).contiguous();
+  const auto b = last_backoff->second.to(torch::kInt64).contiguous();
+  log2_scales_.assign(s.data_ptr<double>(), s.data_ptr<double>() + s.numel());
+  last_backoff_.assign(b.data_ptr<int64_t>(), b.data_ptr<int64_t>() + b.numel());
+  updates_ = counters->second[0].item<int64_t>();
+  skipped_ = counters->second[1].item<int64_t>();
+}
+
+}  // namespace dalle::train

@@ -1,0 +1,326 @@
+// Mixed precision and memory: per-resblock fp16 gradient scaling, bf16 Adam moments and
+// activation checkpointing, each against its fp32 reference.
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "dalle/models/prior.h"
+#include "dalle/train/activation_checkpoint.h"
+#include "dalle/train/adamw.h"
+#include "dalle/train/gradient_scaler.h"
+#include "dalle/train/resblock_runner.h"
+#include "test_support.h"
+
+namespace dalle::train {
+namespace {
+
+using models::ResblockContext;
+
+// An MLP resblock whose branch is multiplied, in fp32, by a fixed factor: every gradient in
+// the block is that factor times O(1), so that a stack of them spans a chosen range.
+class AttenuatedMlp : public models::ResblockImpl {
+ public:
+  AttenuatedMlp(int64_t width, double factor) : factor_(factor) {
+    fc_in_ = register_module("fc_in", torch::nn::Linear(width, 2 * width));
+    fc_out_ = register_module("fc_out", torch::nn::Linear(2 * width, width));
+  }
+  torch::Tensor branch(const torch::Tensor& x, const ResblockContext&) override {
+    const auto normalized = torch::layer_norm(x, {x.size(-1)});  // as a resblock: O(1) inputs at any depth
+    return fc_out_(torch::gelu(fc_in_(normalized))).to(torch::kFloat32) * factor_;
+  }
+
+ private:
+  double factor_;
+  torch::nn::Linear fc_in_{nullptr}, fc_out_{nullptr};
+};
+
+// Factors 2^12, 2^7, ..., 2^-28: gradients over 40 octaves, all of fp16's range. The
+// gradient entering every block is the same, so one scale for all must keep the loudest
+// block from overflowing and lets the quietest underflow.
+Resblocks attenuated_stack(int64_t depth, int64_t width) {
+  torch::manual_seed(0);
+  Resblocks blocks;
+  for (int64_t k = 0; k < depth; ++k) {
+    blocks.push_back(std::make_shared<AttenuatedMlp>(width, std::exp2(12.0 - 5.0 * static_cast<double>(k))));
+  }
+  return blocks;
+}
+
+// Backward of sum(stack(x) * direction) through `runner` (none: plain fp32).
+void backward_through(const Resblocks& blocks, const models::ResblockRunner& runner) {
+  torch::manual_seed(1);
+  auto x = torch::randn({16, 8});
+  const auto direction = torch::randn({16, 8});
+  for (const auto& block : blocks) {
+    block->zero_grad();
+    x = runner ? runner(*block, x, {}) : x + block->branch(x, {});
+  }
+  (x * direction).sum().backward();
+}
+
+// Every block's gradients, one flat tensor each.
+std::vector<torch::Tensor> block_gradients(const Resblocks& blocks) {
+  std::vector<torch::Tensor> gradients;
+  for (const auto& block : blocks) {
+    std::vector<torch::Tensor> flat;
+    for (const auto& parameter : block->parameters()) flat.push_back(parameter.grad().flatten().clone());
+    gradients.push_back(torch::cat(flat));
+  }
+  return gradients;
+}
+
+double relative_error(const torch::Tensor& value, const torch::Tensor& reference) {
+  return ((value - reference).norm() / reference.norm()).item<double>();
+}
+
+double fraction_zeroed(const torch::Tensor& value, const torch::Tensor& reference) {
+  return ((value == 0) & (reference != 0)).to(torch::kFloat64).mean().item<double>();
+}
+
+GradientScalingConfig fixed_scale(double log2_scale) {
+  return {.initial_log2 = log2_scale, .min_log2 = -20, .max_log2 = 40, .growth_log2 = 0, .backoff_log2 = 0};
+}
+
+TEST(ResblockGradientScaling, PerResblockScalesRecoverWhatOneScaleLoses) {
+  const auto blocks = attenuated_stack(9, 8);
+  backward_through(blocks, nullptr);
+  const auto reference = block_gradients(blocks);
+
+  // One scale for every block: the largest power of two at which no gradient overflows.
+  std::vector<torch::Tensor> single;
+  for (double log2_scale = 24; log2_scale >= -10; --log2_scale) {
+    GradientScaler scaler(fixed_scale(log2_scale), resblock_parameter_groups(blocks));
+    backward_through(blocks, make_training_runner(blocks, {.precision = Precision::fp16, .scaler = &scaler}));
+    if (scaler.unscale_and_update()) {
+      single = block_gradients(blocks);
+      break;
+    }
+  }
+  ASSERT_FALSE(single.empty());
+  const auto deepest = blocks.size() - 1;
+  EXPECT_GT(fraction_zeroed(single[deepest], reference[deepest]), 0.5) << "one scale should lose the deepest block";
+  EXPECT_GT(relative_error(single[deepest], reference[deepest]), 0.5);
+
+  // One scale per block, adapted by the update rule: first with fast constants, so that
+  // the scales settle in a few steps, then with DALL-E's slow growth, so that they stop
+  // probing the overflow threshold. The lower bound is below DALL-E's 2^7 because the
+  // loudest block needs it. Then every block is within fp16's rounding of fp32.
+  GradientScalingConfig fast{.initial_log2 = 13, .min_log2 = -10, .growth_log2 = 0.5, .backoff_log2 = 1,
+                             .backoff_interval = 0};
+  GradientScaler settling(fast, resblock_parameter_groups(blocks));
+  for (int step = 0; step < 40; ++step) {
+    backward_through(blocks, make_training_runner(blocks, {.precision = Precision::fp16, .scaler = &settling}));
+    settling.unscale_and_update();
+  }
+  auto slow = fast;
+  slow.growth_log2 = 1e-3;
+  GradientScaler scaler(slow, resblock_parameter_groups(blocks));
+  scaler.load_state(settling.state());
+  bool finite = false;
+  for (int step = 0; step < 10 && !finite; ++step) {
+    backward_through(blocks, make_training_runner(blocks, {.precision = Precision::fp16, .scaler = &scaler}));
+    finite = scaler.unscale_and_update();
+  }
+  ASSERT_TRUE(finite);
+  const auto scaled = block_gradients(blocks);
+  for (size_t k = 0; k < blocks.size(); ++k) {
+    EXPECT_LT(relative_error(scaled[k], reference[k]), 1e-2) << "block " << k << " at scale " << scaler.scale(k);
+    EXPECT_EQ(fraction_zeroed(scaled[k], reference[k]), 0.0) << "block " << k;
+  }
+  EXPECT_GT(scaler.scale(deepest), scaler.scale(0) * 1024) << "the deepest block should need the largest scale";
+}
+
+TEST(ResblockGradientScaling, IdentityStreamKeepsFp32) {
+  const auto blocks = attenuated_stack(2, 8);
+  GradientScaler scaler(fixed_scale(0), resblock_parameter_groups(blocks));
+  const auto runner = make_training_runner(blocks, {.precision = Precision::fp16, .scaler = &scaler});
+  const auto input = torch::randn({4, 8});
+  auto x = input.clone().requires_grad_(true);
+  const auto y = runner(*blocks[1], runner(*blocks[0], x, {}), {});
+  EXPECT_EQ(y.scalar_type(), torch::kFloat32);
+  y.sum().backward();
+  EXPECT_EQ(x.grad().scalar_type(), torch::kFloat32);
+  auto reference = input.clone().requires_grad_(true);
+  auto z = reference + blocks[0]->branch(reference, {});
+  (z + blocks[1]->branch(z, {})).sum().backward();
+  EXPECT_LT(relative_error(x.grad(), reference.grad()), 1e-2) << "the block's share comes back unscaled";
+}
+
+TEST(GradientScaler, UpdateRuleGrowsBacksOffAtMostOncePerIntervalAndClamps) {
+  auto finite = torch::zeros({2}, torch::requires_grad());
+  auto broken = torch::zeros({2}, torch::requires_grad());
+  GradientScaler scaler({.initial_log2 = 13, .min_log2 = 12, .max_log2 = 14, .growth_log2 = 0.25,
+                         .backoff_log2 = 0.5, .backoff_interval = 3},
+                        {{finite}, {broken}}, /*replicas=*/4);
+  EXPECT_DOUBLE_EQ(scaler.scale(0), 4 * 8192.0);
+  auto backward = [&](double broken_value) {
+    finite.mutable_grad() = torch::full({2}, 2.0);
+    broken.mutable_grad() = torch::full({2}, broken_value);
+  };
+  backward(INFINITY);
+  EXPECT_FALSE(scaler.unscale_and_update());
+  EXPECT_DOUBLE_EQ(scaler.scale(0), 4 * std::exp2(13.25));
+  EXPECT_DOUBLE_EQ(scaler.scale(1), 4 * std::exp2(12.5));
+  EXPECT_TRUE(torch::equal(finite.grad(), torch::zeros({2}))) << "a skipped update leaves no gradient behind";
+  backward(NAN);  // within the interval: skipped, but no second division
+  EXPECT_FALSE(scaler.unscale_and_update());
+  EXPECT_DOUBLE_EQ(scaler.scale(1), 4 * std::exp2(12.5));
+  backward(1.0);
+  EXPECT_TRUE(scaler.unscale_and_update());
+  EXPECT_TRUE(torch::allclose(finite.grad(), torch::full({2}, 2.0 / (4 * std::exp2(13.5)))));
+  EXPECT_DOUBLE_EQ(scaler.scale(1), 4 * std::exp2(12.75));
+  backward(INFINITY);  // three updates after the first division: divided again, then clamped
+  EXPECT_FALSE(scaler.unscale_and_update());
+  EXPECT_DOUBLE_EQ(scaler.scale(1), 4 * std::exp2(12.25));
+  for (int i = 0; i < 8; ++i) {
+    backward(1.0);
+    scaler.unscale_and_update();
+  }
+  EXPECT_DOUBLE_EQ(scaler.scale(0), 4 * std::exp2(14.0));
+  EXPECT_EQ(scaler.skipped_updates(), 3);
+  EXPECT_DOUBLE_EQ(scaler.summary().max, 4 * std::exp2(14.0));
+
+  GradientScaler restored({}, {{finite}, {broken}});
+  restored.load_state(scaler.state());
+  EXPECT_EQ(restored.scale(1), scaler.scale(1));
+  EXPECT_EQ(restored.skipped_updates(), 3);
+  GradientScaler other({}, {{finite}});
+  EXPECT_THROW(other.load_state(scaler.state()), Error);
+}
+
+models::PriorConfig tiny_prior(double dropout) {
+  models::PriorConfig config;
+  config.text_length = 6;
+  config.text_vocab_size = 24;
+  config.grid_size = 4;
+  config.image_vocab_size = 16;
+  config.layers = 3;
+  config.width = 32;
+  config.heads = 2;
+  config.conv_kernel = 3;
+  config.dropout = dropout;
+  return config;
+}
+
+torch::Tensor tiny_tokens() {
+  torch::manual_seed(3);
+  return torch::cat({torch::randint(1, 24, {4, 6}), torch::randint(0, 16, {4, 16})}, 1);
+}
+
+// The gradients of one training step, the generator's state after it, and the loss.
+struct StepResult {
+  std::vector<torch::Tensor> gradients;
+  torch::Tensor generator_state;
+  double loss = 0;
+};
+
+StepResult training_step(models::Prior& prior, const models::ResblockRunner& runner) {
+  prior->set_resblock_runner(runner);
+  prior->train();
+  prior->zero_grad();
+  const auto tokens = tiny_tokens();
+  torch::manual_seed(4);
+  const auto loss = models::prior_loss(prior->forward(tokens), tokens, prior->config()).total;
+  loss.backward();
+  StepResult result{{}, at::detail::getDefaultCPUGenerator().get_state(), loss.item<double>()};
+  for (const auto& parameter : prior->parameters()) result.gradients.push_back(parameter.grad().clone());
+  return result;
+}
+
+TEST(ActivationCheckpointing, GradientsAreIdenticalWithDropout) {
+  torch::manual_seed(0);
+  models::Prior prior(tiny_prior(/*dropout=*/0.2));
+  const auto plain = training_step(prior, nullptr);
+  for (int64_t every : {1, 2}) {
+    const auto checkpointed_step = training_step(prior, make_training_runner(prior->resblocks(), {.checkpoint_every = every}));
+    EXPECT_EQ(checkpointed_step.loss, plain.loss);
+    ASSERT_EQ(checkpointed_step.gradients.size(), plain.gradients.size());
+    for (size_t i = 0; i < plain.gradients.size(); ++i) {
+      EXPECT_TRUE(torch::equal(checkpointed_step.gradients[i], plain.gradients[i])) << "every " << every << ", parameter " << i;
+    }
+    EXPECT_TRUE(torch::equal(checkpointed_step.generator_state, plain.generator_state))
+        << "the rerun must leave the generator where the first run did";
+  }
+}
+
+TEST(ActivationCheckpointing, Fp16GradientsAreIdenticalToo) {
+  torch::manual_seed(0);
+  models::Prior prior(tiny_prior(/*dropout=*/0.0));
+  GradientScaler scaler(fixed_scale(12), resblock_parameter_groups(prior->resblocks()));
+  const auto plain =
+      training_step(prior, make_training_runner(prior->resblocks(), {.precision = Precision::fp16, .scaler = &scaler}));
+  const auto checkpointed_step = training_step(
+      prior, make_training_runner(prior->resblocks(),
+                                  {.precision = Precision::fp16, .scaler = &scaler, .checkpoint_every = 1}));
+  for (size_t i = 0; i < plain.gradients.size(); ++i) {
+    EXPECT_TRUE(torch::equal(checkpointed_step.gradients[i], plain.gradients[i])) << "parameter " << i;
+  }
+}
+
+TEST(ActivationCheckpointing, RefusesAnInputWithoutGradient) {
+  torch::nn::Linear linear(4, 4);
+  auto fn = [&](const torch::Tensor& x) { return linear(x); };
+  EXPECT_THAT([&] { checkpointed(fn, torch::randn({2, 4})); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("needs an input that requires grad")));
+  torch::NoGradGuard no_grad;  // nothing to recompute: the function simply runs
+  EXPECT_EQ(checkpointed(fn, torch::randn({2, 4})).sizes(), (std::vector<int64_t>{2, 4}));
+}
+
+TEST(MixedPrecision, Fp16AndBf16StepsFollowFp32) {
+  torch::manual_seed(0);
+  models::Prior prior(tiny_prior(/*dropout=*/0.0));
+  const auto reference = training_step(prior, nullptr);
+  GradientScaler scaler(fixed_scale(13), resblock_parameter_groups(prior->resblocks()));
+  const auto fp16 =
+      training_step(prior, make_training_runner(prior->resblocks(), {.precision = Precision::fp16, .scaler = &scaler}));
+  ASSERT_TRUE(scaler.unscale_and_update());
+  std::vector<torch::Tensor> fp16_gradients;
+  for (const auto& parameter : prior->parameters()) fp16_gradients.push_back(parameter.grad().clone());
+  const auto bf16 = training_step(prior, make_training_runner(prior->resblocks(), {.precision = Precision::bf16}));
+  EXPECT_NEAR(fp16.loss, reference.loss, 1e-2 * reference.loss);
+  EXPECT_NEAR(bf16.loss, reference.loss, 2e-2 * reference.loss);
+  const auto flat = [](const std::vector<torch::Tensor>& tensors) {
+    std::vector<torch::Tensor> flat;
+    for (const auto& t : tensors) flat.push_back(t.flatten());
+    return torch::cat(flat);
+  };
+  EXPECT_LT(relative_error(flat(fp16_gradients), flat(reference.gradients)), 2e-2);
+  EXPECT_LT(relative_error(flat(bf16.gradients), flat(reference.gradients)), 5e-2);
+  for (const auto& parameter : prior->parameters()) EXPECT_EQ(parameter.grad().scalar_type(), torch::kFloat32);
+}
+
+TEST(AdamW, Bf16MomentsFollowFp32AndFp32IsTorchsAdamW) {
+  auto make = [] {
+    torch::manual_seed(0);
+    return torch::nn::Linear(16, 8);
+  };
+  auto reference = make(), ours = make(), bf16 = make();
+  const auto options = torch::optim::AdamWOptions(1e-2).betas({0.9, 0.96}).weight_decay(0.05);
+  torch::optim::AdamW torch_adamw(reference->parameters(), options);
+  AdamW fp32_adamw({torch::optim::OptimizerParamGroup(ours->parameters())}, options);
+  AdamW bf16_adamw({torch::optim::OptimizerParamGroup(bf16->parameters())}, options, torch::kBFloat16);
+  auto update = [](torch::nn::Linear& linear, torch::optim::Optimizer& optimizer, const torch::Tensor& x) {
+    optimizer.zero_grad();
+    linear(x).pow(2).mean().backward();
+    optimizer.step();
+  };
+  for (int step = 0; step < 10; ++step) {
+    const auto x = torch::randn({4, 16});
+    update(reference, torch_adamw, x);
+    update(ours, fp32_adamw, x);
+    update(bf16, bf16_adamw, x);
+  }
+  for (size_t i = 0; i < reference->parameters().size(); ++i) {
+    EXPECT_TRUE(torch::equal(ours->parameters()[i], reference->parameters()[i]));
+    EXPECT_TRUE(torch::allclose(bf16->parameters()[i], reference->parameters()[i], 1e-2, 2e-3));
+    EXPECT_FALSE(torch::equal(bf16->parameters()[i], reference->parameters()[i])) << "bf16 moments should round";
+  }
+  const auto& state = static_cast<const torch::optim::AdamWParamState&>(
+      *bf16_adamw.state().at(bf16->parameters()[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(state.exp_avg().scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(state.exp_avg_sq().scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(state.step(), 10);
+}
+
+}  // namespace
+}  // namespace dalle::train
