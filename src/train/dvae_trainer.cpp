@@ -14,7 +14,9 @@
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
 #include "dalle/models/dvae_objective.h"
+#include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
+#include "dalle/train/model_precision.h"
 #include "dalle/train/optimizer_state.h"
 #include "run_directory.h"
 #include "trainer_support.h"
@@ -37,6 +39,7 @@ void DvaeTrainConfig::visit(ConfigVisitor& v) {
   v.field("epsilon", epsilon, "AdamW epsilon", {.min = 0.0});
   v.field("weight_decay", weight_decay, "AdamW decoupled weight decay (DALL-E: 1e-4)", {.min = 0.0});
   v.field("ema_decay", ema_decay, "decay of the weights' moving average (DALL-E: 0.999)", {.min = 0.0, .max = 0.999999});
+  v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale", precision);
   v.field("steps", steps, "updates to train for", {.min = 1});
   v.field("log_every", log_every, "updates between metric lines", {.min = 1});
   v.field("validate_every", validate_every, "updates between validations (PSNR, codebook usage, grid)", {.min = 1});
@@ -57,7 +60,8 @@ struct DvaeTrainer::State {
   models::Dvae model{nullptr};
   models::Dvae ema_model{nullptr};
   std::unique_ptr<Ema> ema;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<ModelPrecision> precision;
   std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
   std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
   at::Generator noise;
@@ -115,11 +119,14 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
   s.model = models::Dvae(s.config.model);
   s.ema_model = models::Dvae(s.config.model);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  s.optimizer = std::make_unique<torch::optim::AdamW>(
-      s.model->parameters(), torch::optim::AdamWOptions(s.config.learning_rate.at(0))
-                                 .betas({s.config.beta1, s.config.beta2})
-                                 .eps(s.config.epsilon)
-                                 .weight_decay(s.config.weight_decay));
+  s.optimizer = std::make_unique<AdamW>(
+      std::vector{torch::optim::OptimizerParamGroup(s.model->parameters())},
+      torch::optim::AdamWOptions(s.config.learning_rate.at(0))
+          .betas({s.config.beta1, s.config.beta2})
+          .eps(s.config.epsilon)
+          .weight_decay(s.config.weight_decay),
+      s.config.precision.moments_dtype());
+  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
 
   const data::ImageCaptionOptions train_images{.image_size = s.config.data.image_size,
                                                .random_crop = s.config.data.random_crop};
@@ -148,9 +155,13 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
   for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
 
   const auto pixels = data::map_pixels(images);
-  const auto logits = model->encoder->forward(pixels);
-  const auto codes = models::gumbel_softmax(logits, metrics.temperature, noise);
-  const auto output = model->decoder->forward(codes);
+  torch::Tensor logits, output;
+  {
+    AutocastGuard autocast(pixels.device().type(), precision->autocast_dtype());
+    logits = model->encoder->forward(pixels).to(torch::kFloat32);
+    const auto codes = models::gumbel_softmax(logits, metrics.temperature, noise);
+    output = model->decoder->forward(codes).to(torch::kFloat32);
+  }
   const auto reconstruction = config.reconstruction_loss == "mse"
                                   ? torch::mse_loss(model->reconstruction(output), images)
                                   : models::logit_laplace_nll(output, pixels);
@@ -167,9 +178,14 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
                 std::to_string(kl.item<double>()) + "); lower the learning rate or resume from an earlier checkpoint");
   }
   optimizer->zero_grad();
-  loss.backward();
-  optimizer->step();
-  ema->update(*model);
+  precision->scaled(loss).backward();
+  metrics.skipped = !precision->unscale_and_update();
+  if (metrics.skipped) {
+    log::warn("dvae: gradients not finite at update ", step + 1, "; the update is skipped");
+  } else {
+    optimizer->step();
+    ema->update(*model);
+  }
   ++step;
 
   metrics.step = step;
@@ -194,9 +210,13 @@ void DvaeTrainer::run() {
     progress.set_loss(metrics.loss);
     const bool last = s.step == s.config.steps;
     if (s.step % s.config.log_every == 0 || last) {
-      s.metrics_log.append({{"step", metrics.step}, {"loss", metrics.loss}, {"reconstruction", metrics.reconstruction},
-                        {"kl", metrics.kl}, {"temperature", metrics.temperature},
-                        {"kl_weight", metrics.kl_weight}, {"learning_rate", metrics.learning_rate}});
+      nlohmann::json line = {{"step", metrics.step}, {"loss", metrics.loss}, {"reconstruction", metrics.reconstruction},
+                             {"kl", metrics.kl}, {"temperature", metrics.temperature},
+                             {"kl_weight", metrics.kl_weight}, {"learning_rate", metrics.learning_rate}};
+      if (const auto* scaler = s.precision->scaler()) {
+        line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
+      }
+      s.metrics_log.append(line);
     }
     if (s.step % s.config.validate_every == 0 || last) {
       const auto validation = validate();
@@ -223,6 +243,7 @@ DvaeValidation DvaeTrainer::validate() {
 void DvaeTrainer::State::save_checkpoint() {
   auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
   checkpoint.state.emplace("rng.noise", noise.get_state());
+  precision->save_state(checkpoint.state, "gradient_scaler.");
   log::info("dvae: checkpoint ", checkpoints.save(step, checkpoint));
 }
 
@@ -232,6 +253,7 @@ void DvaeTrainer::State::resume(const std::string& directory) {
                                    detail::may_change_on_resume);
   const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
   noise.set_state(checkpoint.state.at("rng.noise"));
+  precision->load_state(checkpoint.state, "gradient_scaler.");
   step = progress.step;
   loader->seek(progress.position);
   metrics_log.drop_after(step);

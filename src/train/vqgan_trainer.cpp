@@ -13,7 +13,9 @@
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
 #include "dalle/models/patch_discriminator.h"
+#include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
+#include "dalle/train/model_precision.h"
 #include "dalle/train/optimizer_state.h"
 #include "run_directory.h"
 #include "trainer_support.h"
@@ -50,6 +52,7 @@ void VqganTrainConfig::visit(ConfigVisitor& v) {
   v.field("weight_decay", weight_decay, "AdamW decoupled weight decay (taming: 0)", {.min = 0.0});
   v.field("ema_decay", ema_decay, "decay of the weights' moving average, used to validate and tokenize",
           {.min = 0.0, .max = 0.999999});
+  v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale per network", precision);
   v.field("steps", steps, "updates to train for", {.min = 1});
   v.field("log_every", log_every, "updates between metric lines", {.min = 1});
   v.field("validate_every", validate_every, "updates between validations (PSNR, codebook usage, grid)", {.min = 1});
@@ -66,9 +69,11 @@ struct VqganTrainer::State {
   models::Vqgan model{nullptr};
   models::Vqgan ema_model{nullptr};
   std::unique_ptr<Ema> ema;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<ModelPrecision> precision;
   models::PatchDiscriminator discriminator{nullptr};
-  std::unique_ptr<torch::optim::AdamW> discriminator_optimizer;
+  std::unique_ptr<AdamW> discriminator_optimizer;
+  std::unique_ptr<ModelPrecision> discriminator_precision;
   std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
   std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
   at::Generator noise;
@@ -88,6 +93,7 @@ struct VqganTrainer::State {
   VqganStepMetrics train_step(const torch::Tensor& images);
   torch::Tensor reconstruction_loss(const torch::Tensor& output, const torch::Tensor& target) const;
   double adaptive_factor(const torch::Tensor& reconstruction, const torch::Tensor& adversarial);
+  torch::Tensor discriminate(const torch::Tensor& images);  // patch logits, fp32
   double train_discriminator(const torch::Tensor& real, const torch::Tensor& fake);
   int64_t track_usage(const models::VqganOutput& out);
   void log_step(const VqganStepMetrics& metrics);
@@ -97,12 +103,13 @@ struct VqganTrainer::State {
 
 namespace {
 
-std::unique_ptr<torch::optim::AdamW> make_adamw(const std::vector<torch::Tensor>& parameters,
-                                                const VqganTrainConfig& config) {
-  return std::make_unique<torch::optim::AdamW>(parameters, torch::optim::AdamWOptions(config.learning_rate.at(0))
-                                                               .betas({config.beta1, config.beta2})
-                                                               .eps(config.epsilon)
-                                                               .weight_decay(config.weight_decay));
+std::unique_ptr<AdamW> make_adamw(const std::vector<torch::Tensor>& parameters, const VqganTrainConfig& config) {
+  return std::make_unique<AdamW>(std::vector{torch::optim::OptimizerParamGroup(parameters)},
+                                 torch::optim::AdamWOptions(config.learning_rate.at(0))
+                                     .betas({config.beta1, config.beta2})
+                                     .eps(config.epsilon)
+                                     .weight_decay(config.weight_decay),
+                                 config.precision.moments_dtype());
 }
 
 void validate_settings(const VqganTrainConfig& config) {
@@ -141,10 +148,12 @@ VqganTrainer::VqganTrainer(VqganTrainConfig config, std::string run_directory) {
   s.ema_model = models::Vqgan(s.config.model);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
   s.optimizer = make_adamw(s.model->parameters(), s.config);
+  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
   if (s.config.discriminator.enabled) {
     s.discriminator = models::PatchDiscriminator(s.config.model.out_channels, s.config.discriminator.channels,
                                                  s.config.discriminator.layers);
     s.discriminator_optimizer = make_adamw(s.discriminator->parameters(), s.config);
+    s.discriminator_precision = std::make_unique<ModelPrecision>(s.config.precision, s.discriminator->parameters());
   }
 
   s.train_set = data::ImageCaptionDataset::open(
@@ -170,18 +179,26 @@ torch::Tensor VqganTrainer::State::reconstruction_loss(const torch::Tensor& outp
 }
 
 double VqganTrainer::State::adaptive_factor(const torch::Tensor& reconstruction, const torch::Tensor& adversarial) {
-  // taming's balance: both losses pull on the decoder's last layer about equally hard.
+  // taming's balance: both losses pull on the decoder's last layer about equally hard. In
+  // fp16 both gradients are of the scaled losses, lest they underflow; the scale cancels.
   const auto last = model->decoder->last_layer_weight();
-  const auto reconstruction_grad = torch::autograd::grad({reconstruction}, {last}, {}, /*retain_graph=*/true)[0];
-  const auto adversarial_grad = torch::autograd::grad({adversarial}, {last}, {}, /*retain_graph=*/true)[0];
-  return (reconstruction_grad.norm() / (adversarial_grad.norm() + 1e-4)).clamp(0.0, 1e4).item<double>();
+  const auto grad_norm = [&](const torch::Tensor& loss) {
+    return torch::autograd::grad({precision->scaled(loss)}, {last}, {}, /*retain_graph=*/true)[0].norm();
+  };
+  const auto factor = grad_norm(reconstruction) / (grad_norm(adversarial) + 1e-4 * precision->scale());
+  return factor.clamp(0.0, 1e4).item<double>();
+}
+
+torch::Tensor VqganTrainer::State::discriminate(const torch::Tensor& images) {
+  AutocastGuard autocast(images.device().type(), discriminator_precision->autocast_dtype());
+  return discriminator->forward(images).to(torch::kFloat32);
 }
 
 double VqganTrainer::State::train_discriminator(const torch::Tensor& real, const torch::Tensor& fake) {
   discriminator_optimizer->zero_grad();  // also drops what the generator's loss left on it
-  const auto loss = models::discriminator_hinge_loss(discriminator->forward(real), discriminator->forward(fake));
-  loss.backward();
-  discriminator_optimizer->step();
+  const auto loss = models::discriminator_hinge_loss(discriminate(real), discriminate(fake));
+  discriminator_precision->scaled(loss).backward();
+  if (discriminator_precision->unscale_and_update()) discriminator_optimizer->step();
   return loss.item<double>();
 }
 
@@ -207,7 +224,11 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
   }
 
   const auto x = images * 2.0 - 1.0;
-  const auto out = model->forward(x, metrics.temperature, noise);
+  auto out = [&] {
+    AutocastGuard autocast(x.device().type(), precision->autocast_dtype());
+    return model->forward(x, metrics.temperature, noise);
+  }();
+  out.reconstruction = out.reconstruction.to(torch::kFloat32);
   const auto reconstruction = reconstruction_loss(out.reconstruction, x);
   const auto& q = out.quantized;
   const auto quantizer = model->gumbel ? config.kl_weight * q.kl : q.codebook + config.commitment * q.commitment;
@@ -215,7 +236,7 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
   const bool adversarial = discriminator && step >= config.discriminator.start;
   torch::Tensor generator_loss;
   if (adversarial) {
-    generator_loss = models::generator_hinge_loss(discriminator->forward(out.reconstruction));
+    generator_loss = models::generator_hinge_loss(discriminate(out.reconstruction));
     const double factor = config.discriminator.adaptive_weight ? adaptive_factor(reconstruction, generator_loss) : 1.0;
     metrics.adversarial_weight = config.discriminator.weight * factor;
     loss = loss + metrics.adversarial_weight * generator_loss;
@@ -228,9 +249,14 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
                 "); lower the learning rate or resume from an earlier checkpoint");
   }
   optimizer->zero_grad();
-  loss.backward();
-  optimizer->step();
-  ema->update(*model);
+  precision->scaled(loss).backward();
+  metrics.skipped = !precision->unscale_and_update();
+  if (metrics.skipped) {
+    log::warn("vqgan: gradients not finite at update ", step + 1, "; the update is skipped");
+  } else {
+    optimizer->step();
+    ema->update(*model);
+  }
   if (adversarial) metrics.discriminator = train_discriminator(x, out.reconstruction.detach());
   ++step;
   metrics.restarted = track_usage(out);
@@ -248,6 +274,9 @@ void VqganTrainer::State::log_step(const VqganStepMetrics& m) {
                          {"quantizer", m.quantizer}, {"learning_rate", m.learning_rate}};
   if (model->gumbel) line["temperature"] = m.temperature;
   if (model->vector) line["restarted"] = m.restarted;
+  if (const auto* scaler = precision->scaler()) {
+    line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
+  }
   if (discriminator) {
     line["adversarial"] = m.adversarial;
     line["adversarial_weight"] = m.adversarial_weight;
@@ -300,6 +329,8 @@ void VqganTrainer::State::save_checkpoint() {
   }
   state.emplace("vq.usage", usage);
   state.emplace("rng.noise", noise.get_state());
+  precision->save_state(state, "gradient_scaler.");
+  if (discriminator_precision) discriminator_precision->save_state(state, "discriminator_gradient_scaler.");
   log::info("vqgan: checkpoint ", checkpoints.save(step, checkpoint));
 }
 
@@ -317,6 +348,8 @@ void VqganTrainer::State::resume(const std::string& directory) {
   }
   usage.copy_(state.at("vq.usage"));
   noise.set_state(state.at("rng.noise"));
+  precision->load_state(state, "gradient_scaler.");
+  if (discriminator_precision) discriminator_precision->load_state(state, "discriminator_gradient_scaler.");
   step = progress.step;
   loader->seek(progress.position);
   metrics_log.drop_after(step);

@@ -108,6 +108,26 @@ TEST_F(DvaeTrainerTest, LossGoesDownAndValidationReportsUsage) {
   EXPECT_LE(validation.codes_used, 1.0);
 }
 
+TEST_F(DvaeTrainerTest, Fp16AndBf16RunsFollowTheFp32Run) {
+  ScratchDir runs;
+  auto reconstruction_after = [&](const std::string& mode) {
+    auto config = tiny(12);
+    config.precision.mode = mode;
+    config.checkpoint_every = 1000;
+    DvaeTrainer(config, runs / mode).run();
+    return nlohmann::json::parse(losses(runs / mode).at(12));
+  };
+  const auto fp32 = reconstruction_after("fp32");
+  const auto fp16 = reconstruction_after("fp16");
+  const auto bf16 = reconstruction_after("bf16");
+  const double expected = fp32["reconstruction"].get<double>();
+  EXPECT_NEAR(fp16["reconstruction"].get<double>(), expected, 0.03 * std::abs(expected));
+  EXPECT_NEAR(bf16["reconstruction"].get<double>(), expected, 0.05 * std::abs(expected));
+  EXPECT_EQ(fp16["skipped_updates"].get<int64_t>(), 0);
+  EXPECT_GT(fp16["grad_scale"].get<double>(), 8192.0) << "the scale grows after finite updates";
+  EXPECT_FALSE(fp32.contains("grad_scale"));
+}
+
 TEST_F(DvaeTrainerTest, EncodeImagesWritesTheDvaeTokensAndCaptionIds) {
   ScratchDir dir;
   DvaeTrainer(tiny(2), dir / "dvae").run();

@@ -111,6 +111,13 @@ TEST_F(VqganTrainerTest, ResumedGumbelRunWithADiscriminatorContinuesWithTheSameL
   expect_exact_resume(with_discriminator(tiny(8), 2));
 }
 
+TEST_F(VqganTrainerTest, ResumedFp16RunWithADiscriminatorContinuesWithTheSameLossesAndScales) {
+  auto config = with_discriminator(tiny(8), 2);
+  config.precision.mode = "fp16";
+  config.precision.adam_moments = "bf16";
+  expect_exact_resume(config);
+}
+
 TEST_F(VqganTrainerTest, ResumedVectorRunWithRestartsContinuesWithTheSameLosses) {
   auto config = tiny(8, "vector");
   config.restart_every = 2;  // a usage window open across the checkpoint at 3

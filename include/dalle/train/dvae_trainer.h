@@ -12,6 +12,7 @@
 
 #include "dalle/config.h"
 #include "dalle/models/dvae.h"
+#include "dalle/train/precision.h"
 #include "dalle/train/schedule.h"
 #include "dalle/train/tokenizer_validation.h"
 
@@ -47,6 +48,7 @@ struct DvaeTrainConfig {
   CosineSchedule kl_weight{0.0, 6.6, 5'000};
   double beta1 = 0.9, beta2 = 0.999, epsilon = 1e-8, weight_decay = 1e-4;
   double ema_decay = 0.999;
+  PrecisionConfig precision;
   int64_t steps = 1'200'000;
   int64_t log_every = 100;
   int64_t validate_every = 1000;
@@ -64,6 +66,7 @@ struct DvaeStepMetrics {
   int64_t step = 0;  // updates done, this one included
   double loss = 0, reconstruction = 0, kl = 0;
   double temperature = 0, kl_weight = 0, learning_rate = 0;
+  bool skipped = false;  // non-finite gradients: the weights were left as they were
 };
 
 // PSNR of argmax-decoded reconstructions with the EMA weights, codebook usage.

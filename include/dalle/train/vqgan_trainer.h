@@ -13,6 +13,7 @@
 #include "dalle/config.h"
 #include "dalle/models/vqgan.h"
 #include "dalle/train/dvae_trainer.h"
+#include "dalle/train/precision.h"
 #include "dalle/train/schedule.h"
 #include "dalle/train/tokenizer_validation.h"
 
@@ -52,6 +53,7 @@ struct VqganTrainConfig {
   DiscriminatorConfig discriminator;
   double beta1 = 0.5, beta2 = 0.9, epsilon = 1e-8, weight_decay = 0.0;
   double ema_decay = 0.999;
+  PrecisionConfig precision;
   int64_t steps = 500'000;
   int64_t log_every = 100;
   int64_t validate_every = 1000;
@@ -74,6 +76,7 @@ struct VqganStepMetrics {
   double discriminator = 0;   // discriminator hinge loss
   double temperature = 0, learning_rate = 0;
   int64_t restarted = 0;      // codes restarted at this update
+  bool skipped = false;       // non-finite gradients: the generator's weights were left as they were
 };
 
 class VqganTrainer {
