@@ -2,7 +2,9 @@
 //   attention: the sparse path against dense masked attention, per mask kind, forward and
 //              backward of one attention resblock on a text + 32x32 sequence;
 //   generation: image tokens per second with and without the KV cache;
-//   training: tokens per second and peak resident memory of full training steps.
+//   training: tokens per second and peak resident memory of full training steps, in a
+//             chosen precision (fp32, bf16, fp16 with per-resblock gradient scales), with
+//             or without activation checkpointing.
 // Ratios are taken within one run, on one machine.
 #include <sys/resource.h>
 #include <torch/torch.h>
@@ -15,6 +17,8 @@
 
 #include "dalle/models/prior.h"
 #include "dalle/models/prior_sampling.h"
+#include "dalle/train/adamw.h"
+#include "dalle/train/resblock_runner.h"
 
 using namespace dalle;
 using Clock = std::chrono::steady_clock;
@@ -93,16 +97,37 @@ void generation(const models::PriorConfig& config, int64_t batch, const std::str
   std::fflush(stdout);
 }
 
-void training(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name) {
+struct TrainingOptions {
+  std::string precision = "fp32";
+  int64_t checkpoint_every = 0;
+};
+
+void training(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name,
+              const TrainingOptions& options) {
   torch::manual_seed(0);
   const double rss_before = peak_rss_mib();
   models::Prior prior(config);
-  torch::optim::AdamW optimizer(prior->parameters(), torch::optim::AdamWOptions(1e-4));
+  train::PrecisionConfig precision;
+  precision.mode = options.precision;
+  std::unique_ptr<train::GradientScaler> scaler;
+  if (precision.precision() == train::Precision::fp16) {
+    scaler = std::make_unique<train::GradientScaler>(precision.gradient_scaling,
+                                                     train::resblock_parameter_groups(prior->resblocks()));
+  }
+  prior->set_resblock_runner(train::make_training_runner(
+      prior->resblocks(),
+      {.precision = precision.precision(), .scaler = scaler.get(), .checkpoint_every = options.checkpoint_every}));
+  train::AdamW optimizer({torch::optim::OptimizerParamGroup(prior->parameters())}, torch::optim::AdamWOptions(1e-4));
   const auto tokens = random_tokens(config, batch);
+  int64_t skipped = 0;
   auto step = [&] {
     auto loss = models::prior_loss(prior->forward(tokens), tokens, config).total;
     optimizer.zero_grad();
     loss.backward();
+    if (scaler && !scaler->unscale_and_update()) {
+      ++skipped;
+      return;
+    }
     optimizer.step();
   };
   const double seconds = time_per_call(steps, step);
@@ -112,6 +137,8 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
                                {"layers", config.layers},     {"width", config.width},
                                {"parameters", parameters},    {"batch", batch},
                                {"sequence", config.length()}, {"attention_path", config.attention_path},
+                               {"precision", options.precision}, {"checkpoint_every", options.checkpoint_every},
+                               {"skipped_updates", skipped},
                                {"step_s", seconds},           {"tokens_per_s", batch * config.length() / seconds},
                                {"peak_rss_mib", peak_rss_mib()}, {"rss_before_mib", rss_before}};
   std::printf("%s\n", line.dump().c_str());
@@ -145,12 +172,24 @@ models::PriorConfig rudalle_xl_slice(int64_t layers) {
   return config;
 }
 
+// "--name=value" among the arguments, or `fallback`.
+std::string option(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  const std::string prefix = "--" + name + "=";
+  for (int i = 2; i < argc; ++i) {
+    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0) return argv[i] + prefix.size();
+  }
+  return fallback;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   // One benchmark per process, so that each peak resident memory is its own.
   const std::string which = argc > 1 ? argv[1] : "";
-  const bool quick = argc > 2 && std::strcmp(argv[2], "--quick") == 0;
+  bool quick = false;
+  for (int i = 2; i < argc; ++i) quick = quick || std::strcmp(argv[i], "--quick") == 0;
+  const TrainingOptions options{.precision = option(argc, argv, "precision", "fp32"),
+                                .checkpoint_every = std::stoll(option(argc, argv, "checkpoint-every", "0"))};
   if (which == "attention") {
     attention(256, 512, 8, quick ? 1 : 5);
   } else if (which == "generation") {
@@ -159,15 +198,15 @@ int main(int argc, char** argv) {
     config.text_length = 32;
     generation(config, 4, "tiny, 32x32 grid");
   } else if (which == "training-tiny") {
-    training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)");
+    training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", options);
   } else if (which == "training-xl-slice") {
     auto slice = rudalle_xl_slice(2);
-    slice.attention_path = argc > 3 ? argv[3] : "sparse";
-    training(slice, 1, quick ? 1 : 2, "ruDALL-E XL layout, 2-layer slice");
+    slice.attention_path = option(argc, argv, "path", "sparse");
+    training(slice, 1, quick ? 1 : 2, "ruDALL-E XL layout, 2-layer slice", options);
   } else {
     std::fprintf(stderr,
-                 "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice [--quick|--full] "
-                 "[sparse|dense]\n");
+                 "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice [--quick] "
+                 "[--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K]\n");
     return 2;
   }
   return 0;
