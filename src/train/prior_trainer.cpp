@@ -124,7 +124,7 @@ bool may_change_on_resume(const std::string& key) {
   return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
          key == "keep_checkpoints" || key == "threads" || key == "data.workers" || key == "sample_captions" ||
          key == "samples_per_caption" || key.starts_with("sampling.") || key == "tokenizer" ||
-         key == "image_tokenizer";
+         key == "image_tokenizer" || key == "checkpoint_activations_every";
 }
 
 void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig& model, const std::string& where) {
