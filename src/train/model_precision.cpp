@@ -9,7 +9,8 @@ namespace dalle::train {
 ModelPrecision::ModelPrecision(const PrecisionConfig& config, std::vector<torch::Tensor> parameters)
     : autocast_(config.autocast_dtype()), parameters_(std::move(parameters)) {
   if (config.precision() == Precision::fp16) {
-    scaler_ = std::make_unique<GradientScaler>(config.gradient_scaling, std::vector<std::vector<torch::Tensor>>{parameters_});
+    scaler_ = std::make_unique<GradientScaler>(config.gradient_scaling,
+                                               std::vector<std::vector<torch::Tensor>>{parameters_});
   }
 }
 

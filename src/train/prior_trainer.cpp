@@ -215,10 +215,13 @@ void PriorTrainer::State::install_resblock_runner() {
   if (precision == Precision::fp32 && config.checkpoint_activations_every == 0) return;
   if (precision == Precision::fp16) {
     config.precision.gradient_scaling.validate();
-    scaler = std::make_unique<GradientScaler>(config.precision.gradient_scaling, resblock_parameter_groups(model->resblocks()));
+    scaler = std::make_unique<GradientScaler>(config.precision.gradient_scaling,
+                                              resblock_parameter_groups(model->resblocks()));
   }
-  model->set_resblock_runner(make_training_runner(
-      model->resblocks(), {.precision = precision, .scaler = scaler.get(), .checkpoint_every = config.checkpoint_activations_every}));
+  model->set_resblock_runner(make_training_runner(model->resblocks(),
+                                                  {.precision = precision,
+                                                   .scaler = scaler.get(),
+                                                   .checkpoint_every = config.checkpoint_activations_every}));
 }
 
 torch::Tensor PriorTrainer::State::batch_tokens(const std::vector<data::TokenExample>& examples,

@@ -240,11 +240,13 @@ TEST(ActivationCheckpointing, GradientsAreIdenticalWithDropout) {
   models::Prior prior(tiny_prior(/*dropout=*/0.2));
   const auto plain = training_step(prior, nullptr);
   for (int64_t every : {1, 2}) {
-    const auto checkpointed_step = training_step(prior, make_training_runner(prior->resblocks(), {.checkpoint_every = every}));
+    const auto checkpointed_step =
+        training_step(prior, make_training_runner(prior->resblocks(), {.checkpoint_every = every}));
     EXPECT_EQ(checkpointed_step.loss, plain.loss);
     ASSERT_EQ(checkpointed_step.gradients.size(), plain.gradients.size());
     for (size_t i = 0; i < plain.gradients.size(); ++i) {
-      EXPECT_TRUE(torch::equal(checkpointed_step.gradients[i], plain.gradients[i])) << "every " << every << ", parameter " << i;
+      EXPECT_TRUE(torch::equal(checkpointed_step.gradients[i], plain.gradients[i]))
+          << "every " << every << ", parameter " << i;
     }
     EXPECT_TRUE(torch::equal(checkpointed_step.generator_state, plain.generator_state))
         << "the rerun must leave the generator where the first run did";
