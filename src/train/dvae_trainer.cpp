@@ -221,7 +221,8 @@ void DvaeTrainer::run() {
     if (s.step % s.config.validate_every == 0 || last) {
       const auto validation = validate();
       log::info("dvae: update ", s.step, " loss ", metrics.loss, " validation PSNR ", validation.psnr,
-                " dB, perplexity ", validation.perplexity, ", codes used ", validation.codes_used);
+                " dB, perplexity ", validation.perplexity, ", codes used ", validation.codes_used,
+                ", decoder sensitivity ", validation.decoder_sensitivity);
     }
     if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
   }

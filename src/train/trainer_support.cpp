@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -82,12 +83,27 @@ TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const 
   }
   if (originals.empty()) throw Error(what + ": no readable validation image in " + images.root());
   const auto original = torch::cat(originals), reconstruction = torch::cat(reconstructions);
-  const auto usage = models::codebook_usage(torch::cat(tokens), tokenizer.vocab_size());
-  TokenizerValidation result{models::psnr(reconstruction, original), usage.perplexity, usage.used_fraction};
+  const auto all_tokens = torch::cat(tokens);
+  const auto usage = models::codebook_usage(all_tokens, tokenizer.vocab_size());
+  TokenizerValidation result{models::psnr(reconstruction, original), usage.perplexity, usage.used_fraction,
+                             all_tokens.size(0) < 2 ? std::nan("")
+                                                    : decoder_sensitivity(tokenizer, all_tokens.slice(
+                                                                                         0, 0, std::max<int64_t>(batch_size, 2)))};
   write_grid(original, reconstruction, grid_images, step, run);
   metrics.append({{"step", step}, {"validation_psnr", result.psnr}, {"perplexity", result.perplexity},
-                  {"codes_used", result.codes_used}});
+                  {"codes_used", result.codes_used}, {"decoder_sensitivity", result.decoder_sensitivity}});
   return result;
 }
 
 }  // namespace dalle::train::detail
+
+namespace dalle::train {
+
+double decoder_sensitivity(models::ImageTokenizer& tokenizer, const torch::Tensor& tokens) {
+  if (tokens.size(0) < 2) throw Error("decoder_sensitivity needs at least two token grids");
+  torch::NoGradGuard no_grad;
+  const auto own = tokenizer.decode_tokens(tokens), others = tokenizer.decode_tokens(tokens.roll(1, 0));
+  return (own - others).abs().mean().item<double>();
+}
+
+}  // namespace dalle::train

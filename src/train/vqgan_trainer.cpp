@@ -303,7 +303,8 @@ void VqganTrainer::run() {
     if (s.step % s.config.validate_every == 0 || last) {
       const auto validation = validate();
       log::info("vqgan: update ", s.step, " loss ", metrics.loss, " validation PSNR ", validation.psnr,
-                " dB, perplexity ", validation.perplexity, ", codes used ", validation.codes_used);
+                " dB, perplexity ", validation.perplexity, ", codes used ", validation.codes_used,
+                ", decoder sensitivity ", validation.decoder_sensitivity);
     }
     if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
   }

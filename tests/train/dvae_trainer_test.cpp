@@ -104,6 +104,7 @@ TEST_F(DvaeTrainerTest, LossGoesDownAndValidationReportsUsage) {
   const auto validation = trainer.validate();
   EXPECT_GT(validation.psnr, untrained.psnr + 1.0) << "PSNR of argmax reconstructions, EMA weights";
   EXPECT_GT(validation.perplexity, 1.0);
+  EXPECT_GT(validation.decoder_sensitivity, 0.0) << "the decoder reads its codes";
   EXPECT_GT(validation.codes_used, 0.0);
   EXPECT_LE(validation.codes_used, 1.0);
 }
@@ -192,6 +193,34 @@ TEST_F(DvaeTrainerTest, BadSettingsAreRefused) {
   config = tiny(1);
   config.data.train = "";
   EXPECT_THROW_WITH(DvaeTrainer(config, runs / "b"), Error, "data.train and data.validation");
+}
+
+}  // namespace
+}  // namespace dalle::train
+
+namespace dalle::train {
+namespace {
+
+TEST(DecoderSensitivity, ZeroExactlyWhenTheDecoderIgnoresItsCodes) {
+  models::DvaeConfig config;
+  config.hidden = 8;
+  config.decoder_init = 8;
+  config.groups = 2;
+  config.blocks_per_group = 1;
+  config.downsamplings = 1;
+  config.vocab_size = 16;
+  torch::manual_seed(0);
+  models::Dvae dvae(config);
+  const auto tokens = torch::randint(0, 16, {4, 4, 4});
+  EXPECT_GT(decoder_sensitivity(*dvae, tokens), 1e-4);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : dvae->named_parameters()) {
+      if (item.key().starts_with("decoder.blocks.input.")) item.value().zero_();
+    }
+  }
+  EXPECT_EQ(decoder_sensitivity(*dvae, tokens), 0.0);
+  EXPECT_THROW(decoder_sensitivity(*dvae, tokens.slice(0, 0, 1)), Error);
 }
 
 }  // namespace
