@@ -128,14 +128,10 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
       s.config.precision.moments_dtype());
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
 
-  const data::ImageCaptionOptions train_images{.image_size = s.config.data.image_size,
-                                               .random_crop = s.config.data.random_crop};
-  s.train_set = data::ImageCaptionDataset::open(s.config.data.train, train_images);
-  s.validation_set = data::ImageCaptionDataset::open(s.config.data.validation, {.image_size = s.config.data.image_size});
-  s.loader = std::make_unique<data::DataLoader<data::ImageCaptionDataset>>(
-      s.train_set, data::LoaderOptions{.batch_size = s.config.data.batch_size,
-                                       .workers = s.config.data.workers,
-                                       .sampler = {.seed = static_cast<uint64_t>(s.config.seed)}});
+  auto images = detail::open_image_data(s.config.data, s.config.seed);
+  s.train_set = std::move(images.train);
+  s.validation_set = std::move(images.validation);
+  s.loader = std::move(images.loader);
   if (auto latest = s.checkpoints.latest()) s.resume(*latest);
   // Written only once a resume has succeeded, so a refused resume leaves the run untouched.
   fs::create_directories(s.run / "samples");

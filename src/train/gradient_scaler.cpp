@@ -51,13 +51,16 @@ bool GradientScaler::unscale_and_update() {
   const bool step = std::all_of(finite.begin(), finite.end(), [](bool f) { return f; });
   torch::NoGradGuard no_grad;
   for (size_t g = 0; g < groups_.size(); ++g) {
+    std::vector<torch::Tensor> gradients;
     for (const auto& parameter : groups_[g]) {
-      if (!parameter.grad().defined()) continue;
-      if (step) {
-        parameter.mutable_grad().div_(scale(g));
-      } else {
-        parameter.mutable_grad().zero_();
-      }
+      if (parameter.grad().defined()) gradients.push_back(parameter.grad());
+    }
+    if (gradients.empty()) continue;
+    // One fused launch per group rather than one per tensor.
+    if (step) {
+      torch::_foreach_div_(gradients, scale(g));
+    } else {
+      torch::_foreach_zero_(gradients);
     }
   }
   const double low = config_.min_log2 + offset_log2_, high = config_.max_log2 + offset_log2_;

@@ -19,6 +19,18 @@ bool may_change_on_resume(const std::string& key) {
          key == "keep_checkpoints" || key == "grid_images" || key == "threads" || key == "data.workers";
 }
 
+ImageData open_image_data(const ImageDataConfig& config, int64_t seed) {
+  ImageData images;
+  images.train = data::ImageCaptionDataset::open(
+      config.train, {.image_size = config.image_size, .random_crop = config.random_crop});
+  images.validation = data::ImageCaptionDataset::open(config.validation, {.image_size = config.image_size});
+  images.loader = std::make_unique<data::DataLoader<data::ImageCaptionDataset>>(
+      images.train, data::LoaderOptions{.batch_size = config.batch_size,
+                                        .workers = config.workers,
+                                        .sampler = {.seed = static_cast<uint64_t>(seed)}});
+  return images;
+}
+
 torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples) {
   std::vector<torch::Tensor> images;
   for (const auto& example : examples) images.push_back(example.image);

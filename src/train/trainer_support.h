@@ -12,6 +12,7 @@
 #include "dalle/data/loader.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/models/image_tokenizer.h"
+#include "dalle/train/dvae_trainer.h"
 #include "dalle/train/tokenizer_validation.h"
 #include "run_directory.h"
 
@@ -19,6 +20,14 @@ namespace dalle::train::detail {
 
 // Keys that may change when a run resumes: how long and how often, not what is trained.
 bool may_change_on_resume(const std::string& key);
+
+// A tokenizer trainer's images: the training set (random crops if asked) behind a seeded
+// loader, and the validation set.
+struct ImageData {
+  std::shared_ptr<data::ImageCaptionDataset> train, validation;
+  std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
+};
+ImageData open_image_data(const ImageDataConfig& config, int64_t seed);
 
 torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples);
 
