@@ -137,8 +137,12 @@ torch::Tensor DvaeImpl::decode_tokens(const torch::Tensor& tokens) {
 }
 
 torch::Tensor DvaeImpl::reconstruction(const torch::Tensor& decoder_output) {
+  return data::unmap_pixels(mapped_reconstruction(decoder_output));
+}
+
+torch::Tensor DvaeImpl::mapped_reconstruction(const torch::Tensor& decoder_output) {
   const int64_t channels = decoder_output.size(1) / 2;
-  return data::unmap_pixels(torch::sigmoid(decoder_output.slice(1, 0, channels)));
+  return torch::sigmoid(decoder_output.slice(1, 0, channels));
 }
 
 }  // namespace dalle::models

@@ -4,13 +4,19 @@
 
 #include <cmath>
 
+#include "dalle/models/dvae.h"
+
 namespace dalle::models {
 
-torch::Tensor gumbel_softmax(const torch::Tensor& logits, double tau, std::optional<at::Generator> generator) {
+torch::Tensor gumbel_softmax(const torch::Tensor& logits, double tau, std::optional<at::Generator> generator,
+                             bool straight_through) {
   // -log(-log U) with U kept away from 0 and 1 so that neither log overflows.
   auto uniform = torch::empty_like(logits).uniform_(1e-10, 1.0 - 1e-7, generator);
   auto gumbel = -torch::log(-torch::log(uniform));
-  return torch::softmax((logits + gumbel) / tau, 1);
+  auto soft = torch::softmax((logits + gumbel) / tau, 1);
+  if (!straight_through) return soft;
+  const auto hard = torch::zeros_like(soft).scatter_(1, soft.argmax(1, true), 1.0);
+  return hard - soft.detach() + soft;
 }
 
 torch::Tensor kl_to_uniform(const torch::Tensor& logits) {
@@ -29,6 +35,10 @@ torch::Tensor logit_laplace_nll(const torch::Tensor& decoder_output, const torch
   const auto nll = (logit_x - mu).abs() * torch::exp(-log_b) + log_b + std::log(2.0) + torch::log(x) +
                    torch::log1p(-x);
   return nll.mean();
+}
+
+torch::Tensor mapped_pixel_mse(const torch::Tensor& decoder_output, const torch::Tensor& mapped_pixels) {
+  return torch::mse_loss(DvaeImpl::mapped_reconstruction(decoder_output), mapped_pixels);
 }
 
 double psnr(const torch::Tensor& reconstruction, const torch::Tensor& target) {

@@ -34,6 +34,10 @@ void DvaeTrainConfig::visit(ConfigVisitor& v) {
   v.section("temperature", "cosine gumbel-softmax temperature schedule (DALL-E: 1 -> 1/16 over 150k updates)",
             temperature);
   v.section("kl_weight", "cosine KL weight schedule, beta (DALL-E: 0 -> 6.6 over 5k updates)", kl_weight);
+  v.field("straight_through", straight_through,
+          "decode the one-hot argmax of the gumbel-softmax sample and pass the gradient through its soft "
+          "relaxation, so that training decodes the one-hot codes tokenizing decodes (DALL-E: false, it anneals "
+          "the temperature long enough for the soft codes to become nearly one-hot)");
   v.field("beta1", beta1, "AdamW beta1", {.min = 0.0, .max = 1.0});
   v.field("beta2", beta2, "AdamW beta2", {.min = 0.0, .max = 1.0});
   v.field("epsilon", epsilon, "AdamW epsilon", {.min = 0.0});
@@ -48,7 +52,8 @@ void DvaeTrainConfig::visit(ConfigVisitor& v) {
   v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
   v.field("reconstruction_loss", reconstruction_loss,
           "logit_laplace: DALL-E's likelihood, which also learns a per-pixel scale; mse: squared error of the "
-          "decoded pixels, which cannot trade colour accuracy for a wider scale (pair it with a smaller kl_weight)",
+          "decoded pixels (in the mapped range [eps, 1 - eps]), which cannot trade colour accuracy for a wider scale "
+          "(pair it with a smaller kl_weight)",
           {.choices = {"logit_laplace", "mse"}});
   v.field("seed", seed, "seed of initialisation, data order and gumbel noise", {.min = 0});
   v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
@@ -155,11 +160,11 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
   {
     AutocastGuard autocast(pixels.device().type(), precision->autocast_dtype());
     logits = model->encoder->forward(pixels).to(torch::kFloat32);
-    const auto codes = models::gumbel_softmax(logits, metrics.temperature, noise);
+    const auto codes = models::gumbel_softmax(logits, metrics.temperature, noise, config.straight_through);
     output = model->decoder->forward(codes).to(torch::kFloat32);
   }
   const auto reconstruction = config.reconstruction_loss == "mse"
-                                  ? torch::mse_loss(model->reconstruction(output), images)
+                                  ? models::mapped_pixel_mse(output, pixels)
                                   : models::logit_laplace_nll(output, pixels);
   const auto kl = models::kl_to_uniform(logits);
   // DALL-E divides the whole loss by the number of pixel values; the KL, a mean per token

@@ -1,9 +1,12 @@
 #include "dalle/models/dvae_objective.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <cmath>
 
+#include "dalle/data/image.h"
+#include "dalle/models/dvae.h"
 #include "test_support.h"
 
 namespace dalle::models {
@@ -28,6 +31,26 @@ TEST(DvaeObjective, LogitLaplaceIsANormalisedDensityAndTheLossIsItsNll) {
   }
 }
 
+TEST(DvaeObjective, MappedPixelMseStillPullsUpPixelsDecodedBelowEpsilon) {
+  // A decoder whose output logits sit far below logit(eps) decodes black; the error after
+  // unmap_pixels' clamp gives such pixels no gradient, the mapped-space error does.
+  auto output = torch::full({1, 2, 2, 2}, -8.0, torch::requires_grad());
+  const auto item = torch::full({1, 1, 2, 2}, 0.7);
+  mapped_pixel_mse(output, data::map_pixels(item)).backward();
+  const auto mu_gradient = output.grad().slice(1, 0, 1);
+  EXPECT_TRUE((mu_gradient < 0).all().item<bool>()) << mu_gradient;
+
+  auto clamped = torch::full({1, 2, 2, 2}, -8.0, torch::requires_grad());
+  torch::mse_loss(DvaeImpl::reconstruction(clamped), item).backward();
+  EXPECT_EQ(clamped.grad().abs().max().item<double>(), 0.0);
+
+  // The loss is the squared error of sigmoid(mu) in the mapped range.
+  const auto mu = torch::tensor({0.0, 2.0}).view({1, 1, 1, 2});
+  const auto pixels = torch::tensor({0.5, 0.1}).view({1, 1, 1, 2});
+  const double expected = (0.0 + std::pow(1.0 / (1.0 + std::exp(-2.0)) - 0.1, 2)) / 2;
+  EXPECT_NEAR(mapped_pixel_mse(torch::cat({mu, torch::zeros_like(mu)}, 1), pixels).item<double>(), expected, 1e-7);
+}
+
 TEST(DvaeObjective, KlToUniformIsZeroForUniformAndLogKForCertain) {
   EXPECT_NEAR(kl_to_uniform(torch::zeros({2, 16, 3, 3})).item<float>(), 0.0f, 1e-6);
   auto certain = torch::full({1, 16, 2, 2}, -1e4);
@@ -47,6 +70,21 @@ TEST(DvaeObjective, GumbelSoftmaxSamplesTheCategorical) {
   EXPECT_TRUE(torch::allclose(frequency, p, 0, 0.015)) << frequency;
   // Low temperature gives nearly one-hot codes.
   EXPECT_GT(std::get<0>(gumbel_softmax(logits, 1.0 / 16).max(1)).mean().item<double>(), 0.95);
+}
+
+TEST(DvaeObjective, StraightThroughGumbelIsTheSoftSamplesArgmaxWithItsGradient) {
+  const auto logits = torch::randn({3, 5, 2, 2}, torch::requires_grad());
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
+  const auto soft = gumbel_softmax(logits, 0.5, generator);
+  generator = at::make_generator<at::CPUGeneratorImpl>(7);
+  const auto hard = gumbel_softmax(logits, 0.5, generator, true);
+  EXPECT_TRUE(torch::equal(hard.argmax(1), soft.argmax(1)));
+  EXPECT_TRUE(torch::equal(hard.detach(), torch::one_hot(soft.argmax(1), 5).permute({0, 3, 1, 2}).to(hard.dtype())));
+
+  const auto weights = torch::randn({3, 5, 2, 2});
+  const auto soft_gradient = torch::autograd::grad({(soft * weights).sum()}, {logits})[0];
+  const auto hard_gradient = torch::autograd::grad({(hard * weights).sum()}, {logits})[0];
+  EXPECT_TRUE(torch::allclose(hard_gradient, soft_gradient));
 }
 
 TEST(DvaeObjective, PsnrAndCodebookUsage) {

@@ -119,6 +119,8 @@ class DvaeImpl : public torch::nn::Module, public ImageTokenizer {
   torch::nn::Module& module() override { return *this; }
   // Decoder output -> images in [0, 1]: unmap(sigmoid(mu)).
   static torch::Tensor reconstruction(const torch::Tensor& decoder_output);
+  // Decoder output -> sigmoid(mu), pixels in the mapped range [eps, 1 - eps], unclamped.
+  static torch::Tensor mapped_reconstruction(const torch::Tensor& decoder_output);
 
   const DvaeConfig& config() const { return config_; }
   DvaeEncoder encoder{nullptr};

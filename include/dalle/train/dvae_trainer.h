@@ -46,6 +46,7 @@ struct DvaeTrainConfig {
   CosineSchedule learning_rate{1e-4, 1.25e-6, 1'200'000};
   CosineSchedule temperature{1.0, 1.0 / 16, 150'000};
   CosineSchedule kl_weight{0.0, 6.6, 5'000};
+  bool straight_through = false;
   double beta1 = 0.9, beta2 = 0.999, epsilon = 1e-8, weight_decay = 1e-4;
   double ema_decay = 0.999;
   PrecisionConfig precision;
