@@ -4,6 +4,7 @@
 
 #include "dalle/config.h"
 #include "dalle/data/fashion_compose.h"
+#include "dalle/generate/pipeline.h"
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/dvae_trainer.h"
 #include "dalle/train/vqgan_trainer.h"
@@ -71,6 +72,17 @@ TEST(ShippedConfigs, DataAndTextRecipesLoad) {
   for (const auto& path : configs_in("text")) {
     SCOPED_TRACE(path);
     EXPECT_NO_THROW(load_config<text::TokenizerConfig>(ConfigSource::from_file(path)));
+  }
+}
+
+TEST(ShippedConfigs, GenerationPipelinesLoad) {
+  const auto paths = configs_in("generate");
+  ASSERT_FALSE(paths.empty());
+  for (const auto& path : paths) {
+    SCOPED_TRACE(path);
+    const auto config = load_config<generate::PipelineConfig>(ConfigSource::from_file(path));
+    EXPECT_FALSE(config.prior.empty());
+    EXPECT_LE(config.kept(), config.candidates);
   }
 }
 

@@ -1,0 +1,78 @@
+#pragma once
+// Text to images, ruDALL-E's pipeline as one library call: caption tokenizer -> N samples
+// per prompt from the prior (batched, KV-cached) -> image decoder -> CLIP reranking ->
+// the best K -> super-resolution. Reranking and super-resolution are optional stages;
+// dalle-generate is a thin command line over this class.
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dalle/config.h"
+#include "dalle/models/prior_sampling.h"
+
+namespace dalle::generate {
+
+struct PipelineConfig {
+  std::string prior;      // prior run directory or checkpoint
+  std::string tokenizer;  // caption tokenizer model; empty: the prior run's
+  std::string decoder;    // dVAE or VQGAN run or checkpoint; empty: the prior run's
+  std::string clip;       // CLIP run or checkpoint; empty: no reranking
+  std::string superres;   // RRDBNet run or checkpoint; empty: no super-resolution
+  int64_t candidates = 4;  // N images sampled per prompt
+  int64_t keep = 0;        // K images kept per prompt, the best by CLIP score; 0: all N
+  int64_t batch_size = 32; // images sampled at once
+  models::SamplingOptions sampling;
+  int64_t tile = 192;      // super-resolution tile side in input pixels (0: whole images)
+  int64_t tile_overlap = 24;
+  std::string device = "auto";  // auto: cuda when available, else cpu
+  int64_t threads = 0;          // torch intra-op threads (0: torch's default)
+
+  void visit(ConfigVisitor& v);
+  // K as used: `keep`, or N when 0.
+  int64_t kept() const { return keep == 0 ? candidates : keep; }
+};
+
+struct GeneratedImage {
+  int64_t prompt_index = 0;
+  std::string prompt;
+  int64_t candidate = 0;  // which of the prompt's N samples
+  int64_t rank = 0;       // 0 = best CLIP score; the sampling order without reranking
+  int64_t seed = 0;       // the sampling seed of its batch
+  int64_t batch_row = 0;  // its row in that batch
+  int64_t batch_rows = 0;
+  torch::Tensor tokens;   // [grid, grid] int64 image tokens
+  torch::Tensor image;    // [3, H, W] in [0, 1], after super-resolution when it is on
+  std::optional<double> clip_score;  // cosine similarity x CLIP's logit scale
+};
+
+class Pipeline {
+ public:
+  explicit Pipeline(PipelineConfig config);
+  ~Pipeline();
+  Pipeline(Pipeline&&) noexcept;
+  Pipeline& operator=(Pipeline&&) noexcept;
+
+  // For each prompt, its K images in rank order. Prompt i samples its first batch with
+  // seed sampling.seed + i and its b-th with seed + i + b * 1'000'003.
+  std::vector<GeneratedImage> generate(const std::vector<std::string>& prompts);
+
+  // The config with every default resolved (tokenizer and decoder paths, device).
+  const PipelineConfig& config() const;
+
+ private:
+  struct Stages;
+  std::unique_ptr<Stages> stages_;
+};
+
+// Writes one PNG and one JSON sidecar per image (every setting, the prompt, seed, tokens,
+// score) as PPPP-RR.png/json (prompt, rank), and grid.png with a row per prompt. Every
+// file is written to a temporary name and renamed.
+void write_generation(const std::string& directory, const PipelineConfig& config,
+                      const std::vector<GeneratedImage>& images);
+
+}  // namespace dalle::generate

@@ -1,0 +1,199 @@
+#include "dalle/generate/pipeline.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/image.h"
+#include "dalle/error.h"
+#include "dalle/io/atomic_file.h"
+#include "dalle/log.h"
+#include "dalle/text/tokenizer.h"
+#include "dalle/train/image_tokenizer_loader.h"
+#include "dalle/train/prior_trainer.h"
+
+namespace dalle::generate {
+
+namespace fs = std::filesystem;
+
+void PipelineConfig::visit(ConfigVisitor& v) {
+  v.field("prior", prior, "prior run directory or checkpoint (required)");
+  v.field("tokenizer", tokenizer, "caption tokenizer model; empty: the one the prior was trained with");
+  v.field("decoder", decoder, "dVAE or VQGAN run or checkpoint; empty: the prior's image tokenizer");
+  v.field("clip", clip, "CLIP run or checkpoint that reranks the candidates; empty: no reranking");
+  v.field("superres", superres, "RRDBNet run or checkpoint that upscales the kept images; empty: none");
+  v.field("candidates", candidates, "images sampled per prompt (N; DALL-E: 512, most of the gain by 32)",
+          {.min = 1, .max = 65536});
+  v.field("keep", keep, "images kept per prompt, the best K by CLIP score (0: all N; needs clip when below N)",
+          {.min = 0, .max = 65536});
+  v.field("batch_size", batch_size, "images sampled at once", {.min = 1, .max = 65536});
+  v.section("sampling", "sampling from the prior", sampling);
+  v.field("tile", tile, "super-resolution tile side in input pixels (0: whole images at once)", {.min = 0});
+  v.field("tile_overlap", tile_overlap, "pixels each super-resolution tile overlaps its neighbours by", {.min = 0});
+  v.field("device", device, "where the models run", {.choices = {"auto", "cpu", "cuda"}});
+  v.field("threads", threads, "torch intra-op threads (0: torch's default)", {.min = 0, .max = 1024});
+}
+
+namespace {
+
+torch::Device resolve_device(const std::string& name) {
+  if (name == "cpu" || (name == "auto" && !torch::cuda::is_available())) return torch::kCPU;
+  if (!torch::cuda::is_available()) throw Error("pipeline: device cuda was asked for, but torch sees no CUDA device");
+  return torch::kCUDA;
+}
+
+void check(const PipelineConfig& config) {
+  if (config.prior.empty()) throw Error("pipeline: `prior` is required (a prior run directory or checkpoint)");
+  if (config.kept() > config.candidates) {
+    throw Error("pipeline: keep (" + std::to_string(config.keep) + ") exceeds candidates (" +
+                std::to_string(config.candidates) + ")");
+  }
+  if (config.kept() < config.candidates && config.clip.empty()) {
+    throw Error("pipeline: keeping " + std::to_string(config.kept()) + " of " + std::to_string(config.candidates) +
+                " candidates needs a CLIP model to choose them: set `clip`, or keep: 0");
+  }
+}
+
+}  // namespace
+
+struct Pipeline::Stages {
+  PipelineConfig config;
+  torch::Device device = torch::kCPU;
+  train::TrainedPrior prior;
+  text::Tokenizer tokenizer;
+  train::TrainedImageTokenizer decoder;
+
+  // One prompt's N candidates, in sampling order.
+  std::vector<GeneratedImage> sample(int64_t prompt_index, const std::string& prompt, log::Progress& progress);
+};
+
+Pipeline::Pipeline(PipelineConfig config) {
+  check(config);
+  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  auto prior = train::load_trained_prior(config.prior);
+  if (config.tokenizer.empty()) config.tokenizer = prior.config.tokenizer;
+  if (config.decoder.empty()) config.decoder = prior.config.image_tokenizer;
+  if (config.tokenizer.empty() || config.decoder.empty()) {
+    throw Error("pipeline: the prior run " + config.prior +
+                " names no caption tokenizer or image tokenizer: set `tokenizer` and `decoder`");
+  }
+  const auto device = resolve_device(config.device);
+  config.device = device.is_cuda() ? "cuda" : "cpu";
+  auto tokenizer = text::Tokenizer::load(config.tokenizer);
+  auto decoder = train::load_image_tokenizer(config.decoder);
+  if (decoder.grid_size() != prior.config.model.grid_size) {
+    throw Error("pipeline: the decoder " + config.decoder + " makes " + std::to_string(decoder.grid_size()) +
+                "x" + std::to_string(decoder.grid_size()) + " token grids, the prior samples " +
+                std::to_string(prior.config.model.grid_size) + "x" + std::to_string(prior.config.model.grid_size));
+  }
+  prior.model->to(device);
+  decoder.model->module().to(device);
+  stages_ = std::make_unique<Stages>(
+      Stages{std::move(config), device, std::move(prior), std::move(tokenizer), std::move(decoder)});
+}
+
+Pipeline::~Pipeline() = default;
+Pipeline::Pipeline(Pipeline&&) noexcept = default;
+Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
+
+const PipelineConfig& Pipeline::config() const { return stages_->config; }
+
+std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t prompt_index, const std::string& prompt,
+                                                     log::Progress& progress) {
+  const auto encoding = tokenizer.encode(prompt);
+  if (encoding.truncated) log::warn("pipeline: prompt ", prompt_index, " is longer than the prior's text and was cut");
+  const auto caption = torch::tensor(encoding.ids, torch::kInt64);
+  std::vector<GeneratedImage> images;
+  for (int64_t first = 0, batch = 0; first < config.candidates; first += config.batch_size, ++batch) {
+    const int64_t rows = std::min(config.batch_size, config.candidates - first);
+    auto options = config.sampling;
+    options.seed = config.sampling.seed + prompt_index + batch * 1'000'003;
+    const auto tokens = models::sample_image_tokens(prior.model, caption.repeat({rows, 1}), options, nullptr,
+                                                    [&](int64_t, int64_t) { progress.advance(rows); });
+    torch::NoGradGuard no_grad;
+    const auto decoded = decoder.model->decode_tokens(tokens).to(torch::kCPU);
+    for (int64_t row = 0; row < rows; ++row) {
+      GeneratedImage image;
+      image.prompt_index = prompt_index;
+      image.prompt = prompt;
+      image.candidate = first + row;
+      image.rank = first + row;
+      image.seed = options.seed;
+      image.batch_row = row;
+      image.batch_rows = rows;
+      image.tokens = tokens[row].to(torch::kCPU);
+      image.image = decoded[row];
+      images.push_back(std::move(image));
+    }
+  }
+  return images;
+}
+
+std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& prompts) {
+  auto& s = *stages_;
+  if (prompts.empty()) throw Error("pipeline: no prompts");
+  const int64_t tokens_per_prompt = s.config.candidates * s.prior.config.model.image_length();
+  log::Progress progress("generate", static_cast<int64_t>(prompts.size()) * tokens_per_prompt);
+  std::vector<GeneratedImage> kept;
+  for (size_t index = 0; index < prompts.size(); ++index) {
+    auto candidates = s.sample(static_cast<int64_t>(index), prompts[index], progress);
+    candidates.resize(static_cast<size_t>(s.config.kept()));
+    for (auto& image : candidates) kept.push_back(std::move(image));
+  }
+  progress.finish();
+  return kept;
+}
+
+namespace {
+
+nlohmann::json settings(PipelineConfig config) {
+  nlohmann::json json = nlohmann::json::object();
+  for (const auto& [key, value] : flatten_config(visit_of(config))) json[key] = value;
+  return json;
+}
+
+nlohmann::json sidecar(const nlohmann::json& settings, const GeneratedImage& image) {
+  const auto codes = image.tokens.flatten().contiguous();
+  return {
+      {"prompt", image.prompt},
+      {"prompt_index", image.prompt_index},
+      {"rank", image.rank},
+      {"candidate", image.candidate},
+      {"seed", image.seed},
+      {"batch_row", image.batch_row},
+      {"batch_rows", image.batch_rows},
+      {"clip_score", image.clip_score ? nlohmann::json(*image.clip_score) : nlohmann::json(nullptr)},
+      {"size", {image.image.size(1), image.image.size(2)}},
+      {"pipeline", settings},
+      {"image_tokens", std::vector<int64_t>(codes.data_ptr<int64_t>(), codes.data_ptr<int64_t>() + codes.numel())}};
+}
+
+}  // namespace
+
+void write_generation(const std::string& directory, const PipelineConfig& config,
+                      const std::vector<GeneratedImage>& images) {
+  if (images.empty()) throw Error("pipeline: no images to write");
+  fs::create_directories(directory);
+  const auto pipeline_settings = settings(config);
+  std::vector<torch::Tensor> tiles;
+  std::vector<std::string> labels;
+  for (const auto& image : images) {
+    char stem[64];
+    std::snprintf(stem, sizeof stem, "%04lld-%02lld", static_cast<long long>(image.prompt_index),
+                  static_cast<long long>(image.rank));
+    data::write_png((fs::path(directory) / (std::string(stem) + ".png")).string(), image.image);
+    io::write_file_atomic((fs::path(directory) / (std::string(stem) + ".json")).string(),
+                          sidecar(pipeline_settings, image).dump(2) + "\n");
+    tiles.push_back(image.image);
+    std::string label = image.prompt;
+    if (image.clip_score) label += " (" + std::to_string(*image.clip_score).substr(0, 5) + ")";
+    labels.push_back(std::move(label));
+  }
+  data::write_png((fs::path(directory) / "grid.png").string(),
+                  data::make_grid(tiles, labels, {.columns = config.kept(), .tile_size = 128}));
+}
+
+}  // namespace dalle::generate
