@@ -39,7 +39,7 @@ TEST(Tools, HelpDescribesEverySubcommand) {
     EXPECT_THAT(tokenizer.output, ::testing::HasSubstr(command));
   }
   EXPECT_EQ(run("dalle-data", "compose --help").status, 0);
-  for (const char* tool : {"dalle-train-vae", "dalle-train", "dalle-encode-images", "dalle-generate"}) {
+  for (const char* tool : {"dalle-train-vae", "dalle-train", "dalle-encode-images", "dalle-generate", "dalle-export"}) {
     const auto help = run(tool, "--help");
     EXPECT_EQ(help.status, 0) << tool;
     EXPECT_THAT(help.output, ::testing::HasSubstr("--out")) << tool;
@@ -196,6 +196,17 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_EQ(nlohmann::json::parse(testing::read_text(dir / "again/0001-01.json"))["image_tokens"],
             sidecar["image_tokens"])
       << "the same seed gives the same images, with or without the cache";
+
+  // The exported weights are the run's moving average: they draw the same images.
+  check(run("dalle-export", (dir / "prior") + " --out " + (dir / "prior-export")));
+  check(run("dalle-generate", "--prior " + (dir / "prior-export") + " --out " + (dir / "exported") +
+                                  " -n 2 --seed 7" + prompts));
+  EXPECT_EQ(nlohmann::json::parse(testing::read_text(dir / "exported/0001-01.json"))["image_tokens"],
+            sidecar["image_tokens"]);
+  const auto onto_a_run = run("dalle-export", (dir / "prior") + " --out " + (dir / "dvae"));
+  EXPECT_EQ(onto_a_run.status, 1);
+  EXPECT_THAT(onto_a_run.output, ::testing::HasSubstr("is not a checkpoint directory"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "dvae/checkpoints"));
 
   const auto no_prompts = run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "none"));
   EXPECT_EQ(no_prompts.status, 1);

@@ -1,0 +1,34 @@
+#include "dalle/train/export_weights.h"
+
+#include <filesystem>
+
+#include "dalle/error.h"
+#include "dalle/io/checkpoint.h"
+#include "run_directory.h"
+#include "trainer_support.h"
+
+namespace dalle::train {
+
+namespace fs = std::filesystem;
+
+ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out) {
+  ExportedWeights exported;
+  exported.checkpoint = resolve_checkpoint(run_or_checkpoint, "trained model");
+  // Only an empty folder or an earlier export may be replaced, never a run or the source.
+  if (fs::exists(out) && !fs::is_empty(out) && !fs::exists(fs::path(out) / "model.safetensors")) {
+    throw Error(out + ": exists and is not a checkpoint directory; choose another output folder");
+  }
+  if (fs::exists(out) && fs::equivalent(out, exported.checkpoint)) {
+    throw Error(out + ": is the checkpoint being exported; choose another output folder");
+  }
+  auto checkpoint = io::load_checkpoint(exported.checkpoint);
+  auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
+  exported.moving_average = !ema.empty();
+  io::Checkpoint weights_only{std::move(checkpoint.config_yaml),
+                              exported.moving_average ? std::move(ema) : std::move(checkpoint.weights), {}, {}};
+  exported.tensors = static_cast<int64_t>(weights_only.weights.size());
+  io::save_checkpoint(out, weights_only);
+  return exported;
+}
+
+}  // namespace dalle::train

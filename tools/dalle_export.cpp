@@ -1,0 +1,22 @@
+// dalle-export: a trained run's weights for inference only (the EMA, config.yaml, no
+// optimizer state), for shipping or for dalle-generate.
+#include "dalle/log.h"
+#include "dalle/train/export_weights.h"
+#include "tool_support.h"
+
+using namespace dalle;
+
+int main(int argc, char** argv) {
+  CLI::App app{"Writes the inference weights of a trained run (its latest checkpoint's moving average) as a "
+               "checkpoint directory without optimizer state."};
+  app.name("dalle-export");
+  tools::add_common_options(app);
+  std::string run, out;
+  app.add_option("run", run, "run directory (its latest checkpoint) or checkpoint directory")->required();
+  app.add_option("--out", out, "checkpoint directory to write (replaced only if it is an earlier export)")->required();
+  return tools::run_tool(app, argc, argv, [&] {
+    const auto exported = train::export_weights(run, out);
+    log::info("export: ", exported.tensors, " tensors (", exported.moving_average ? "moving average" : "weights",
+              ") of ", exported.checkpoint, " -> ", out);
+  });
+}
