@@ -1,7 +1,7 @@
 #pragma once
 // Loads a super-resolution network (RRDBNet) from a checkpoint directory, such as one
 // written by scripts/export_realesrgan.py from Real-ESRGAN's released weights, or from a
-// run directory (its latest checkpoint).
+// run directory of dalle-train-sr (its latest checkpoint).
 #include <string>
 
 #include "dalle/models/rrdbnet.h"
