@@ -113,6 +113,7 @@ void DegradationConfig::validate() const {
 DegradationDraw draw_degradation(const DegradationConfig& config, std::mt19937_64& rng) {
   // Every draw is made whether or not its stage runs, so that one setting does not shift
   // the random choices of the others.
+  if (config.interpolations.empty()) throw ConfigError("degradation.interpolations: name at least one interpolation");
   DegradationDraw draw;
   const bool blur = chance(config.blur_probability, rng);
   const double sigma = uniform(config.blur_sigma, rng);
