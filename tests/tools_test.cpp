@@ -39,7 +39,8 @@ TEST(Tools, HelpDescribesEverySubcommand) {
     EXPECT_THAT(tokenizer.output, ::testing::HasSubstr(command));
   }
   EXPECT_EQ(run("dalle-data", "compose --help").status, 0);
-  for (const char* tool : {"dalle-train-vae", "dalle-train", "dalle-encode-images", "dalle-generate", "dalle-export"}) {
+  for (const char* tool :
+       {"dalle-train-vae", "dalle-train", "dalle-encode-images", "dalle-generate", "dalle-export", "dalle-train-sr"}) {
     const auto help = run(tool, "--help");
     EXPECT_EQ(help.status, 0) << tool;
     EXPECT_THAT(help.output, ::testing::HasSubstr("--out")) << tool;
@@ -111,7 +112,8 @@ TEST(Tools, ConfigReferenceInDocsIsCurrent) {
   for (const auto& [tool, command] : {std::pair{"dalle-data", "compose --print-reference"},
                                       std::pair{"dalle-tokenizer", "train --print-reference"},
                                       std::pair{"dalle-train-vae", "--print-reference"},
-                                      std::pair{"dalle-train-vae", "--set kind=vqgan --print-reference"}}) {
+                                      std::pair{"dalle-train-vae", "--set kind=vqgan --print-reference"},
+                                      std::pair{"dalle-train-sr", "--print-reference"}}) {
     const auto result = run(tool, command);
     ASSERT_EQ(result.status, 0) << result.output;
     EXPECT_THAT(docs, ::testing::HasSubstr(result.output)) << "run scripts/gen-config-docs";
@@ -138,6 +140,30 @@ TEST(Tools, TrainVaeReadsTheRecipeOfItsKind) {
   EXPECT_EQ(result.status, 1);
   EXPECT_THAT(result.output, ::testing::HasSubstr("--set kind=gan: kind: 'gan' is not allowed"));
   EXPECT_FALSE(std::filesystem::exists(dir / "run"));
+}
+
+TEST(Tools, TrainSrTrainsResumesAndRefusesBadKeys) {
+  ScratchDir dir;
+  auto result = run("dalle-data", "compose --out " + (dir / "fc") +
+                                      " --set train_images=8 --set test_images=4 --set heldout_images=0");
+  ASSERT_EQ(result.status, 0) << result.output;
+  const std::string recipe = std::string(DALLE_SOURCE_DIR) + "/configs/superres/fashion-compose-x2-tiny.yaml";
+  const std::string small = " --set data.train=" + (dir / "fc/train") + " --set data.validation=" + (dir / "fc/test") +
+                            " --set model.num_feat=8 --set model.num_block=1 --set model.num_grow_ch=4" +
+                            " --set data.batch_size=4 --set threads=1 --set validate_every=2 --set checkpoint_every=2";
+  result = run("dalle-train-sr", "--config " + recipe + small + " --set steps=2 --out " + (dir / "run"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_TRUE(std::filesystem::exists(dir / "run/checkpoints/step-000000002/model.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "run/samples/step-000000002.png"));
+  EXPECT_THAT(testing::read_text(dir / "run/metrics.jsonl"), ::testing::HasSubstr("bicubic_psnr"));
+  result = run("dalle-train-sr", "--config " + recipe + small + " --set steps=3 --out " + (dir / "run"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("resumed from"));
+
+  result = run("dalle-train-sr", "--config " + recipe + " --set degradation.blur_sigm.max=2 --out " + (dir / "bad"));
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("unknown key 'degradation.blur_sigm"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "bad"));
 }
 
 TEST(Tools, FailuresExitNonZeroWithTheReason) {

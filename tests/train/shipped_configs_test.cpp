@@ -7,6 +7,7 @@
 #include "dalle/generate/pipeline.h"
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/dvae_trainer.h"
+#include "dalle/train/superres_trainer.h"
 #include "dalle/train/vqgan_trainer.h"
 #include "test_support.h"
 
@@ -62,6 +63,23 @@ TEST(ShippedConfigs, RuDalleRecipeHasRuDallesSizes) {
   EXPECT_EQ(m.resolution, 256);
   EXPECT_EQ(m.quantizer, "gumbel");
   EXPECT_EQ(config.data.image_size / m.downsampling_factor(), 32) << "32x32 tokens";
+}
+
+TEST(ShippedConfigs, SuperResolutionRecipesLoadAndValidate) {
+  int count = 0;
+  for (const auto& path : configs_in("superres")) {
+    SCOPED_TRACE(path);
+    const auto config = load_config<train::SuperResTrainConfig>(ConfigSource::from_file(path));
+    EXPECT_NO_THROW(config.validate());
+    ++count;
+  }
+  EXPECT_EQ(count, 2);
+  const auto x4 = load_config<train::SuperResTrainConfig>(
+      ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/superres/realesrnet-x4plus.yaml"));
+  EXPECT_EQ(x4.model.scale, 4);
+  EXPECT_EQ(x4.model.num_feat, 64);
+  EXPECT_EQ(x4.model.num_block, 23);
+  EXPECT_EQ(x4.model.num_grow_ch, 32);
 }
 
 TEST(ShippedConfigs, DataAndTextRecipesLoad) {

@@ -1,0 +1,309 @@
+#include "dalle/train/superres_trainer.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "dalle/data/caption_dataset.h"
+#include "dalle/data/image.h"
+#include "dalle/data/loader.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/log.h"
+#include "dalle/models/dvae_objective.h"
+#include "dalle/train/adamw.h"
+#include "dalle/train/ema.h"
+#include "dalle/train/model_precision.h"
+#include "run_directory.h"
+#include "trainer_support.h"
+
+namespace dalle::train {
+namespace fs = std::filesystem;
+
+void SuperResTrainConfig::visit(ConfigVisitor& v) {
+  v.field("kind", kind, "the network trained: rrdbnet (Real-ESRGAN's generator)", {.choices = {"rrdbnet"}});
+  v.section("model", "RRDBNet sizes (basicsr's argument names; Real-ESRGAN: 64 features, 23 blocks, growth 32)",
+            model);
+  v.section("data", "datasets and batching; image_size is the high-resolution crop side", data);
+  v.section("degradation",
+            "how a low-resolution input is made from each high-resolution image (Real-ESRGAN's first-order "
+            "degradation: blur, downscale by model.scale, noise, JPEG)",
+            degradation);
+  v.section("learning_rate", "cosine learning-rate schedule (Real-ESRNet: 2e-4)", learning_rate);
+  v.field("beta1", beta1, "Adam beta1 (Real-ESRNet: 0.9)", {.min = 0.0, .max = 1.0});
+  v.field("beta2", beta2, "Adam beta2 (Real-ESRNet: 0.99)", {.min = 0.0, .max = 1.0});
+  v.field("epsilon", epsilon, "Adam epsilon", {.min = 0.0});
+  v.field("weight_decay", weight_decay, "AdamW decoupled weight decay; 0 is Adam (Real-ESRNet: 0)", {.min = 0.0});
+  v.field("ema_decay", ema_decay, "decay of the weights' moving average, used to validate and export (Real-ESRNet: 0.999)",
+          {.min = 0.0, .max = 0.999999});
+  v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale", precision);
+  v.field("steps", steps, "updates to train for", {.min = 1});
+  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
+  v.field("validate_every", validate_every, "updates between validations (PSNR against bicubic, grid)", {.min = 1});
+  v.field("validation_images", validation_images, "held-out images each validation scores", {.min = 1, .max = 100000});
+  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
+  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
+  v.field("grid_images", grid_images, "validation images in each sample grid", {.min = 1, .max = 256});
+  v.field("seed", seed, "seed of initialisation, data order and degradations", {.min = 0});
+  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+}
+
+void SuperResTrainConfig::validate() const {
+  if (data.train.empty() || data.validation.empty()) {
+    throw Error("super-resolution training: data.train and data.validation must name dataset folders");
+  }
+  model.validate();
+  degradation.validate();
+  if (model.num_in_ch != 3 || model.num_out_ch != 3) {
+    throw Error("super-resolution training: the degradation makes RGB pairs, so model.num_in_ch and "
+                "model.num_out_ch must be 3");
+  }
+  const int64_t multiple = model.scale * model.unshuffle_factor();
+  if (data.image_size % multiple != 0) {
+    throw Error("super-resolution training: data.image_size (" + std::to_string(data.image_size) +
+                ") must be a multiple of " + std::to_string(multiple) + " (model.scale " + std::to_string(model.scale) +
+                " times the pixel-unshuffle factor " + std::to_string(model.unshuffle_factor()) + ")");
+  }
+  if (std::min(learning_rate.start, learning_rate.end) < 0.0) {
+    throw Error("super-resolution training: learning_rate.start and learning_rate.end cannot be negative");
+  }
+}
+
+struct SuperResTrainer::State {
+  SuperResTrainConfig config;
+  fs::path run;
+  models::RrdbNet model{nullptr};
+  models::RrdbNet ema_model{nullptr};
+  std::unique_ptr<Ema> ema;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<ModelPrecision> precision;
+  std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
+  std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
+  io::CheckpointStore checkpoints;
+  MetricsLog metrics_log;
+  int64_t step = 0;
+
+  State(SuperResTrainConfig c, fs::path r)
+      : config(std::move(c)),
+        run(std::move(r)),
+        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
+        metrics_log(run / "metrics.jsonl") {}
+
+  SuperResStepMetrics train_step(const torch::Tensor& high);
+  void log_step(const SuperResStepMetrics& metrics);
+  void save_checkpoint();
+  void resume(const std::string& directory);
+};
+
+namespace {
+
+// A generator for one degradation: std::seed_seq is specified exactly, so the same
+// (seed, step, index) gives the same low-res image with every standard library.
+std::mt19937_64 degradation_rng(int64_t seed, int64_t step, int64_t index, uint32_t salt) {
+  const auto word = [](int64_t value, int shift) { return static_cast<uint32_t>(static_cast<uint64_t>(value) >> shift); };
+  std::seed_seq sequence{salt, word(seed, 0), word(seed, 32), word(step, 0), word(step, 32), word(index, 0)};
+  return std::mt19937_64(sequence);
+}
+
+constexpr uint32_t kTrainSalt = 0x5271, kValidationSalt = 0x7a11;
+
+void write_grid(const torch::Tensor& low, const torch::Tensor& ours, const torch::Tensor& original, int64_t count,
+                int64_t step, const fs::path& run) {
+  std::vector<torch::Tensor> tiles;
+  std::vector<std::string> labels;
+  const int64_t side = original.size(2);
+  for (int64_t i = 0; i < std::min<int64_t>(count, original.size(0)); ++i) {
+    tiles.push_back(torch::nn::functional::interpolate(
+                        low[i].unsqueeze(0), torch::nn::functional::InterpolateFuncOptions()
+                                                 .size(std::vector<int64_t>{side, side})
+                                                 .mode(torch::kNearest))
+                        .squeeze(0));
+    tiles.push_back(ours[i]);
+    tiles.push_back(original[i]);
+    labels.insert(labels.end(), {"low-res (nearest)", "ours, update " + std::to_string(step), "original"});
+  }
+  char name[48];
+  std::snprintf(name, sizeof name, "samples/step-%09lld.png", static_cast<long long>(step));
+  data::write_png((run / name).string(),
+                  data::make_grid(tiles, labels, {.columns = 3, .tile_size = std::max<int64_t>(side, 128)}));
+}
+
+}  // namespace
+
+torch::Tensor SuperResTrainer::degrade_batch(const torch::Tensor& high, const SuperResTrainConfig& config,
+                                             int64_t step) {
+  std::vector<torch::Tensor> low;
+  for (int64_t i = 0; i < high.size(0); ++i) {
+    auto rng = degradation_rng(config.seed, step, i, kTrainSalt);
+    low.push_back(data::degrade(high[i], config.model.scale, config.degradation, rng));
+  }
+  return torch::stack(low);
+}
+
+SuperResTrainer::SuperResTrainer(SuperResTrainConfig config, std::string run_directory) {
+  config.validate();
+  check_run_directory(run_directory, "super-resolution");
+  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  torch::manual_seed(static_cast<uint64_t>(config.seed));
+
+  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  auto& s = *state_;
+  s.model = models::RrdbNet(s.config.model);
+  s.ema_model = models::RrdbNet(s.config.model);
+  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
+  s.optimizer = std::make_unique<AdamW>(std::vector{torch::optim::OptimizerParamGroup(s.model->parameters())},
+                                        torch::optim::AdamWOptions(s.config.learning_rate.at(0))
+                                            .betas({s.config.beta1, s.config.beta2})
+                                            .eps(s.config.epsilon)
+                                            .weight_decay(s.config.weight_decay),
+                                        s.config.precision.moments_dtype());
+  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
+
+  auto images = detail::open_image_data(s.config.data, s.config.seed);
+  s.train_set = std::move(images.train);
+  s.validation_set = std::move(images.validation);
+  s.loader = std::move(images.loader);
+  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
+  // Written only once a resume has succeeded, so a refused resume leaves the run untouched.
+  fs::create_directories(s.run / "samples");
+  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+}
+
+SuperResTrainer::~SuperResTrainer() = default;
+
+int64_t SuperResTrainer::step() const { return state_->step; }
+models::RrdbNet& SuperResTrainer::model() { return state_->model; }
+
+SuperResStepMetrics SuperResTrainer::State::train_step(const torch::Tensor& high) {
+  SuperResStepMetrics metrics;
+  metrics.learning_rate = config.learning_rate.at(step);
+  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+  const auto low = degrade_batch(high, config, step);
+  auto output = [&] {
+    AutocastGuard autocast(low.device().type(), precision->autocast_dtype());
+    return model->forward(low);
+  }();
+  const auto loss = (output.to(torch::kFloat32) - high).abs().mean();
+  if (!torch::isfinite(loss).item<bool>()) {
+    throw Error("super-resolution: the loss is not finite at update " + std::to_string(step + 1) +
+                "; lower the learning rate or resume from an earlier checkpoint");
+  }
+  optimizer->zero_grad();
+  precision->scaled(loss).backward();
+  metrics.skipped = !precision->unscale_and_update();
+  if (metrics.skipped) {
+    log::warn("super-resolution: gradients not finite at update ", step + 1, "; the update is skipped");
+  } else {
+    optimizer->step();
+    ema->update(*model);
+  }
+  ++step;
+  metrics.step = step;
+  metrics.loss = loss.item<double>();
+  return metrics;
+}
+
+void SuperResTrainer::State::log_step(const SuperResStepMetrics& m) {
+  nlohmann::json line = {{"step", m.step}, {"loss", m.loss}, {"learning_rate", m.learning_rate}};
+  if (const auto* scaler = precision->scaler()) {
+    line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
+  }
+  metrics_log.append(line);
+}
+
+void SuperResTrainer::run() {
+  auto& s = *state_;
+  if (s.step >= s.config.steps) {
+    log::info("super-resolution: already trained for ", s.step, " updates");
+    return;
+  }
+  log::info("super-resolution: training x", s.config.model.scale, " from update ", s.step, " to ", s.config.steps,
+            " in ", s.run.string());
+  log::Progress progress("super-resolution", s.config.steps - s.step);
+  while (s.step < s.config.steps) {
+    auto batch = detail::next_nonempty_batch(*s.loader, *s.train_set);
+    const auto metrics = s.train_step(detail::stack_images(batch.examples));
+    progress.advance();
+    progress.set_loss(metrics.loss);
+    const bool last = s.step == s.config.steps;
+    if (s.step % s.config.log_every == 0 || last) s.log_step(metrics);
+    if (s.step % s.config.validate_every == 0 || last) {
+      const auto validation = validate();
+      log::info("super-resolution: update ", s.step, " loss ", metrics.loss, " validation PSNR ", validation.psnr,
+                " dB (bicubic ", validation.bicubic_psnr, " dB)");
+    }
+    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
+  }
+  progress.finish();
+}
+
+SuperResValidation SuperResTrainer::validate() {
+  auto& s = *state_;
+  s.ema->copy_to(*s.ema_model);
+  s.ema_model->eval();
+  torch::NoGradGuard no_grad;
+  const int64_t count = std::min<int64_t>(static_cast<int64_t>(s.validation_set->size()), s.config.validation_images);
+  const int64_t scale = s.config.model.scale;
+  std::vector<torch::Tensor> lows, outputs, originals;
+  double psnr_sum = 0, bicubic_sum = 0;
+  int64_t scored = 0;
+  for (int64_t begin = 0; begin < count; begin += s.config.data.batch_size) {
+    std::vector<torch::Tensor> high, low;
+    for (int64_t i = begin; i < std::min(count, begin + s.config.data.batch_size); ++i) {
+      std::mt19937_64 caption_rng(static_cast<uint64_t>(i));
+      auto example = s.validation_set->get(static_cast<size_t>(i), caption_rng);
+      if (!example) continue;
+      // The same degradation of image i at every validation, whatever the seed.
+      auto rng = degradation_rng(0, 0, i, kValidationSalt);
+      low.push_back(data::degrade(example->image, scale, s.config.degradation, rng));
+      high.push_back(example->image);
+    }
+    if (high.empty()) continue;
+    const auto original = torch::stack(high), input = torch::stack(low);
+    const auto output = s.ema_model->forward(input).clamp(0.0, 1.0);
+    const auto n = static_cast<double>(original.size(0));
+    psnr_sum += models::psnr(output, original) * n;
+    bicubic_sum += models::psnr(data::bicubic_upscale(input, scale), original) * n;
+    scored += original.size(0);
+    if (static_cast<int64_t>(originals.size()) * s.config.data.batch_size < s.config.grid_images) {
+      lows.push_back(input);
+      outputs.push_back(output);
+      originals.push_back(original);
+    }
+  }
+  if (scored == 0) throw Error("super-resolution: no readable validation image in " + s.validation_set->root());
+  SuperResValidation result{psnr_sum / scored, bicubic_sum / scored, scored};
+  write_grid(torch::cat(lows), torch::cat(outputs), torch::cat(originals), s.config.grid_images, s.step, s.run);
+  s.metrics_log.append({{"step", s.step},
+                        {"validation_psnr", result.psnr},
+                        {"bicubic_psnr", result.bicubic_psnr},
+                        {"psnr_gain", result.psnr - result.bicubic_psnr},
+                        {"validation_images", result.images}});
+  return result;
+}
+
+void SuperResTrainer::State::save_checkpoint() {
+  auto checkpoint =
+      make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
+  precision->save_state(checkpoint.state, "gradient_scaler.");
+  log::info("super-resolution: checkpoint ", checkpoints.save(step, checkpoint));
+}
+
+void SuperResTrainer::State::resume(const std::string& directory) {
+  auto checkpoint = io::load_checkpoint(directory);
+  check_resumable<SuperResTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
+                                       [](const std::string& key) {
+                                         return detail::may_change_on_resume(key) || key == "validation_images";
+                                       });
+  const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
+  precision->load_state(checkpoint.state, "gradient_scaler.");
+  step = progress.step;
+  loader->seek(progress.position);
+  metrics_log.drop_after(step);
+  log::info("super-resolution: resumed from ", directory, " at update ", step);
+}
+
+}  // namespace dalle::train

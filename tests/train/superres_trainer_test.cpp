@@ -1,0 +1,192 @@
+#include "dalle/train/superres_trainer.h"
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/fashion_compose.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/train/rrdbnet_loader.h"
+#include "test_support.h"
+
+namespace dalle::train {
+namespace {
+
+using testing::ScratchDir;
+
+class SuperResTrainerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_ = new ScratchDir();
+    data::FashionComposeConfig compose;
+    compose.train_images = 32;
+    compose.test_images = 8;
+    compose.heldout_images = 0;
+    data::build_fashion_compose(compose, *data_ / "fc");
+  }
+  static void TearDownTestSuite() { delete data_; }
+
+  // x2 on 32-pixel crops of the 64-pixel pictures: 16x16 inputs.
+  static SuperResTrainConfig tiny(int64_t steps) {
+    SuperResTrainConfig config;
+    config.model.scale = 2;
+    config.model.num_feat = 8;
+    config.model.num_block = 1;
+    config.model.num_grow_ch = 4;
+    config.data.train = *data_ / "fc/train";
+    config.data.validation = *data_ / "fc/test";
+    config.data.image_size = 32;
+    config.data.batch_size = 4;
+    config.degradation.blur_sigma = {0.2, 1.0};
+    config.degradation.noise_sigma = {1.0, 5.0};
+    config.degradation.jpeg_quality = {70, 95};
+    config.learning_rate = {.start = 2e-3, .end = 2e-3, .steps = 0};
+    config.steps = steps;
+    config.log_every = 1;
+    config.validate_every = 1000;
+    config.checkpoint_every = 3;
+    config.grid_images = 2;
+    config.validation_images = 8;
+    config.ema_decay = 0.8;
+    return config;
+  }
+
+  // step -> the metric line, for lines that carry a training loss; a step logged twice fails.
+  static std::map<int64_t, nlohmann::json> losses(const std::string& run) {
+    std::map<int64_t, nlohmann::json> out;
+    std::ifstream in(run + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto entry = nlohmann::json::parse(line);
+      if (!entry.contains("loss")) continue;
+      const bool first = out.emplace(entry["step"].get<int64_t>(), entry).second;
+      EXPECT_TRUE(first) << "update " << entry["step"] << " logged twice in " << run;
+    }
+    return out;
+  }
+
+  // Runs `config` for 8 updates whole, and stopped after 4 then resumed from update 3.
+  static void expect_exact_resume(const SuperResTrainConfig& config) {
+    ScratchDir runs;
+    auto whole_config = config, half_config = config;
+    whole_config.steps = 8;
+    half_config.steps = 4;
+    SuperResTrainer(whole_config, runs / "whole").run();
+    SuperResTrainer(half_config, runs / "interrupted").run();  // checkpoints at 3 and 4
+    std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
+    testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
+    SuperResTrainer resumed(whole_config, runs / "interrupted");
+    EXPECT_EQ(resumed.step(), 3);
+    resumed.run();
+
+    const auto whole = losses(runs / "whole"), interrupted = losses(runs / "interrupted");
+    ASSERT_EQ(whole.size(), 8u);
+    EXPECT_EQ(interrupted, whole) << "every update's loss, bit for bit, and no duplicated lines";
+    const auto a = io::load_checkpoint(runs / "whole/checkpoints/step-000000008");
+    const auto b = io::load_checkpoint(runs / "interrupted/checkpoints/step-000000008");
+    for (const auto& [name, tensor] : a.weights) EXPECT_TRUE(torch::equal(tensor, b.weights.at(name))) << name;
+    for (const auto& [name, tensor] : a.state) EXPECT_TRUE(torch::equal(tensor, b.state.at(name))) << name;
+  }
+
+  static ScratchDir* data_;
+};
+ScratchDir* SuperResTrainerTest::data_ = nullptr;
+
+TEST_F(SuperResTrainerTest, DegradedBatchesAreFixedBySeedAndStep) {
+  auto config = tiny(1);
+  torch::manual_seed(0);
+  const auto high = torch::rand({3, 3, 32, 32});
+  const auto low = SuperResTrainer::degrade_batch(high, config, 5);
+  EXPECT_EQ(low.sizes(), (std::vector<int64_t>{3, 3, 16, 16}));
+  EXPECT_TRUE(torch::equal(low, SuperResTrainer::degrade_batch(high, config, 5)));
+  EXPECT_FALSE(torch::equal(low, SuperResTrainer::degrade_batch(high, config, 6))) << "another update";
+  EXPECT_FALSE(torch::equal(low[0], SuperResTrainer::degrade_batch(high.flip(0), config, 5)[2]))
+      << "each place in the batch draws its own degradation";
+  config.seed = 1;
+  EXPECT_FALSE(torch::equal(low, SuperResTrainer::degrade_batch(high, config, 5))) << "another seed";
+}
+
+TEST_F(SuperResTrainerTest, LossGoesDownAndBeatsItsStartOnValidation) {
+  ScratchDir runs;
+  auto config = tiny(40);
+  config.checkpoint_every = 1000;
+  SuperResTrainer trainer(config, runs / "run");
+  const auto untrained = trainer.validate();
+  trainer.run();
+  const auto lines = losses(runs / "run");
+  double first = 0, last = 0;
+  for (int64_t step = 1; step <= 5; ++step) first += lines.at(step)["loss"].get<double>() / 5;
+  for (int64_t step = 36; step <= 40; ++step) last += lines.at(step)["loss"].get<double>() / 5;
+  EXPECT_LT(last, 0.7 * first) << "L1 " << first << " -> " << last;
+  const auto trained = trainer.validate();
+  EXPECT_GT(trained.psnr, untrained.psnr + 3.0) << untrained.psnr << " -> " << trained.psnr;
+  EXPECT_EQ(trained.bicubic_psnr, untrained.bicubic_psnr) << "the same degraded inputs at every validation";
+  EXPECT_EQ(trained.images, 8);
+  std::printf("L1 %.4f -> %.4f; validation PSNR %.2f -> %.2f dB, bicubic %.2f dB\n", first, last, untrained.psnr,
+              trained.psnr, trained.bicubic_psnr);
+  EXPECT_TRUE(std::filesystem::exists(runs / "run/samples/step-000000040.png"));
+  const auto grid = testing::read_text(runs / "run/metrics.jsonl");
+  EXPECT_THAT(grid, ::testing::HasSubstr("\"bicubic_psnr\""));
+  EXPECT_THAT(grid, ::testing::HasSubstr("\"psnr_gain\""));
+}
+
+TEST_F(SuperResTrainerTest, ResumedRunContinuesWithTheSameLossesAndWeights) {
+  expect_exact_resume(tiny(8));
+}
+
+TEST_F(SuperResTrainerTest, ResumedBf16RunContinuesWithTheSameLossesAndWeights) {
+  auto config = tiny(8);
+  config.precision.mode = "bf16";
+  config.precision.adam_moments = "bf16";
+  expect_exact_resume(config);
+}
+
+TEST_F(SuperResTrainerTest, TheRunLoadsAsANetworkWithItsEmaWeights) {
+  ScratchDir runs;
+  SuperResTrainer(tiny(3), runs / "run").run();
+  auto net = load_trained_rrdbnet(runs / "run");
+  EXPECT_FALSE(net->is_training());
+  const auto checkpoint = io::load_checkpoint(runs / "run/checkpoints/step-000000003");
+  const auto ema = testing::with_prefix_removed(checkpoint.state, "ema.");
+  for (const auto& item : net->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), ema.at(item.key()))) << item.key();
+  }
+  EXPECT_FALSE(torch::equal(ema.at("conv_first.weight"), checkpoint.weights.at("conv_first.weight")));
+}
+
+TEST_F(SuperResTrainerTest, BadSettingsAreRefused) {
+  ScratchDir runs;
+  testing::write_text(runs / "notes.txt", "a user's file");
+  EXPECT_THROW_WITH(SuperResTrainer(tiny(1), runs.path().string()), Error, "not a super-resolution run directory");
+  auto config = tiny(1);
+  config.data.image_size = 30;
+  EXPECT_THROW_WITH(SuperResTrainer(config, runs / "a"), Error, "data.image_size (30) must be a multiple of 4",
+                    "model.scale 2 times the pixel-unshuffle factor 2");
+  config = tiny(1);
+  config.model.scale = 3;
+  EXPECT_THROW_WITH(SuperResTrainer(config, runs / "b"), Error, "scale must be 1, 2, 4 or 8, got 3");
+  config = tiny(1);
+  config.degradation.blur_sigma = {2.0, 1.0};
+  EXPECT_THROW_WITH(SuperResTrainer(config, runs / "c"), Error, "degradation.blur_sigma: min");
+  config = tiny(1);
+  config.model.num_out_ch = 1;
+  EXPECT_THROW_WITH(SuperResTrainer(config, runs / "d"), Error, "num_out_ch must be 3");
+
+  const auto source = ConfigSource::from_string("degradation:\n  blur_sigm: {min: 1, max: 2}\n", "sr.yaml");
+  EXPECT_THROW_WITH(load_config<SuperResTrainConfig>(source), ConfigError, "sr.yaml:2:3",
+                    "unknown key 'degradation.blur_sigm'", "did you mean 'degradation.blur_sigma'");
+  EXPECT_THROW_WITH(load_config<SuperResTrainConfig>(ConfigSource::from_string("kind: vqgan\n", "k.yaml")),
+                    ConfigError, "k.yaml:1:7", "kind: 'vqgan' is not allowed");
+
+  // A resume under another recipe is refused; how long and how often may change.
+  SuperResTrainer(tiny(1), runs / "sr").run();
+  auto changed = tiny(2);
+  changed.degradation.jpeg_quality.min = 50;
+  EXPECT_THROW_WITH(SuperResTrainer(changed, runs / "sr"), Error, "different config",
+                    "degradation.jpeg_quality.min");
+  auto longer = tiny(2);
+  longer.validation_images = 4;
+  EXPECT_NO_THROW(SuperResTrainer(longer, runs / "sr"));
+}
+
+}  // namespace
+}  // namespace dalle::train
