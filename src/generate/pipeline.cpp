@@ -11,9 +11,11 @@
 #include "dalle/error.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
+#include "dalle/models/tiled_upscale.h"
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/image_tokenizer_loader.h"
 #include "dalle/train/prior_trainer.h"
+#include "dalle/train/rrdbnet_loader.h"
 
 namespace dalle::generate {
 
@@ -65,9 +67,11 @@ struct Pipeline::Stages {
   train::TrainedPrior prior;
   text::Tokenizer tokenizer;
   train::TrainedImageTokenizer decoder;
+  models::RrdbNet superres{nullptr};
 
   // One prompt's N candidates, in sampling order.
   std::vector<GeneratedImage> sample(int64_t prompt_index, const std::string& prompt, log::Progress& progress);
+  void upscale(std::vector<GeneratedImage>& images);
 };
 
 Pipeline::Pipeline(PipelineConfig config) {
@@ -93,6 +97,11 @@ Pipeline::Pipeline(PipelineConfig config) {
   decoder.model->module().to(device);
   stages_ = std::make_unique<Stages>(
       Stages{std::move(config), device, std::move(prior), std::move(tokenizer), std::move(decoder)});
+  auto& s = *stages_;
+  if (!s.config.superres.empty()) {
+    s.superres = train::load_trained_rrdbnet(s.config.superres);
+    s.superres->to(device);
+  }
 }
 
 Pipeline::~Pipeline() = default;
@@ -132,6 +141,16 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t prompt_index, const
   return images;
 }
 
+void Pipeline::Stages::upscale(std::vector<GeneratedImage>& images) {
+  std::vector<torch::Tensor> batch;
+  for (const auto& image : images) batch.push_back(image.image);
+  models::SuperResolveOptions options;
+  options.tiles.tile = config.tile;
+  options.tiles.overlap = config.tile_overlap;
+  const auto upscaled = models::super_resolve(*superres, torch::stack(batch).to(device), options).to(torch::kCPU);
+  for (size_t i = 0; i < images.size(); ++i) images[i].image = upscaled[static_cast<int64_t>(i)];
+}
+
 std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& prompts) {
   auto& s = *stages_;
   if (prompts.empty()) throw Error("pipeline: no prompts");
@@ -141,6 +160,7 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
   for (size_t index = 0; index < prompts.size(); ++index) {
     auto candidates = s.sample(static_cast<int64_t>(index), prompts[index], progress);
     candidates.resize(static_cast<size_t>(s.config.kept()));
+    if (s.superres) s.upscale(candidates);
     for (auto& image : candidates) kept.push_back(std::move(image));
   }
   progress.finish();
