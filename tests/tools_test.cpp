@@ -39,7 +39,8 @@ TEST(Tools, HelpDescribesEverySubcommand) {
     EXPECT_THAT(tokenizer.output, ::testing::HasSubstr(command));
   }
   EXPECT_EQ(run("dalle-data", "compose --help").status, 0);
-  for (const char* tool : {"dalle-train-vae", "dalle-train", "dalle-encode-images", "dalle-generate"}) {
+  for (const char* tool :
+       {"dalle-train-vae", "dalle-train", "dalle-encode-images", "dalle-generate", "dalle-train-clip"}) {
     const auto help = run(tool, "--help");
     EXPECT_EQ(help.status, 0) << tool;
     EXPECT_THAT(help.output, ::testing::HasSubstr("--out")) << tool;
@@ -111,7 +112,8 @@ TEST(Tools, ConfigReferenceInDocsIsCurrent) {
   for (const auto& [tool, command] : {std::pair{"dalle-data", "compose --print-reference"},
                                       std::pair{"dalle-tokenizer", "train --print-reference"},
                                       std::pair{"dalle-train-vae", "--print-reference"},
-                                      std::pair{"dalle-train-vae", "--set kind=vqgan --print-reference"}}) {
+                                      std::pair{"dalle-train-vae", "--set kind=vqgan --print-reference"},
+                                      std::pair{"dalle-train-clip", "--print-reference"}}) {
     const auto result = run(tool, command);
     ASSERT_EQ(result.status, 0) << result.output;
     EXPECT_THAT(docs, ::testing::HasSubstr(result.output)) << "run scripts/gen-config-docs";
