@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
+#include <sstream>
+
 #include "dalle/error.h"
 
 namespace dalle::models {
