@@ -40,7 +40,8 @@ TEST(Tools, HelpDescribesEverySubcommand) {
   }
   EXPECT_EQ(run("dalle-data", "compose --help").status, 0);
   for (const char* tool :
-       {"dalle-train-vae", "dalle-train", "dalle-encode-images", "dalle-generate", "dalle-export", "dalle-train-sr"}) {
+       {"dalle-train-vae", "dalle-train", "dalle-encode-images", "dalle-generate", "dalle-export", "dalle-train-sr",
+        "dalle-train-clip"}) {
     const auto help = run(tool, "--help");
     EXPECT_EQ(help.status, 0) << tool;
     EXPECT_THAT(help.output, ::testing::HasSubstr("--out")) << tool;
@@ -113,7 +114,8 @@ TEST(Tools, ConfigReferenceInDocsIsCurrent) {
                                       std::pair{"dalle-tokenizer", "train --print-reference"},
                                       std::pair{"dalle-train-vae", "--print-reference"},
                                       std::pair{"dalle-train-vae", "--set kind=vqgan --print-reference"},
-                                      std::pair{"dalle-train-sr", "--print-reference"}}) {
+                                      std::pair{"dalle-train-sr", "--print-reference"},
+                                      std::pair{"dalle-train-clip", "--print-reference"}}) {
     const auto result = run(tool, command);
     ASSERT_EQ(result.status, 0) << result.output;
     EXPECT_THAT(docs, ::testing::HasSubstr(result.output)) << "run scripts/gen-config-docs";

@@ -6,6 +6,7 @@
 #include "dalle/data/fashion_compose.h"
 #include "dalle/generate/pipeline.h"
 #include "dalle/text/tokenizer.h"
+#include "dalle/train/clip_trainer.h"
 #include "dalle/train/dvae_trainer.h"
 #include "dalle/train/superres_trainer.h"
 #include "dalle/train/vqgan_trainer.h"
@@ -102,6 +103,24 @@ TEST(ShippedConfigs, GenerationPipelinesLoad) {
     EXPECT_FALSE(config.prior.empty());
     EXPECT_LE(config.kept(), config.candidates);
   }
+}
+
+TEST(ShippedConfigs, ClipRecipesFitTheDemoTokenizer) {
+  const auto tokenizer = load_config<text::TokenizerConfig>(ConfigSource::from_file(
+      std::string(DALLE_SOURCE_DIR) + "/configs/text/fashion-compose-tokenizer.yaml"));
+  int recipes = 0;
+  for (const auto& path : configs_in("clip")) {
+    SCOPED_TRACE(path);
+    const auto config = load_config<train::ClipTrainConfig>(ConfigSource::from_file(path));
+    EXPECT_NO_THROW(config.model.validate());
+    EXPECT_EQ(config.model.text_pooling, "eos") << "our tokenizer's end of text is not its largest id";
+    EXPECT_EQ(config.model.eos_id, text::Tokenizer::kEndId);
+    EXPECT_EQ(config.data.image_size, config.model.image_size);
+    EXPECT_GE(config.model.vocab_size, tokenizer.vocab_size);
+    EXPECT_GE(config.model.context_length, tokenizer.text_length);
+    ++recipes;
+  }
+  EXPECT_EQ(recipes, 1);
 }
 
 TEST(ShippedConfigs, KindIsCheckedLikeAnyKey) {

@@ -1,0 +1,354 @@
+#include "dalle/train/clip_trainer.h"
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "dalle/data/caption_dataset.h"
+#include "dalle/data/loader.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/log.h"
+#include "dalle/text/tokenizer.h"
+#include "dalle/train/adamw.h"
+#include "dalle/train/ema.h"
+#include "dalle/train/model_precision.h"
+#include "run_directory.h"
+#include "trainer_support.h"
+
+namespace dalle::train {
+namespace fs = std::filesystem;
+
+void ClipTrainConfig::visit(ConfigVisitor& v) {
+  v.field("kind", kind, "what the run trains (clip); checkpoints carry it", {.choices = {"clip"}});
+  v.section("model", "CLIP sizes (open_clip's names; text_pooling must be eos with our tokenizer)", model);
+  v.section("data", "image-caption datasets and batching; validation is the held-out set for retrieval accuracy",
+            data);
+  v.field("tokenizer", tokenizer,
+          "SentencePiece caption tokenizer model (dalle-tokenizer train); its text_length must not exceed "
+          "model.context_length, its vocabulary model.vocab_size (required)");
+  v.field("warmup_steps", warmup_steps, "updates of linear learning-rate warmup to learning_rate.start (CLIP: 2000)",
+          {.min = 0});
+  v.section("learning_rate", "cosine learning-rate schedule after the warmup (CLIP: 5e-4 -> 0)", learning_rate);
+  v.field("beta1", beta1, "AdamW beta1 (CLIP: 0.9)", {.min = 0.0, .max = 1.0});
+  v.field("beta2", beta2, "AdamW beta2 (CLIP: 0.98 for ViTs)", {.min = 0.0, .max = 1.0});
+  v.field("epsilon", epsilon, "AdamW epsilon (CLIP: 1e-6 for ViTs)", {.min = 0.0});
+  v.field("weight_decay", weight_decay,
+          "AdamW decoupled weight decay of the matrices and embeddings; gains, biases, the class embedding "
+          "and logit_scale have none (CLIP: 0.2)",
+          {.min = 0.0});
+  v.field("max_logit_scale", max_logit_scale,
+          "logit_scale is clamped to [0, this] after every update: the logits' scale at most e^this "
+          "(CLIP: ln 100)",
+          {.min = 0.0, .max = 10.0});
+  v.field("ema_decay", ema_decay,
+          "decay of the weights' moving average, used to validate and saved in checkpoints (0: no averaging)",
+          {.min = 0.0, .max = 0.999999});
+  v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale", precision);
+  v.field("steps", steps, "updates to train for", {.min = 1});
+  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
+  v.field("validate_every", validate_every, "updates between validations (retrieval accuracy)", {.min = 1});
+  v.field("validation_images", validation_images,
+          "held-out images scored at each validation: each image with one of its captions, retrieved among "
+          "all of them",
+          {.min = 2, .max = 65536});
+  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
+  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
+  v.field("seed", seed, "seed of initialisation and data order", {.min = 0});
+  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+}
+
+double ClipTrainConfig::learning_rate_at(int64_t step) const {
+  if (step < warmup_steps) {
+    return learning_rate.start * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+  }
+  return learning_rate.at(step - warmup_steps);
+}
+
+torch::Tensor clip_contrastive_loss(const torch::Tensor& logits_per_image) {
+  if (logits_per_image.dim() != 2 || logits_per_image.size(0) != logits_per_image.size(1)) {
+    throw Error("clip loss: expected square [N, N] logits");
+  }
+  const auto labels = torch::arange(logits_per_image.size(0), logits_per_image.options().dtype(torch::kInt64));
+  namespace F = torch::nn::functional;
+  return (F::cross_entropy(logits_per_image, labels) + F::cross_entropy(logits_per_image.t(), labels)) / 2;
+}
+
+struct ClipTrainer::State {
+  ClipTrainConfig config;
+  fs::path run;
+  text::Tokenizer tokenizer;
+  models::Clip model{nullptr};
+  models::Clip ema_model{nullptr};
+  std::unique_ptr<Ema> ema;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<ModelPrecision> precision;
+  std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
+  std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
+  io::CheckpointStore checkpoints;
+  MetricsLog metrics_log;
+  int64_t step = 0;
+
+  State(ClipTrainConfig c, fs::path r)
+      : config(std::move(c)),
+        run(std::move(r)),
+        tokenizer(text::Tokenizer::load(config.tokenizer)),
+        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
+        metrics_log(run / "metrics.jsonl") {}
+
+  torch::Tensor tokenize(const std::vector<std::string>& captions) const;
+  ClipStepMetrics train_step(const torch::Tensor& images, const std::vector<std::string>& captions);
+  void log_step(const ClipStepMetrics& metrics);
+  void save_checkpoint();
+  void resume(const std::string& directory);
+};
+
+namespace {
+
+void validate_settings(const ClipTrainConfig& config) {
+  if (config.data.train.empty() || config.data.validation.empty()) {
+    throw Error("clip training: data.train and data.validation must name dataset folders");
+  }
+  if (config.tokenizer.empty()) throw Error("clip training: tokenizer must name a SentencePiece model");
+  config.model.validate();
+  if (config.model.text_pooling != "eos" || config.model.eos_id != text::Tokenizer::kEndId) {
+    throw Error("clip training: the SentencePiece tokenizer ends captions with id " +
+                std::to_string(text::Tokenizer::kEndId) +
+                ", which is not their largest id: set model.text_pooling: eos and model.eos_id: " +
+                std::to_string(text::Tokenizer::kEndId));
+  }
+  if (std::min(config.learning_rate.start, config.learning_rate.end) < 0.0) {
+    throw Error("clip training: learning_rate.start and learning_rate.end cannot be negative");
+  }
+  if (config.data.batch_size < 2) throw Error("clip training: data.batch_size must be at least 2 (negatives)");
+}
+
+void check_tokenizer(const text::Tokenizer& tokenizer, const models::ClipConfig& model, const std::string& path) {
+  if (tokenizer.vocab_size() > model.vocab_size) {
+    throw Error(path + ": the tokenizer has " + std::to_string(tokenizer.vocab_size()) +
+                " ids, more than model.vocab_size (" + std::to_string(model.vocab_size) + ")");
+  }
+  if (tokenizer.text_length() > model.context_length) {
+    throw Error(path + ": the tokenizer encodes " + std::to_string(tokenizer.text_length()) +
+                " ids per caption, more than model.context_length (" + std::to_string(model.context_length) + ")");
+  }
+}
+
+// open_clip's split: no decay for gains, biases, the class embedding and logit_scale (fewer
+// than two dimensions); matrices and the token and position embeddings decay.
+std::vector<torch::optim::OptimizerParamGroup> parameter_groups(models::ClipImpl& model,
+                                                                const ClipTrainConfig& config) {
+  std::vector<torch::Tensor> decayed, undecayed;
+  for (const auto& parameter : model.parameters()) (parameter.dim() >= 2 ? decayed : undecayed).push_back(parameter);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (auto [parameters, decay] : {std::pair{decayed, config.weight_decay}, std::pair{undecayed, 0.0}}) {
+    auto options = std::make_unique<torch::optim::AdamWOptions>(config.learning_rate_at(0));
+    options->betas({config.beta1, config.beta2}).eps(config.epsilon).weight_decay(decay);
+    groups.emplace_back(parameters, std::move(options));
+  }
+  return groups;
+}
+
+}  // namespace
+
+ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
+  validate_settings(config);
+  check_run_directory(run_directory, "CLIP");
+  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  torch::manual_seed(static_cast<uint64_t>(config.seed));
+
+  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  auto& s = *state_;
+  check_tokenizer(s.tokenizer, s.config.model, s.config.tokenizer);
+  s.model = models::Clip(s.config.model);
+  s.ema_model = models::Clip(s.config.model);
+  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
+  s.optimizer = std::make_unique<AdamW>(parameter_groups(*s.model, s.config),
+                                        torch::optim::AdamWOptions(s.config.learning_rate_at(0)),
+                                        s.config.precision.moments_dtype());
+  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
+
+  auto images = detail::open_image_data(s.config.data, s.config.seed);
+  s.train_set = std::move(images.train);
+  s.validation_set = std::move(images.validation);
+  s.loader = std::move(images.loader);
+  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
+  // Written only once a resume has succeeded, so a refused resume leaves the run untouched.
+  fs::create_directories(s.run);
+  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+}
+
+ClipTrainer::~ClipTrainer() = default;
+
+int64_t ClipTrainer::step() const { return state_->step; }
+models::Clip& ClipTrainer::model() { return state_->model; }
+
+torch::Tensor ClipTrainer::State::tokenize(const std::vector<std::string>& captions) const {
+  // The deterministic encoding: BPE-dropout draws from a per-thread generator, which an
+  // exact resume cannot restore.
+  const int64_t length = tokenizer.text_length();
+  auto tokens = torch::empty({static_cast<int64_t>(captions.size()), length}, torch::kInt64);
+  auto rows = tokens.accessor<int64_t, 2>();
+  for (size_t i = 0; i < captions.size(); ++i) {
+    const auto ids = tokenizer.encode(captions[i]).ids;
+    for (int64_t j = 0; j < length; ++j) rows[static_cast<int64_t>(i)][j] = ids[static_cast<size_t>(j)];
+  }
+  return tokens;
+}
+
+ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, const std::vector<std::string>& captions) {
+  ClipStepMetrics metrics;
+  metrics.learning_rate = config.learning_rate_at(step);
+  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+
+  const auto pixels = models::clip_preprocess(images, config.model.image_size);
+  const auto tokens = tokenize(captions);
+  torch::Tensor image_features, text_features;
+  {
+    AutocastGuard autocast(pixels.device().type(), precision->autocast_dtype());
+    image_features = model->encode_image(pixels);
+    text_features = model->encode_text(tokens);
+  }
+  const auto logits =
+      model->logits_from_features(image_features.to(torch::kFloat32), text_features.to(torch::kFloat32)).per_image;
+  const auto loss = clip_contrastive_loss(logits);
+  if (!torch::isfinite(loss).item<bool>()) {
+    throw Error("clip: the loss is not finite at update " + std::to_string(step + 1) +
+                "; lower the learning rate or resume from an earlier checkpoint");
+  }
+  optimizer->zero_grad();
+  precision->scaled(loss).backward();
+  metrics.skipped = !precision->unscale_and_update();
+  if (metrics.skipped) {
+    log::warn("clip: gradients not finite at update ", step + 1, "; the update is skipped");
+  } else {
+    optimizer->step();
+    {
+      torch::NoGradGuard no_grad;
+      model->logit_scale.clamp_(0.0, config.max_logit_scale);
+    }
+    ema->update(*model);
+  }
+  ++step;
+  metrics.step = step;
+  metrics.loss = loss.item<double>();
+  const auto labels = torch::arange(logits.size(0), logits.options().dtype(torch::kInt64));
+  metrics.accuracy = (logits.argmax(1) == labels).to(torch::kFloat64).mean().item<double>();
+  metrics.logit_scale = model->logit_scale.item<double>();
+  return metrics;
+}
+
+void ClipTrainer::State::log_step(const ClipStepMetrics& m) {
+  nlohmann::json line = {{"step", m.step},
+                         {"loss", m.loss},
+                         {"batch_accuracy", m.accuracy},
+                         {"logit_scale", m.logit_scale},
+                         {"learning_rate", m.learning_rate}};
+  if (const auto* scaler = precision->scaler()) {
+    line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
+  }
+  metrics_log.append(line);
+}
+
+void ClipTrainer::run() {
+  auto& s = *state_;
+  if (s.step >= s.config.steps) {
+    log::info("clip: already trained for ", s.step, " updates");
+    return;
+  }
+  log::info("clip: training from update ", s.step, " to ", s.config.steps, " in ", s.run.string());
+  log::Progress progress("clip", s.config.steps - s.step);
+  while (s.step < s.config.steps) {
+    auto batch = detail::next_nonempty_batch(*s.loader, *s.train_set);
+    std::vector<std::string> captions;
+    for (const auto& example : batch.examples) captions.push_back(example.caption);
+    const auto metrics = s.train_step(detail::stack_images(batch.examples), captions);
+    progress.advance();
+    progress.set_loss(metrics.loss);
+    const bool last = s.step == s.config.steps;
+    if (s.step % s.config.log_every == 0 || last) s.log_step(metrics);
+    if (s.step % s.config.validate_every == 0 || last) {
+      const auto validation = validate();
+      log::info("clip: update ", s.step, " loss ", metrics.loss, "; ", validation.images,
+                " held-out images: image->text top-1 ", validation.image_to_text, ", text->image top-1 ",
+                validation.text_to_image);
+    }
+    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
+  }
+  progress.finish();
+}
+
+ClipValidation ClipTrainer::validate() {
+  auto& s = *state_;
+  s.ema->copy_to(*s.ema_model);
+  s.ema_model->eval();
+  torch::NoGradGuard no_grad;
+  const auto& images = *s.validation_set;
+  const int64_t count = std::min<int64_t>(static_cast<int64_t>(images.size()), s.config.validation_images);
+  std::vector<std::string> captions;
+  std::vector<torch::Tensor> image_features, text_features;
+  for (int64_t begin = 0; begin < count; begin += s.config.data.batch_size) {
+    std::vector<data::ImageCaptionExample> examples;
+    std::vector<std::string> batch_captions;
+    for (int64_t i = begin; i < std::min(count, begin + s.config.data.batch_size); ++i) {
+      std::mt19937_64 rng(static_cast<uint64_t>(i));  // the same caption of each image every time
+      if (auto example = images.get(static_cast<size_t>(i), rng)) {
+        batch_captions.push_back(example->caption);
+        examples.push_back(std::move(*example));
+      }
+    }
+    if (examples.empty()) continue;
+    const auto pixels = models::clip_preprocess(detail::stack_images(examples), s.config.model.image_size);
+    image_features.push_back(s.ema_model->encode_image(pixels).to(torch::kFloat32));
+    text_features.push_back(s.ema_model->encode_text(s.tokenize(batch_captions)).to(torch::kFloat32));
+    captions.insert(captions.end(), batch_captions.begin(), batch_captions.end());
+  }
+  if (captions.size() < 2) throw Error("clip: fewer than two readable validation images in " + images.root());
+  const auto logits =
+      s.ema_model->logits_from_features(torch::cat(image_features), torch::cat(text_features)).per_image;
+  const auto best_text = logits.argmax(1), best_image = logits.argmax(0);
+  ClipValidation result;
+  result.images = static_cast<int64_t>(captions.size());
+  const auto caption = [&](const torch::Tensor& index) -> const std::string& {
+    return captions[static_cast<size_t>(index.item<int64_t>())];
+  };
+  for (int64_t i = 0; i < result.images; ++i) {
+    // Equal captions are equally right: fashion-compose repeats captions across images.
+    const auto& own = captions[static_cast<size_t>(i)];
+    result.image_to_text += caption(best_text[i]) == own;
+    result.text_to_image += caption(best_image[i]) == own;
+  }
+  result.image_to_text /= static_cast<double>(result.images);
+  result.text_to_image /= static_cast<double>(result.images);
+  result.loss = clip_contrastive_loss(logits).item<double>();
+  s.metrics_log.append({{"step", s.step},
+                        {"validation_images", result.images},
+                        {"validation_image_to_text", result.image_to_text},
+                        {"validation_text_to_image", result.text_to_image},
+                        {"validation_loss", result.loss}});
+  return result;
+}
+
+void ClipTrainer::State::save_checkpoint() {
+  auto checkpoint =
+      make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
+  precision->save_state(checkpoint.state, "gradient_scaler.");
+  log::info("clip: checkpoint ", checkpoints.save(step, checkpoint));
+}
+
+void ClipTrainer::State::resume(const std::string& directory) {
+  auto checkpoint = io::load_checkpoint(directory);
+  const auto may_change = [](const std::string& key) {
+    return detail::may_change_on_resume(key) || key == "validation_images";
+  };
+  check_resumable<ClipTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change);
+  const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
+  precision->load_state(checkpoint.state, "gradient_scaler.");
+  step = progress.step;
+  loader->seek(progress.position);
+  metrics_log.drop_after(step);
+  log::info("clip: resumed from ", directory, " at update ", step);
+}
+
+}  // namespace dalle::train

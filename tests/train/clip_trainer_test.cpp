@@ -1,0 +1,262 @@
+#include "dalle/train/clip_trainer.h"
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/caption_dataset.h"
+#include "dalle/data/fashion_compose.h"
+#include "dalle/data/image.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/text/tokenizer.h"
+#include "dalle/train/clip_loader.h"
+#include "test_support.h"
+
+namespace dalle::train {
+namespace {
+
+using testing::ScratchDir;
+
+class ClipTrainerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_ = new ScratchDir();
+    data::FashionComposeConfig compose;
+    compose.train_images = 48;
+    compose.test_images = 16;
+    compose.heldout_images = 0;
+    data::build_fashion_compose(compose, *data_ / "fc");
+    const auto images = data::ImageCaptionDataset::open(*data_ / "fc/train");
+    std::vector<std::string> captions;
+    for (size_t i = 0; i < images->size(); ++i) captions.push_back(images->record(i).captions[0]);
+    text::TokenizerConfig tokenizer;
+    tokenizer.vocab_size = 60;
+    tokenizer.text_length = 16;
+    text::Tokenizer::train(captions, tokenizer, *data_ / "tok.model");
+    write_halves(*data_ / "halves");
+  }
+
+  // A small synthetic set CLIP learns quickly: 16x16 images whose left or right half is one
+  // of fashion-compose's 8 colours, "a <colour> bag on the <side>", 4 images per caption.
+  static void write_halves(const std::string& root) {
+    std::filesystem::create_directories(root + "/images");
+    std::ofstream tsv(root + "/captions.tsv");
+    torch::manual_seed(0);
+    int index = 0;
+    for (const auto& colour : data::fashion_compose_colours()) {
+      for (const std::string side : {"left", "right"}) {
+        for (int copy = 0; copy < 4; ++copy, ++index) {
+          auto image = torch::rand({3, 16, 16}) * 0.1;
+          const auto rgb = torch::tensor({colour.rgb[0], colour.rgb[1], colour.rgb[2]}).view({3, 1, 1});
+          image.slice(2, side == "left" ? 0 : 8, side == "left" ? 8 : 16) = rgb * (0.8 + 0.05 * copy);
+          const std::string name = "images/" + std::to_string(index) + ".png";
+          data::write_png(root + "/" + name, image);
+          tsv << name << "\ta " << colour.name << " bag on the " << side << "\n";
+        }
+      }
+    }
+  }
+  static void TearDownTestSuite() { delete data_; }
+
+  static ClipTrainConfig tiny(int64_t steps) {
+    ClipTrainConfig config;
+    auto& m = config.model;
+    m.embed_dim = 16;
+    m.image_size = 16;
+    m.patch_size = 4;
+    m.vision_width = 32;
+    m.vision_layers = 1;
+    m.vision_heads = 2;
+    m.context_length = 16;
+    m.vocab_size = 64;
+    m.text_width = 32;
+    m.text_layers = 1;
+    m.text_heads = 2;
+    m.activation = "gelu";
+    m.text_pooling = "eos";
+    m.eos_id = 3;
+    config.data.train = *data_ / "fc/train";
+    config.data.validation = *data_ / "fc/test";
+    config.data.image_size = 16;
+    config.data.batch_size = 8;
+    config.data.workers = 1;
+    config.tokenizer = *data_ / "tok.model";
+    config.warmup_steps = 2;
+    config.learning_rate = {.start = 2e-3, .end = 2e-3, .steps = 0};
+    config.weight_decay = 0.01;
+    config.steps = steps;
+    config.log_every = 1;
+    config.validate_every = 1000;
+    config.checkpoint_every = 3;
+    config.ema_decay = 0.8;
+    return config;
+  }
+
+  // step -> the metric line, for lines that carry a training loss; a step logged twice fails.
+  static std::map<int64_t, nlohmann::json> losses(const std::string& run) {
+    std::map<int64_t, nlohmann::json> out;
+    std::ifstream in(run + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto entry = nlohmann::json::parse(line);
+      if (!entry.contains("loss")) continue;
+      const bool first = out.emplace(entry["step"].get<int64_t>(), entry).second;
+      EXPECT_TRUE(first) << "update " << entry["step"] << " logged twice in " << run;
+    }
+    return out;
+  }
+
+  // Runs `config` for 8 updates whole, and stopped after 4 then resumed from update 3.
+  static void expect_exact_resume(const ClipTrainConfig& config) {
+    ScratchDir runs;
+    auto whole_config = config, half_config = config;
+    whole_config.steps = 8;
+    half_config.steps = 4;
+    ClipTrainer(whole_config, runs / "whole").run();
+    ClipTrainer(half_config, runs / "interrupted").run();  // checkpoints at 3 and 4
+    std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
+    testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
+    ClipTrainer resumed(whole_config, runs / "interrupted");
+    EXPECT_EQ(resumed.step(), 3);
+    resumed.run();
+
+    const auto whole = losses(runs / "whole"), interrupted = losses(runs / "interrupted");
+    ASSERT_EQ(whole.size(), 8u);
+    EXPECT_EQ(interrupted, whole) << "every update's loss, accuracy and logit scale, bit for bit";
+    const auto a = io::state_dict(*load_trained_clip(runs / "whole"));
+    const auto b = io::state_dict(*load_trained_clip(runs / "interrupted"));
+    for (const auto& [name, tensor] : a) EXPECT_TRUE(torch::equal(tensor, b.at(name))) << name;
+  }
+
+  static ScratchDir* data_;
+};
+ScratchDir* ClipTrainerTest::data_ = nullptr;
+
+TEST_F(ClipTrainerTest, ResumedRunContinuesWithTheSameLosses) { expect_exact_resume(tiny(8)); }
+
+TEST_F(ClipTrainerTest, ResumedFp16RunContinuesWithTheSameLossesAndScale) {
+  auto config = tiny(8);
+  config.precision.mode = "fp16";
+  config.precision.adam_moments = "bf16";
+  expect_exact_resume(config);
+}
+
+TEST_F(ClipTrainerTest, LossGoesDownAndTrainingImagesFindTheirCaptions) {
+  ScratchDir runs;
+  auto config = tiny(60);
+  config.data.train = config.data.validation = *data_ / "halves";  // retrieval among the training images
+  config.validation_images = 64;
+  config.checkpoint_every = 1000;
+  config.ema_decay = 0.0;
+  ClipTrainer trainer(config, runs / "run");
+  const auto untrained = trainer.validate();
+  trainer.run();
+  const auto lines = losses(runs / "run");
+  double first = 0, last = 0;
+  for (int64_t step = 1; step <= 5; ++step) first += lines.at(step)["loss"].get<double>() / 5;
+  for (int64_t step = 56; step <= 60; ++step) last += lines.at(step)["loss"].get<double>() / 5;
+  EXPECT_LT(last, 0.6 * first) << "contrastive loss " << first << " -> " << last;
+  const auto trained = trainer.validate();
+  EXPECT_EQ(trained.images, 64);
+  EXPECT_GT(trained.image_to_text, untrained.image_to_text + 0.2);
+  EXPECT_GT(trained.text_to_image, untrained.text_to_image + 0.2);
+  EXPECT_LT(trained.loss, untrained.loss);
+  // The learned scale moved, and stays within the clamp.
+  EXPECT_NE(lines.at(60)["logit_scale"].get<double>(), config.model.init_logit_scale);
+  EXPECT_LE(lines.at(60)["logit_scale"].get<double>(), config.max_logit_scale);
+  // The validation lines are in the log beside the training lines.
+  std::ifstream in(runs / "run/metrics.jsonl");
+  int validations = 0;
+  for (std::string line; std::getline(in, line);) {
+    validations += nlohmann::json::parse(line).contains("validation_image_to_text");
+  }
+  EXPECT_EQ(validations, 3) << "the two explicit validations and the one after the last update";
+}
+
+TEST_F(ClipTrainerTest, LogitScaleIsClampedAtTheMaximum) {
+  ScratchDir runs;
+  auto config = tiny(3);
+  config.model.init_logit_scale = 4.0;
+  config.max_logit_scale = 3.0;  // below the initial value: the first update clamps it
+  config.checkpoint_every = 1000;
+  ClipTrainer(config, runs / "run").run();
+  const auto lines = losses(runs / "run");
+  EXPECT_EQ(lines.at(1)["logit_scale"].get<double>(), 3.0) << "clamped after the first update";
+  for (const auto& [step, line] : lines) EXPECT_LE(line["logit_scale"].get<double>(), 3.0) << step;
+}
+
+TEST_F(ClipTrainerTest, ATrainedRunLoadsForReranking) {
+  ScratchDir runs;
+  auto config = tiny(3);
+  config.ema_decay = 0.0;  // the average is the weights themselves
+  ClipTrainer trainer(config, runs / "run");
+  trainer.run();
+  const auto loaded = load_trained_clip(runs / "run");
+  EXPECT_FALSE(loaded->is_training());
+  EXPECT_EQ(loaded->config().text_pooling, "eos");
+  const auto trained = io::state_dict(*trainer.model());
+  for (const auto& [name, tensor] : io::state_dict(*loaded)) {
+    EXPECT_TRUE(torch::equal(tensor, trained.at(name))) << name;
+  }
+}
+
+TEST(ClipTraining, ContrastiveLossAndSchedule) {
+  EXPECT_NEAR(clip_contrastive_loss(torch::zeros({5, 5})).item<double>(), std::log(5.0), 1e-6);
+  EXPECT_LT(clip_contrastive_loss(torch::eye(4) * 50).item<double>(), 1e-6);
+  // Both directions count: image 0 matching every caption costs ln 3 in its row (image->text)
+  // and ln 2 in the columns of captions 1 and 2 (text->image).
+  auto logits = torch::eye(3) * 50;
+  logits[0].fill_(50);
+  EXPECT_NEAR(clip_contrastive_loss(logits).item<double>(), (std::log(3.0) / 3 + 2 * std::log(2.0) / 3) / 2, 1e-5);
+  EXPECT_THROW_WITH(clip_contrastive_loss(torch::zeros({2, 3})), Error, "square");
+
+  ClipTrainConfig config;
+  config.warmup_steps = 4;
+  config.learning_rate = {.start = 1.0, .end = 0.0, .steps = 10};
+  EXPECT_DOUBLE_EQ(config.learning_rate_at(0), 0.25);
+  EXPECT_DOUBLE_EQ(config.learning_rate_at(3), 1.0);
+  EXPECT_DOUBLE_EQ(config.learning_rate_at(4), 1.0);
+  EXPECT_NEAR(config.learning_rate_at(9), 0.5, 1e-12);
+  EXPECT_DOUBLE_EQ(config.learning_rate_at(100), 0.0);
+}
+
+TEST_F(ClipTrainerTest, BadSettingsAreRefused) {
+  ScratchDir runs;
+  auto config = tiny(2);
+  config.model.text_pooling = "argmax";
+  EXPECT_THROW_WITH(ClipTrainer(config, runs / "a"), Error, "text_pooling: eos", "eos_id: 3");
+  config = tiny(2);
+  config.model.vocab_size = 32;
+  EXPECT_THROW_WITH(ClipTrainer(config, runs / "b"), Error, "tok.model", "60 ids, more than model.vocab_size (32)");
+  config = tiny(2);
+  config.model.context_length = 8;
+  EXPECT_THROW_WITH(ClipTrainer(config, runs / "c"), Error, "16 ids per caption", "model.context_length (8)");
+  config = tiny(2);
+  config.tokenizer = "";
+  EXPECT_THROW_WITH(ClipTrainer(config, runs / "d"), Error, "tokenizer must name");
+  config = tiny(2);
+  config.data.batch_size = 1;
+  EXPECT_THROW_WITH(ClipTrainer(config, runs / "e"), Error, "batch_size must be at least 2");
+  testing::write_text(runs / "notes.txt", "a user's file");
+  EXPECT_THROW_WITH(ClipTrainer(tiny(2), runs.path().string()), Error, "not a CLIP run directory");
+  EXPECT_FALSE(std::filesystem::exists(runs / "a/config.yaml"));
+
+  EXPECT_THROW_WITH(load_config<ClipTrainConfig>(ConfigSource::from_string("model:\n  embed_dimm: 8\n", "c.yaml")),
+                    ConfigError, "c.yaml:2:3: unknown key 'model.embed_dimm' (did you mean 'model.embed_dim'?)");
+  EXPECT_THROW_WITH(load_config<ClipTrainConfig>(ConfigSource::from_string("warmup_step: 8\n", "c.yaml")),
+                    ConfigError, "unknown key 'warmup_step'");
+  EXPECT_THROW_WITH(load_config<ClipTrainConfig>(ConfigSource::from_string("kind: vqgan\n", "c.yaml")), ConfigError,
+                    "kind: 'vqgan' is not allowed");
+
+  // A resume under a changed model is refused and leaves the run as it was.
+  ClipTrainer(tiny(3), runs / "run").run();
+  auto changed = tiny(6);
+  changed.model.text_width = 64;
+  EXPECT_THROW_WITH(ClipTrainer(changed, runs / "run"), Error, "different config", "model.text_width (32 -> 64)");
+  auto longer = tiny(6);
+  longer.validation_images = 8;
+  EXPECT_EQ(ClipTrainer(longer, runs / "run").step(), 3) << "steps and validation_images may change";
+}
+
+}  // namespace
+}  // namespace dalle::train
