@@ -11,8 +11,10 @@
 #include "dalle/error.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
+#include "dalle/models/clip_rerank.h"
 #include "dalle/models/tiled_upscale.h"
 #include "dalle/text/tokenizer.h"
+#include "dalle/train/clip_loader.h"
 #include "dalle/train/image_tokenizer_loader.h"
 #include "dalle/train/prior_trainer.h"
 #include "dalle/train/rrdbnet_loader.h"
@@ -25,7 +27,9 @@ void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("prior", prior, "prior run directory or checkpoint (required)");
   v.field("tokenizer", tokenizer, "caption tokenizer model; empty: the one the prior was trained with");
   v.field("decoder", decoder, "dVAE or VQGAN run or checkpoint; empty: the prior's image tokenizer");
-  v.field("clip", clip, "CLIP run or checkpoint that reranks the candidates; empty: no reranking");
+  v.field("clip", clip,
+          "CLIP run or checkpoint that reranks the candidates, trained by dalle-train-clip with the caption "
+          "tokenizer; empty: no reranking");
   v.field("superres", superres, "RRDBNet run or checkpoint that upscales the kept images; empty: none");
   v.field("candidates", candidates, "images sampled per prompt (N; DALL-E: 512, most of the gain by 32)",
           {.min = 1, .max = 65536});
@@ -59,6 +63,22 @@ void check(const PipelineConfig& config) {
   }
 }
 
+// The CLIP reads the pipeline's caption tokenizer's ids: a CLIP trained by dalle-train-clip
+// with that tokenizer. CLIP's own BPE (for imported OpenAI / open_clip weights) is not
+// implemented.
+void check_clip_fits(const models::ClipConfig& clip, const text::Tokenizer& tokenizer, const std::string& path) {
+  if (clip.text_pooling != "eos" || clip.eos_id != text::Tokenizer::kEndId) {
+    throw Error("pipeline: the CLIP model " + path + " pools text at " + clip.text_pooling +
+                "; reranking feeds it the caption tokenizer's ids, which needs eos pooling at id " +
+                std::to_string(text::Tokenizer::kEndId) + " (a CLIP trained by dalle-train-clip)");
+  }
+  if (tokenizer.vocab_size() > clip.vocab_size || tokenizer.text_length() > clip.context_length) {
+    throw Error("pipeline: the caption tokenizer (" + std::to_string(tokenizer.vocab_size()) + " ids, " +
+                std::to_string(tokenizer.text_length()) + " per caption) does not fit the CLIP model " + path + " (" +
+                std::to_string(clip.vocab_size) + " ids, context " + std::to_string(clip.context_length) + ")");
+  }
+}
+
 }  // namespace
 
 struct Pipeline::Stages {
@@ -67,10 +87,13 @@ struct Pipeline::Stages {
   train::TrainedPrior prior;
   text::Tokenizer tokenizer;
   train::TrainedImageTokenizer decoder;
+  models::Clip clip{nullptr};
   models::RrdbNet superres{nullptr};
 
   // One prompt's N candidates, in sampling order.
   std::vector<GeneratedImage> sample(int64_t prompt_index, const std::string& prompt, log::Progress& progress);
+  // Scores the candidates against their prompt and orders them best first.
+  void rerank(std::vector<GeneratedImage>& candidates);
   void upscale(std::vector<GeneratedImage>& images);
 };
 
@@ -98,6 +121,11 @@ Pipeline::Pipeline(PipelineConfig config) {
   stages_ = std::make_unique<Stages>(
       Stages{std::move(config), device, std::move(prior), std::move(tokenizer), std::move(decoder)});
   auto& s = *stages_;
+  if (!s.config.clip.empty()) {
+    s.clip = train::load_trained_clip(s.config.clip);
+    check_clip_fits(s.clip->config(), s.tokenizer, s.config.clip);
+    s.clip->to(device);
+  }
   if (!s.config.superres.empty()) {
     s.superres = train::load_trained_rrdbnet(s.config.superres);
     s.superres->to(device);
@@ -141,6 +169,22 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t prompt_index, const
   return images;
 }
 
+void Pipeline::Stages::rerank(std::vector<GeneratedImage>& candidates) {
+  std::vector<torch::Tensor> images;
+  for (const auto& candidate : candidates) images.push_back(candidate.image);
+  const auto caption = torch::tensor(tokenizer.encode(candidates.front().prompt).ids, torch::kInt64);
+  const auto ranking = models::clip_rerank(clip, torch::stack(images).to(device), caption.to(device),
+                                           static_cast<int64_t>(candidates.size()), config.batch_size);
+  std::vector<GeneratedImage> ranked;
+  for (size_t rank = 0; rank < ranking.indices.size(); ++rank) {
+    auto image = std::move(candidates[static_cast<size_t>(ranking.indices[rank])]);
+    image.rank = static_cast<int64_t>(rank);
+    image.clip_score = ranking.scores[rank];
+    ranked.push_back(std::move(image));
+  }
+  candidates = std::move(ranked);
+}
+
 void Pipeline::Stages::upscale(std::vector<GeneratedImage>& images) {
   std::vector<torch::Tensor> batch;
   for (const auto& image : images) batch.push_back(image.image);
@@ -159,6 +203,7 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
   std::vector<GeneratedImage> kept;
   for (size_t index = 0; index < prompts.size(); ++index) {
     auto candidates = s.sample(static_cast<int64_t>(index), prompts[index], progress);
+    if (s.clip) s.rerank(candidates);
     candidates.resize(static_cast<size_t>(s.config.kept()));
     if (s.superres) s.upscale(candidates);
     for (auto& image : candidates) kept.push_back(std::move(image));
