@@ -271,6 +271,39 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
   EXPECT_TRUE(std::filesystem::exists(dir / "prior/samples/step-000000001.png"));
   check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "out") + " -n 1 'a red bag'"));
   EXPECT_TRUE(std::filesystem::exists(dir / "out/0000-00.png"));
+
+  // The whole pipeline: CLIP ranks all 4 candidates, then keeps the best 2, which the
+  // x2 super-resolution upscales.
+  testing::write_text(dir / "clip.yaml",
+                      "model: {embed_dim: 16, image_size: 16, patch_size: 8, vision_width: 16, vision_layers: 1,\n"
+                      "        vision_heads: 2, context_length: 12, vocab_size: 60, text_width: 16, text_layers: 1,\n"
+                      "        text_heads: 2}\n"
+                      "data: {train: " + (dir / "fc/train") + ", validation: " + (dir / "fc/train") +
+                      ", image_size: 16, batch_size: 8}\n"
+                      "tokenizer: " + (dir / "tok.model") + "\nsteps: 2\nvalidate_every: 2\ncheckpoint_every: 2\n");
+  check(run("dalle-train-clip", "--config " + (dir / "clip.yaml") + " --out " + (dir / "clip")));
+  check(run("dalle-train-sr", "--config " + std::string(DALLE_SOURCE_DIR) +
+                                  "/configs/superres/fashion-compose-x2-tiny.yaml --set data.train=" + (dir / "fc/train") +
+                                  " --set data.validation=" + (dir / "fc/train") + " --set data.image_size=16" +
+                                  " --set model.num_feat=8 --set model.num_block=1 --set model.num_grow_ch=4" +
+                                  " --set data.batch_size=4 --set steps=2 --out " + (dir / "sr")));
+  const std::string pipeline = "--prior " + (dir / "prior") + " --clip " + (dir / "clip") + " -n 4 --seed 3";
+  check(run("dalle-generate", pipeline + " --keep 0 --out " + (dir / "ranked") + " 'a red bag'"));
+  check(run("dalle-generate", pipeline + " --keep 2 --superres " + (dir / "sr") + " --out " + (dir / "best") +
+                                  " 'a red bag'"));
+  std::vector<double> scores;
+  for (const char* stem : {"0000-00", "0000-01", "0000-02", "0000-03"}) {
+    const auto ranked = nlohmann::json::parse(testing::read_text(dir / "ranked/" + stem + ".json"));
+    scores.push_back(ranked["clip_score"].get<double>());
+    if (scores.size() > 1) EXPECT_LE(scores.back(), scores[scores.size() - 2]) << "ranked best first";
+    if (scores.size() > 2) continue;
+    const auto kept = nlohmann::json::parse(testing::read_text(dir / "best/" + stem + ".json"));
+    EXPECT_EQ(kept["candidate"], ranked["candidate"]) << "the best 2 of the same 4 samples";
+    EXPECT_EQ(kept["image_tokens"], ranked["image_tokens"]);
+    EXPECT_EQ(kept["size"], nlohmann::json({32, 32})) << "upscaled x2";
+    EXPECT_EQ(ranked["size"], nlohmann::json({16, 16}));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "best/0000-02.png"));
 }
 
 }  // namespace
