@@ -95,8 +95,8 @@ std::vector<Pixels> components(const std::vector<uint8_t>& mask, int64_t side, i
   return found;
 }
 
-// A component wider or taller than one item can be is two items touching: cut it across its
-// longer side where the fewest bright pixels are, within its middle 40%.
+// A component too wide or tall for one item is two items touching: cut it across its longer
+// side where the fewest bright pixels are, within its middle 40%.
 void split_oversized(Pixels pixels, const std::vector<float>& brightness, int64_t side, int64_t limit, int depth,
                      std::vector<Pixels>& out) {
   const Box box = box_of(pixels, side);
@@ -169,13 +169,17 @@ std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const Measu
     brightness[p] = std::max({rgb[p], rgb[area + p], rgb[2 * area + p]});
     mask[p] = brightness[p] > options.threshold;
   }
-  // The composer's items are at most item_size across; a little slack for generated ones.
-  const int64_t limit = options.item_size + 2;
+  // The composer's items are at most item_size across, and two of them touching span at
+  // least twice that (their centres are 32 of 64 pixels apart, jitter aside): a component
+  // is cut in two beyond 1.5 items, which leaves generated items room to be larger and
+  // blurrier than real ones; fragments are joined while they fit one item, a little slack
+  // included, which two of the composer's items never do.
+  const int64_t split_limit = options.item_size * 3 / 2, join_limit = options.item_size + 4;
   std::vector<Pixels> parts;
   for (auto& component : components(mask, side, options.join_gap)) {
-    split_oversized(std::move(component), brightness, side, limit, 3, parts);
+    split_oversized(std::move(component), brightness, side, split_limit, 3, parts);
   }
-  join_fragments(parts, side, limit);
+  join_fragments(parts, side, join_limit);
   parts.erase(std::remove_if(parts.begin(), parts.end(),
                              [&](const Pixels& p) { return static_cast<int64_t>(p.size()) < options.min_pixels; }),
               parts.end());
