@@ -16,7 +16,7 @@ namespace dalle::eval {
 struct ClassifierTrainConfig {
   ItemClassifierConfig model;
   int64_t epochs = 5;
-  int64_t batch_size = 128;
+  int64_t batch_size = 64;
   double learning_rate = 1e-3;
   bool cosine_decay = true;
   int64_t shift = 1;
