@@ -218,6 +218,15 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_EQ(report["accuracy"]["every_image"]["seen"]["images"], 4) << "neither prompt names a held-out pair";
   EXPECT_EQ(report["heldout_from"], (dir / "fc/config.yaml"));
   EXPECT_TRUE(report.contains("fid"));
+  // The real test images through the dVAE: the ceiling of a prior drawing through it.
+  const auto through = run("dalle-eval", "--log-level off score-real " + (dir / "fc/test") + " --classifier " +
+                                             (dir / "classifier") + " --through-tokenizer " + (dir / "dvae") +
+                                             " --tokenizer-run " + (dir / "dvae"));
+  ASSERT_EQ(through.status, 0) << through.output;
+  const auto ceiling = nlohmann::json::parse(through.output);
+  EXPECT_EQ(ceiling["images"], 8);
+  EXPECT_EQ(ceiling["through_tokenizer"], (dir / "dvae"));
+  EXPECT_TRUE(ceiling["tokenizer"]["validation_psnr"].is_number());
 }
 
 TEST(Tools, EvalExplainsItselfAndRefusesBadInput) {

@@ -83,6 +83,9 @@ int main(int argc, char** argv) {
       "score-real", "score real fashion-compose images against their own captions: the metric's ceiling");
   real_command->add_option("split", split, "fashion-compose split folder, e.g. demo/fashion-compose/test")->required();
   real_command->add_option("--out", real.out, "also write the JSON report here");
+  real_command->add_option("--through-tokenizer", real.options.through_tokenizer,
+                           "encode and decode every image with this dVAE/VQGAN run first: the ceiling of a "
+                           "generator drawing through that decoder");
   real.add_to(*real_command);
 
   return tools::run_tool(app, argc, argv, [&] {

@@ -16,6 +16,7 @@
 #include "dalle/eval/item_classifier.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
+#include "dalle/train/image_tokenizer_loader.h"
 
 namespace dalle::eval {
 namespace fs = std::filesystem;
@@ -192,6 +193,17 @@ std::pair<int64_t, int64_t> indices_from_stem(const std::string& stem) {
   return {0, 0};
 }
 
+// An image as the tokenizer's decoder gives it back, at the size the tokenizer was trained at.
+torch::Tensor round_trip(train::TrainedImageTokenizer& tokenizer, const torch::Tensor& image) {
+  torch::NoGradGuard no_grad;
+  auto input = image;
+  if (input.size(1) != tokenizer.image_size || input.size(2) != tokenizer.image_size) {
+    input = data::resize(input, tokenizer.image_size, tokenizer.image_size);
+  }
+  const auto tokens = tokenizer.model->encode_tokens(input.unsqueeze(0));
+  return tokenizer.model->decode_tokens(tokens)[0].clamp(0, 1);
+}
+
 }  // namespace
 
 ScoreReport score_generated(const std::string& directory, const ScoreOptions& options) {
@@ -260,6 +272,11 @@ ScoreReport score_real(const std::string& split, const ScoreOptions& options) {
   auto& report = scorer.report;
   report.kind = "real";
   report.source = split;
+  std::optional<train::TrainedImageTokenizer> tokenizer;
+  if (!options.through_tokenizer.empty()) {
+    tokenizer = train::load_image_tokenizer(options.through_tokenizer);
+    report.through_tokenizer = options.through_tokenizer;
+  }
   log::Progress progress("score", static_cast<int64_t>(images.size()));
   for (const auto& image : images) {
     progress.advance();
@@ -271,6 +288,7 @@ ScoreReport score_real(const std::string& split, const ScoreOptions& options) {
       log::warn("score: ", error.what(), "; not scored");
       continue;
     }
+    if (tokenizer) picture = round_trip(*tokenizer, picture);
     scorer.score(picture, image.caption, 0, fs::path(image.path).filename().string());
   }
   progress.finish();
@@ -313,6 +331,7 @@ std::string ScoreReport::to_json(int indent) const {
                           {"real_images", fid->real_images},
                           {"real", fid->real}}
                    : json(nullptr);
+  if (!through_tokenizer.empty()) out["through_tokenizer"] = through_tokenizer;
   if (tokenizer) {
     out["tokenizer"] = {{"run", tokenizer->run}, {"step", tokenizer->step}, {"validation_psnr", tokenizer->psnr}};
   }

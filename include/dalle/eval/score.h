@@ -22,6 +22,9 @@ struct ScoreOptions {
   std::string dataset_config;  // the dataset's config.yaml (held-out list, canvas and item sizes);
                                // empty: <real>/../config.yaml when it exists, else the defaults
   std::string tokenizer_run;   // an image-tokenizer run whose last validation PSNR is reported
+  std::string through_tokenizer;  // score_real only: an image-tokenizer run or checkpoint each
+                                  // real image is encoded and decoded with before it is measured,
+                                  // the ceiling of a generator drawing through that decoder
   std::string details;         // when set, one JSON line per scored image is written here
   int64_t limit = 0;           // score at most this many images (0: all)
   int64_t real_limit = 0;      // at most this many real images for FID (0: all)
@@ -63,6 +66,7 @@ struct ScoreReport {
   std::string heldout_from;          // the config they came from ("defaults" when none)
   std::string classifier;
   double classifier_test_accuracy = 0;
+  std::string through_tokenizer;     // score_real's round trip, when asked for
 
   std::string to_json(int indent = 2) const;
 };
