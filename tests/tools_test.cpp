@@ -115,7 +115,8 @@ TEST(Tools, ConfigReferenceInDocsIsCurrent) {
                                       std::pair{"dalle-train-vae", "--print-reference"},
                                       std::pair{"dalle-train-vae", "--set kind=vqgan --print-reference"},
                                       std::pair{"dalle-train-sr", "--print-reference"},
-                                      std::pair{"dalle-train-clip", "--print-reference"}}) {
+                                      std::pair{"dalle-train-clip", "--print-reference"},
+                                      std::pair{"dalle-eval", "train-classifier --print-reference"}}) {
     const auto result = run(tool, command);
     ASSERT_EQ(result.status, 0) << result.output;
     EXPECT_THAT(docs, ::testing::HasSubstr(result.output)) << "run scripts/gen-config-docs";
@@ -239,6 +240,63 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   const auto no_prompts = run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "none"));
   EXPECT_EQ(no_prompts.status, 1);
   EXPECT_THAT(no_prompts.output, ::testing::HasSubstr("no captions"));
+
+  // dalle-eval reads what dalle-generate wrote.
+  check(run("dalle-eval", "train-classifier --out " + (dir / "classifier") +
+                              " --set train_limit=300 --set test_limit=100 --set epochs=1"));
+  const auto scored = run("dalle-eval", "--log-level off score --generated " + (dir / "out") + " --classifier " +
+                                            (dir / "classifier") + " --real " + (dir / "fc/test"));
+  ASSERT_EQ(scored.status, 0) << scored.output;
+  const auto report = nlohmann::json::parse(testing::read_text(dir / "out/eval.json"));
+  EXPECT_EQ(nlohmann::json::parse(scored.output), report) << "the same report on stdout and in the file";
+  EXPECT_EQ(report["images"], 4);
+  EXPECT_EQ(report["prompts"], 2);
+  EXPECT_EQ(report["images_per_prompt"], 2);
+  EXPECT_EQ(report["accuracy"]["every_image"]["all"]["images"], 4);
+  EXPECT_EQ(report["accuracy"]["best_ranked"]["all"]["images"], 2);
+  EXPECT_EQ(report["accuracy"]["every_image"]["seen"]["images"], 4) << "neither prompt names a held-out pair";
+  EXPECT_EQ(report["heldout_from"], (dir / "fc/config.yaml"));
+  EXPECT_TRUE(report.contains("fid"));
+  // The real test images through the dVAE: the ceiling of a prior drawing through it.
+  const auto through = run("dalle-eval", "--log-level off score-real " + (dir / "fc/test") + " --classifier " +
+                                             (dir / "classifier") + " --through-tokenizer " + (dir / "dvae") +
+                                             " --tokenizer-run " + (dir / "dvae"));
+  ASSERT_EQ(through.status, 0) << through.output;
+  const auto ceiling = nlohmann::json::parse(through.output);
+  EXPECT_EQ(ceiling["images"], 8);
+  EXPECT_EQ(ceiling["through_tokenizer"], (dir / "dvae"));
+  EXPECT_TRUE(ceiling["tokenizer"]["validation_psnr"].is_number());
+}
+
+TEST(Tools, EvalExplainsItselfAndRefusesBadInput) {
+  ScratchDir dir;
+  for (const char* command : {"train-classifier", "score", "score-real"}) {
+    const auto help = run("dalle-eval", std::string(command) + " --help");
+    EXPECT_EQ(help.status, 0) << command;
+    EXPECT_THAT(help.output, ::testing::HasSubstr(command == std::string("score-real") ? "split" : "--out"));
+  }
+  EXPECT_THAT(run("dalle-eval", "--help").output, ::testing::HasSubstr("score-real"));
+  EXPECT_EQ(run("dalle-eval", "").status, 2);
+  EXPECT_EQ(run("dalle-eval", "score --generated " + (dir / "x")).status, 2) << "--classifier is required";
+
+  auto result = run("dalle-eval", "train-classifier");
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("--out is required"));
+  testing::write_text(dir / "sidecar.json", R"({"prompt": "a red bag on the left"})");
+  result = run("dalle-eval", "score --generated " + (dir / "missing") + " --classifier " + dir.path().string());
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("missing: no such folder of generated images"));
+  std::filesystem::create_directories(dir / "empty");
+  result = run("dalle-eval", "score --generated " + (dir / "empty") + " --classifier " + dir.path().string());
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("no dalle-generate sidecars"));
+  result = run("dalle-eval", "score --generated " + dir.path().string() + " --classifier " + (dir / "empty"));
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("empty: not an item classifier directory"));
+  result = run("dalle-eval", "score-real " + (dir / "empty") + " --classifier " + (dir / "empty"));
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("captions.jsonl: cannot read"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "eval.json"));
 }
 
 // The same chain with a VQGAN as the image tokenizer: encode-images, the prior's sample

@@ -1,8 +1,10 @@
 #include "dalle/data/fashion_compose.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <torch/torch.h>
@@ -32,6 +34,15 @@ const std::vector<std::string>& fashion_compose_positions() {
   return positions;
 }
 
+std::array<double, 2> fashion_compose_position_centre(const std::string& position) {
+  if (position == "left") return {0.25, 0.5};
+  if (position == "right") return {0.75, 0.5};
+  if (position == "top") return {0.5, 0.25};
+  if (position == "bottom") return {0.5, 0.75};
+  if (position == "center") return {0.5, 0.5};
+  throw Error("fashion-compose: unknown position '" + position + "'");
+}
+
 namespace {
 
 std::string position_phrase(const std::string& position) {
@@ -40,14 +51,62 @@ std::string position_phrase(const std::string& position) {
   return "at the " + position;
 }
 
-// The centre of a named position, as fractions of the canvas.
-std::pair<double, double> position_centre(const std::string& position) {
-  if (position == "left") return {0.25, 0.5};
-  if (position == "right") return {0.75, 0.5};
-  if (position == "top") return {0.5, 0.25};
-  if (position == "bottom") return {0.5, 0.75};
-  return {0.5, 0.5};
+constexpr const char* kJoin = " and ";
+
+}  // namespace
+
+std::string fashion_compose_phrase(const std::string& colour, const std::string& item, const std::string& position) {
+  return with_article(colour + " " + item) + " " + position_phrase(position);
 }
+
+std::string fashion_compose_caption(const std::vector<std::string>& phrases) {
+  std::string caption;
+  for (size_t i = 0; i < phrases.size(); ++i) caption += (i == 0 ? "" : kJoin) + phrases[i];
+  return caption;
+}
+
+std::optional<std::vector<CaptionObject>> parse_fashion_compose_caption(const std::string& caption) {
+  // Every phrase the grammar can write, from the same function that writes them.
+  static const auto phrases = [] {
+    std::map<std::string, CaptionObject> all;
+    const auto& classes = fashion_mnist_classes();
+    for (const auto& colour : fashion_compose_colours()) {
+      for (size_t label = 0; label < classes.size(); ++label) {
+        for (const auto& position : fashion_compose_positions()) {
+          all[fashion_compose_phrase(colour.name, classes[label], position)] =
+              CaptionObject{colour.name, classes[label], static_cast<int64_t>(label), position};
+        }
+      }
+    }
+    return all;
+  }();
+  std::string text;
+  for (char c : caption) {
+    const char lower = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (std::isspace(static_cast<unsigned char>(lower))) {
+      if (!text.empty() && text.back() != ' ') text += ' ';
+    } else {
+      text += lower;
+    }
+  }
+  if (!text.empty() && text.back() == ' ') text.pop_back();
+  if (!text.empty() && text.back() == '.') text.pop_back();
+  if (!text.empty() && text.back() == ' ') text.pop_back();
+  if (text.empty()) return std::nullopt;
+  // No colour, item or position contains " and ", so the phrases split cleanly.
+  std::vector<CaptionObject> objects;
+  for (size_t start = 0;;) {
+    const size_t end = text.find(kJoin, start);
+    const auto found = phrases.find(text.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (found == phrases.end()) return std::nullopt;
+    objects.push_back(found->second);
+    if (end == std::string::npos) break;
+    start = end + std::char_traits<char>::length(kJoin);
+  }
+  return objects;
+}
+
+namespace {
 
 int64_t uniform(std::mt19937_64& rng, int64_t low, int64_t high) {  // inclusive
   return low + static_cast<int64_t>(rng() % static_cast<uint64_t>(high - low + 1));
@@ -114,7 +173,7 @@ ComposedObject FashionComposer::place(const Combination& combination, const std:
   auto coloured = item * torch::tensor({rgb[0], rgb[1], rgb[2]}).view({3, 1, 1});
 
   const int64_t size = config_.item_size, canvas_size = config_.canvas_size;
-  const auto [fx, fy] = position_centre(position);
+  const auto [fx, fy] = fashion_compose_position_centre(position);
   int64_t left = std::llround(fx * canvas_size) - size / 2 + uniform(rng, -config_.jitter, config_.jitter);
   int64_t top = std::llround(fy * canvas_size) - size / 2 + uniform(rng, -config_.jitter, config_.jitter);
   left = std::clamp<int64_t>(left, 0, canvas_size - size);
@@ -153,12 +212,11 @@ ComposedImage FashionComposer::compose(ComposeSplit split, std::mt19937_64& rng)
   for (size_t i = 0; i < positions.size(); ++i) {
     const auto& pool = split != ComposeSplit::heldout ? seen_ : (i == 0 ? heldout_ : all_);
     auto object = place(draw(pool, rng), positions[i], composed.image, rng);
-    phrases.push_back(with_article(object.colour + " " + object.item) + " " + position_phrase(object.position));
+    phrases.push_back(fashion_compose_phrase(object.colour, object.item, object.position));
     composed.objects.push_back(std::move(object));
   }
   if (phrases.size() == 2 && unit(rng) < 0.5) std::swap(phrases[0], phrases[1]);
-  composed.caption = phrases[0];
-  for (size_t i = 1; i < phrases.size(); ++i) composed.caption += " and " + phrases[i];
+  composed.caption = fashion_compose_caption(phrases);
   return composed;
 }
 

@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -25,6 +26,27 @@ struct NamedColour {
 const std::vector<NamedColour>& fashion_compose_colours();
 // "left", "right", "top", "bottom", "center".
 const std::vector<std::string>& fashion_compose_positions();
+// The centre of a named position as fractions of the canvas: {x, y}, e.g. left {0.25, 0.5}.
+std::array<double, 2> fashion_compose_position_centre(const std::string& position);
+
+// The caption grammar, shared by the composer that writes captions and the parser that
+// reads them back, so that the two cannot drift apart. One object's phrase: "a red sneaker
+// on the left", "an orange coat at the top", "a white bag in the center".
+std::string fashion_compose_phrase(const std::string& colour, const std::string& item, const std::string& position);
+// Phrases joined by " and ".
+std::string fashion_compose_caption(const std::vector<std::string>& phrases);
+
+// One object as a caption names it.
+struct CaptionObject {
+  std::string colour;
+  std::string item;
+  int64_t label = 0;  // the item's Fashion-MNIST class
+  std::string position;
+};
+// The objects of a caption the composer could have written, in caption order. Case, runs of
+// spaces and a final full stop are forgiven; anything else outside the grammar (an unknown
+// colour, item or position, another wording) gives nullopt.
+std::optional<std::vector<CaptionObject>> parse_fashion_compose_caption(const std::string& caption);
 
 struct FashionComposeConfig {
   int64_t canvas_size = 64;

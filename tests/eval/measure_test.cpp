@@ -1,0 +1,122 @@
+// Colour and position measured from the pixels, on synthetic pictures and on real
+// fashion-compose images against their ground truth. (The item needs the trained
+// classifier: classifier_test.cpp.)
+#include "dalle/eval/object_measure.h"
+
+#include "dalle/data/fashion_compose.h"
+#include "dalle/data/image.h"
+#include "dalle/data/sampler.h"
+#include "dalle/eval/caption_match.h"
+#include "test_support.h"
+
+namespace dalle::eval {
+namespace {
+
+torch::Tensor canvas() { return torch::zeros({3, 64, 64}); }
+
+void paint(torch::Tensor& image, int64_t x0, int64_t y0, int64_t x1, int64_t y1, std::array<float, 3> rgb) {
+  for (int c = 0; c < 3; ++c) image[c].slice(0, y0, y1).slice(1, x0, x1).fill_(rgb[c]);
+}
+
+TEST(Measure, NamesEveryColourWhateverItsBrightness) {
+  for (const auto& named : data::fashion_compose_colours()) {
+    for (float scale : {0.25f, 0.6f, 1.0f}) {
+      EXPECT_EQ(nearest_colour({named.rgb[0] * scale, named.rgb[1] * scale, named.rgb[2] * scale}), named.name)
+          << named.name << " x " << scale;
+    }
+  }
+  EXPECT_EQ(nearest_colour({0.5f, 0.5f, 0.48f}), "white");
+  EXPECT_EQ(nearest_colour({0.2f, 0.9f, 0.3f}), "green");
+}
+
+TEST(Measure, NamesThePositionNearestTheCentre) {
+  EXPECT_EQ(nearest_position(16, 32, 64), "left");
+  EXPECT_EQ(nearest_position(47, 30, 64), "right");
+  EXPECT_EQ(nearest_position(32, 14, 64), "top");
+  EXPECT_EQ(nearest_position(30, 50, 64), "bottom");
+  EXPECT_EQ(nearest_position(33, 33, 64), "center");
+  EXPECT_EQ(nearest_position(64, 128, 256), "left");
+}
+
+TEST(Measure, FindsPaintedItemsAndIgnoresSpecks) {
+  EXPECT_TRUE(find_objects(canvas()).empty());
+  auto image = canvas();
+  paint(image, 6, 20, 26, 44, {0.9f, 0.12f, 0.12f});   // red, left
+  paint(image, 40, 22, 56, 40, {0.15f, 0.3f, 0.95f});  // blue, right
+  // The same picture at 256 pixels measures the same.
+  const auto large = find_objects(data::resize(image, 256, 256));
+  ASSERT_EQ(large.size(), 2u);
+  EXPECT_EQ(large[0].colour, "red");
+  EXPECT_EQ(large[0].position, "left");
+  EXPECT_EQ(large[1].colour, "blue");
+  EXPECT_EQ(large[1].position, "right");
+
+  paint(image, 30, 58, 32, 60, {1.0f, 1.0f, 1.0f});    // a 2x2 speck
+  const auto objects = find_objects(image);
+  ASSERT_EQ(objects.size(), 2u);
+  EXPECT_EQ(objects[0].colour, "red");
+  EXPECT_EQ(objects[0].position, "left");
+  EXPECT_EQ(objects[0].box, (std::array<int64_t, 4>{6, 20, 26, 44}));
+  EXPECT_EQ(objects[0].pixels, 20 * 24);
+  EXPECT_EQ(objects[1].colour, "blue");
+  EXPECT_EQ(objects[1].position, "right");
+  ASSERT_EQ(objects[0].crop.sizes(), (std::vector<int64_t>{1, 28, 28}));
+  EXPECT_FLOAT_EQ(objects[0].crop.max().item<float>(), 1.0f);
+}
+
+TEST(Measure, SplitsTouchingItemsAndJoinsFragments) {
+  auto image = canvas();
+  paint(image, 4, 20, 31, 44, {0.1f, 0.72f, 0.2f});   // green, left ...
+  paint(image, 31, 30, 33, 32, {0.1f, 0.72f, 0.2f});  // ... a faint bridge to ...
+  paint(image, 33, 18, 60, 46, {0.98f, 0.55f, 0.05f});  // ... an orange item on the right
+  auto objects = find_objects(image);
+  ASSERT_EQ(objects.size(), 2u);
+  std::sort(objects.begin(), objects.end(), [](const auto& a, const auto& b) { return a.centre[0] < b.centre[0]; });
+  EXPECT_EQ(objects[0].position, "left");
+  EXPECT_EQ(objects[0].colour, "green");
+  EXPECT_EQ(objects[1].position, "right");
+  EXPECT_EQ(objects[1].colour, "orange");
+
+  // A sandal-like item in three pieces, 4 and 5 pixels apart: one object at the top.
+  image = canvas();
+  paint(image, 20, 8, 28, 20, {0.6f, 0.2f, 0.82f});
+  paint(image, 32, 8, 38, 14, {0.6f, 0.2f, 0.82f});
+  paint(image, 32, 19, 44, 24, {0.6f, 0.2f, 0.82f});
+  objects = find_objects(image);
+  ASSERT_EQ(objects.size(), 1u);
+  EXPECT_EQ(objects[0].colour, "purple");
+  EXPECT_EQ(objects[0].position, "top");
+  EXPECT_EQ(objects[0].box, (std::array<int64_t, 4>{20, 8, 44, 24}));
+}
+
+// Real fashion-compose images: what the measurement finds against the saved ground truth.
+TEST(Measure, AgreesWithTheGroundTruthOfRealImages) {
+  data::FashionComposer composer({}, data::load_fashion_mnist("test"));
+  AccuracyTally tally;
+  int64_t heldout = 0;
+  const int64_t images = 400;
+  for (int64_t i = 0; i < images; ++i) {
+    std::mt19937_64 rng(data::mix_seed(99, static_cast<uint64_t>(i)));
+    const auto split = i % 4 == 0 ? data::ComposeSplit::heldout : data::ComposeSplit::test;
+    heldout += split == data::ComposeSplit::heldout;
+    // Through an 8-bit PNG, as the dataset stores it.
+    const auto composed = composer.compose(split, rng);
+    const auto image = data::decode_image(data::encode_png(composed.image), "composed");
+    std::vector<data::CaptionObject> truth;
+    for (const auto& object : composed.objects) truth.push_back({object.colour, object.item, object.label, object.position});
+    auto objects = find_objects(image);
+    for (auto& object : objects) object.item = "?";  // no classifier here
+    tally.add(judge_caption(truth, objects, 64));
+  }
+  const double both = static_cast<double>(tally.colour + tally.position) / (2.0 * tally.objects);
+  std::cout << "[ measured ] " << images << " real images (" << heldout << " held out), " << tally.objects
+            << " objects: count " << tally.count_accuracy() << ", colour " << tally.colour_accuracy()
+            << ", position " << tally.position_accuracy() << "\n";
+  EXPECT_GE(tally.count_accuracy(), 0.97);
+  EXPECT_GE(tally.colour_accuracy(), 0.97);
+  EXPECT_GE(tally.position_accuracy(), 0.97);
+  EXPECT_GE(both, 0.97);
+}
+
+}  // namespace
+}  // namespace dalle::eval
