@@ -23,7 +23,8 @@ struct ScoreCommand {
   void add_to(CLI::App& command) {
     command.add_option("--classifier", options.classifier, "item classifier directory (from train-classifier)")
         ->required();
-    command.add_option("--real", options.real, "fashion-compose split to take FID against, e.g. demo/fashion-compose/test");
+    command.add_option("--real", options.real,
+                       "fashion-compose split to take FID against, e.g. demo/fashion-compose/test");
     command.add_option("--dataset-config", options.dataset_config,
                        "the dataset's config.yaml: held-out combinations, canvas and item sizes "
                        "(default: the one beside the real split)");

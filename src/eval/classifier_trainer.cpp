@@ -91,9 +91,9 @@ ClassifierTrainResult train_item_classifier(const ClassifierTrainConfig& config,
       const auto rows = order.slice(0, b * config.batch_size, std::min(count, (b + 1) * config.batch_size));
       const auto batch = shifted(inputs.index_select(0, rows), config.shift, rng);
       if (config.cosine_decay) {
-        const double progress_fraction = static_cast<double>(epoch * batches + b) / static_cast<double>(config.epochs * batches);
+        const double done = static_cast<double>(epoch * batches + b) / static_cast<double>(config.epochs * batches);
         for (auto& group : optimizer.param_groups()) {
-          group.options().set_lr(config.learning_rate * 0.5 * (1 + std::cos(M_PI * progress_fraction)));
+          group.options().set_lr(config.learning_rate * 0.5 * (1 + std::cos(M_PI * done)));
         }
       }
       const auto loss = torch::nn::functional::cross_entropy(model->forward(batch), train.labels.index_select(0, rows));

@@ -112,8 +112,8 @@ void split_oversized(Pixels pixels, const std::vector<float>& brightness, int64_
   const int64_t low = length * 3 / 10, high = length - length * 3 / 10;
   int64_t cut = length / 2;
   for (int64_t i = low; i < high; ++i) {
-    const bool lighter = mass[i] < mass[cut] || (mass[i] == mass[cut] && std::abs(i - length / 2) < std::abs(cut - length / 2));
-    if (lighter) cut = i;
+    const bool nearer = std::abs(i - length / 2) < std::abs(cut - length / 2);
+    if (mass[i] < mass[cut] || (mass[i] == mass[cut] && nearer)) cut = i;
   }
   Pixels first, second;
   for (const int64_t p : pixels) ((across_x ? p % side : p / side) - from < cut ? first : second).push_back(p);
@@ -222,7 +222,8 @@ std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const Measu
     for (int64_t y = y0; y < y1; ++y) {
       for (int64_t x = x0; x < x1; ++x) {
         const int64_t who = owner[y * side + x];
-        if (who == static_cast<int64_t>(k) || (who < 0 && !mask[y * side + x])) g[y - y0][x - x0] = brightness[y * side + x];
+        const bool mine = who == static_cast<int64_t>(k) || (who < 0 && !mask[y * side + x]);
+        if (mine) g[y - y0][x - x0] = brightness[y * side + x];
       }
     }
     object.crop = classifier_input(grey);

@@ -58,7 +58,8 @@ std::vector<RealImage> read_real_split(const std::string& split, int64_t limit) 
         !entry["caption"].is_string()) {
       throw Error(file.string() + ":" + std::to_string(line_number) + ": expected {\"image\": ..., \"caption\": ...}");
     }
-    images.push_back({(fs::path(split) / entry["image"].get<std::string>()).string(), entry["caption"].get<std::string>()});
+    images.push_back({(fs::path(split) / entry["image"].get<std::string>()).string(),
+                      entry["caption"].get<std::string>()});
     if (limit > 0 && static_cast<int64_t>(images.size()) >= limit) break;
   }
   if (images.empty()) throw Error(file.string() + ": no images listed");
@@ -69,7 +70,9 @@ class Scorer {
  public:
   Scorer(const ScoreOptions& options, const std::string& split_near) : options_(options), measure_(options.measure) {
     if (options.threads > 0) torch::set_num_threads(static_cast<int>(options.threads));
-    if (options.classifier.empty()) throw Error("score: a classifier is required (dalle-eval train-classifier makes one)");
+    if (options.classifier.empty()) {
+      throw Error("score: a classifier is required (dalle-eval train-classifier makes one)");
+    }
     classifier_ = load_item_classifier(options.classifier);
     read_dataset_config(split_near);
     report.classifier = options.classifier;
@@ -79,8 +82,8 @@ class Scorer {
     if (!options.tokenizer_run.empty()) report.tokenizer = read_tokenizer_psnr(options.tokenizer_run);
   }
 
-  // Scores one picture against its prompt; returns false when the prompt is not a caption
-  // the grammar can write.
+  // Scores one picture against its prompt; a prompt the caption grammar cannot write is
+  // counted as unparsed and not scored.
   void score(const torch::Tensor& image, const std::string& prompt, int64_t rank, const std::string& name) {
     const auto caption = data::parse_fashion_compose_caption(prompt);
     if (!caption) {

@@ -51,7 +51,8 @@ TEST(CaptionParser, CoversTheWholeGrammarAndForgivesCaseAndSpacing) {
     }
   }
   EXPECT_EQ(phrases, 8 * 10 * 5);
-  const auto parsed = parse_fashion_compose_caption("  An Orange  Ankle Boot at the TOP and a cyan sandal in the center. ");
+  const auto parsed =
+      parse_fashion_compose_caption("  An Orange  Ankle Boot at the TOP and a cyan sandal in the center. ");
   ASSERT_TRUE(parsed);
   ASSERT_EQ(parsed->size(), 2u);
   EXPECT_EQ((*parsed)[0].item, "ankle boot");
