@@ -91,9 +91,10 @@ struct Pipeline::Stages {
   models::RrdbNet superres{nullptr};
 
   // One prompt's N candidates, in sampling order.
-  std::vector<GeneratedImage> sample(int64_t prompt_index, const std::string& prompt, log::Progress& progress);
+  std::vector<GeneratedImage> sample(int64_t prompt_index, const std::string& prompt, const torch::Tensor& caption,
+                                     log::Progress& progress);
   // Scores the candidates against their prompt and orders them best first.
-  void rerank(std::vector<GeneratedImage>& candidates);
+  void rerank(std::vector<GeneratedImage>& candidates, const torch::Tensor& caption);
   void upscale(std::vector<GeneratedImage>& images);
 };
 
@@ -139,10 +140,7 @@ Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
 const PipelineConfig& Pipeline::config() const { return stages_->config; }
 
 std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t prompt_index, const std::string& prompt,
-                                                     log::Progress& progress) {
-  const auto encoding = tokenizer.encode(prompt);
-  if (encoding.truncated) log::warn("pipeline: prompt ", prompt_index, " is longer than the prior's text and was cut");
-  const auto caption = torch::tensor(encoding.ids, torch::kInt64);
+                                                     const torch::Tensor& caption, log::Progress& progress) {
   std::vector<GeneratedImage> images;
   for (int64_t first = 0, batch = 0; first < config.candidates; first += config.batch_size, ++batch) {
     const int64_t rows = std::min(config.batch_size, config.candidates - first);
@@ -169,10 +167,9 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t prompt_index, const
   return images;
 }
 
-void Pipeline::Stages::rerank(std::vector<GeneratedImage>& candidates) {
+void Pipeline::Stages::rerank(std::vector<GeneratedImage>& candidates, const torch::Tensor& caption) {
   std::vector<torch::Tensor> images;
   for (const auto& candidate : candidates) images.push_back(candidate.image);
-  const auto caption = torch::tensor(tokenizer.encode(candidates.front().prompt).ids, torch::kInt64);
   const auto ranking = models::clip_rerank(clip, torch::stack(images).to(device), caption.to(device),
                                            static_cast<int64_t>(candidates.size()), config.batch_size);
   std::vector<GeneratedImage> ranked;
@@ -202,8 +199,11 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
   log::Progress progress("generate", static_cast<int64_t>(prompts.size()) * tokens_per_prompt);
   std::vector<GeneratedImage> kept;
   for (size_t index = 0; index < prompts.size(); ++index) {
-    auto candidates = s.sample(static_cast<int64_t>(index), prompts[index], progress);
-    if (s.clip) s.rerank(candidates);
+    const auto encoding = s.tokenizer.encode(prompts[index]);
+    if (encoding.truncated) log::warn("pipeline: prompt ", index, " is longer than the prior's text and was cut");
+    const auto caption = torch::tensor(encoding.ids, torch::kInt64);
+    auto candidates = s.sample(static_cast<int64_t>(index), prompts[index], caption, progress);
+    if (s.clip) s.rerank(candidates, caption);
     candidates.resize(static_cast<size_t>(s.config.kept()));
     if (s.superres) s.upscale(candidates);
     for (auto& image : candidates) kept.push_back(std::move(image));
