@@ -232,6 +232,28 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
                                   " -n 2 --seed 7" + prompts));
   EXPECT_EQ(nlohmann::json::parse(testing::read_text(dir / "exported/0001-01.json"))["image_tokens"],
             sidecar["image_tokens"]);
+  // Shipped, a prior names its tokenizers where they were shipped beside it.
+  std::filesystem::create_directories(dir / "shipped");
+  for (const char* file : {"tok.model", "tok.model.yaml"}) {
+    std::filesystem::copy_file(dir / file, dir / (std::string("shipped/") + file));
+  }
+  check(run("dalle-export", (dir / "dvae") + " --out " + (dir / "shipped/dvae")));
+  check(run("dalle-export", (dir / "prior") + " --out " + (dir / "shipped/prior") + " --set tokenizer=" +
+                                (dir / "shipped/tok.model") + " --set image_tokenizer=" + (dir / "shipped/dvae")));
+  EXPECT_THAT(testing::read_text(dir / "shipped/prior/config.yaml"),
+              ::testing::HasSubstr("image_tokenizer: " + (dir / "shipped/dvae")));
+  std::filesystem::rename(dir / "tok.model", dir / "tok.model.moved");
+  check(run("dalle-generate", "--prior " + (dir / "shipped/prior") + " --out " + (dir / "shipped-out") +
+                                  " -n 2 --seed 7" + prompts));
+  std::filesystem::rename(dir / "tok.model.moved", dir / "tok.model");
+  EXPECT_EQ(nlohmann::json::parse(testing::read_text(dir / "shipped-out/0001-01.json"))["image_tokens"],
+            sidecar["image_tokens"]);
+  const auto unknown_key =
+      run("dalle-export", (dir / "prior") + " --out " + (dir / "typo") + " --set image_tokeniser=x");
+  EXPECT_EQ(unknown_key.status, 1);
+  EXPECT_THAT(unknown_key.output, ::testing::HasSubstr("has no key 'image_tokeniser'"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "typo"));
+
   const auto onto_a_run = run("dalle-export", (dir / "prior") + " --out " + (dir / "dvae"));
   EXPECT_EQ(onto_a_run.status, 1);
   EXPECT_THAT(onto_a_run.output, ::testing::HasSubstr("is not a checkpoint directory"));

@@ -12,10 +12,14 @@ int main(int argc, char** argv) {
   app.name("dalle-export");
   tools::add_common_options(app);
   std::string run, out;
+  std::vector<std::string> overrides;
   app.add_option("run", run, "run directory (its latest checkpoint) or checkpoint directory")->required();
   app.add_option("--out", out, "checkpoint directory to write (replaced only if it is an earlier export)")->required();
+  app.add_option("--set", overrides,
+                 "key.path=value: rewrite a key of the exported config.yaml, such as a prior's `tokenizer` "
+                 "and `image_tokenizer` paths once shipped beside it (repeatable; the key must exist)");
   return tools::run_tool(app, argc, argv, [&] {
-    const auto exported = train::export_weights(run, out);
+    const auto exported = train::export_weights(run, out, overrides);
     log::info("export: ", exported.tensors, " tensors (", exported.moving_average ? "moving average" : "weights",
               ") of ", exported.checkpoint, " -> ", out);
   });

@@ -4,6 +4,7 @@
 // and an empty state.safetensors. A third to a quarter of a training checkpoint's size, and
 // loadable wherever a run or checkpoint is (dalle-generate, dalle-encode-images, ...).
 #include <string>
+#include <vector>
 
 namespace dalle::train {
 
@@ -15,7 +16,10 @@ struct ExportedWeights {
 
 // Reads `run_or_checkpoint` (a run directory: its latest checkpoint) and writes the
 // checkpoint directory `out` atomically; an existing `out` is replaced only once the new
-// one is complete.
-ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out);
+// one is complete. `config_overrides` ("key.path=value") rewrite keys of the exported
+// config.yaml, such as the paths a prior names for its tokenizers once they are shipped
+// beside it; a key the run's config does not have is refused.
+ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
+                               const std::vector<std::string>& config_overrides = {});
 
 }  // namespace dalle::train
