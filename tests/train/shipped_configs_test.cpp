@@ -8,6 +8,7 @@
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/clip_trainer.h"
 #include "dalle/train/dvae_trainer.h"
+#include "dalle/train/prior_trainer.h"
 #include "dalle/train/superres_trainer.h"
 #include "dalle/train/vqgan_trainer.h"
 #include "test_support.h"
@@ -46,7 +47,7 @@ TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
       }
     }
   }
-  EXPECT_EQ(vqgans, 2);
+  EXPECT_EQ(vqgans, 3);
   EXPECT_EQ(dvaes, 2);
 }
 
@@ -103,6 +104,26 @@ TEST(ShippedConfigs, GenerationPipelinesLoad) {
     EXPECT_FALSE(config.prior.empty());
     EXPECT_LE(config.kept(), config.candidates);
   }
+}
+
+TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
+  const auto tokenizer = load_config<text::TokenizerConfig>(ConfigSource::from_file(
+      std::string(DALLE_SOURCE_DIR) + "/configs/text/fashion-compose-tokenizer.yaml"));
+  const auto vqgan = load_config<train::VqganTrainConfig>(ConfigSource::from_file(
+      std::string(DALLE_SOURCE_DIR) + "/configs/vqgan/fashion-compose-tiny.yaml"));
+  int demo_recipes = 0;
+  for (const auto& path : configs_in("prior")) {
+    SCOPED_TRACE(path);
+    const auto config = load_config<train::PriorTrainConfig>(ConfigSource::from_file(path));
+    EXPECT_NO_THROW(config.model.validate());
+    if (path.find("fashion-compose") == std::string::npos) continue;
+    EXPECT_EQ(config.model.text_length, tokenizer.text_length);
+    EXPECT_EQ(config.model.text_vocab_size, tokenizer.vocab_size);
+    EXPECT_EQ(config.model.image_vocab_size, vqgan.model.n_embed);
+    EXPECT_EQ(config.model.grid_size * vqgan.model.downsampling_factor(), vqgan.data.image_size);
+    ++demo_recipes;
+  }
+  EXPECT_EQ(demo_recipes, 2);
 }
 
 TEST(ShippedConfigs, ClipRecipesFitTheDemoTokenizer) {
