@@ -27,6 +27,12 @@ std::vector<std::string> configs_in(const std::string& folder) {
   return paths;
 }
 
+// One shipped recipe, by its path under configs/.
+template <class Config>
+Config shipped(const std::string& path) {
+  return load_config<Config>(ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/" + path));
+}
+
 TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
   int vqgans = 0, dvaes = 0;
   for (const auto& folder : {"dvae", "vqgan"}) {
@@ -52,8 +58,7 @@ TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
 }
 
 TEST(ShippedConfigs, RuDalleRecipeHasRuDallesSizes) {
-  const auto config = load_config<train::VqganTrainConfig>(
-      ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/vqgan/rudalle-gumbel-f8.yaml"));
+  const auto config = shipped<train::VqganTrainConfig>("vqgan/rudalle-gumbel-f8.yaml");
   const auto& m = config.model;
   EXPECT_EQ(m.ch, 128);
   EXPECT_EQ(m.ch_mult, (std::vector<int64_t>{1, 1, 2, 4}));
@@ -76,8 +81,7 @@ TEST(ShippedConfigs, SuperResolutionRecipesLoadAndValidate) {
     ++count;
   }
   EXPECT_EQ(count, 2);
-  const auto x4 = load_config<train::SuperResTrainConfig>(
-      ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/superres/realesrnet-x4plus.yaml"));
+  const auto x4 = shipped<train::SuperResTrainConfig>("superres/realesrnet-x4plus.yaml");
   EXPECT_EQ(x4.model.scale, 4);
   EXPECT_EQ(x4.model.num_feat, 64);
   EXPECT_EQ(x4.model.num_block, 23);
@@ -107,10 +111,8 @@ TEST(ShippedConfigs, GenerationPipelinesLoad) {
 }
 
 TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
-  const auto tokenizer = load_config<text::TokenizerConfig>(ConfigSource::from_file(
-      std::string(DALLE_SOURCE_DIR) + "/configs/text/fashion-compose-tokenizer.yaml"));
-  const auto vqgan = load_config<train::VqganTrainConfig>(ConfigSource::from_file(
-      std::string(DALLE_SOURCE_DIR) + "/configs/vqgan/fashion-compose-tiny.yaml"));
+  const auto tokenizer = shipped<text::TokenizerConfig>("text/fashion-compose-tokenizer.yaml");
+  const auto vqgan = shipped<train::VqganTrainConfig>("vqgan/fashion-compose-tiny.yaml");
   int demo_recipes = 0;
   for (const auto& path : configs_in("prior")) {
     SCOPED_TRACE(path);
@@ -127,8 +129,7 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
 }
 
 TEST(ShippedConfigs, ClipRecipesFitTheDemoTokenizer) {
-  const auto tokenizer = load_config<text::TokenizerConfig>(ConfigSource::from_file(
-      std::string(DALLE_SOURCE_DIR) + "/configs/text/fashion-compose-tokenizer.yaml"));
+  const auto tokenizer = shipped<text::TokenizerConfig>("text/fashion-compose-tokenizer.yaml");
   int recipes = 0;
   for (const auto& path : configs_in("clip")) {
     SCOPED_TRACE(path);
