@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dalle/data/image.h"
+#include "dalle/device.h"
 #include "dalle/error.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
@@ -44,12 +45,6 @@ void PipelineConfig::visit(ConfigVisitor& v) {
 }
 
 namespace {
-
-torch::Device resolve_device(const std::string& name) {
-  if (name == "cpu" || (name == "auto" && !torch::cuda::is_available())) return torch::kCPU;
-  if (!torch::cuda::is_available()) throw Error("pipeline: device cuda was asked for, but torch sees no CUDA device");
-  return torch::kCUDA;
-}
 
 void check(const PipelineConfig& config) {
   if (config.prior.empty()) throw Error("pipeline: `prior` is required (a prior run directory or checkpoint)");
@@ -108,7 +103,7 @@ Pipeline::Pipeline(PipelineConfig config) {
     throw Error("pipeline: the prior run " + config.prior +
                 " names no caption tokenizer or image tokenizer: set `tokenizer` and `decoder`");
   }
-  const auto device = resolve_device(config.device);
+  const auto device = resolve_device(config.device, "pipeline");
   config.device = device.is_cuda() ? "cuda" : "cpu";
   auto tokenizer = text::Tokenizer::load(config.tokenizer);
   auto decoder = train::load_image_tokenizer(config.decoder);

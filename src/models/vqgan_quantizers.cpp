@@ -80,7 +80,8 @@ torch::Tensor VectorQuantizerImpl::restart_unused(const torch::Tensor& usage, co
   const int64_t count = unused.numel();
   if (count == 0) return unused;
   const auto rows = z.detach().permute({0, 2, 3, 1}).reshape({-1, codes.size(1)});
-  const auto picks = torch::randint(rows.size(0), {count}, generator, torch::TensorOptions().dtype(torch::kInt64));
+  const auto picks = torch::randint(rows.size(0), {count}, generator,
+                                    torch::TensorOptions().dtype(torch::kInt64).device(rows.device()));
   torch::NoGradGuard no_grad;
   codes.index_copy_(0, unused.to(codes.device()), rows.index_select(0, picks.to(rows.device())).to(codes.dtype()));
   return unused;

@@ -34,8 +34,10 @@ void load_adamw_state(torch::optim::AdamW& optimizer, const torch::nn::Module& m
     }
     auto adam = std::make_unique<torch::optim::AdamWParamState>();
     adam->step(step->second.item<int64_t>());
-    adam->exp_avg(exp_avg->second.clone());
-    adam->exp_avg_sq(exp_avg_sq->second.clone());
+    // Checkpoints load onto the CPU; the moments live beside their parameter.
+    const auto device = item.value().device();
+    adam->exp_avg(exp_avg->second.to(device, /*non_blocking=*/false, /*copy=*/true));
+    adam->exp_avg_sq(exp_avg_sq->second.to(device, /*non_blocking=*/false, /*copy=*/true));
     states[item.value().unsafeGetTensorImpl()] = std::move(adam);
   }
 }

@@ -12,6 +12,7 @@
 #include "dalle/data/image.h"
 #include "dalle/data/loader.h"
 #include "dalle/data/token_dataset.h"
+#include "dalle/device.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
@@ -81,11 +82,14 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
   v.section("sampling", "sampling settings of the grids", sampling);
   v.field("seed", seed, "seed of initialisation, data order, caption dropout and dropout", {.min = 0});
   v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("device", device, "where the prior trains: auto (a GPU when torch sees one), cpu or cuda",
+          {.choices = {"auto", "cpu", "cuda"}});
 }
 
 struct PriorTrainer::State {
   PriorTrainConfig config;
   fs::path run;
+  torch::Device device;
   models::Prior model{nullptr}, ema_model{nullptr};
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
@@ -104,6 +108,7 @@ struct PriorTrainer::State {
   State(PriorTrainConfig c, fs::path r)
       : config(std::move(c)),
         run(std::move(r)),
+        device(resolve_device(config.device, "prior training")),
         caption_dropout(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1)),
         checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
         metrics_log(run / "metrics.jsonl") {}
@@ -124,7 +129,7 @@ bool may_change_on_resume(const std::string& key) {
   return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
          key == "keep_checkpoints" || key == "threads" || key == "data.workers" || key == "sample_captions" ||
          key == "samples_per_caption" || key.starts_with("sampling.") || key == "tokenizer" ||
-         key == "image_tokenizer" || key == "checkpoint_activations_every";
+         key == "image_tokenizer" || key == "checkpoint_activations_every" || key == "device";
 }
 
 void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig& model, const std::string& where) {
@@ -182,7 +187,9 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
     check_dataset(s.validation_set->info(), s.config.model, s.config.data.validation);
   }
   s.model = models::Prior(s.config.model);
+  s.model->to(s.device);
   s.ema_model = models::Prior(s.config.model);
+  s.ema_model->to(s.device);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
   auto groups = parameter_groups(*s.model, s.config.weight_decay);
   s.optimizer = std::make_unique<AdamW>(std::move(groups),
@@ -235,7 +242,7 @@ torch::Tensor PriorTrainer::State::batch_tokens(const std::vector<data::TokenExa
     }
     rows.push_back(torch::cat({text, example.image_tokens.flatten()}));
   }
-  return torch::stack(rows);
+  return torch::stack(rows).to(device);
 }
 
 PriorStepMetrics PriorTrainer::State::train_step(const torch::Tensor& tokens) {
@@ -341,7 +348,7 @@ void write_sample_grid(models::Prior& model, const PriorTrainConfig& config,
   }
   const auto tokens = models::sample_image_tokens(model, torch::stack(captions), config.sampling);
   torch::NoGradGuard no_grad;
-  const auto images = decoder.model->decode_tokens(tokens);
+  const auto images = decoder.model->decode_tokens(tokens.cpu());
   for (int64_t i = 0; i < images.size(0); ++i) tiles.push_back(images[i]);
   data::write_png(path.string(), data::make_grid(tiles, labels, {.columns = config.samples_per_caption * 2,
                                                                  .tile_size = 128}));

@@ -1,5 +1,7 @@
 #include "run_directory.h"
 
+#include <ATen/Context.h>
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -7,6 +9,7 @@
 #include "dalle/io/atomic_file.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/log.h"
 #include "dalle/train/optimizer_state.h"
 #include "trainer_support.h"
 
@@ -70,6 +73,22 @@ io::Checkpoint make_checkpoint(std::string config_yaml, const torch::nn::Module&
                                {"loader_epoch", std::to_string(position.epoch)},
                                {"loader_batch", std::to_string(position.batch)}};
   return checkpoint;
+}
+
+at::Generator seeded_generator(torch::Device device, uint64_t seed) {
+  auto generator = at::globalContext().defaultGenerator(device).clone();
+  generator.set_current_seed(seed);
+  return generator;
+}
+
+void restore_generator(at::Generator& generator, const torch::Tensor& state, const std::string& what) {
+  // CPU and CUDA generators keep states of different sizes (the Mersenne twister's, or a
+  // seed and an offset), so a size mismatch is a device mismatch.
+  if (state.numel() != generator.get_state().numel()) {
+    log::warn(what, ": the checkpoint's noise generator was saved on another kind of device; it restarts from the seed");
+    return;
+  }
+  generator.set_state(state);
 }
 
 RestoredProgress restore_checkpoint(const io::Checkpoint& checkpoint, const std::string& directory,

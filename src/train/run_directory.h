@@ -1,6 +1,8 @@
 #pragma once
 // What every trainer does with its run directory: refuse to write into a foreign folder,
 // append metrics, refuse a resume under a changed config, find the latest checkpoint.
+#include <ATen/core/Generator.h>
+
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -58,6 +60,12 @@ struct RestoredProgress {
   int64_t step = 0;
   data::LoaderPosition position;
 };
+// A trainer's own generator for noise drawn on `device` (gumbel noise, code restarts).
+at::Generator seeded_generator(torch::Device device, uint64_t seed);
+// Restores a generator saved in a checkpoint. A run moved between CPU and GPU cannot restore
+// one saved on the other kind of device: the generator keeps its seed, with a warning.
+void restore_generator(at::Generator& generator, const torch::Tensor& state, const std::string& what);
+
 // The inverse of make_checkpoint, into an already built model, EMA and optimizer.
 RestoredProgress restore_checkpoint(const io::Checkpoint& checkpoint, const std::string& directory,
                                     torch::nn::Module& model, Ema& ema, torch::optim::AdamW& optimizer);

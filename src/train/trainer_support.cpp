@@ -16,7 +16,8 @@ namespace fs = std::filesystem;
 
 bool may_change_on_resume(const std::string& key) {
   return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
-         key == "keep_checkpoints" || key == "grid_images" || key == "threads" || key == "data.workers";
+         key == "keep_checkpoints" || key == "grid_images" || key == "threads" || key == "data.workers" ||
+         key == "device";
 }
 
 ImageData open_image_data(const ImageDataConfig& config, int64_t seed) {
@@ -78,6 +79,7 @@ TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const 
                                        int64_t batch_size, int64_t grid_images, int64_t step, const fs::path& run,
                                        const MetricsLog& metrics, const std::string& what) {
   torch::NoGradGuard no_grad;
+  const auto device = tokenizer.module().parameters().front().device();
   const int64_t count = std::min<int64_t>(static_cast<int64_t>(images.size()), 256);
   std::vector<torch::Tensor> originals, reconstructions, tokens;
   for (int64_t begin = 0; begin < count; begin += batch_size) {
@@ -88,10 +90,10 @@ TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const 
     }
     if (examples.empty()) continue;
     const auto batch = stack_images(examples);
-    const auto codes = tokenizer.encode_tokens(batch);
+    const auto codes = tokenizer.encode_tokens(batch.to(device));
     originals.push_back(batch);
     tokens.push_back(codes);
-    reconstructions.push_back(tokenizer.decode_tokens(codes));
+    reconstructions.push_back(tokenizer.decode_tokens(codes).cpu());
   }
   if (originals.empty()) throw Error(what + ": no readable validation image in " + images.root());
   const auto original = torch::cat(originals), reconstruction = torch::cat(reconstructions);

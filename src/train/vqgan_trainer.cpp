@@ -1,6 +1,5 @@
 #include "dalle/train/vqgan_trainer.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -9,6 +8,7 @@
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/loader.h"
+#include "dalle/device.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
@@ -61,11 +61,14 @@ void VqganTrainConfig::visit(ConfigVisitor& v) {
   v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
   v.field("seed", seed, "seed of initialisation, data order, gumbel noise and code restarts", {.min = 0});
   v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("device", device, "where the networks train: auto (a GPU when torch sees one), cpu or cuda",
+          {.choices = {"auto", "cpu", "cuda"}});
 }
 
 struct VqganTrainer::State {
   VqganTrainConfig config;
   fs::path run;
+  torch::Device device;
   models::Vqgan model{nullptr};
   models::Vqgan ema_model{nullptr};
   std::unique_ptr<Ema> ema;
@@ -85,7 +88,8 @@ struct VqganTrainer::State {
   State(VqganTrainConfig c, fs::path r)
       : config(std::move(c)),
         run(std::move(r)),
-        noise(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed))),
+        device(resolve_device(config.device, "vqgan training")),
+        noise(seeded_generator(device, static_cast<uint64_t>(config.seed))),
         checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
         metrics_log(run / "metrics.jsonl"),
         usage(torch::zeros({config.model.n_embed}, torch::kInt64)) {}
@@ -145,13 +149,16 @@ VqganTrainer::VqganTrainer(VqganTrainConfig config, std::string run_directory) {
   state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
   auto& s = *state_;
   s.model = models::Vqgan(s.config.model);
+  s.model->to(s.device);
   s.ema_model = models::Vqgan(s.config.model);
+  s.ema_model->to(s.device);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
   s.optimizer = make_adamw(s.model->parameters(), s.config);
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
   if (s.config.discriminator.enabled) {
     s.discriminator = models::PatchDiscriminator(s.config.model.out_channels, s.config.discriminator.channels,
                                                  s.config.discriminator.layers);
+    s.discriminator->to(s.device);
     s.discriminator_optimizer = make_adamw(s.discriminator->parameters(), s.config);
     s.discriminator_precision = std::make_unique<ModelPrecision>(s.config.precision, s.discriminator->parameters());
   }
@@ -220,7 +227,7 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
     for (auto& group : discriminator_optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
   }
 
-  const auto x = images * 2.0 - 1.0;
+  const auto x = images.to(device) * 2.0 - 1.0;
   auto out = [&] {
     AutocastGuard autocast(x.device().type(), precision->autocast_dtype());
     return model->forward(x, metrics.temperature, noise);
@@ -345,7 +352,7 @@ void VqganTrainer::State::resume(const std::string& directory) {
                      detail::with_prefix_removed(state, "discriminator_adamw."));
   }
   usage.copy_(state.at("vq.usage"));
-  noise.set_state(state.at("rng.noise"));
+  restore_generator(noise, state.at("rng.noise"), "vqgan");
   precision->load_state(state, "gradient_scaler.");
   if (discriminator_precision) discriminator_precision->load_state(state, "discriminator_gradient_scaler.");
   step = progress.step;

@@ -195,6 +195,39 @@ TEST_F(VqganTrainerTest, EncodeImagesAcceptsAVqganRun) {
   }
 }
 
+// Without noise (vector quantizer, no restarts) a GPU run starts from the CPU run's weights
+// and sees its batches, so their losses agree up to TF32 convolutions; the GPU run then
+// resumes its optimizer and EMA from a checkpoint, and the gumbel noise is drawn there.
+TEST_F(VqganTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
+  ScratchDir runs;
+  auto config = tiny(6, "vector");
+  config.restart_every = 0;
+  config.device = "cpu";
+  VqganTrainer(config, runs / "cpu").run();
+  config.device = "cuda";
+  VqganTrainer(config, runs / "gpu").run();
+  const auto cpu = losses(runs / "cpu"), gpu = losses(runs / "gpu");
+  ASSERT_EQ(gpu.size(), cpu.size());
+  for (const auto& [step, line] : cpu) {
+    const double expected = line["reconstruction"].get<double>();
+    EXPECT_NEAR(gpu.at(step)["reconstruction"].get<double>(), expected, 0.02 * expected) << "update " << step;
+  }
+
+  config.steps = 9;
+  VqganTrainer resumed(config, runs / "gpu");
+  EXPECT_EQ(resumed.step(), 6);
+  resumed.run();
+  const auto continued = losses(runs / "gpu");
+  ASSERT_EQ(continued.size(), 9u);
+  EXPECT_LT(continued.at(9)["reconstruction"].get<double>(), cpu.at(1)["reconstruction"].get<double>());
+
+  auto gumbel = tiny(2);
+  gumbel.device = "cuda";
+  VqganTrainer(gumbel, runs / "gumbel").run();
+  EXPECT_EQ(losses(runs / "gumbel").size(), 2u);
+}
+
 TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
   ScratchDir runs;
   testing::write_text(runs / "notes.txt", "a user's file");
@@ -211,6 +244,13 @@ TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
   config = tiny(1);
   config.model.norm_groups = 3;
   EXPECT_THROW_WITH(VqganTrainer(config, runs / "d"), Error, "multiple of norm_groups (3)");
+  if (!torch::cuda::is_available()) {
+    config = tiny(1);
+    config.device = "cuda";
+    EXPECT_THROW_WITH(VqganTrainer(config, runs / "e"), Error,
+                      "vqgan training: device cuda was asked for, but torch sees no CUDA device");
+    EXPECT_FALSE(std::filesystem::exists(runs / "e"));
+  }
 
   // A run of the other kind is not resumed as this one.
   VqganTrainer(tiny(1), runs / "vq").run();

@@ -74,6 +74,7 @@ struct PriorTrainConfig {
   models::SamplingOptions sampling;
   int64_t seed = 0;
   int64_t threads = 0;
+  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
 };

@@ -62,6 +62,7 @@ struct VqganTrainConfig {
   int64_t grid_images = 8;
   int64_t seed = 0;
   int64_t threads = 0;
+  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
 };
