@@ -1,6 +1,8 @@
 // Every recipe under configs/ loads with the tool that reads it: no unknown keys, values in
 // range, sizes consistent.
+#include <algorithm>
 #include <filesystem>
+#include <vector>
 
 #include "dalle/config.h"
 #include "dalle/data/fashion_compose.h"
@@ -112,7 +114,12 @@ TEST(ShippedConfigs, GenerationPipelinesLoad) {
 
 TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
   const auto tokenizer = shipped<text::TokenizerConfig>("text/fashion-compose-tokenizer.yaml");
-  const auto vqgan = shipped<train::VqganTrainConfig>("vqgan/fashion-compose-tiny.yaml");
+  const std::vector vqgans = {shipped<train::VqganTrainConfig>("vqgan/fashion-compose-tiny.yaml"),
+                               shipped<train::VqganTrainConfig>("vqgan/fashion-compose-f4.yaml")};
+  const auto reads_tokens_of = [](const train::PriorTrainConfig& prior, const train::VqganTrainConfig& vqgan) {
+    return prior.model.image_vocab_size == vqgan.model.n_embed &&
+           prior.model.grid_size * vqgan.model.downsampling_factor() == vqgan.data.image_size;
+  };
   int demo_recipes = 0;
   for (const auto& path : configs_in("prior")) {
     SCOPED_TRACE(path);
@@ -121,11 +128,11 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
     if (path.find("fashion-compose") == std::string::npos) continue;
     EXPECT_EQ(config.model.text_length, tokenizer.text_length);
     EXPECT_EQ(config.model.text_vocab_size, tokenizer.vocab_size);
-    EXPECT_EQ(config.model.image_vocab_size, vqgan.model.n_embed);
-    EXPECT_EQ(config.model.grid_size * vqgan.model.downsampling_factor(), vqgan.data.image_size);
+    EXPECT_EQ(std::ranges::count_if(vqgans, [&](const auto& vqgan) { return reads_tokens_of(config, vqgan); }), 1)
+        << "a fashion-compose prior reads the tokens of exactly one fashion-compose VQGAN recipe";
     ++demo_recipes;
   }
-  EXPECT_EQ(demo_recipes, 2);
+  EXPECT_EQ(demo_recipes, 3);
 }
 
 TEST(ShippedConfigs, ClipRecipesFitTheDemoTokenizer) {
