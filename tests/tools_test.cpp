@@ -218,8 +218,18 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_TRUE(std::filesystem::exists(dir / "out/grid.png"));
   const auto sidecar = nlohmann::json::parse(testing::read_text(dir / "out/0001-01.json"));
   EXPECT_EQ(sidecar["prompt"], "a blue sneaker at the top");
-  EXPECT_EQ(sidecar["seed"], 8);
+  EXPECT_EQ(sidecar["seed"], 7);
+  EXPECT_EQ(sidecar["candidate"], 1);
   EXPECT_EQ(sidecar["image_tokens"].size(), 64u);
+  // Batches of 3 run across the two prompts; every image is drawn as in batches of 32.
+  check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "by-three") +
+                                  " --set batch_size=3 -n 2 --seed 7" + prompts));
+  for (const char* stem : {"0000-00", "0000-01", "0001-00", "0001-01"}) {
+    const auto read_tokens = [&](const std::string& folder) {
+      return nlohmann::json::parse(testing::read_text(dir / (folder + "/" + stem + ".json")))["image_tokens"];
+    };
+    EXPECT_EQ(read_tokens("by-three"), read_tokens("out")) << stem;
+  }
   check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "again") + " -n 2 --seed 7 --no-cache" +
                                   prompts));
   EXPECT_EQ(nlohmann::json::parse(testing::read_text(dir / "again/0001-01.json"))["image_tokens"],

@@ -85,9 +85,10 @@ struct Pipeline::Stages {
   models::Clip clip{nullptr};
   models::RrdbNet superres{nullptr};
 
-  // One prompt's N candidates, in sampling order.
-  std::vector<GeneratedImage> sample(int64_t prompt_index, const std::string& prompt, const torch::Tensor& caption,
-                                     log::Progress& progress);
+  // Samples and decodes the candidates numbered [first, first + rows) of the flattened
+  // (prompt, candidate) order, prompts encoded in `captions`.
+  std::vector<GeneratedImage> sample(int64_t first, int64_t rows, const std::vector<std::string>& prompts,
+                                     const std::vector<torch::Tensor>& captions, log::Progress& progress);
   // Scores the candidates against their prompt and orders them best first.
   void rerank(std::vector<GeneratedImage>& candidates, const torch::Tensor& caption);
   void upscale(std::vector<GeneratedImage>& images);
@@ -134,30 +135,32 @@ Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
 
 const PipelineConfig& Pipeline::config() const { return stages_->config; }
 
-std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t prompt_index, const std::string& prompt,
-                                                     const torch::Tensor& caption, log::Progress& progress) {
+std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows,
+                                                     const std::vector<std::string>& prompts,
+                                                     const std::vector<torch::Tensor>& captions,
+                                                     log::Progress& progress) {
+  std::vector<torch::Tensor> batch_captions;
+  std::vector<uint64_t> streams;
+  for (int64_t row = first; row < first + rows; ++row) {
+    const int64_t prompt_index = row / config.candidates, candidate = row % config.candidates;
+    batch_captions.push_back(captions[static_cast<size_t>(prompt_index)]);
+    streams.push_back(sampling_stream(prompt_index, candidate));
+  }
+  const auto tokens = models::sample_image_tokens(prior.model, torch::stack(batch_captions), config.sampling, nullptr,
+                                                  [&](int64_t, int64_t) { progress.advance(rows); }, streams);
+  torch::NoGradGuard no_grad;
+  const auto decoded = decoder.model->decode_tokens(tokens).to(torch::kCPU);
   std::vector<GeneratedImage> images;
-  for (int64_t first = 0, batch = 0; first < config.candidates; first += config.batch_size, ++batch) {
-    const int64_t rows = std::min(config.batch_size, config.candidates - first);
-    auto options = config.sampling;
-    options.seed = config.sampling.seed + prompt_index + batch * 1'000'003;
-    const auto tokens = models::sample_image_tokens(prior.model, caption.repeat({rows, 1}), options, nullptr,
-                                                    [&](int64_t, int64_t) { progress.advance(rows); });
-    torch::NoGradGuard no_grad;
-    const auto decoded = decoder.model->decode_tokens(tokens).to(torch::kCPU);
-    for (int64_t row = 0; row < rows; ++row) {
-      GeneratedImage image;
-      image.prompt_index = prompt_index;
-      image.prompt = prompt;
-      image.candidate = first + row;
-      image.rank = first + row;
-      image.seed = options.seed;
-      image.batch_row = row;
-      image.batch_rows = rows;
-      image.tokens = tokens[row].to(torch::kCPU);
-      image.image = decoded[row];
-      images.push_back(std::move(image));
-    }
+  for (int64_t row = 0; row < rows; ++row) {
+    GeneratedImage image;
+    image.prompt_index = (first + row) / config.candidates;
+    image.prompt = prompts[static_cast<size_t>(image.prompt_index)];
+    image.candidate = (first + row) % config.candidates;
+    image.rank = image.candidate;
+    image.seed = config.sampling.seed;
+    image.tokens = tokens[row].to(torch::kCPU);
+    image.image = decoded[row];
+    images.push_back(std::move(image));
   }
   return images;
 }
@@ -190,18 +193,27 @@ void Pipeline::Stages::upscale(std::vector<GeneratedImage>& images) {
 std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& prompts) {
   auto& s = *stages_;
   if (prompts.empty()) throw Error("pipeline: no prompts");
-  const int64_t tokens_per_prompt = s.config.candidates * s.prior.config.model.image_length();
-  log::Progress progress("generate", static_cast<int64_t>(prompts.size()) * tokens_per_prompt);
-  std::vector<GeneratedImage> kept;
+  std::vector<torch::Tensor> captions;
   for (size_t index = 0; index < prompts.size(); ++index) {
     const auto encoding = s.tokenizer.encode(prompts[index]);
     if (encoding.truncated) log::warn("pipeline: prompt ", index, " is longer than the prior's text and was cut");
-    const auto caption = torch::tensor(encoding.ids, torch::kInt64);
-    auto candidates = s.sample(static_cast<int64_t>(index), prompts[index], caption, progress);
-    if (s.clip) s.rerank(candidates, caption);
-    candidates.resize(static_cast<size_t>(s.config.kept()));
-    if (s.superres) s.upscale(candidates);
-    for (auto& image : candidates) kept.push_back(std::move(image));
+    captions.push_back(torch::tensor(encoding.ids, torch::kInt64));
+  }
+  // Batches run across prompts; a prompt is reranked and upscaled once its last candidate is drawn.
+  const int64_t rows = static_cast<int64_t>(prompts.size()) * s.config.candidates;
+  log::Progress progress("generate", rows * s.prior.config.model.image_length());
+  std::vector<GeneratedImage> kept, candidates;
+  for (int64_t first = 0; first < rows; first += s.config.batch_size) {
+    for (auto& image : s.sample(first, std::min(s.config.batch_size, rows - first), prompts, captions, progress)) {
+      const auto caption = captions[static_cast<size_t>(image.prompt_index)];
+      candidates.push_back(std::move(image));
+      if (static_cast<int64_t>(candidates.size()) < s.config.candidates) continue;
+      if (s.clip) s.rerank(candidates, caption);
+      candidates.resize(static_cast<size_t>(s.config.kept()));
+      if (s.superres) s.upscale(candidates);
+      for (auto& done : candidates) kept.push_back(std::move(done));
+      candidates.clear();
+    }
   }
   progress.finish();
   return kept;
@@ -223,8 +235,7 @@ nlohmann::json sidecar(const nlohmann::json& settings, const GeneratedImage& ima
       {"rank", image.rank},
       {"candidate", image.candidate},
       {"seed", image.seed},
-      {"batch_row", image.batch_row},
-      {"batch_rows", image.batch_rows},
+      {"sampling_stream", sampling_stream(image.prompt_index, image.candidate)},
       {"clip_score", image.clip_score ? nlohmann::json(*image.clip_score) : nlohmann::json(nullptr)},
       {"size", {image.image.size(1), image.image.size(2)}},
       {"pipeline", settings},

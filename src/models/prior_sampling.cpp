@@ -1,10 +1,11 @@
 #include "dalle/models/prior_sampling.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <limits>
+#include <numeric>
 
+#include "dalle/data/sampler.h"
 #include "dalle/error.h"
 
 namespace dalle::models {
@@ -41,6 +42,27 @@ torch::Tensor filter_logits(const torch::Tensor& logits, const SamplingOptions& 
   return filtered;
 }
 
+torch::Tensor sampling_uniforms(int64_t seed, const std::vector<uint64_t>& streams, int64_t positions) {
+  auto uniforms = torch::empty({static_cast<int64_t>(streams.size()), positions}, torch::kFloat32);
+  auto* out = uniforms.data_ptr<float>();
+  for (const uint64_t stream : streams) {
+    for (int64_t position = 0; position < positions; ++position) {
+      // The top 23 bits, centred in their interval: exact in float32 and never 0 or 1.
+      const uint64_t bits = data::mix_seed(static_cast<uint64_t>(seed), stream, static_cast<uint64_t>(position)) >> 41;
+      *out++ = (static_cast<float>(bits) + 0.5f) * 0x1p-23f;
+    }
+  }
+  return uniforms;
+}
+
+torch::Tensor draw_codes(const torch::Tensor& probabilities, const torch::Tensor& uniforms) {
+  const auto cumulative = probabilities.to(torch::kFloat32).cumsum(-1);
+  const auto target = uniforms.to(cumulative.device()).unsqueeze(1) * cumulative.narrow(1, cumulative.size(1) - 1, 1);
+  // The first code whose cumulative sum reaches the target: a code of probability 0 repeats
+  // the sum before it and so is never the first to reach it.
+  return torch::searchsorted(cumulative, target).squeeze(1).clamp_max(cumulative.size(1) - 1);
+}
+
 namespace {
 
 class TokenSource {
@@ -64,9 +86,14 @@ class TokenSource {
   KvCache cache_;
 };
 
-void check_inputs(const PriorConfig& config, const torch::Tensor& captions, const ImagePrompt* prompt) {
+void check_inputs(const PriorConfig& config, const torch::Tensor& captions, const ImagePrompt* prompt,
+                  const std::vector<uint64_t>& streams) {
   if (captions.dim() != 2 || captions.size(1) != config.text_length) {
     throw Error("sampling: expected captions [batch, " + std::to_string(config.text_length) + "]");
+  }
+  if (!streams.empty() && static_cast<int64_t>(streams.size()) != captions.size(0)) {
+    throw Error("sampling: " + std::to_string(streams.size()) + " streams for " + std::to_string(captions.size(0)) +
+                " captions");
   }
   if (prompt && (prompt->known.numel() != config.image_length() || prompt->tokens.size(-1) != config.image_length())) {
     throw Error("sampling: an image prompt needs tokens and a known-mask for all " +
@@ -78,16 +105,22 @@ void check_inputs(const PriorConfig& config, const torch::Tensor& captions, cons
 
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
                                   const ImagePrompt* prompt,
-                                  const std::function<void(int64_t, int64_t)>& on_token) {
+                                  const std::function<void(int64_t, int64_t)>& on_token,
+                                  const std::vector<uint64_t>& streams) {
   const auto& config = prior->config();
-  check_inputs(config, captions, prompt);
+  check_inputs(config, captions, prompt, streams);
   torch::NoGradGuard no_grad;
   const bool guided = options.guidance_scale != 1.0;
   const int64_t batch = captions.size(0), total = config.image_length();
   const auto device = prior->parameters().front().device();
   auto inputs = captions.to(device);
   if (guided) inputs = torch::cat({inputs, empty_caption(config.text_length, batch).to(device)});
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(options.seed));
+  std::vector<uint64_t> row_streams = streams;
+  if (row_streams.empty()) {
+    row_streams.resize(static_cast<size_t>(batch));
+    std::iota(row_streams.begin(), row_streams.end(), uint64_t{0});
+  }
+  const auto uniforms = sampling_uniforms(options.seed, row_streams, total).to(device);
   const auto known = prompt ? prompt->known.to(torch::kBool).cpu() : torch::Tensor();
   const auto prompt_tokens = prompt ? prompt->tokens.expand({batch, total}).to(device) : torch::Tensor();
 
@@ -104,8 +137,7 @@ torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, c
         const auto conditional = logits.index({Slice(0, batch)}), unconditional = logits.index({Slice(batch)});
         logits = unconditional + options.guidance_scale * (conditional - unconditional);
       }
-      const auto probabilities = filter_logits(logits, options).softmax(-1).cpu();
-      next = torch::multinomial(probabilities, 1, false, generator).squeeze(1).to(device);
+      next = draw_codes(filter_logits(logits, options).softmax(-1), uniforms.select(1, position));
     }
     codes.push_back(next);
     if (position + 1 < total) source.append(guided ? torch::cat({next, next}) : next);

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
+
 #include "test_support.h"
 
 namespace dalle::models {
@@ -54,6 +56,54 @@ TEST_F(PriorSampling, TheSeedDecides) {
   EXPECT_FALSE(torch::equal(first, sample_image_tokens(prior_, captions(2), {.seed = 2})));
   // Rows of one batch are different samples.
   EXPECT_FALSE(torch::equal(first[0], first[1]));
+}
+
+TEST_F(PriorSampling, ARowDrawsTheSameTokensInAnyBatch) {
+  auto mixed = captions(3);
+  mixed.index_put_({1, Slice(1, 3)}, torch::tensor({11, 12}));
+  const SamplingOptions options{.guidance_scale = 2.0, .seed = 6};
+  const auto together = sample_image_tokens(prior_, mixed, options, nullptr, {}, {40, 41, 42});
+  for (int64_t row = 0; row < 3; ++row) {
+    const auto alone = sample_image_tokens(prior_, mixed.index({Slice(row, row + 1)}), options, nullptr, {},
+                                           {static_cast<uint64_t>(40 + row)});
+    EXPECT_TRUE(torch::equal(alone[0], together[row])) << "row " << row;
+  }
+  // The default streams are the row numbers.
+  EXPECT_TRUE(torch::equal(sample_image_tokens(prior_, mixed, options),
+                           sample_image_tokens(prior_, mixed, options, nullptr, {}, {0, 1, 2})));
+  EXPECT_THROW_WITH(sample_image_tokens(prior_, mixed, options, nullptr, {}, {0, 1}), Error,
+                    "2 streams for 3 captions");
+}
+
+TEST(SamplingUniforms, FixedPerSeedStreamAndPositionAndUniform) {
+  const auto uniforms = sampling_uniforms(3, {0, 1, 1ull << 32}, 4096);
+  EXPECT_EQ(uniforms.sizes(), (std::vector<int64_t>{3, 4096}));
+  EXPECT_TRUE(torch::equal(uniforms.index({Slice(1, 2)}), sampling_uniforms(3, {1}, 4096)));
+  EXPECT_TRUE(torch::equal(uniforms.index({Slice(), Slice(0, 7)}), sampling_uniforms(3, {0, 1, 1ull << 32}, 7)));
+  EXPECT_FALSE(torch::equal(uniforms[0], uniforms[1]));
+  EXPECT_FALSE(torch::equal(uniforms, sampling_uniforms(4, {0, 1, 1ull << 32}, 4096)));
+  EXPECT_GT(uniforms.min().item<float>(), 0.0f);
+  EXPECT_LT(uniforms.max().item<float>(), 1.0f);
+  // Uniform: each tenth of (0, 1) holds a tenth of 12288 draws, within 5 standard deviations (33).
+  const auto deciles = torch::histc(uniforms, 10, 0.0, 1.0);
+  EXPECT_LT((deciles - 1228.8).abs().max().item<double>(), 170.0) << deciles;
+  // Neighbouring positions are uncorrelated.
+  const auto centred = uniforms.flatten() - 0.5;
+  const double correlation = (centred.narrow(0, 0, 12287) * centred.narrow(0, 1, 12287)).mean().item<double>() / (1.0 / 12);
+  EXPECT_LT(std::abs(correlation), 0.05);
+}
+
+TEST(DrawCodes, InvertsTheCumulativeSumAndSkipsImpossibleCodes) {
+  const auto probabilities = torch::tensor({{0.0, 0.5, 0.0, 0.5}}).repeat({6, 1});
+  const auto codes = draw_codes(probabilities, torch::tensor({0.1f, 0.25f, 0.5f, 0.51f, 0.75f, 0.99999f}));
+  EXPECT_TRUE(torch::equal(codes, torch::tensor({1, 1, 1, 3, 3, 3}, torch::kInt64))) << codes;
+  // Unnormalised rows are scaled by their sum.
+  EXPECT_EQ(draw_codes(torch::tensor({{2.0, 6.0}}), torch::tensor({0.3f})).item<int64_t>(), 1);
+  // Drawn at many uniforms, codes come out in proportion to their probabilities.
+  const auto skewed = torch::tensor({{0.1, 0.2, 0.0, 0.7}});
+  const auto counts = torch::bincount(draw_codes(skewed.repeat({10000, 1}), sampling_uniforms(1, {0}, 10000)[0]), {}, 4);
+  EXPECT_TRUE(torch::allclose(counts.to(torch::kDouble) / 10000, skewed[0].to(torch::kDouble), 0.0, 0.02)) << counts;
+  EXPECT_EQ(counts[2].item<int64_t>(), 0);
 }
 
 TEST_F(PriorSampling, ZeroGuidanceSamplesTheUnconditionalModel) {

@@ -42,13 +42,16 @@ struct GeneratedImage {
   std::string prompt;
   int64_t candidate = 0;  // which of the prompt's N samples
   int64_t rank = 0;       // 0 = best CLIP score; the sampling order without reranking
-  int64_t seed = 0;       // the sampling seed of its batch
-  int64_t batch_row = 0;  // its row in that batch
-  int64_t batch_rows = 0;
+  int64_t seed = 0;       // the sampling seed; with prompt_index and candidate it fixes the draws
   torch::Tensor tokens;   // [grid, grid] int64 image tokens
   torch::Tensor image;    // [3, H, W] in [0, 1], after super-resolution when it is on
   std::optional<double> clip_score;  // cosine similarity x CLIP's logit scale
 };
+
+// The sampling stream (models/prior_sampling.h) of candidate `candidate` of prompt `prompt_index`.
+inline uint64_t sampling_stream(int64_t prompt_index, int64_t candidate) {
+  return (static_cast<uint64_t>(prompt_index) << 32) | static_cast<uint64_t>(candidate);
+}
 
 class Pipeline {
  public:
@@ -57,8 +60,10 @@ class Pipeline {
   Pipeline(Pipeline&&) noexcept;
   Pipeline& operator=(Pipeline&&) noexcept;
 
-  // For each prompt, its K images in rank order. Prompt i samples its first batch with
-  // seed sampling.seed + i and its b-th with seed + i + b * 1'000'003.
+  // For each prompt, its K images in rank order. Batches of batch_size candidates run
+  // across prompts; candidate c of prompt i draws from sampling stream
+  // sampling_stream(i, c) of sampling.seed, so its image does not depend on batch_size
+  // or on the other prompts.
   std::vector<GeneratedImage> generate(const std::vector<std::string>& prompts);
 
   // The config with every default resolved (tokenizer and decoder paths, device).

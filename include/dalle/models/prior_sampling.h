@@ -2,10 +2,16 @@
 // Drawing image tokens from the prior: KV-cached decoding (each new token costs one step
 // over cached keys and values), temperature, top-k and top-p filtering, classifier-free
 // guidance against the empty caption, and image prompts whose given positions are kept.
+//
+// The randomness is counter-based: each row of a batch draws from its own stream, one
+// uniform number per image position, fixed by (seed, stream, position). A row's tokens
+// therefore do not depend on the batch it is sampled in, and the draws are made on the
+// device without a round trip to the host per token.
 #include <torch/types.h>
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "dalle/config.h"
 #include "dalle/models/prior.h"
@@ -33,10 +39,20 @@ struct ImagePrompt {
 // Filters one step's logits [B, classes] by top-k and top-p after the temperature.
 torch::Tensor filter_logits(const torch::Tensor& logits, const SamplingOptions& options);
 
-// captions [B, text_length] (0 = padding) -> image tokens [B, grid, grid]. `on_token` is
-// called after each image position (for progress).
+// The draws of `streams` under `seed`: [streams, positions] float32, uniform in (0, 1),
+// computed on the host with integer arithmetic, the same on every machine.
+torch::Tensor sampling_uniforms(int64_t seed, const std::vector<uint64_t>& streams, int64_t positions);
+
+// One code per row of `probabilities` [B, classes] (rows need not sum to 1): the code whose
+// interval of the cumulative sum holds `uniforms` [B]. A code of probability 0 is never drawn.
+torch::Tensor draw_codes(const torch::Tensor& probabilities, const torch::Tensor& uniforms);
+
+// captions [B, text_length] (0 = padding) -> image tokens [B, grid, grid]. Row b draws from
+// stream `streams[b]` (empty: stream b). `on_token` is called after each image position
+// (for progress).
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
                                   const ImagePrompt* prompt = nullptr,
-                                  const std::function<void(int64_t done, int64_t total)>& on_token = {});
+                                  const std::function<void(int64_t done, int64_t total)>& on_token = {},
+                                  const std::vector<uint64_t>& streams = {});
 
 }  // namespace dalle::models
