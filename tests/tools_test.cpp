@@ -5,6 +5,9 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "dalle/io/safetensors.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/models/clip.h"
 #include "test_support.h"
 
 namespace dalle {
@@ -114,8 +117,10 @@ TEST(Tools, ConfigReferenceInDocsIsCurrent) {
                                       std::pair{"dalle-tokenizer", "train --print-reference"},
                                       std::pair{"dalle-train-vae", "--print-reference"},
                                       std::pair{"dalle-train-vae", "--set kind=vqgan --print-reference"},
+                                      std::pair{"dalle-train", "--print-reference"},
                                       std::pair{"dalle-train-sr", "--print-reference"},
                                       std::pair{"dalle-train-clip", "--print-reference"},
+                                      std::pair{"dalle-generate", "--print-reference"},
                                       std::pair{"dalle-eval", "train-classifier --print-reference"}}) {
     const auto result = run(tool, command);
     ASSERT_EQ(result.status, 0) << result.output;
@@ -394,6 +399,35 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
     EXPECT_EQ(ranked["size"], nlohmann::json({16, 16}));
   }
   EXPECT_FALSE(std::filesystem::exists(dir / "best/0000-02.png"));
+
+  // Imported CLIP weights (scripts/export_open_clip.py's layout: argmax pooling over CLIP's
+  // own BPE ids) rerank with clip_tokenizer, and are refused without it.
+  const std::string imported_yaml =
+      "model: {embed_dim: 16, image_size: 16, patch_size: 8, vision_width: 16, vision_layers: 1, vision_heads: 2,\n"
+      "        context_length: 16, vocab_size: 666, text_width: 16, text_layers: 1, text_heads: 2,\n"
+      "        text_pooling: argmax}\n";
+  std::filesystem::create_directories(dir / "imported");
+  torch::manual_seed(0);
+  models::Clip imported(models::ClipConfig{.embed_dim = 16, .image_size = 16, .patch_size = 8, .vision_width = 16,
+                                           .vision_layers = 1, .vision_heads = 2, .context_length = 16,
+                                           .vocab_size = 666, .text_width = 16, .text_layers = 1, .text_heads = 2});
+  io::write_safetensors(dir / "imported/model.safetensors", io::state_dict(*imported));
+  io::write_safetensors(dir / "imported/state.safetensors", {});
+  testing::write_text(dir / "imported/config.yaml", "kind: clip\n" + imported_yaml);
+  const std::string merges = testing::fixture_path("clip_bpe_test.txt.gz");
+  const std::string imported_pipeline = "--prior " + (dir / "prior") + " --clip " + (dir / "imported") + " -n 4 --seed 3";
+  check(run("dalle-generate", imported_pipeline + " --set clip_tokenizer=" + merges + " --keep 1 --out " +
+                                  (dir / "imported-out") + " 'a red bag'"));
+  const auto best = nlohmann::json::parse(testing::read_text(dir / "imported-out/0000-00.json"));
+  EXPECT_TRUE(best["clip_score"].is_number());
+  EXPECT_EQ(best["pipeline"]["clip_tokenizer"], merges);
+  const auto without = run("dalle-generate", imported_pipeline + " --keep 1 --out " + (dir / "refused") + " 'a red bag'");
+  EXPECT_EQ(without.status, 1);
+  EXPECT_THAT(without.output, ::testing::HasSubstr("set clip_tokenizer to CLIP's bpe_simple_vocab_16e6.txt.gz"));
+  const auto misfit = run("dalle-generate", "--prior " + (dir / "prior") + " --clip " + (dir / "clip") +
+                                                " --set clip_tokenizer=" + merges + " -n 2 --out " + (dir / "misfit") + " 'a red bag'");
+  EXPECT_EQ(misfit.status, 1);
+  EXPECT_THAT(misfit.output, ::testing::HasSubstr("(666 ids, end of text 665) does not fit the CLIP model"));
 }
 
 }  // namespace

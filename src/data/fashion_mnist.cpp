@@ -1,7 +1,5 @@
 #include "dalle/data/fashion_mnist.h"
 
-#include <zlib.h>
-
 #include <cstdio>
 #include <filesystem>
 #include <sstream>
@@ -11,6 +9,7 @@
 #include "dalle/error.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
+#include "../io/gzip_file.h"
 
 namespace dalle::data {
 namespace fs = std::filesystem;
@@ -29,20 +28,6 @@ std::string with_article(const std::string& phrase) {
 
 namespace {
 
-// gzread reads plain files as they are, so one path serves both.
-std::vector<uint8_t> read_maybe_gzipped(const std::string& path) {
-  gzFile file = gzopen(path.c_str(), "rb");
-  if (!file) throw Error(path + ": cannot open");
-  std::vector<uint8_t> bytes;
-  uint8_t chunk[1 << 16];
-  int count;
-  while ((count = gzread(file, chunk, sizeof chunk)) > 0) bytes.insert(bytes.end(), chunk, chunk + count);
-  const bool failed = count < 0;
-  gzclose(file);
-  if (failed) throw Error(path + ": corrupt gzip data");
-  return bytes;
-}
-
 uint32_t big_endian(const uint8_t* p) {
   return (uint32_t(p[0]) << 24) | (uint32_t(p[1]) << 16) | (uint32_t(p[2]) << 8) | uint32_t(p[3]);
 }
@@ -57,7 +42,7 @@ std::string replace_all(std::string text, const std::string& from, const std::st
 }  // namespace
 
 torch::Tensor read_idx(const std::string& path) {
-  const auto bytes = read_maybe_gzipped(path);
+  const auto bytes = io::read_maybe_gzipped(path);
   if (bytes.size() < 4 || bytes[0] != 0 || bytes[1] != 0 || bytes[2] != 0x08) {
     throw Error(path + ": not an idx file of unsigned bytes (bad magic number)");
   }

@@ -14,6 +14,7 @@
 #include "dalle/log.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/tiled_upscale.h"
+#include "dalle/text/clip_tokenizer.h"
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/clip_loader.h"
 #include "dalle/train/image_tokenizer_loader.h"
@@ -31,6 +32,9 @@ void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("clip", clip,
           "CLIP run or checkpoint that reranks the candidates, trained by dalle-train-clip with the caption "
           "tokenizer; empty: no reranking");
+  v.field("clip_tokenizer", clip_tokenizer,
+          "CLIP's BPE merges file (bpe_simple_vocab_16e6.txt.gz, from OpenAI CLIP or open_clip) for CLIP weights "
+          "imported by scripts/export_open_clip.py; empty: CLIP reads the caption tokenizer's ids");
   v.field("superres", superres, "RRDBNet run or checkpoint that upscales the kept images; empty: none");
   v.field("candidates", candidates, "images sampled per prompt (N; DALL-E: 512, most of the gain by 32)",
           {.min = 1, .max = 65536});
@@ -58,19 +62,31 @@ void check(const PipelineConfig& config) {
   }
 }
 
-// The CLIP reads the pipeline's caption tokenizer's ids: a CLIP trained by dalle-train-clip
-// with that tokenizer. CLIP's own BPE (for imported OpenAI / open_clip weights) is not
-// implemented.
+// Without clip_tokenizer the CLIP reads the caption tokenizer's ids: a CLIP trained by
+// dalle-train-clip with that tokenizer.
 void check_clip_fits(const models::ClipConfig& clip, const text::Tokenizer& tokenizer, const std::string& path) {
   if (clip.text_pooling != "eos" || clip.eos_id != text::Tokenizer::kEndId) {
     throw Error("pipeline: the CLIP model " + path + " pools text at " + clip.text_pooling +
                 "; reranking feeds it the caption tokenizer's ids, which needs eos pooling at id " +
-                std::to_string(text::Tokenizer::kEndId) + " (a CLIP trained by dalle-train-clip)");
+                std::to_string(text::Tokenizer::kEndId) +
+                " (a CLIP trained by dalle-train-clip). For imported CLIP weights set clip_tokenizer to CLIP's "
+                "bpe_simple_vocab_16e6.txt.gz");
   }
   if (tokenizer.vocab_size() > clip.vocab_size || tokenizer.text_length() > clip.context_length) {
     throw Error("pipeline: the caption tokenizer (" + std::to_string(tokenizer.vocab_size()) + " ids, " +
                 std::to_string(tokenizer.text_length()) + " per caption) does not fit the CLIP model " + path + " (" +
                 std::to_string(clip.vocab_size) + " ids, context " + std::to_string(clip.context_length) + ")");
+  }
+}
+
+// CLIP's own tokenizer: argmax pooling finds its end of text, the largest id.
+void check_clip_fits(const models::ClipConfig& clip, const text::ClipTokenizer& tokenizer, const std::string& path,
+                     const std::string& merges) {
+  const bool pools_its_end = clip.text_pooling == "argmax" || clip.eos_id == tokenizer.end_id();
+  if (tokenizer.vocab_size() != clip.vocab_size || !pools_its_end) {
+    throw Error("pipeline: the CLIP tokenizer " + merges + " (" + std::to_string(tokenizer.vocab_size()) +
+                " ids, end of text " + std::to_string(tokenizer.end_id()) + ") does not fit the CLIP model " + path +
+                " (" + std::to_string(clip.vocab_size) + " ids, " + clip.text_pooling + " pooling)");
   }
 }
 
@@ -83,6 +99,7 @@ struct Pipeline::Stages {
   text::Tokenizer tokenizer;
   train::TrainedImageTokenizer decoder;
   models::Clip clip{nullptr};
+  std::optional<text::ClipTokenizer> clip_tokenizer;
   models::RrdbNet superres{nullptr};
 
   // Samples and decodes the candidates numbered [first, first + rows) of the flattened
@@ -120,7 +137,12 @@ Pipeline::Pipeline(PipelineConfig config) {
   auto& s = *stages_;
   if (!s.config.clip.empty()) {
     s.clip = train::load_trained_clip(s.config.clip);
-    check_clip_fits(s.clip->config(), s.tokenizer, s.config.clip);
+    if (s.config.clip_tokenizer.empty()) {
+      check_clip_fits(s.clip->config(), s.tokenizer, s.config.clip);
+    } else {
+      s.clip_tokenizer = text::ClipTokenizer::load(s.config.clip_tokenizer);
+      check_clip_fits(s.clip->config(), *s.clip_tokenizer, s.config.clip, s.config.clip_tokenizer);
+    }
     s.clip->to(device);
   }
   if (!s.config.superres.empty()) {
@@ -193,11 +215,15 @@ void Pipeline::Stages::upscale(std::vector<GeneratedImage>& images) {
 std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& prompts) {
   auto& s = *stages_;
   if (prompts.empty()) throw Error("pipeline: no prompts");
-  std::vector<torch::Tensor> captions;
+  std::vector<torch::Tensor> captions, clip_captions;
   for (size_t index = 0; index < prompts.size(); ++index) {
     const auto encoding = s.tokenizer.encode(prompts[index]);
     if (encoding.truncated) log::warn("pipeline: prompt ", index, " is longer than the prior's text and was cut");
     captions.push_back(torch::tensor(encoding.ids, torch::kInt64));
+    clip_captions.push_back(s.clip_tokenizer ? torch::tensor(s.clip_tokenizer->tokenize(
+                                                                 prompts[index], s.clip->config().context_length),
+                                                             torch::kInt64)
+                                             : captions.back());
   }
   // Batches run across prompts; a prompt is reranked and upscaled once its last candidate is drawn.
   const int64_t rows = static_cast<int64_t>(prompts.size()) * s.config.candidates;
@@ -205,7 +231,7 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
   std::vector<GeneratedImage> kept, candidates;
   for (int64_t first = 0; first < rows; first += s.config.batch_size) {
     for (auto& image : s.sample(first, std::min(s.config.batch_size, rows - first), prompts, captions, progress)) {
-      const auto caption = captions[static_cast<size_t>(image.prompt_index)];
+      const auto caption = clip_captions[static_cast<size_t>(image.prompt_index)];
       candidates.push_back(std::move(image));
       if (static_cast<int64_t>(candidates.size()) < s.config.candidates) continue;
       if (s.clip) s.rerank(candidates, caption);
