@@ -106,7 +106,9 @@ struct Pipeline::Stages {
   // (prompt, candidate) order, prompts encoded in `captions`.
   std::vector<GeneratedImage> sample(int64_t first, int64_t rows, const std::vector<std::string>& prompts,
                                      const std::vector<torch::Tensor>& captions, log::Progress& progress);
-  // Scores the candidates against their prompt and orders them best first.
+  // The prompt as CLIP reads it: CLIP's own ids, or the caption tokenizer's `caption`.
+  torch::Tensor clip_caption(const std::string& prompt, const torch::Tensor& caption) const;
+  // Scores the candidates against their prompt (as CLIP reads it) and orders them best first.
   void rerank(std::vector<GeneratedImage>& candidates, const torch::Tensor& caption);
   void upscale(std::vector<GeneratedImage>& images);
 };
@@ -187,6 +189,11 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows
   return images;
 }
 
+torch::Tensor Pipeline::Stages::clip_caption(const std::string& prompt, const torch::Tensor& caption) const {
+  if (!clip_tokenizer) return caption;
+  return torch::tensor(clip_tokenizer->tokenize(prompt, clip->config().context_length), torch::kInt64);
+}
+
 void Pipeline::Stages::rerank(std::vector<GeneratedImage>& candidates, const torch::Tensor& caption) {
   std::vector<torch::Tensor> images;
   for (const auto& candidate : candidates) images.push_back(candidate.image);
@@ -220,10 +227,7 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
     const auto encoding = s.tokenizer.encode(prompts[index]);
     if (encoding.truncated) log::warn("pipeline: prompt ", index, " is longer than the prior's text and was cut");
     captions.push_back(torch::tensor(encoding.ids, torch::kInt64));
-    clip_captions.push_back(s.clip_tokenizer ? torch::tensor(s.clip_tokenizer->tokenize(
-                                                                 prompts[index], s.clip->config().context_length),
-                                                             torch::kInt64)
-                                             : captions.back());
+    if (s.clip) clip_captions.push_back(s.clip_caption(prompts[index], captions.back()));
   }
   // Batches run across prompts; a prompt is reranked and upscaled once its last candidate is drawn.
   const int64_t rows = static_cast<int64_t>(prompts.size()) * s.config.candidates;
@@ -231,10 +235,10 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
   std::vector<GeneratedImage> kept, candidates;
   for (int64_t first = 0; first < rows; first += s.config.batch_size) {
     for (auto& image : s.sample(first, std::min(s.config.batch_size, rows - first), prompts, captions, progress)) {
-      const auto caption = clip_captions[static_cast<size_t>(image.prompt_index)];
+      const auto prompt_index = static_cast<size_t>(image.prompt_index);
       candidates.push_back(std::move(image));
       if (static_cast<int64_t>(candidates.size()) < s.config.candidates) continue;
-      if (s.clip) s.rerank(candidates, caption);
+      if (s.clip) s.rerank(candidates, clip_captions[prompt_index]);
       candidates.resize(static_cast<size_t>(s.config.kept()));
       if (s.superres) s.upscale(candidates);
       for (auto& done : candidates) kept.push_back(std::move(done));
