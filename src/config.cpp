@@ -401,37 +401,117 @@ ConfigSource ConfigSource::empty() { return from_string("{}", "<defaults>"); }
 
 const std::string& ConfigSource::name() const { return impl_->name; }
 
-void ConfigSource::set(const std::string& assignment) {
+namespace {
+
+struct Assignment {
+  std::string path;  // "a.b.c"
+  std::vector<std::string> parts;
+  YAML::Node value;
+};
+
+Assignment parse_assignment(const std::string& assignment) {
   const auto equals = assignment.find('=');
   if (equals == std::string::npos || equals == 0) {
     throw ConfigError("--set " + assignment + ": expected key.path=value");
   }
-  const std::string path = assignment.substr(0, equals);
-  YAML::Node value;
+  Assignment parsed{assignment.substr(0, equals), {}, {}};
   try {
-    value = YAML::Load(assignment.substr(equals + 1));
+    parsed.value = YAML::Load(assignment.substr(equals + 1));
   } catch (const YAML::ParserException& error) {
     throw ConfigError("--set " + assignment + ": the value is not valid YAML: " + error.msg);
   }
-  if (!impl_->root || impl_->root.IsNull()) impl_->root = YAML::Node(YAML::NodeType::Map);
-  std::vector<std::string> parts;
-  std::stringstream stream(path);
+  std::stringstream stream(parsed.path);
   for (std::string part; std::getline(stream, part, '.');) {
-    if (part.empty()) throw ConfigError("--set " + assignment + ": empty key in '" + path + "'");
-    parts.push_back(part);
+    if (part.empty()) throw ConfigError("--set " + assignment + ": empty key in '" + parsed.path + "'");
+    parsed.parts.push_back(part);
   }
+  return parsed;
+}
+
+// What a YAML value holds, as far as a config key's type goes.
+enum class ValueKind { absent, section, list, flag, integer, number, text };
+
+ValueKind kind_of(const YAML::Node& node) {
+  if (!node || node.IsNull()) return ValueKind::absent;
+  if (node.IsMap()) return ValueKind::section;
+  if (node.IsSequence()) return ValueKind::list;
+  const auto& text = node.Scalar();
+  if (node.Tag() == "!") return ValueKind::text;  // quoted
+  if (text == "true" || text == "false") return ValueKind::flag;
+  int64_t integer = 0;
+  const auto end = text.data() + text.size();
+  if (auto [ptr, error] = std::from_chars(text.data(), end, integer); error == std::errc() && ptr == end) {
+    return ValueKind::integer;
+  }
+  double number = 0;
+  if (auto [ptr, error] = std::from_chars(text.data(), end, number); error == std::errc() && ptr == end) {
+    return ValueKind::number;
+  }
+  return ValueKind::text;
+}
+
+bool fits(ValueKind existing, ValueKind value) {
+  if (existing == ValueKind::absent || existing == ValueKind::text) return value != ValueKind::section;
+  if (existing == ValueKind::number) return value == ValueKind::number || value == ValueKind::integer;
+  return existing == value;
+}
+
+std::string describe(ValueKind kind) {
+  switch (kind) {
+    case ValueKind::absent: return "empty";
+    case ValueKind::section: return "a section";
+    case ValueKind::list: return "a list";
+    case ValueKind::flag: return "true or false";
+    case ValueKind::integer: return "an integer";
+    case ValueKind::number: return "a number";
+    case ValueKind::text: return "text";
+  }
+  return "";
+}
+
+}  // namespace
+
+void ConfigSource::set(const std::string& assignment) {
+  const auto parsed = parse_assignment(assignment);
+  if (!impl_->root || impl_->root.IsNull()) impl_->root = YAML::Node(YAML::NodeType::Map);
   YAML::Node node = impl_->root;
   std::string walked;
-  for (size_t i = 0; i + 1 < parts.size(); ++i) {
-    walked = join_path(walked, parts[i]);
-    YAML::Node child = node[parts[i]];
+  for (size_t i = 0; i + 1 < parsed.parts.size(); ++i) {
+    walked = join_path(walked, parsed.parts[i]);
+    YAML::Node child = node[parsed.parts[i]];
     if (!child || child.IsNull()) child = YAML::Node(YAML::NodeType::Map);
     if (!child.IsMap()) throw ConfigError("--set " + assignment + ": '" + walked + "' is not a section");
     impl_->overrides.emplace(walked, assignment);
     node.reset(child);
   }
-  node[parts.back()] = value;
-  impl_->overrides[path] = assignment;
+  node[parsed.parts.back()] = parsed.value;
+  impl_->overrides[parsed.path] = assignment;
+}
+
+void ConfigSource::replace(const std::string& assignment) {
+  const auto parsed = parse_assignment(assignment);
+  YAML::Node node = impl_->root;
+  for (const auto& part : parsed.parts) {
+    if (!node || !node.IsMap() || !node[part]) {
+      throw ConfigError("--set " + assignment + ": " + impl_->name + " has no key '" + parsed.path + "'");
+    }
+    node.reset(node[part]);
+  }
+  const auto existing = kind_of(node), value = kind_of(parsed.value);
+  if (!fits(existing, value)) {
+    throw ConfigError("--set " + assignment + ": " + impl_->name + " has '" + parsed.path + "' as " +
+                      describe(existing) + ", and the new value is " + describe(value));
+  }
+  // An integer given for a number stays a number, for the next reader and the next override.
+  node = existing == ValueKind::number && value == ValueKind::integer ? YAML::Node(parsed.value.Scalar() + ".0")
+                                                                      : parsed.value;
+  impl_->overrides[parsed.path] = assignment;
+}
+
+std::string ConfigSource::yaml() const {
+  YAML::Emitter out;
+  out << impl_->root;
+  return std::string(out.c_str()) + "\n";
 }
 
 void ConfigSource::set_all(const std::vector<std::string>& assignments) {

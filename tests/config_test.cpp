@@ -117,6 +117,33 @@ TEST(Config, BadOverridesNameTheOverride) {
   EXPECT_THROW_WITH(parse("", {"a..b=1"}), ConfigError, "empty key");
 }
 
+TEST(Config, ReplaceRewritesExistingKeysOfTheSameKindOnly) {
+  ExampleConfig defaults;
+  auto source = ConfigSource::from_string(config_to_yaml(visit_of(defaults)), "run/config.yaml");
+  source.replace("layers=12");
+  source.replace("optimizer.learning_rate=1");  // an integer is a number
+  source.replace("attention=conv");
+  source.replace("captions=[x]");
+  const auto config = load_config<ExampleConfig>(ConfigSource::from_string(source.yaml()));
+  EXPECT_EQ(config.layers, 12);
+  EXPECT_EQ(config.optimizer.learning_rate, 1.0);
+  EXPECT_EQ(config.attention, "conv");
+  EXPECT_EQ(config.captions, std::vector<std::string>{"x"});
+
+  EXPECT_THROW_WITH(source.replace("optimizer.learnin_rate=0.1"), ConfigError, "run/config.yaml has no key",
+                    "'optimizer.learnin_rate'");
+  EXPECT_THROW_WITH(source.replace("layers.deeper=1"), ConfigError, "has no key 'layers.deeper'");
+  EXPECT_THROW_WITH(source.replace("layers=2.5"), ConfigError, "'layers' as an integer, and the new value is a number");
+  EXPECT_THROW_WITH(source.replace("optimizer.learning_rate=fast"), ConfigError, "as a number", "is text");
+  EXPECT_THROW_WITH(source.replace("fp16=1"), ConfigError, "'fp16' as true or false", "is an integer");
+  EXPECT_THROW_WITH(source.replace("captions=x"), ConfigError, "'captions' as a list");
+  EXPECT_THROW_WITH(source.replace("optimizer=3"), ConfigError, "'optimizer' as a section");
+  EXPECT_THROW_WITH(source.replace("attention={a: 1}"), ConfigError, "as text, and the new value is a section");
+  EXPECT_THROW_WITH(source.replace("layers"), ConfigError, "expected key.path=value");
+  EXPECT_THAT(source.yaml(), ::testing::HasSubstr("learning_rate: 1.0"));
+  EXPECT_EQ(load_config<ExampleConfig>(ConfigSource::from_string(source.yaml())).layers, 12);  // refusals change nothing
+}
+
 TEST(Config, YamlRoundTripPreservesEveryValue) {
   auto original = parse("layers: 7\nfp16: true\nattention: column\ncaptions: ['a: colon', \"quote\\\"d\"]\n"
                         "optimizer: {learning_rate: 0.1, betas_permille: [1, 2, 3]}\n");

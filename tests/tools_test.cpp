@@ -268,6 +268,10 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_EQ(unknown_key.status, 1);
   EXPECT_THAT(unknown_key.output, ::testing::HasSubstr("has no key 'image_tokeniser'"));
   EXPECT_FALSE(std::filesystem::exists(dir / "typo"));
+  const auto wrong_type = run("dalle-export", (dir / "prior") + " --out " + (dir / "typo") + " --set steps=many");
+  EXPECT_EQ(wrong_type.status, 1);
+  EXPECT_THAT(wrong_type.output, ::testing::HasSubstr("has 'steps' as an integer, and the new value is text"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "typo"));
 
   const auto onto_a_run = run("dalle-export", (dir / "prior") + " --out " + (dir / "dvae"));
   EXPECT_EQ(onto_a_run.status, 1);

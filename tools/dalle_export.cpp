@@ -17,7 +17,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", out, "checkpoint directory to write (replaced only if it is an earlier export)")->required();
   app.add_option("--set", overrides,
                  "key.path=value: rewrite a key of the exported config.yaml, such as a prior's `tokenizer` "
-                 "and `image_tokenizer` paths once shipped beside it (repeatable; the key must exist)");
+                 "and `image_tokenizer` paths once shipped beside it (repeatable; the key must exist and keep its kind: a number, a flag, a list, text)");
   return tools::run_tool(app, argc, argv, [&] {
     const auto exported = train::export_weights(run, out, overrides);
     log::info("export: ", exported.tensors, " tensors (", exported.moving_average ? "moving average" : "weights",

@@ -59,6 +59,12 @@ class ConfigSource {
   // "a.b.c=value"; the value is read as YAML, so "[1, 2]" is a list.
   void set(const std::string& assignment);
   void set_all(const std::vector<std::string>& assignments);
+  // Like set, for a document that is already complete, such as a checkpoint's config.yaml:
+  // the key must be there, and the value of its kind (a number for a number, true or false
+  // for a flag, a list for a list; text may become anything but a section).
+  void replace(const std::string& assignment);
+  // The document with its overrides, as YAML.
+  std::string yaml() const;
 
   const std::string& name() const;
 

@@ -1,10 +1,8 @@
 #include "dalle/train/export_weights.h"
 
-#include <yaml-cpp/yaml.h>
-
 #include <filesystem>
-#include <sstream>
 
+#include "dalle/config.h"
 #include "dalle/error.h"
 #include "dalle/io/checkpoint.h"
 #include "run_directory.h"
@@ -13,34 +11,6 @@
 namespace dalle::train {
 
 namespace fs = std::filesystem;
-
-namespace {
-
-// Rewrites existing keys only: the exported config is complete, so a key it lacks is a typo.
-std::string overridden_config(const std::string& yaml, const std::string& checkpoint,
-                              const std::vector<std::string>& overrides) {
-  if (overrides.empty()) return yaml;
-  YAML::Node root = YAML::Load(yaml);
-  for (const auto& assignment : overrides) {
-    const auto equals = assignment.find('=');
-    if (equals == std::string::npos) throw Error("--set " + assignment + ": expected key.path=value");
-    const auto key = assignment.substr(0, equals);
-    std::vector<YAML::Node> path{root};
-    std::stringstream parts(key);
-    for (std::string part; std::getline(parts, part, '.');) {
-      if (!path.back().IsMap() || !path.back()[part]) {
-        throw Error("--set " + assignment + ": " + checkpoint + "/config.yaml has no key '" + key + "'");
-      }
-      path.push_back(path.back()[part]);
-    }
-    path.back() = YAML::Load(assignment.substr(equals + 1));
-  }
-  YAML::Emitter out;
-  out << root;
-  return std::string(out.c_str()) + "\n";
-}
-
-}  // namespace
 
 ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
                                const std::vector<std::string>& config_overrides) {
@@ -54,7 +24,12 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
     throw Error(out + ": is the checkpoint being exported; choose another output folder");
   }
   auto checkpoint = io::load_checkpoint(exported.checkpoint);
-  checkpoint.config_yaml = overridden_config(checkpoint.config_yaml, exported.checkpoint, config_overrides);
+  if (!config_overrides.empty()) {
+    // The exported config is complete, so a key it lacks is a typo, not an addition.
+    auto config = ConfigSource::from_string(checkpoint.config_yaml, exported.checkpoint + "/config.yaml");
+    for (const auto& assignment : config_overrides) config.replace(assignment);
+    checkpoint.config_yaml = config.yaml();
+  }
   auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
   exported.moving_average = !ema.empty();
   io::Checkpoint weights_only{std::move(checkpoint.config_yaml),

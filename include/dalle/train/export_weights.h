@@ -18,7 +18,7 @@ struct ExportedWeights {
 // checkpoint directory `out` atomically; an existing `out` is replaced only once the new
 // one is complete. `config_overrides` ("key.path=value") rewrite keys of the exported
 // config.yaml, such as the paths a prior names for its tokenizers once they are shipped
-// beside it; a key the run's config does not have is refused.
+// beside it; a key the run's config does not have, or a value of another kind, is refused.
 ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
                                const std::vector<std::string>& config_overrides = {});
 
