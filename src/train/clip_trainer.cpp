@@ -16,6 +16,7 @@
 #include "dalle/train/model_precision.h"
 #include "run_directory.h"
 #include "trainer_support.h"
+#include "training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -75,27 +76,20 @@ torch::Tensor clip_contrastive_loss(const torch::Tensor& logits_per_image) {
   return (F::cross_entropy(logits_per_image, labels) + F::cross_entropy(logits_per_image.t(), labels)) / 2;
 }
 
-struct ClipTrainer::State {
+struct ClipTrainer::State : RunRecord {
   ClipTrainConfig config;
-  fs::path run;
   text::Tokenizer tokenizer;
   models::Clip model{nullptr};
   models::Clip ema_model{nullptr};
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
   std::unique_ptr<ModelPrecision> precision;
-  std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
-  std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
-  io::CheckpointStore checkpoints;
-  MetricsLog metrics_log;
-  int64_t step = 0;
+  detail::ImageData images;
 
   State(ClipTrainConfig c, fs::path r)
-      : config(std::move(c)),
-        run(std::move(r)),
-        tokenizer(text::Tokenizer::load(config.tokenizer)),
-        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
-        metrics_log(run / "metrics.jsonl") {}
+      : RunRecord("clip", std::move(r), c.keep_checkpoints),
+        config(std::move(c)),
+        tokenizer(text::Tokenizer::load(config.tokenizer)) {}
 
   torch::Tensor tokenize(const std::vector<std::string>& captions) const;
   ClipStepMetrics train_step(const torch::Tensor& images, const std::vector<std::string>& captions);
@@ -155,8 +149,7 @@ std::vector<torch::optim::OptimizerParamGroup> parameter_groups(models::ClipImpl
 ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
   validate_settings(config);
   check_run_directory(run_directory, "CLIP");
-  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
-  torch::manual_seed(static_cast<uint64_t>(config.seed));
+  prepare_torch(config.threads, config.seed);
 
   state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
   auto& s = *state_;
@@ -169,14 +162,8 @@ ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
                                         s.config.precision.moments_dtype());
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
 
-  auto images = detail::open_image_data(s.config.data, s.config.seed);
-  s.train_set = std::move(images.train);
-  s.validation_set = std::move(images.validation);
-  s.loader = std::move(images.loader);
-  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
-  // Written only once a resume has succeeded, so a refused resume leaves the run untouched.
-  fs::create_directories(s.run);
-  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+  s.images = detail::open_image_data(s.config.data, s.config.seed);
+  s.open(visit_of(s.config), /*samples=*/false, [&s](const std::string& latest) { s.resume(latest); });
 }
 
 ClipTrainer::~ClipTrainer() = default;
@@ -253,30 +240,26 @@ void ClipTrainer::State::log_step(const ClipStepMetrics& m) {
 
 void ClipTrainer::run() {
   auto& s = *state_;
-  if (s.step >= s.config.steps) {
-    log::info("clip: already trained for ", s.step, " updates");
-    return;
-  }
-  log::info("clip: training from update ", s.step, " to ", s.config.steps, " in ", s.run.string());
-  log::Progress progress("clip", s.config.steps - s.step);
-  while (s.step < s.config.steps) {
-    auto batch = detail::next_nonempty_batch(*s.loader, *s.train_set);
-    std::vector<std::string> captions;
-    for (const auto& example : batch.examples) captions.push_back(example.caption);
-    const auto metrics = s.train_step(detail::stack_images(batch.examples), captions);
-    progress.advance();
-    progress.set_loss(metrics.loss);
-    const bool last = s.step == s.config.steps;
-    if (s.step % s.config.log_every == 0 || last) s.log_step(metrics);
-    if (s.step % s.config.validate_every == 0 || last) {
-      const auto validation = validate();
-      log::info("clip: update ", s.step, " loss ", metrics.loss, "; ", validation.images,
-                " held-out images: image->text top-1 ", validation.image_to_text, ", text->image top-1 ",
-                validation.text_to_image);
-    }
-    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
-  }
-  progress.finish();
+  ClipStepMetrics metrics;
+  detail::run_training_loop(
+      s, detail::intervals_of(s.config),
+      {.update =
+           [&] {
+             auto batch = detail::next_nonempty_batch(s.images);
+             std::vector<std::string> captions;
+             for (const auto& example : batch.examples) captions.push_back(example.caption);
+             metrics = s.train_step(detail::stack_images(batch.examples), captions);
+             return metrics.loss;
+           },
+       .log = [&] { s.log_step(metrics); },
+       .validate =
+           [&] {
+             const auto validation = validate();
+             log::info("clip: update ", s.step, " loss ", metrics.loss, "; ", validation.images,
+                       " held-out images: image->text top-1 ", validation.image_to_text, ", text->image top-1 ",
+                       validation.text_to_image);
+           },
+       .checkpoint = [&] { s.save_checkpoint(); }});
 }
 
 ClipValidation ClipTrainer::validate() {
@@ -284,7 +267,7 @@ ClipValidation ClipTrainer::validate() {
   s.ema->copy_to(*s.ema_model);
   s.ema_model->eval();
   torch::NoGradGuard no_grad;
-  const auto& images = *s.validation_set;
+  const auto& images = *s.images.validation;
   const int64_t count = std::min<int64_t>(static_cast<int64_t>(images.size()), s.config.validation_images);
   std::vector<std::string> captions;
   std::vector<torch::Tensor> image_features, text_features;
@@ -332,9 +315,9 @@ ClipValidation ClipTrainer::validate() {
 
 void ClipTrainer::State::save_checkpoint() {
   auto checkpoint =
-      make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
+      make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, images.loader->position());
   precision->save_state(checkpoint.state, "gradient_scaler.");
-  log::info("clip: checkpoint ", checkpoints.save(step, checkpoint));
+  save(checkpoint);
 }
 
 void ClipTrainer::State::resume(const std::string& directory) {
@@ -345,10 +328,8 @@ void ClipTrainer::State::resume(const std::string& directory) {
   check_resumable<ClipTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change);
   const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
   precision->load_state(checkpoint.state, "gradient_scaler.");
-  step = progress.step;
-  loader->seek(progress.position);
-  metrics_log.drop_after(step);
-  log::info("clip: resumed from ", directory, " at update ", step);
+  images.loader->seek(progress.position);
+  resumed(directory, progress.step);
 }
 
 }  // namespace dalle::train

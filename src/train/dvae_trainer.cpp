@@ -20,6 +20,7 @@
 #include "dalle/train/optimizer_state.h"
 #include "run_directory.h"
 #include "trainer_support.h"
+#include "training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -59,30 +60,23 @@ void DvaeTrainConfig::visit(ConfigVisitor& v) {
   v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
 }
 
-struct DvaeTrainer::State {
+struct DvaeTrainer::State : RunRecord {
   DvaeTrainConfig config;
-  fs::path run;
   models::Dvae model{nullptr};
   models::Dvae ema_model{nullptr};
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
   std::unique_ptr<ModelPrecision> precision;
-  std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
-  std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
+  detail::ImageData images;
   at::Generator noise;
-  io::CheckpointStore checkpoints;
-  MetricsLog metrics_log;
-  int64_t step = 0;
 
   State(DvaeTrainConfig c, fs::path r)
-      : config(std::move(c)),
-        run(std::move(r)),
-        noise(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed))),
-        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
-        metrics_log(run / "metrics.jsonl") {}
+      : RunRecord("dvae", std::move(r), c.keep_checkpoints),
+        config(std::move(c)),
+        noise(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed))) {}
 
   DvaeStepMetrics train_step(const torch::Tensor& images);
-  data::Batch<data::ImageCaptionExample> next_batch();
+  void log_step(const DvaeStepMetrics& metrics);
   void save_checkpoint();
   void resume(const std::string& directory);
 };
@@ -115,8 +109,7 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
   if (config.data.image_size % config.model.downsampling_factor() != 0) {
     throw Error("dvae training: data.image_size must be a multiple of 2^model.downsamplings");
   }
-  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
-  torch::manual_seed(static_cast<uint64_t>(config.seed));
+  prepare_torch(config.threads, config.seed);
 
   state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
   auto& s = *state_;
@@ -124,23 +117,11 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
   s.model = models::Dvae(s.config.model);
   s.ema_model = models::Dvae(s.config.model);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  s.optimizer = std::make_unique<AdamW>(
-      std::vector{torch::optim::OptimizerParamGroup(s.model->parameters())},
-      torch::optim::AdamWOptions(s.config.learning_rate.at(0))
-          .betas({s.config.beta1, s.config.beta2})
-          .eps(s.config.epsilon)
-          .weight_decay(s.config.weight_decay),
-      s.config.precision.moments_dtype());
+  s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
 
-  auto images = detail::open_image_data(s.config.data, s.config.seed);
-  s.train_set = std::move(images.train);
-  s.validation_set = std::move(images.validation);
-  s.loader = std::move(images.loader);
-  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
-  // Written only once a resume has succeeded, so a refused resume leaves the run untouched.
-  fs::create_directories(s.run / "samples");
-  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+  s.images = detail::open_image_data(s.config.data, s.config.seed);
+  s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
 }
 
 DvaeTrainer::~DvaeTrainer() = default;
@@ -198,55 +179,42 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
 
 void DvaeTrainer::run() {
   auto& s = *state_;
-  if (s.step >= s.config.steps) {
-    log::info("dvae: already trained for ", s.step, " updates");
-    return;
-  }
-  log::info("dvae: training from update ", s.step, " to ", s.config.steps, " in ", s.run.string());
-  log::Progress progress("dvae", s.config.steps - s.step);
-  while (s.step < s.config.steps) {
-    auto batch = s.next_batch();
-    const auto metrics = s.train_step(detail::stack_images(batch.examples));
-    progress.advance();
-    progress.set_loss(metrics.loss);
-    const bool last = s.step == s.config.steps;
-    if (s.step % s.config.log_every == 0 || last) {
-      nlohmann::json line = {{"step", metrics.step}, {"loss", metrics.loss}, {"reconstruction", metrics.reconstruction},
-                             {"kl", metrics.kl}, {"temperature", metrics.temperature},
-                             {"kl_weight", metrics.kl_weight}, {"learning_rate", metrics.learning_rate}};
-      if (const auto* scaler = s.precision->scaler()) {
-        line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
-      }
-      s.metrics_log.append(line);
-    }
-    if (s.step % s.config.validate_every == 0 || last) {
-      const auto validation = validate();
-      log::info("dvae: update ", s.step, " loss ", metrics.loss, " validation PSNR ", validation.psnr,
-                " dB, perplexity ", validation.perplexity, ", codes used ", validation.codes_used,
-                ", decoder sensitivity ", validation.decoder_sensitivity);
-    }
-    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
-  }
-  progress.finish();
+  DvaeStepMetrics metrics;
+  detail::run_training_loop(
+      s, detail::intervals_of(s.config),
+      {.update =
+           [&] {
+             metrics = s.train_step(detail::next_image_batch(s.images));
+             return metrics.loss;
+           },
+       .log = [&] { s.log_step(metrics); },
+       .validate = [&] { detail::log_tokenizer_validation("dvae", s.step, metrics.loss, validate()); },
+       .checkpoint = [&] { s.save_checkpoint(); }});
 }
 
-data::Batch<data::ImageCaptionExample> DvaeTrainer::State::next_batch() {
-  return detail::next_nonempty_batch(*loader, *train_set);
+void DvaeTrainer::State::log_step(const DvaeStepMetrics& m) {
+  nlohmann::json line = {{"step", m.step}, {"loss", m.loss}, {"reconstruction", m.reconstruction},
+                         {"kl", m.kl}, {"temperature", m.temperature},
+                         {"kl_weight", m.kl_weight}, {"learning_rate", m.learning_rate}};
+  if (const auto* scaler = precision->scaler()) {
+    line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
+  }
+  metrics_log.append(line);
 }
 
 DvaeValidation DvaeTrainer::validate() {
   auto& s = *state_;
   s.ema->copy_to(*s.ema_model);
   s.ema_model->eval();
-  return detail::validate_tokenizer(*s.ema_model, *s.validation_set, s.config.data.batch_size, s.config.grid_images,
+  return detail::validate_tokenizer(*s.ema_model, *s.images.validation, s.config.data.batch_size, s.config.grid_images,
                                     s.step, s.run, s.metrics_log, "dvae");
 }
 
 void DvaeTrainer::State::save_checkpoint() {
-  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
+  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, images.loader->position());
   checkpoint.state.emplace("rng.noise", noise.get_state());
   precision->save_state(checkpoint.state, "gradient_scaler.");
-  log::info("dvae: checkpoint ", checkpoints.save(step, checkpoint));
+  save(checkpoint);
 }
 
 void DvaeTrainer::State::resume(const std::string& directory) {
@@ -256,10 +224,8 @@ void DvaeTrainer::State::resume(const std::string& directory) {
   const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
   noise.set_state(checkpoint.state.at("rng.noise"));
   precision->load_state(checkpoint.state, "gradient_scaler.");
-  step = progress.step;
-  loader->seek(progress.position);
-  metrics_log.drop_after(step);
-  log::info("dvae: resumed from ", directory, " at update ", step);
+  images.loader->seek(progress.position);
+  resumed(directory, progress.step);
 }
 
 TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint) {

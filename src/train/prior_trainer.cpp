@@ -26,6 +26,7 @@
 #include "dalle/train/resblock_runner.h"
 #include "run_directory.h"
 #include "trainer_support.h"
+#include "training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -86,9 +87,8 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
           {.choices = {"auto", "cpu", "cuda"}});
 }
 
-struct PriorTrainer::State {
+struct PriorTrainer::State : RunRecord {
   PriorTrainConfig config;
-  fs::path run;
   torch::Device device;
   models::Prior model{nullptr}, ema_model{nullptr};
   std::unique_ptr<Ema> ema;
@@ -97,21 +97,16 @@ struct PriorTrainer::State {
   std::shared_ptr<data::TokenDataset> train_set, validation_set;
   std::unique_ptr<data::DataLoader<data::TokenDataset>> loader;
   at::Generator caption_dropout;
-  io::CheckpointStore checkpoints;
-  MetricsLog metrics_log;
-  int64_t step = 0;
   // Plateau decay: the best validation loss, validations since it, reductions made.
   double best_validation = std::numeric_limits<double>::infinity();
   int64_t validations_since_best = 0, reductions = 0;
   PriorStepMetrics last;
 
   State(PriorTrainConfig c, fs::path r)
-      : config(std::move(c)),
-        run(std::move(r)),
+      : RunRecord("prior", std::move(r), c.keep_checkpoints),
+        config(std::move(c)),
         device(resolve_device(config.device, "prior training")),
-        caption_dropout(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1)),
-        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
-        metrics_log(run / "metrics.jsonl") {}
+        caption_dropout(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1)) {}
 
   torch::Tensor batch_tokens(const std::vector<data::TokenExample>& examples, bool drop_captions);
   PriorStepMetrics train_step(const torch::Tensor& tokens);
@@ -175,8 +170,7 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   if (config.data.train.empty()) throw Error("prior training: data.train must name a token dataset folder");
   config.model.validate();
   check_run_directory(run_directory, "prior");
-  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
-  torch::manual_seed(static_cast<uint64_t>(config.seed));
+  prepare_torch(config.threads, config.seed);
 
   state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
   auto& s = *state_;
@@ -206,9 +200,7 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
       s.train_set, data::LoaderOptions{.batch_size = s.config.data.batch_size,
                                        .workers = s.config.data.workers,
                                        .sampler = {.seed = static_cast<uint64_t>(s.config.seed)}});
-  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
-  fs::create_directories(s.run / "samples");
-  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+  s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
 }
 
 PriorTrainer::~PriorTrainer() = default;
@@ -294,27 +286,22 @@ nlohmann::json PriorTrainer::State::metrics_line() const {
 
 void PriorTrainer::run() {
   auto& s = *state_;
-  if (s.step >= s.config.steps) {
-    log::info("prior: already trained for ", s.step, " updates");
-    return;
-  }
-  log::info("prior: training from update ", s.step, " to ", s.config.steps, " in ", s.run.string());
-  log::Progress progress("prior", s.config.steps - s.step);
-  while (s.step < s.config.steps) {
-    const auto batch = s.loader->next();
-    s.last = s.train_step(s.batch_tokens(batch.examples, /*drop_captions=*/true));
-    progress.advance();
-    progress.set_loss(s.last.loss);
-    const bool last = s.step == s.config.steps;
-    if (s.step % s.config.log_every == 0 || last) s.metrics_log.append(s.metrics_line());
-    if (s.step % s.config.validate_every == 0 || last) {
-      const auto validation = validate();
-      log::info("prior: update ", s.step, " loss ", s.last.loss, " validation loss ", validation.loss, " (text ",
-                validation.text_loss, ", image ", validation.image_loss, ")");
-    }
-    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
-  }
-  progress.finish();
+  detail::run_training_loop(
+      s, detail::intervals_of(s.config),
+      {.update =
+           [&] {
+             const auto batch = s.loader->next();
+             s.last = s.train_step(s.batch_tokens(batch.examples, /*drop_captions=*/true));
+             return s.last.loss;
+           },
+       .log = [&] { s.metrics_log.append(s.metrics_line()); },
+       .validate =
+           [&] {
+             const auto validation = validate();
+             log::info("prior: update ", s.step, " loss ", s.last.loss, " validation loss ", validation.loss,
+                       " (text ", validation.text_loss, ", image ", validation.image_loss, ")");
+           },
+       .checkpoint = [&] { s.save_checkpoint(); }});
 }
 
 void PriorTrainer::State::update_plateau(double validation_loss) {
@@ -401,7 +388,7 @@ void PriorTrainer::State::save_checkpoint() {
   checkpoint.state_metadata.insert({{"best_validation", std::to_string(best_validation)},
                                     {"validations_since_best", std::to_string(validations_since_best)},
                                     {"reductions", std::to_string(reductions)}});
-  log::info("prior: checkpoint ", checkpoints.save(step, checkpoint));
+  save(checkpoint);
 }
 
 void PriorTrainer::State::resume(const std::string& directory) {
@@ -414,10 +401,8 @@ void PriorTrainer::State::resume(const std::string& directory) {
   best_validation = std::stod(meta.at("best_validation"));
   validations_since_best = std::stoll(meta.at("validations_since_best"));
   reductions = std::stoll(meta.at("reductions"));
-  step = progress.step;
   loader->seek(progress.position);
-  metrics_log.drop_after(step);
-  log::info("prior: resumed from ", directory, " at update ", step);
+  resumed(directory, progress.step);
 }
 
 TrainedPrior load_trained_prior(const std::string& run_or_checkpoint) {

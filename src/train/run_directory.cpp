@@ -1,6 +1,7 @@
 #include "run_directory.h"
 
 #include <ATen/Context.h>
+#include <torch/torch.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -44,6 +45,33 @@ void MetricsLog::drop_after(int64_t step) const {
     if (entry.is_object() && entry.value("step", int64_t{0}) <= step) kept += line + "\n";
   }
   io::write_file_atomic(path_.string(), kept);
+}
+
+void prepare_torch(int64_t threads, int64_t seed) {
+  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
+  torch::manual_seed(static_cast<uint64_t>(seed));
+}
+
+RunRecord::RunRecord(std::string what, fs::path run, int64_t keep_checkpoints)
+    : what(std::move(what)),
+      run(std::move(run)),
+      checkpoints((this->run / "checkpoints").string(), static_cast<int>(keep_checkpoints)),
+      metrics_log(this->run / "metrics.jsonl") {}
+
+void RunRecord::open(const ConfigVisit& config, bool samples, const std::function<void(const std::string&)>& resume) {
+  if (auto latest = checkpoints.latest()) resume(*latest);
+  fs::create_directories(samples ? run / "samples" : run);
+  save_config((run / "config.yaml").string(), config);
+}
+
+void RunRecord::save(const io::Checkpoint& checkpoint) {
+  log::info(what, ": checkpoint ", checkpoints.save(step, checkpoint));
+}
+
+void RunRecord::resumed(const std::string& directory, int64_t resumed_step) {
+  step = resumed_step;
+  metrics_log.drop_after(step);
+  log::info(what, ": resumed from ", directory, " at update ", step);
 }
 
 void check_same_config(const std::vector<std::pair<std::string, std::string>>& before,

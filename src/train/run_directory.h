@@ -36,6 +36,32 @@ class MetricsLog {
   std::filesystem::path path_;
 };
 
+// Sets torch's CPU threads (0: its default) and seeds its generator, before a trainer builds
+// its model.
+void prepare_torch(int64_t threads, int64_t seed);
+
+// What every trainer keeps of its run: the folder, its checkpoints and metrics log, and the
+// updates made so far. `what` names the trainer in the log.
+struct RunRecord {
+  RunRecord(std::string what, std::filesystem::path run, int64_t keep_checkpoints);
+
+  // Resumes with `resume` from the latest checkpoint, if there is one; then creates the run's
+  // folder (with samples/ in it when `samples`) and writes its config.yaml. In that order, so
+  // that a refused resume leaves the run untouched.
+  void open(const ConfigVisit& config, bool samples, const std::function<void(const std::string&)>& resume);
+  // Saves `checkpoint` as the current update's.
+  void save(const io::Checkpoint& checkpoint);
+  // The end of a resume from `directory` at update `resumed_step`: the metrics of later
+  // updates are dropped, since the run redoes them.
+  void resumed(const std::string& directory, int64_t resumed_step);
+
+  std::string what;
+  std::filesystem::path run;
+  io::CheckpointStore checkpoints;
+  MetricsLog metrics_log;
+  int64_t step = 0;
+};
+
 // Throws unless `now` equals the config a checkpoint was written with, except for the keys
 // `may_change` accepts (how long and how often, not what is trained).
 void check_same_config(const std::vector<std::pair<std::string, std::string>>& before,

@@ -19,6 +19,7 @@
 #include "dalle/train/model_precision.h"
 #include "run_directory.h"
 #include "trainer_support.h"
+#include "training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -72,25 +73,18 @@ void SuperResTrainConfig::validate() const {
   }
 }
 
-struct SuperResTrainer::State {
+struct SuperResTrainer::State : RunRecord {
   SuperResTrainConfig config;
-  fs::path run;
   models::RrdbNet model{nullptr};
   models::RrdbNet ema_model{nullptr};
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
   std::unique_ptr<ModelPrecision> precision;
-  std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
-  std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
-  io::CheckpointStore checkpoints;
-  MetricsLog metrics_log;
-  int64_t step = 0;
+  detail::ImageData images;
 
   State(SuperResTrainConfig c, fs::path r)
-      : config(std::move(c)),
-        run(std::move(r)),
-        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
-        metrics_log(run / "metrics.jsonl") {}
+      : RunRecord("super-resolution", std::move(r), c.keep_checkpoints),
+        config(std::move(c)), {}
 
   SuperResStepMetrics train_step(const torch::Tensor& high);
   void log_step(const SuperResStepMetrics& metrics);
@@ -146,30 +140,18 @@ torch::Tensor SuperResTrainer::degrade_batch(const torch::Tensor& high, const Su
 SuperResTrainer::SuperResTrainer(SuperResTrainConfig config, std::string run_directory) {
   config.validate();
   check_run_directory(run_directory, "super-resolution");
-  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
-  torch::manual_seed(static_cast<uint64_t>(config.seed));
+  prepare_torch(config.threads, config.seed);
 
   state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
   auto& s = *state_;
   s.model = models::RrdbNet(s.config.model);
   s.ema_model = models::RrdbNet(s.config.model);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  s.optimizer = std::make_unique<AdamW>(std::vector{torch::optim::OptimizerParamGroup(s.model->parameters())},
-                                        torch::optim::AdamWOptions(s.config.learning_rate.at(0))
-                                            .betas({s.config.beta1, s.config.beta2})
-                                            .eps(s.config.epsilon)
-                                            .weight_decay(s.config.weight_decay),
-                                        s.config.precision.moments_dtype());
+  s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
 
-  auto images = detail::open_image_data(s.config.data, s.config.seed);
-  s.train_set = std::move(images.train);
-  s.validation_set = std::move(images.validation);
-  s.loader = std::move(images.loader);
-  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
-  // Written only once a resume has succeeded, so a refused resume leaves the run untouched.
-  fs::create_directories(s.run / "samples");
-  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+  s.images = detail::open_image_data(s.config.data, s.config.seed);
+  s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
 }
 
 SuperResTrainer::~SuperResTrainer() = default;
@@ -216,28 +198,22 @@ void SuperResTrainer::State::log_step(const SuperResStepMetrics& m) {
 
 void SuperResTrainer::run() {
   auto& s = *state_;
-  if (s.step >= s.config.steps) {
-    log::info("super-resolution: already trained for ", s.step, " updates");
-    return;
-  }
-  log::info("super-resolution: training x", s.config.model.scale, " from update ", s.step, " to ", s.config.steps,
-            " in ", s.run.string());
-  log::Progress progress("super-resolution", s.config.steps - s.step);
-  while (s.step < s.config.steps) {
-    auto batch = detail::next_nonempty_batch(*s.loader, *s.train_set);
-    const auto metrics = s.train_step(detail::stack_images(batch.examples));
-    progress.advance();
-    progress.set_loss(metrics.loss);
-    const bool last = s.step == s.config.steps;
-    if (s.step % s.config.log_every == 0 || last) s.log_step(metrics);
-    if (s.step % s.config.validate_every == 0 || last) {
-      const auto validation = validate();
-      log::info("super-resolution: update ", s.step, " loss ", metrics.loss, " validation PSNR ", validation.psnr,
-                " dB (bicubic ", validation.bicubic_psnr, " dB)");
-    }
-    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
-  }
-  progress.finish();
+  SuperResStepMetrics metrics;
+  detail::run_training_loop(
+      s, detail::intervals_of(s.config),
+      {.update =
+           [&] {
+             metrics = s.train_step(detail::next_image_batch(s.images));
+             return metrics.loss;
+           },
+       .log = [&] { s.log_step(metrics); },
+       .validate =
+           [&] {
+             const auto validation = validate();
+             log::info("super-resolution: update ", s.step, " loss ", metrics.loss, " validation PSNR ",
+                       validation.psnr, " dB (bicubic ", validation.bicubic_psnr, " dB)");
+           },
+       .checkpoint = [&] { s.save_checkpoint(); }});
 }
 
 SuperResValidation SuperResTrainer::validate() {
@@ -245,7 +221,7 @@ SuperResValidation SuperResTrainer::validate() {
   s.ema->copy_to(*s.ema_model);
   s.ema_model->eval();
   torch::NoGradGuard no_grad;
-  const int64_t count = std::min<int64_t>(static_cast<int64_t>(s.validation_set->size()), s.config.validation_images);
+  const int64_t count = std::min<int64_t>(static_cast<int64_t>(s.images.validation->size()), s.config.validation_images);
   const int64_t scale = s.config.model.scale;
   std::vector<torch::Tensor> lows, outputs, originals;
   double psnr_sum = 0, bicubic_sum = 0;
@@ -254,7 +230,7 @@ SuperResValidation SuperResTrainer::validate() {
     std::vector<torch::Tensor> high, low;
     for (int64_t i = begin; i < std::min(count, begin + s.config.data.batch_size); ++i) {
       std::mt19937_64 caption_rng(static_cast<uint64_t>(i));
-      auto example = s.validation_set->get(static_cast<size_t>(i), caption_rng);
+      auto example = s.images.validation->get(static_cast<size_t>(i), caption_rng);
       if (!example) continue;
       // The same degradation of image i at every validation, whatever the seed.
       auto rng = degradation_rng(0, 0, i, kValidationSalt);
@@ -274,7 +250,7 @@ SuperResValidation SuperResTrainer::validate() {
       originals.push_back(original);
     }
   }
-  if (scored == 0) throw Error("super-resolution: no readable validation image in " + s.validation_set->root());
+  if (scored == 0) throw Error("super-resolution: no readable validation image in " + s.images.validation->root());
   SuperResValidation result{psnr_sum / scored, bicubic_sum / scored, scored};
   write_grid(torch::cat(lows), torch::cat(outputs), torch::cat(originals), s.config.grid_images, s.step, s.run);
   s.metrics_log.append({{"step", s.step},
@@ -287,9 +263,9 @@ SuperResValidation SuperResTrainer::validate() {
 
 void SuperResTrainer::State::save_checkpoint() {
   auto checkpoint =
-      make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
+      make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, images.loader->position());
   precision->save_state(checkpoint.state, "gradient_scaler.");
-  log::info("super-resolution: checkpoint ", checkpoints.save(step, checkpoint));
+  save(checkpoint);
 }
 
 void SuperResTrainer::State::resume(const std::string& directory) {
@@ -300,10 +276,8 @@ void SuperResTrainer::State::resume(const std::string& directory) {
                                        });
   const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
   precision->load_state(checkpoint.state, "gradient_scaler.");
-  step = progress.step;
-  loader->seek(progress.position);
-  metrics_log.drop_after(step);
-  log::info("super-resolution: resumed from ", directory, " at update ", step);
+  images.loader->seek(progress.position);
+  resumed(directory, progress.step);
 }
 
 }  // namespace dalle::train

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "dalle/data/image.h"
+#include "dalle/log.h"
 #include "dalle/models/dvae_objective.h"
 
 namespace dalle::train::detail {
@@ -38,15 +39,17 @@ torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& example
   return torch::stack(images);
 }
 
-data::Batch<data::ImageCaptionExample> next_nonempty_batch(data::DataLoader<data::ImageCaptionDataset>& loader,
-                                                          const data::ImageCaptionDataset& dataset) {
+data::Batch<data::ImageCaptionExample> next_nonempty_batch(ImageData& images) {
   // A whole epoch without one readable image means none will come: say so, do not spin.
-  for (int64_t empty = 0; empty < loader.batches_per_epoch(); ++empty) {
-    auto batch = loader.next();
+  for (int64_t empty = 0; empty < images.loader->batches_per_epoch(); ++empty) {
+    auto batch = images.loader->next();
     if (!batch.examples.empty()) return batch;
   }
-  throw Error(dataset.root() + ": a whole epoch without a readable image (" + dataset.report().summary() + ")");
+  throw Error(images.train->root() + ": a whole epoch without a readable image (" +
+              images.train->report().summary() + ")");
 }
+
+torch::Tensor next_image_batch(ImageData& images) { return stack_images(next_nonempty_batch(images).examples); }
 
 io::TensorMap with_prefix_removed(const io::TensorMap& tensors, const std::string& prefix) {
   io::TensorMap out;
@@ -107,6 +110,13 @@ TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const 
   metrics.append({{"step", step}, {"validation_psnr", result.psnr}, {"perplexity", result.perplexity},
                   {"codes_used", result.codes_used}, {"decoder_sensitivity", result.decoder_sensitivity}});
   return result;
+}
+
+void log_tokenizer_validation(const std::string& what, int64_t step, double loss,
+                              const TokenizerValidation& validation) {
+  log::info(what, ": update ", step, " loss ", loss, " validation PSNR ", validation.psnr, " dB, perplexity ",
+            validation.perplexity, ", codes used ", validation.codes_used, ", decoder sensitivity ",
+            validation.decoder_sensitivity);
 }
 
 }  // namespace dalle::train::detail

@@ -12,6 +12,7 @@
 #include "dalle/data/loader.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/models/image_tokenizer.h"
+#include "dalle/train/adamw.h"
 #include "dalle/train/dvae_trainer.h"
 #include "dalle/train/tokenizer_validation.h"
 #include "run_directory.h"
@@ -32,8 +33,21 @@ ImageData open_image_data(const ImageDataConfig& config, int64_t seed);
 torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples);
 
 // The next batch with at least one image; throws after a whole epoch of unreadable ones.
-data::Batch<data::ImageCaptionExample> next_nonempty_batch(data::DataLoader<data::ImageCaptionDataset>& loader,
-                                                          const data::ImageCaptionDataset& dataset);
+data::Batch<data::ImageCaptionExample> next_nonempty_batch(ImageData& images);
+// Its images stacked, for the trainers that need no captions.
+torch::Tensor next_image_batch(ImageData& images);
+
+// AdamW over `parameters` with the config's betas, epsilon, weight decay and first learning
+// rate, its moments kept in the config's precision.
+template <class Config>
+std::unique_ptr<AdamW> make_adamw(const std::vector<torch::Tensor>& parameters, const Config& config) {
+  return std::make_unique<AdamW>(std::vector{torch::optim::OptimizerParamGroup(parameters)},
+                                 torch::optim::AdamWOptions(config.learning_rate.at(0))
+                                     .betas({config.beta1, config.beta2})
+                                     .eps(config.epsilon)
+                                     .weight_decay(config.weight_decay),
+                                 config.precision.moments_dtype());
+}
 
 // Tensors of `tensors` whose name starts with `prefix`, the prefix removed.
 io::TensorMap with_prefix_removed(const io::TensorMap& tensors, const std::string& prefix);
@@ -44,5 +58,9 @@ TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const 
                                        int64_t batch_size, int64_t grid_images, int64_t step,
                                        const std::filesystem::path& run, const MetricsLog& metrics,
                                        const std::string& what);
+
+// The log line of a tokenizer validation after update `step`, whose training loss was `loss`.
+void log_tokenizer_validation(const std::string& what, int64_t step, double loss,
+                              const TokenizerValidation& validation);
 
 }  // namespace dalle::train::detail

@@ -19,6 +19,7 @@
 #include "dalle/train/optimizer_state.h"
 #include "run_directory.h"
 #include "trainer_support.h"
+#include "training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -65,9 +66,8 @@ void VqganTrainConfig::visit(ConfigVisitor& v) {
           {.choices = {"auto", "cpu", "cuda"}});
 }
 
-struct VqganTrainer::State {
+struct VqganTrainer::State : RunRecord {
   VqganTrainConfig config;
-  fs::path run;
   torch::Device device;
   models::Vqgan model{nullptr};
   models::Vqgan ema_model{nullptr};
@@ -77,21 +77,15 @@ struct VqganTrainer::State {
   models::PatchDiscriminator discriminator{nullptr};
   std::unique_ptr<AdamW> discriminator_optimizer;
   std::unique_ptr<ModelPrecision> discriminator_precision;
-  std::shared_ptr<data::ImageCaptionDataset> train_set, validation_set;
-  std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
+  detail::ImageData images;
   at::Generator noise;
-  io::CheckpointStore checkpoints;
-  MetricsLog metrics_log;
   torch::Tensor usage;  // vector quantizer: how often each code was chosen since the last restart
-  int64_t step = 0;
 
   State(VqganTrainConfig c, fs::path r)
-      : config(std::move(c)),
-        run(std::move(r)),
+      : RunRecord("vqgan", std::move(r), c.keep_checkpoints),
+        config(std::move(c)),
         device(resolve_device(config.device, "vqgan training")),
         noise(seeded_generator(device, static_cast<uint64_t>(config.seed))),
-        checkpoints((run / "checkpoints").string(), static_cast<int>(config.keep_checkpoints)),
-        metrics_log(run / "metrics.jsonl"),
         usage(torch::zeros({config.model.n_embed}, torch::kInt64)) {}
 
   VqganStepMetrics train_step(const torch::Tensor& images);
@@ -106,15 +100,6 @@ struct VqganTrainer::State {
 };
 
 namespace {
-
-std::unique_ptr<AdamW> make_adamw(const std::vector<torch::Tensor>& parameters, const VqganTrainConfig& config) {
-  return std::make_unique<AdamW>(std::vector{torch::optim::OptimizerParamGroup(parameters)},
-                                 torch::optim::AdamWOptions(config.learning_rate.at(0))
-                                     .betas({config.beta1, config.beta2})
-                                     .eps(config.epsilon)
-                                     .weight_decay(config.weight_decay),
-                                 config.precision.moments_dtype());
-}
 
 void validate_settings(const VqganTrainConfig& config) {
   if (config.data.train.empty() || config.data.validation.empty()) {
@@ -143,8 +128,7 @@ void validate_settings(const VqganTrainConfig& config) {
 VqganTrainer::VqganTrainer(VqganTrainConfig config, std::string run_directory) {
   validate_settings(config);
   check_run_directory(run_directory, "VQGAN");
-  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
-  torch::manual_seed(static_cast<uint64_t>(config.seed));
+  prepare_torch(config.threads, config.seed);
 
   state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
   auto& s = *state_;
@@ -153,24 +137,18 @@ VqganTrainer::VqganTrainer(VqganTrainConfig config, std::string run_directory) {
   s.ema_model = models::Vqgan(s.config.model);
   s.ema_model->to(s.device);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  s.optimizer = make_adamw(s.model->parameters(), s.config);
+  s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
   if (s.config.discriminator.enabled) {
     s.discriminator = models::PatchDiscriminator(s.config.model.out_channels, s.config.discriminator.channels,
                                                  s.config.discriminator.layers);
     s.discriminator->to(s.device);
-    s.discriminator_optimizer = make_adamw(s.discriminator->parameters(), s.config);
+    s.discriminator_optimizer = detail::make_adamw(s.discriminator->parameters(), s.config);
     s.discriminator_precision = std::make_unique<ModelPrecision>(s.config.precision, s.discriminator->parameters());
   }
 
-  auto images = detail::open_image_data(s.config.data, s.config.seed);
-  s.train_set = std::move(images.train);
-  s.validation_set = std::move(images.validation);
-  s.loader = std::move(images.loader);
-  if (auto latest = s.checkpoints.latest()) s.resume(*latest);
-  // Written only once a resume has succeeded, so a refused resume leaves the run untouched.
-  fs::create_directories(s.run / "samples");
-  save_config((s.run / "config.yaml").string(), visit_of(s.config));
+  s.images = detail::open_image_data(s.config.data, s.config.seed);
+  s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
 }
 
 VqganTrainer::~VqganTrainer() = default;
@@ -291,40 +269,29 @@ void VqganTrainer::State::log_step(const VqganStepMetrics& m) {
 
 void VqganTrainer::run() {
   auto& s = *state_;
-  if (s.step >= s.config.steps) {
-    log::info("vqgan: already trained for ", s.step, " updates");
-    return;
-  }
-  log::info("vqgan: training from update ", s.step, " to ", s.config.steps, " in ", s.run.string());
-  log::Progress progress("vqgan", s.config.steps - s.step);
-  while (s.step < s.config.steps) {
-    auto batch = detail::next_nonempty_batch(*s.loader, *s.train_set);
-    const auto metrics = s.train_step(detail::stack_images(batch.examples));
-    progress.advance();
-    progress.set_loss(metrics.loss);
-    const bool last = s.step == s.config.steps;
-    if (s.step % s.config.log_every == 0 || last) s.log_step(metrics);
-    if (s.step % s.config.validate_every == 0 || last) {
-      const auto validation = validate();
-      log::info("vqgan: update ", s.step, " loss ", metrics.loss, " validation PSNR ", validation.psnr,
-                " dB, perplexity ", validation.perplexity, ", codes used ", validation.codes_used,
-                ", decoder sensitivity ", validation.decoder_sensitivity);
-    }
-    if (s.step % s.config.checkpoint_every == 0 || last) s.save_checkpoint();
-  }
-  progress.finish();
+  VqganStepMetrics metrics;
+  detail::run_training_loop(
+      s, detail::intervals_of(s.config),
+      {.update =
+           [&] {
+             metrics = s.train_step(detail::next_image_batch(s.images));
+             return metrics.loss;
+           },
+       .log = [&] { s.log_step(metrics); },
+       .validate = [&] { detail::log_tokenizer_validation("vqgan", s.step, metrics.loss, validate()); },
+       .checkpoint = [&] { s.save_checkpoint(); }});
 }
 
 TokenizerValidation VqganTrainer::validate() {
   auto& s = *state_;
   s.ema->copy_to(*s.ema_model);
   s.ema_model->eval();
-  return detail::validate_tokenizer(*s.ema_model, *s.validation_set, s.config.data.batch_size, s.config.grid_images,
+  return detail::validate_tokenizer(*s.ema_model, *s.images.validation, s.config.data.batch_size, s.config.grid_images,
                                     s.step, s.run, s.metrics_log, "vqgan");
 }
 
 void VqganTrainer::State::save_checkpoint() {
-  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
+  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, images.loader->position());
   auto& state = checkpoint.state;
   if (discriminator) {
     for (const auto& [name, tensor] : io::state_dict(*discriminator)) state.emplace("discriminator." + name, tensor);
@@ -336,7 +303,7 @@ void VqganTrainer::State::save_checkpoint() {
   state.emplace("rng.noise", noise.get_state());
   precision->save_state(state, "gradient_scaler.");
   if (discriminator_precision) discriminator_precision->save_state(state, "discriminator_gradient_scaler.");
-  log::info("vqgan: checkpoint ", checkpoints.save(step, checkpoint));
+  save(checkpoint);
 }
 
 void VqganTrainer::State::resume(const std::string& directory) {
@@ -355,10 +322,8 @@ void VqganTrainer::State::resume(const std::string& directory) {
   restore_generator(noise, state.at("rng.noise"), "vqgan");
   precision->load_state(state, "gradient_scaler.");
   if (discriminator_precision) discriminator_precision->load_state(state, "discriminator_gradient_scaler.");
-  step = progress.step;
-  loader->seek(progress.position);
-  metrics_log.drop_after(step);
-  log::info("vqgan: resumed from ", directory, " at update ", step);
+  images.loader->seek(progress.position);
+  resumed(directory, progress.step);
 }
 
 TrainedVqgan load_trained_vqgan(const std::string& run_or_checkpoint) {
