@@ -8,6 +8,7 @@
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/loader.h"
+#include "dalle/device.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/log.h"
 #include "dalle/text/tokenizer.h"
@@ -58,6 +59,8 @@ void ClipTrainConfig::visit(ConfigVisitor& v) {
   v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
   v.field("seed", seed, "seed of initialisation and data order", {.min = 0});
   v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("device", device, "where CLIP trains: auto (a GPU when torch sees one), cpu or cuda",
+          {.choices = {"auto", "cpu", "cuda"}});
 }
 
 double ClipTrainConfig::learning_rate_at(int64_t step) const {
@@ -78,6 +81,7 @@ torch::Tensor clip_contrastive_loss(const torch::Tensor& logits_per_image) {
 
 struct ClipTrainer::State : RunRecord {
   ClipTrainConfig config;
+  torch::Device device;
   text::Tokenizer tokenizer;
   models::Clip model{nullptr};
   models::Clip ema_model{nullptr};
@@ -89,6 +93,7 @@ struct ClipTrainer::State : RunRecord {
   State(ClipTrainConfig c, fs::path r)
       : RunRecord("clip", std::move(r), c.keep_checkpoints),
         config(std::move(c)),
+        device(resolve_device(config.device, "clip training")),
         tokenizer(text::Tokenizer::load(config.tokenizer)) {}
 
   torch::Tensor tokenize(const std::vector<std::string>& captions) const;
@@ -155,7 +160,9 @@ ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
   auto& s = *state_;
   check_tokenizer(s.tokenizer, s.config.model, s.config.tokenizer);
   s.model = models::Clip(s.config.model);
+  s.model->to(s.device);
   s.ema_model = models::Clip(s.config.model);
+  s.ema_model->to(s.device);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
   s.optimizer = std::make_unique<AdamW>(parameter_groups(*s.model, s.config),
                                         torch::optim::AdamWOptions(s.config.learning_rate_at(0)),
@@ -181,7 +188,7 @@ torch::Tensor ClipTrainer::State::tokenize(const std::vector<std::string>& capti
     const auto ids = tokenizer.encode(captions[i]).ids;
     for (int64_t j = 0; j < length; ++j) rows[static_cast<int64_t>(i)][j] = ids[static_cast<size_t>(j)];
   }
-  return tokens;
+  return tokens.to(device);
 }
 
 ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, const std::vector<std::string>& captions) {
@@ -189,7 +196,7 @@ ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, cons
   metrics.learning_rate = config.learning_rate_at(step);
   for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
 
-  const auto pixels = models::clip_preprocess(images, config.model.image_size);
+  const auto pixels = models::clip_preprocess(images.to(device), config.model.image_size);
   const auto tokens = tokenize(captions);
   torch::Tensor image_features, text_features;
   {
@@ -282,7 +289,7 @@ ClipValidation ClipTrainer::validate() {
       }
     }
     if (examples.empty()) continue;
-    const auto pixels = models::clip_preprocess(detail::stack_images(examples), s.config.model.image_size);
+    const auto pixels = models::clip_preprocess(detail::stack_images(examples).to(s.device), s.config.model.image_size);
     image_features.push_back(s.ema_model->encode_image(pixels).to(torch::kFloat32));
     text_features.push_back(s.ema_model->encode_text(s.tokenize(batch_captions)).to(torch::kFloat32));
     captions.insert(captions.end(), batch_captions.begin(), batch_captions.end());

@@ -1,6 +1,5 @@
 #include "dalle/train/dvae_trainer.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/image.h"
 #include "dalle/data/loader.h"
+#include "dalle/device.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
@@ -58,10 +58,13 @@ void DvaeTrainConfig::visit(ConfigVisitor& v) {
           {.choices = {"logit_laplace", "mse"}});
   v.field("seed", seed, "seed of initialisation, data order and gumbel noise", {.min = 0});
   v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("device", device, "where the dVAE trains: auto (a GPU when torch sees one), cpu or cuda",
+          {.choices = {"auto", "cpu", "cuda"}});
 }
 
 struct DvaeTrainer::State : RunRecord {
   DvaeTrainConfig config;
+  torch::Device device;
   models::Dvae model{nullptr};
   models::Dvae ema_model{nullptr};
   std::unique_ptr<Ema> ema;
@@ -73,7 +76,8 @@ struct DvaeTrainer::State : RunRecord {
   State(DvaeTrainConfig c, fs::path r)
       : RunRecord("dvae", std::move(r), c.keep_checkpoints),
         config(std::move(c)),
-        noise(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed))) {}
+        device(resolve_device(config.device, "dvae training")),
+        noise(seeded_generator(device, static_cast<uint64_t>(config.seed))) {}
 
   DvaeStepMetrics train_step(const torch::Tensor& images);
   void log_step(const DvaeStepMetrics& metrics);
@@ -115,7 +119,9 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
   auto& s = *state_;
 
   s.model = models::Dvae(s.config.model);
+  s.model->to(s.device);
   s.ema_model = models::Dvae(s.config.model);
+  s.ema_model->to(s.device);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
   s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
@@ -136,7 +142,7 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
   metrics.learning_rate = config.learning_rate.at(step);
   for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
 
-  const auto pixels = data::map_pixels(images);
+  const auto pixels = data::map_pixels(images.to(device));
   torch::Tensor logits, output;
   {
     AutocastGuard autocast(pixels.device().type(), precision->autocast_dtype());
@@ -222,7 +228,7 @@ void DvaeTrainer::State::resume(const std::string& directory) {
   check_resumable<DvaeTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
                                    detail::may_change_on_resume);
   const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
-  noise.set_state(checkpoint.state.at("rng.noise"));
+  restore_generator(noise, checkpoint.state.at("rng.noise"), "dvae");
   precision->load_state(checkpoint.state, "gradient_scaler.");
   images.loader->seek(progress.position);
   resumed(directory, progress.step);

@@ -11,6 +11,7 @@
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/image.h"
 #include "dalle/data/loader.h"
+#include "dalle/device.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/log.h"
 #include "dalle/models/dvae_objective.h"
@@ -50,6 +51,8 @@ void SuperResTrainConfig::visit(ConfigVisitor& v) {
   v.field("grid_images", grid_images, "validation images in each sample grid", {.min = 1, .max = 256});
   v.field("seed", seed, "seed of initialisation, data order and degradations", {.min = 0});
   v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("device", device, "where the network trains: auto (a GPU when torch sees one), cpu or cuda",
+          {.choices = {"auto", "cpu", "cuda"}});
 }
 
 void SuperResTrainConfig::validate() const {
@@ -75,6 +78,7 @@ void SuperResTrainConfig::validate() const {
 
 struct SuperResTrainer::State : RunRecord {
   SuperResTrainConfig config;
+  torch::Device device;
   models::RrdbNet model{nullptr};
   models::RrdbNet ema_model{nullptr};
   std::unique_ptr<Ema> ema;
@@ -84,7 +88,8 @@ struct SuperResTrainer::State : RunRecord {
 
   State(SuperResTrainConfig c, fs::path r)
       : RunRecord("super-resolution", std::move(r), c.keep_checkpoints),
-        config(std::move(c)), {}
+        config(std::move(c)),
+        device(resolve_device(config.device, "super-resolution training")) {}
 
   SuperResStepMetrics train_step(const torch::Tensor& high);
   void log_step(const SuperResStepMetrics& metrics);
@@ -145,7 +150,9 @@ SuperResTrainer::SuperResTrainer(SuperResTrainConfig config, std::string run_dir
   state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
   auto& s = *state_;
   s.model = models::RrdbNet(s.config.model);
+  s.model->to(s.device);
   s.ema_model = models::RrdbNet(s.config.model);
+  s.ema_model->to(s.device);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
   s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
@@ -159,11 +166,12 @@ SuperResTrainer::~SuperResTrainer() = default;
 int64_t SuperResTrainer::step() const { return state_->step; }
 models::RrdbNet& SuperResTrainer::model() { return state_->model; }
 
-SuperResStepMetrics SuperResTrainer::State::train_step(const torch::Tensor& high) {
+SuperResStepMetrics SuperResTrainer::State::train_step(const torch::Tensor& images) {
   SuperResStepMetrics metrics;
   metrics.learning_rate = config.learning_rate.at(step);
   for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
-  const auto low = degrade_batch(high, config, step);
+  // Degraded on the CPU: the degradation draws from std:: generators, the same everywhere.
+  const auto low = degrade_batch(images, config, step).to(device), high = images.to(device);
   auto output = [&] {
     AutocastGuard autocast(low.device().type(), precision->autocast_dtype());
     return model->forward(low);
@@ -239,7 +247,7 @@ SuperResValidation SuperResTrainer::validate() {
     }
     if (high.empty()) continue;
     const auto original = torch::stack(high), input = torch::stack(low);
-    const auto output = s.ema_model->forward(input).clamp(0.0, 1.0);
+    const auto output = s.ema_model->forward(input.to(s.device)).clamp(0.0, 1.0).cpu();
     const auto n = static_cast<double>(original.size(0));
     psnr_sum += models::psnr(output, original) * n;
     bicubic_sum += models::psnr(data::bicubic_upscale(input, scale), original) * n;

@@ -11,6 +11,7 @@
 #include "dalle/io/state_dict.h"
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/clip_loader.h"
+#include "gpu_run.h"
 #include "test_support.h"
 
 namespace dalle::train {
@@ -256,6 +257,11 @@ TEST_F(ClipTrainerTest, BadSettingsAreRefused) {
   auto longer = tiny(6);
   longer.validation_images = 8;
   EXPECT_EQ(ClipTrainer(longer, runs / "run").step(), 3) << "steps and validation_images may change";
+}
+
+// No noise: the GPU run sees the CPU run's batches and captions.
+TEST_F(ClipTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
+  testing::expect_gpu_run_follows_cpu_run<ClipTrainer>(tiny(6), "loss", 0.02);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "dalle/data/image.h"
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/encode_images.h"
+#include "gpu_run.h"
 #include "test_support.h"
 
 namespace dalle::train {
@@ -193,6 +194,11 @@ TEST_F(DvaeTrainerTest, BadSettingsAreRefused) {
   config = tiny(1);
   config.data.train = "";
   EXPECT_THROW_WITH(DvaeTrainer(config, runs / "b"), Error, "data.train and data.validation");
+}
+
+// The gumbel noise comes from the GPU's own generator, so the losses differ from the CPU's.
+TEST_F(DvaeTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
+  testing::expect_gpu_run_follows_cpu_run<DvaeTrainer>(tiny(6), "loss", std::nullopt);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include "dalle/data/fashion_compose.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/train/rrdbnet_loader.h"
+#include "gpu_run.h"
 #include "test_support.h"
 
 namespace dalle::train {
@@ -186,6 +187,11 @@ TEST_F(SuperResTrainerTest, BadSettingsAreRefused) {
   auto longer = tiny(2);
   longer.validation_images = 4;
   EXPECT_NO_THROW(SuperResTrainer(longer, runs / "sr"));
+}
+
+// The degradation is drawn on the CPU, so the GPU run trains on the CPU run's pairs.
+TEST_F(SuperResTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
+  testing::expect_gpu_run_follows_cpu_run<SuperResTrainer>(tiny(6), "loss", 0.02);
 }
 
 }  // namespace

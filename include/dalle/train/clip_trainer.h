@@ -46,6 +46,7 @@ struct ClipTrainConfig {
   int64_t keep_checkpoints = 3;
   int64_t seed = 0;
   int64_t threads = 0;
+  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
   double learning_rate_at(int64_t step) const;

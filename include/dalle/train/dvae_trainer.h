@@ -59,6 +59,7 @@ struct DvaeTrainConfig {
   std::string reconstruction_loss = "logit_laplace";
   int64_t seed = 0;
   int64_t threads = 0;
+  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
 };

@@ -38,6 +38,7 @@ struct SuperResTrainConfig {
   int64_t grid_images = 8;
   int64_t seed = 0;
   int64_t threads = 0;
+  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
   // Throws when the values are inconsistent with each other (image size and scale).

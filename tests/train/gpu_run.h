@@ -1,0 +1,56 @@
+#pragma once
+// The check every trainer with a `device` shares: a GPU run follows the CPU run of the same
+// config, and resumes there. It runs only where torch sees a CUDA device.
+#include <torch/cuda.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "test_support.h"
+
+namespace dalle::testing {
+
+// Update -> the value of `key` in the metrics lines that carry it.
+inline std::map<int64_t, double> logged(const std::string& run, const std::string& key) {
+  std::map<int64_t, double> values;
+  std::ifstream in(run + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto entry = nlohmann::json::parse(line);
+    if (entry.contains(key)) values[entry["step"].get<int64_t>()] = entry[key].get<double>();
+  }
+  return values;
+}
+
+// Trains `config` (log_every 1) on the CPU and on the GPU, then resumes both for three more
+// updates. Both start from the same weights (built on the CPU, then moved) and batches, so
+// with `tolerance` the GPU's `key` stays within it (relative) of the CPU's at every update:
+// TF32 and other kernels differ, the data do not. Trainers whose noise comes from the
+// device's own generator pass no tolerance and are held to finite values only.
+template <class Trainer, class Config>
+void expect_gpu_run_follows_cpu_run(Config config, const std::string& key, std::optional<double> tolerance) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
+  ScratchDir runs;
+  const int64_t first_steps = config.steps;
+  for (const int64_t steps : {first_steps, first_steps + 3}) {
+    config.steps = steps;
+    for (const char* device : {"cpu", "cuda"}) {
+      config.device = device;
+      Trainer trainer(config, runs / device);
+      EXPECT_EQ(trainer.step(), steps == first_steps ? 0 : first_steps) << device;
+      trainer.run();
+    }
+  }
+  const auto cpu = logged(runs / "cpu", key), gpu = logged(runs / "cuda", key);
+  ASSERT_EQ(cpu.size(), static_cast<size_t>(first_steps + 3));
+  ASSERT_EQ(gpu.size(), cpu.size());
+  for (const auto& [step, expected] : cpu) {
+    const double value = gpu.at(step);
+    EXPECT_TRUE(std::isfinite(value)) << "update " << step;
+    if (tolerance) EXPECT_NEAR(value, expected, *tolerance * std::abs(expected)) << "update " << step;
+  }
+}
+
+}  // namespace dalle::testing
