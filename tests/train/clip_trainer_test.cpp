@@ -264,5 +264,9 @@ TEST_F(ClipTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
   testing::expect_gpu_run_follows_cpu_run<ClipTrainer>(tiny(6), "loss", 0.02);
 }
 
+TEST_F(ClipTrainerTest, ACudaDeviceWithoutAGpuIsRefusedBeforeAnythingIsWritten) {
+  testing::expect_cuda_refused_without_a_gpu<ClipTrainer>(tiny(1), "clip training");
+}
+
 }  // namespace
 }  // namespace dalle::train

@@ -201,6 +201,10 @@ TEST_F(DvaeTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
   testing::expect_gpu_run_follows_cpu_run<DvaeTrainer>(tiny(6), "loss", std::nullopt);
 }
 
+TEST_F(DvaeTrainerTest, ACudaDeviceWithoutAGpuIsRefusedBeforeAnythingIsWritten) {
+  testing::expect_cuda_refused_without_a_gpu<DvaeTrainer>(tiny(1), "dvae training");
+}
+
 }  // namespace
 }  // namespace dalle::train
 

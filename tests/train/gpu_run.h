@@ -1,6 +1,7 @@
 #pragma once
-// The check every trainer with a `device` shares: a GPU run follows the CPU run of the same
-// config, and resumes there. It runs only where torch sees a CUDA device.
+// The checks every trainer with a `device` shares: a GPU run follows the CPU run of the same
+// config and resumes there (only where torch sees a CUDA device), and a CUDA device asked for
+// where there is none is refused before the run folder is made (only where there is none).
 #include <torch/cuda.h>
 
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "dalle/error.h"
 #include "test_support.h"
 
 namespace dalle::testing {
@@ -51,6 +53,17 @@ void expect_gpu_run_follows_cpu_run(Config config, const std::string& key, std::
     EXPECT_TRUE(std::isfinite(value)) << "update " << step;
     if (tolerance) EXPECT_NEAR(value, expected, *tolerance * std::abs(expected)) << "update " << step;
   }
+}
+
+// `what` is how the trainer names itself in the error ("prior training").
+template <class Trainer, class Config>
+void expect_cuda_refused_without_a_gpu(Config config, const std::string& what) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "torch sees a CUDA device";
+  ScratchDir runs;
+  config.device = "cuda";
+  EXPECT_THROW_WITH(Trainer(config, runs / "run"), Error,
+                    what + ": device cuda was asked for, but torch sees no CUDA device");
+  EXPECT_FALSE(std::filesystem::exists(runs / "run"));
 }
 
 }  // namespace dalle::testing

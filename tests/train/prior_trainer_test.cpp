@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dalle/data/token_dataset.h"
+#include "gpu_run.h"
 #include "test_support.h"
 
 namespace dalle::train {
@@ -174,39 +175,15 @@ TEST_F(PriorTrainerTest, ResumedFp16RunWithCheckpointingContinuesWithTheSameLoss
 }
 
 // Without dropout a GPU run starts from the CPU run's weights and sees its batches (caption
-// dropout draws on the CPU), so their losses agree to float tolerance; it then resumes.
+// dropout draws on the CPU), so their losses agree to float tolerance, resumed too.
 TEST_F(PriorTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
-  ScratchDir runs;
   auto config = tiny(6);
   config.model.dropout = 0.0;
-  config.device = "cpu";
-  PriorTrainer(config, runs / "cpu").run();
-  config.device = "cuda";
-  PriorTrainer(config, runs / "gpu").run();
-  const auto cpu = losses(runs / "cpu"), gpu = losses(runs / "gpu");
-  ASSERT_EQ(gpu.size(), cpu.size());
-  for (const auto& [step, line] : cpu) {
-    const double expected = nlohmann::json::parse(line)["loss"].get<double>();
-    EXPECT_NEAR(nlohmann::json::parse(gpu.at(step))["loss"].get<double>(), expected, 1e-3 * expected)
-        << "update " << step;
-  }
-  config.steps = 9;
-  PriorTrainer resumed(config, runs / "gpu");
-  EXPECT_EQ(resumed.step(), 6);
-  resumed.run();
-  EXPECT_EQ(losses(runs / "gpu").size(), 9u);
-  EXPECT_TRUE(std::isfinite(resumed.validate().loss));
+  testing::expect_gpu_run_follows_cpu_run<PriorTrainer>(config, "loss", 1e-3);
 }
 
 TEST_F(PriorTrainerTest, ACudaDeviceWithoutAGpuIsRefusedBeforeAnythingIsWritten) {
-  if (torch::cuda::is_available()) GTEST_SKIP() << "torch sees a CUDA device";
-  ScratchDir runs;
-  auto config = tiny(1);
-  config.device = "cuda";
-  EXPECT_THROW_WITH(PriorTrainer(config, runs / "run"), Error,
-                    "prior training: device cuda was asked for, but torch sees no CUDA device");
-  EXPECT_FALSE(std::filesystem::exists(runs / "run"));
+  testing::expect_cuda_refused_without_a_gpu<PriorTrainer>(tiny(1), "prior training");
 }
 
 TEST_F(PriorTrainerTest, RefusesADatasetThatDoesNotFitTheModel) {

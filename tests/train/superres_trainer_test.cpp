@@ -194,5 +194,9 @@ TEST_F(SuperResTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
   testing::expect_gpu_run_follows_cpu_run<SuperResTrainer>(tiny(6), "loss", 0.02);
 }
 
+TEST_F(SuperResTrainerTest, ACudaDeviceWithoutAGpuIsRefusedBeforeAnythingIsWritten) {
+  testing::expect_cuda_refused_without_a_gpu<SuperResTrainer>(tiny(1), "super-resolution training");
+}
+
 }  // namespace
 }  // namespace dalle::train

@@ -11,6 +11,7 @@
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/encode_images.h"
 #include "dalle/train/image_tokenizer_loader.h"
+#include "gpu_run.h"
 #include "test_support.h"
 
 namespace dalle::train {
@@ -196,32 +197,14 @@ TEST_F(VqganTrainerTest, EncodeImagesAcceptsAVqganRun) {
 }
 
 // Without noise (vector quantizer, no restarts) a GPU run starts from the CPU run's weights
-// and sees its batches, so their losses agree up to TF32 convolutions; the GPU run then
-// resumes its optimizer and EMA from a checkpoint, and the gumbel noise is drawn there.
+// and sees its batches, so their losses agree up to TF32 convolutions, resumed too; the
+// gumbel noise is drawn on the GPU.
 TEST_F(VqganTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
-  ScratchDir runs;
   auto config = tiny(6, "vector");
   config.restart_every = 0;
-  config.device = "cpu";
-  VqganTrainer(config, runs / "cpu").run();
-  config.device = "cuda";
-  VqganTrainer(config, runs / "gpu").run();
-  const auto cpu = losses(runs / "cpu"), gpu = losses(runs / "gpu");
-  ASSERT_EQ(gpu.size(), cpu.size());
-  for (const auto& [step, line] : cpu) {
-    const double expected = line["reconstruction"].get<double>();
-    EXPECT_NEAR(gpu.at(step)["reconstruction"].get<double>(), expected, 0.02 * expected) << "update " << step;
-  }
-
-  config.steps = 9;
-  VqganTrainer resumed(config, runs / "gpu");
-  EXPECT_EQ(resumed.step(), 6);
-  resumed.run();
-  const auto continued = losses(runs / "gpu");
-  ASSERT_EQ(continued.size(), 9u);
-  EXPECT_LT(continued.at(9)["reconstruction"].get<double>(), cpu.at(1)["reconstruction"].get<double>());
-
+  testing::expect_gpu_run_follows_cpu_run<VqganTrainer>(config, "reconstruction", 0.02);
+  if (!torch::cuda::is_available()) return;
+  ScratchDir runs;
   auto gumbel = tiny(2);
   gumbel.device = "cuda";
   VqganTrainer(gumbel, runs / "gumbel").run();
@@ -258,6 +241,10 @@ TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
   auto changed = tiny(2);
   changed.model.quantizer = "vector";
   EXPECT_THROW_WITH(VqganTrainer(changed, runs / "vq"), Error, "different config", "model.quantizer (gumbel -> vector)");
+}
+
+TEST_F(VqganTrainerTest, ACudaDeviceWithoutAGpuIsRefusedBeforeAnythingIsWritten) {
+  testing::expect_cuda_refused_without_a_gpu<VqganTrainer>(tiny(1), "vqgan training");
 }
 
 }  // namespace
