@@ -14,7 +14,7 @@
 
 namespace dalle::testing {
 
-// A fresh directory under the system temp dir, removed when the test ends.
+// A fresh directory under the system temp dir, removed when it goes out of scope.
 class ScratchDir {
  public:
   // Outside a test (in a suite's set-up) the directory is named after the running suite.
@@ -23,7 +23,10 @@ class ScratchDir {
     const auto* test = unit->current_test_info();
     const std::string name = test ? std::string(test->test_suite_name()) + "-" + test->name()
                                   : std::string(unit->current_test_suite()->name()) + "-suite";
-    path_ = std::filesystem::temp_directory_path() / ("dalle-test-" + name + "-" + std::to_string(::getpid()));
+    // Numbered too: a helper's scratch directory must not wipe out its caller's.
+    static int made = 0;
+    path_ = std::filesystem::temp_directory_path() /
+            ("dalle-test-" + name + "-" + std::to_string(::getpid()) + "-" + std::to_string(made++));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }
