@@ -28,6 +28,13 @@ void VqganTrainConfig::visit(ConfigVisitor& v) {
   v.field("kind", kind, "image tokenizer the recipe trains; dalle-train-vae reads it first (vqgan: this table)",
           {.choices = {"vqgan"}});
   v.section("model", "VQGAN sizes (taming-transformers' ddconfig, ruDALL-E's names)", model);
+  v.field("init_from", init_from,
+          "VQGAN run or checkpoint whose weights (its moving average) the run starts from, instead of a random "
+          "initialisation; its model sizes must be these (empty: random)");
+  v.field("trainable", trainable,
+          "the weights that learn: all, or decoder (post_quant_conv and the decoder, on the argmax tokens of the "
+          "frozen encoder and codebook, as at inference; needs init_from; no quantizer loss, no code restarts)",
+          {.choices = {"all", "decoder"}});
   v.section("data", "datasets and batching", data);
   v.field("reconstruction_loss", reconstruction_loss,
           "pixel loss between images and reconstructions in [-1, 1]: l1 (taming) or mse", {.choices = {"l1", "mse"}});
@@ -94,6 +101,12 @@ struct VqganTrainer::State : RunRecord {
   torch::Tensor discriminate(const torch::Tensor& images);  // patch logits, fp32
   double train_discriminator(const torch::Tensor& real, const torch::Tensor& fake);
   int64_t track_usage(const models::VqganOutput& out);
+  bool decoder_only() const { return config.trainable == "decoder"; }
+  void initialise_from(const std::string& run_or_checkpoint);
+  // What the optimizer updates; with trainable: decoder the rest stops requiring gradients.
+  std::vector<torch::Tensor> learned_parameters();
+  // trainable: decoder's pass: the frozen encoder's argmax tokens, decoded with gradients.
+  models::VqganOutput decode_frozen_tokens(const torch::Tensor& images);
   void log_step(const VqganStepMetrics& metrics);
   void save_checkpoint();
   void resume(const std::string& directory);
@@ -109,6 +122,10 @@ void validate_settings(const VqganTrainConfig& config) {
   if (config.data.image_size % config.model.downsampling_factor() != 0) {
     throw Error("vqgan training: data.image_size must be a multiple of 2^(levels - 1) = " +
                 std::to_string(config.model.downsampling_factor()));
+  }
+  if (config.trainable == "decoder" && config.init_from.empty()) {
+    throw Error("vqgan training: trainable: decoder fine-tunes the decoder of a trained VQGAN; set init_from to its "
+                "run or checkpoint");
   }
   if (config.model.gumbel() && std::min(config.temperature.start, config.temperature.end) <= 0.0) {
     throw Error("vqgan training: temperature.start and temperature.end must be positive");
@@ -133,12 +150,15 @@ VqganTrainer::VqganTrainer(VqganTrainConfig config, std::string run_directory) {
   state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
   auto& s = *state_;
   s.model = models::Vqgan(s.config.model);
+  // A resumed run has its own weights; init_from is read only to start one.
+  if (!s.config.init_from.empty() && !s.checkpoints.latest()) s.initialise_from(s.config.init_from);
   s.model->to(s.device);
   s.ema_model = models::Vqgan(s.config.model);
   s.ema_model->to(s.device);
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
-  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
+  const auto learned = s.learned_parameters();
+  s.optimizer = detail::make_adamw(learned, s.config);
+  s.precision = std::make_unique<ModelPrecision>(s.config.precision, learned);
   if (s.config.discriminator.enabled) {
     s.discriminator = models::PatchDiscriminator(s.config.model.out_channels, s.config.discriminator.channels,
                                                  s.config.discriminator.layers);
@@ -184,8 +204,34 @@ double VqganTrainer::State::train_discriminator(const torch::Tensor& real, const
   return loss.item<double>();
 }
 
+void VqganTrainer::State::initialise_from(const std::string& run_or_checkpoint) {
+  const auto trained = load_trained_vqgan(run_or_checkpoint);
+  io::load_state_dict(*model, io::state_dict(*trained.model), run_or_checkpoint + " (init_from)");
+}
+
+std::vector<torch::Tensor> VqganTrainer::State::learned_parameters() {
+  if (!decoder_only()) return model->parameters();
+  for (auto& parameter : model->parameters()) parameter.requires_grad_(false);
+  std::vector<torch::Tensor> learned = model->post_quant_conv->parameters();
+  for (const auto& parameter : model->decoder->parameters()) learned.push_back(parameter);
+  for (auto& parameter : learned) parameter.requires_grad_(true);
+  return learned;
+}
+
+models::VqganOutput VqganTrainer::State::decode_frozen_tokens(const torch::Tensor& images) {
+  models::VqganOutput out;
+  {
+    torch::NoGradGuard no_grad;
+    out.quantized.tokens = model->encode_tokens(images);
+    out.quantized.codes = model->lookup(out.quantized.tokens);
+  }
+  AutocastGuard autocast(images.device().type(), precision->autocast_dtype());
+  out.reconstruction = model->decode_codes(out.quantized.codes);
+  return out;
+}
+
 int64_t VqganTrainer::State::track_usage(const models::VqganOutput& out) {
-  if (!model->vector) return 0;
+  if (!model->vector || decoder_only()) return 0;
   usage += torch::bincount(out.quantized.tokens.flatten().to(torch::kCPU), {}, config.model.n_embed);
   if (config.restart_every == 0 || step % config.restart_every != 0) return 0;
   const auto restarted = model->vector->restart_unused(usage, out.latents, noise);
@@ -207,13 +253,16 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
 
   const auto x = images.to(device) * 2.0 - 1.0;
   auto out = [&] {
+    if (decoder_only()) return decode_frozen_tokens(images.to(device));
     AutocastGuard autocast(x.device().type(), precision->autocast_dtype());
     return model->forward(x, metrics.temperature, noise);
   }();
   out.reconstruction = out.reconstruction.to(torch::kFloat32);
   const auto reconstruction = reconstruction_loss(out.reconstruction, x);
   const auto& q = out.quantized;
-  const auto quantizer = model->gumbel ? config.kl_weight * q.kl : q.codebook + config.commitment * q.commitment;
+  const auto quantizer = decoder_only() ? torch::zeros({}, x.options())
+                         : model->gumbel ? config.kl_weight * q.kl
+                                         : q.codebook + config.commitment * q.commitment;
   auto loss = reconstruction + quantizer;
   const bool adversarial = discriminator && step >= config.discriminator.start;
   torch::Tensor generator_loss;
@@ -254,8 +303,8 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
 void VqganTrainer::State::log_step(const VqganStepMetrics& m) {
   nlohmann::json line = {{"step", m.step}, {"loss", m.loss}, {"reconstruction", m.reconstruction},
                          {"quantizer", m.quantizer}, {"learning_rate", m.learning_rate}};
-  if (model->gumbel) line["temperature"] = m.temperature;
-  if (model->vector) line["restarted"] = m.restarted;
+  if (model->gumbel && !decoder_only()) line["temperature"] = m.temperature;
+  if (model->vector && !decoder_only()) line["restarted"] = m.restarted;
   if (const auto* scaler = precision->scaler()) {
     line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
   }

@@ -44,9 +44,15 @@ TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
       const auto kind = peek_choice(source, "kind", "dvae", {"dvae", "vqgan"});
       EXPECT_EQ(kind, folder);
       if (kind == "vqgan") {
-        const auto config = load_config<train::VqganTrainConfig>(source);
+        auto config = load_config<train::VqganTrainConfig>(source);
         EXPECT_NO_THROW(config.model.validate());
         EXPECT_EQ(config.data.image_size % config.model.downsampling_factor(), 0);
+        if (!config.init_from.empty()) {
+          // The tuned network must have the sizes of the one it starts from.
+          auto from = load_config<train::VqganTrainConfig>(ConfigSource::from_file(
+              std::string(DALLE_SOURCE_DIR) + "/" + config.init_from + "/config.yaml"));
+          EXPECT_EQ(flatten_config(visit_of(config.model)), flatten_config(visit_of(from.model)));
+        }
         ++vqgans;
       } else {
         const auto config = load_config<train::DvaeTrainConfig>(source);
@@ -55,7 +61,7 @@ TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
       }
     }
   }
-  EXPECT_EQ(vqgans, 3);
+  EXPECT_EQ(vqgans, 4);
   EXPECT_EQ(dvaes, 2);
 }
 

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/fashion_compose.h"
@@ -211,6 +212,41 @@ TEST_F(VqganTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
   EXPECT_EQ(losses(runs / "gumbel").size(), 2u);
 }
 
+// The decoder of a trained VQGAN learns on the tokens its frozen encoder gives: every image
+// keeps its tokens, so the token datasets and priors made with them stay valid.
+TEST_F(VqganTrainerTest, DecoderFineTuningKeepsEveryTokenAndMovesOnlyTheDecoder) {
+  ScratchDir runs;
+  VqganTrainer(tiny(6), runs / "base").run();
+  auto config = with_discriminator(tiny(8), 0);
+  config.init_from = runs / "base";
+  config.trainable = "decoder";
+  VqganTrainer(config, runs / "decoder").run();
+
+  auto base = load_trained_vqgan(runs / "base"), tuned = load_trained_vqgan(runs / "decoder");
+  const auto validation = data::ImageCaptionDataset::open(*data_ / "fc/test", {.image_size = 16});
+  std::vector<torch::Tensor> images;
+  for (size_t i = 0; i < validation->size(); ++i) {
+    std::mt19937_64 rng(i);
+    images.push_back(validation->get(i, rng)->image);
+  }
+  const auto batch = torch::stack(images);
+  EXPECT_TRUE(torch::equal(base.model->encode_tokens(batch), tuned.model->encode_tokens(batch)));
+  const auto before = base.model->named_parameters();
+  int64_t moved = 0;
+  for (const auto& item : tuned.model->named_parameters()) {
+    const bool learned = item.key().starts_with("decoder.") || item.key().starts_with("post_quant_conv.");
+    const bool same = torch::equal(item.value(), before[item.key()]);
+    if (!learned) EXPECT_TRUE(same) << item.key() << " is frozen";
+    moved += learned && !same;
+  }
+  EXPECT_GT(moved, 10) << "the decoder's weights move";
+  for (const auto& [step, line] : losses(runs / "decoder")) {
+    EXPECT_EQ(line["quantizer"].get<double>(), 0.0) << "update " << step;
+    EXPECT_GT(line["adversarial_weight"].get<double>(), 0.0) << "update " << step;
+  }
+  expect_exact_resume(config);  // a resumed run starts from its checkpoint, not from init_from
+}
+
 TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
   ScratchDir runs;
   testing::write_text(runs / "notes.txt", "a user's file");
@@ -224,6 +260,12 @@ TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
   config = tiny(1);
   config.temperature.end = 0.0;
   EXPECT_THROW_WITH(VqganTrainer(config, runs / "c"), Error, "temperature.start and temperature.end must be positive");
+  config = tiny(1);
+  config.trainable = "decoder";
+  EXPECT_THROW_WITH(VqganTrainer(config, runs / "e"), Error, "trainable: decoder", "set init_from");
+  config.init_from = runs / "nowhere";
+  EXPECT_THROW_WITH(VqganTrainer(config, runs / "f"), Error, "nowhere");
+  EXPECT_FALSE(std::filesystem::exists(runs / "f"));
   config = tiny(1);
   config.model.norm_groups = 3;
   EXPECT_THROW_WITH(VqganTrainer(config, runs / "d"), Error, "multiple of norm_groups (3)");

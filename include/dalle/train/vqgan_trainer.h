@@ -4,6 +4,9 @@
 // quantizer's KL to uniform, or the vector quantizer's codebook + commitment terms, with
 // restarts of unused codes), and optionally a PatchGAN discriminator with hinge losses from
 // a configured update on, its weight balanced adaptively at the decoder's last layer.
+// `trainable: decoder` with `init_from` fine-tunes the decoder of a trained VQGAN on the
+// tokens its frozen encoder gives (the argmax codes, as at inference): every image keeps its
+// tokens, so the token datasets and priors made with them stay valid.
 // The run directory, checkpoints, exact resume, EMA, metrics and validation are the dVAE
 // trainer's.
 #include <cstdint>
@@ -43,6 +46,8 @@ struct DiscriminatorConfig {
 struct VqganTrainConfig {
   std::string kind = "vqgan";
   models::VqganConfig model;
+  std::string init_from;
+  std::string trainable = "all";
   ImageDataConfig data;
   std::string reconstruction_loss = "l1";
   CosineSchedule learning_rate{1e-4, 1e-5, 500'000};
