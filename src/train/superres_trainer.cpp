@@ -91,7 +91,7 @@ struct SuperResTrainer::State : RunRecord {
         config(std::move(c)),
         device(resolve_device(config.device, "super-resolution training")) {}
 
-  SuperResStepMetrics train_step(const torch::Tensor& high);
+  SuperResStepMetrics train_step(const torch::Tensor& images);  // high-resolution, on the CPU
   void log_step(const SuperResStepMetrics& metrics);
   void save_checkpoint();
   void resume(const std::string& directory);
