@@ -61,7 +61,7 @@ TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
       }
     }
   }
-  EXPECT_EQ(vqgans, 4);
+  EXPECT_EQ(vqgans, 5);
   EXPECT_EQ(dvaes, 2);
 }
 
