@@ -20,7 +20,6 @@
 #include "dalle/train/optimizer_state.h"
 #include "run_directory.h"
 #include "trainer_support.h"
-#include "training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -185,17 +184,9 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
 
 void DvaeTrainer::run() {
   auto& s = *state_;
-  DvaeStepMetrics metrics;
-  detail::run_training_loop(
-      s, detail::intervals_of(s.config),
-      {.update =
-           [&] {
-             metrics = s.train_step(detail::next_image_batch(s.images));
-             return metrics.loss;
-           },
-       .log = [&] { s.log_step(metrics); },
-       .validate = [&] { detail::log_tokenizer_validation("dvae", s.step, metrics.loss, validate()); },
-       .checkpoint = [&] { s.save_checkpoint(); }});
+  detail::run_image_training_loop<DvaeStepMetrics>(s, [&](const DvaeStepMetrics& metrics) {
+    detail::log_tokenizer_validation("dvae", s.step, metrics.loss, validate());
+  });
 }
 
 void DvaeTrainer::State::log_step(const DvaeStepMetrics& m) {

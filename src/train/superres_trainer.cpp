@@ -20,7 +20,6 @@
 #include "dalle/train/model_precision.h"
 #include "run_directory.h"
 #include "trainer_support.h"
-#include "training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -206,22 +205,11 @@ void SuperResTrainer::State::log_step(const SuperResStepMetrics& m) {
 
 void SuperResTrainer::run() {
   auto& s = *state_;
-  SuperResStepMetrics metrics;
-  detail::run_training_loop(
-      s, detail::intervals_of(s.config),
-      {.update =
-           [&] {
-             metrics = s.train_step(detail::next_image_batch(s.images));
-             return metrics.loss;
-           },
-       .log = [&] { s.log_step(metrics); },
-       .validate =
-           [&] {
-             const auto validation = validate();
-             log::info("super-resolution: update ", s.step, " loss ", metrics.loss, " validation PSNR ",
-                       validation.psnr, " dB (bicubic ", validation.bicubic_psnr, " dB)");
-           },
-       .checkpoint = [&] { s.save_checkpoint(); }});
+  detail::run_image_training_loop<SuperResStepMetrics>(s, [&](const SuperResStepMetrics& metrics) {
+    const auto validation = validate();
+    log::info("super-resolution: update ", s.step, " loss ", metrics.loss, " validation PSNR ", validation.psnr,
+              " dB (bicubic ", validation.bicubic_psnr, " dB)");
+  });
 }
 
 SuperResValidation SuperResTrainer::validate() {

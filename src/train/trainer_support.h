@@ -1,10 +1,12 @@
 #pragma once
-// What the image-tokenizer trainers (dVAE, VQGAN) share beyond run_directory.h: the keys a
-// resume may change, batches that never come back empty, and validation with a
-// reconstruction grid over any ImageTokenizer. Private to the library.
+// What the trainers on image datasets (dVAE, VQGAN, super-resolution, CLIP) share beyond
+// run_directory.h: the keys a resume may change, batches that never come back empty, the
+// AdamW they build, the loop of those that need no captions, and the image tokenizers'
+// validation with a reconstruction grid. Private to the library.
 #include <torch/types.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -16,6 +18,7 @@
 #include "dalle/train/dvae_trainer.h"
 #include "dalle/train/tokenizer_validation.h"
 #include "run_directory.h"
+#include "training_loop.h"
 
 namespace dalle::train::detail {
 
@@ -36,6 +39,23 @@ torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& example
 data::Batch<data::ImageCaptionExample> next_nonempty_batch(ImageData& images);
 // Its images stacked, for the trainers that need no captions.
 torch::Tensor next_image_batch(ImageData& images);
+
+// The loop of a trainer whose State trains on batches of images alone (dVAE, VQGAN,
+// super-resolution): State::train_step(images) returns Metrics with a `loss`, which
+// State::log_step writes; `validate` validates and reports, given the update's metrics.
+template <class Metrics, class State>
+void run_image_training_loop(State& s, const std::function<void(const Metrics&)>& validate) {
+  Metrics metrics;
+  run_training_loop(s, intervals_of(s.config),
+                    {.update =
+                         [&] {
+                           metrics = s.train_step(next_image_batch(s.images));
+                           return metrics.loss;
+                         },
+                     .log = [&] { s.log_step(metrics); },
+                     .validate = [&] { validate(metrics); },
+                     .checkpoint = [&] { s.save_checkpoint(); }});
+}
 
 // AdamW over `parameters` with the config's betas, epsilon, weight decay and first learning
 // rate, its moments kept in the config's precision.

@@ -19,7 +19,6 @@
 #include "dalle/train/optimizer_state.h"
 #include "run_directory.h"
 #include "trainer_support.h"
-#include "training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -318,17 +317,9 @@ void VqganTrainer::State::log_step(const VqganStepMetrics& m) {
 
 void VqganTrainer::run() {
   auto& s = *state_;
-  VqganStepMetrics metrics;
-  detail::run_training_loop(
-      s, detail::intervals_of(s.config),
-      {.update =
-           [&] {
-             metrics = s.train_step(detail::next_image_batch(s.images));
-             return metrics.loss;
-           },
-       .log = [&] { s.log_step(metrics); },
-       .validate = [&] { detail::log_tokenizer_validation("vqgan", s.step, metrics.loss, validate()); },
-       .checkpoint = [&] { s.save_checkpoint(); }});
+  detail::run_image_training_loop<VqganStepMetrics>(s, [&](const VqganStepMetrics& metrics) {
+    detail::log_tokenizer_validation("vqgan", s.step, metrics.loss, validate());
+  });
 }
 
 TokenizerValidation VqganTrainer::validate() {
