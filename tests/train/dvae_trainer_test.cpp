@@ -196,8 +196,9 @@ TEST_F(DvaeTrainerTest, BadSettingsAreRefused) {
   EXPECT_THROW_WITH(DvaeTrainer(config, runs / "b"), Error, "data.train and data.validation");
 }
 
-// The gumbel noise comes from the GPU's own generator, so the losses differ from the CPU's.
-TEST_F(DvaeTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
+// The gumbel noise comes from the GPU's own generator, so the losses differ from the CPU's:
+// the GPU run is held to the same update count and finite losses, resumed too.
+TEST_F(DvaeTrainerTest, AGpuRunTrainsAndResumesWithFiniteLosses) {
   testing::expect_gpu_run_follows_cpu_run<DvaeTrainer>(tiny(6), "loss", std::nullopt);
 }
 
