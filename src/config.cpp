@@ -437,7 +437,8 @@ ValueKind kind_of(const YAML::Node& node) {
   if (node.IsSequence()) return ValueKind::list;
   const auto& text = node.Scalar();
   if (node.Tag() == "!") return ValueKind::text;  // quoted
-  if (text == "true" || text == "false") return ValueKind::flag;
+  // Every spelling the config reader takes as a boolean (True, yes, on, ...), not only true/false.
+  if (bool flag = false; YAML::convert<bool>::decode(node, flag)) return ValueKind::flag;
   int64_t integer = 0;
   const auto end = text.data() + text.size();
   if (auto [ptr, error] = std::from_chars(text.data(), end, integer); error == std::errc() && ptr == end) {
@@ -467,6 +468,14 @@ std::string describe(ValueKind kind) {
     case ValueKind::text: return "text";
   }
   return "";
+}
+
+// The value as the key's kind is written: an integer given for a number stays a number, and
+// a flag is true or false, for the next reader and the next override.
+YAML::Node normalized(const YAML::Node& value, ValueKind existing, ValueKind kind) {
+  if (existing == ValueKind::number && kind == ValueKind::integer) return YAML::Node(value.Scalar() + ".0");
+  if (existing == ValueKind::flag) return YAML::Node(value.as<bool>());
+  return value;
 }
 
 }  // namespace
@@ -502,9 +511,7 @@ void ConfigSource::replace(const std::string& assignment) {
     throw ConfigError("--set " + assignment + ": " + impl_->name + " has '" + parsed.path + "' as " +
                       describe(existing) + ", and the new value is " + describe(value));
   }
-  // An integer given for a number stays a number, for the next reader and the next override.
-  node = existing == ValueKind::number && value == ValueKind::integer ? YAML::Node(parsed.value.Scalar() + ".0")
-                                                                      : parsed.value;
+  node = normalized(parsed.value, existing, value);
   impl_->overrides[parsed.path] = assignment;
 }
 

@@ -124,11 +124,14 @@ TEST(Config, ReplaceRewritesExistingKeysOfTheSameKindOnly) {
   source.replace("optimizer.learning_rate=1");  // an integer is a number
   source.replace("attention=conv");
   source.replace("captions=[x]");
+  source.replace("fp16=True");  // as the reader of --set spells a flag
   const auto config = load_config<ExampleConfig>(ConfigSource::from_string(source.yaml()));
   EXPECT_EQ(config.layers, 12);
   EXPECT_EQ(config.optimizer.learning_rate, 1.0);
   EXPECT_EQ(config.attention, "conv");
   EXPECT_EQ(config.captions, std::vector<std::string>{"x"});
+  EXPECT_TRUE(config.fp16);
+  EXPECT_THAT(source.yaml(), ::testing::HasSubstr("fp16: true"));
 
   EXPECT_THROW_WITH(source.replace("optimizer.learnin_rate=0.1"), ConfigError, "run/config.yaml has no key",
                     "'optimizer.learnin_rate'");
