@@ -197,14 +197,12 @@ std::pair<int64_t, int64_t> indices_from_stem(const std::string& stem) {
 }
 
 // An image as the tokenizer's decoder gives it back, at the size the tokenizer was trained at.
-torch::Tensor round_trip(train::TrainedImageTokenizer& tokenizer, const torch::Tensor& image) {
-  torch::NoGradGuard no_grad;
+torch::Tensor through_tokenizer(train::TrainedImageTokenizer& tokenizer, const torch::Tensor& image) {
   auto input = image;
   if (input.size(1) != tokenizer.image_size || input.size(2) != tokenizer.image_size) {
     input = data::resize(input, tokenizer.image_size, tokenizer.image_size);
   }
-  const auto tokens = tokenizer.model->encode_tokens(input.unsqueeze(0));
-  return tokenizer.model->decode_tokens(tokens)[0].clamp(0, 1);
+  return train::round_trip(tokenizer, input.unsqueeze(0))[0];
 }
 
 }  // namespace
@@ -291,7 +289,7 @@ ScoreReport score_real(const std::string& split, const ScoreOptions& options) {
       log::warn("score: ", error.what(), "; not scored");
       continue;
     }
-    if (tokenizer) picture = round_trip(*tokenizer, picture);
+    if (tokenizer) picture = through_tokenizer(*tokenizer, picture);
     scorer.score(picture, image.caption, 0, fs::path(image.path).filename().string());
   }
   progress.finish();

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "dalle/data/caption_dataset.h"
@@ -14,6 +15,7 @@
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
+#include "dalle/train/image_tokenizer_loader.h"
 #include "dalle/train/model_precision.h"
 #include "run_directory.h"
 #include "trainer_support.h"
@@ -32,6 +34,10 @@ void ClipTrainConfig::visit(ConfigVisitor& v) {
           "model.context_length, its vocabulary model.vocab_size (required)");
   v.field("warmup_steps", warmup_steps, "updates of linear learning-rate warmup to learning_rate.start (CLIP: 2000)",
           {.min = 0});
+  v.field("through_tokenizer", through_tokenizer,
+          "dVAE or VQGAN run or export: every training and validation image is encoded and decoded by it "
+          "first, so that CLIP learns the decoder's images it will rerank (its image size must be "
+          "data.image_size; empty: the images as they are)");
   v.section("learning_rate", "cosine learning-rate schedule after the warmup (CLIP: 5e-4 -> 0)", learning_rate);
   v.field("beta1", beta1, "AdamW beta1 (CLIP: 0.9)", {.min = 0.0, .max = 1.0});
   v.field("beta2", beta2, "AdamW beta2 (CLIP: 0.98 for ViTs)", {.min = 0.0, .max = 1.0});
@@ -89,6 +95,7 @@ struct ClipTrainer::State : RunRecord {
   std::unique_ptr<AdamW> optimizer;
   std::unique_ptr<ModelPrecision> precision;
   detail::ImageData images;
+  std::optional<TrainedImageTokenizer> image_tokenizer;  // config.through_tokenizer's
 
   State(ClipTrainConfig c, fs::path r)
       : RunRecord("clip", std::move(r), c.keep_checkpoints),
@@ -97,6 +104,7 @@ struct ClipTrainer::State : RunRecord {
         tokenizer(text::Tokenizer::load(config.tokenizer)) {}
 
   torch::Tensor tokenize(const std::vector<std::string>& captions) const;
+  torch::Tensor pixels(const torch::Tensor& images);
   ClipStepMetrics train_step(const torch::Tensor& images, const std::vector<std::string>& captions);
   void log_step(const ClipStepMetrics& metrics);
   void save_checkpoint();
@@ -149,6 +157,17 @@ std::vector<torch::optim::OptimizerParamGroup> parameter_groups(models::ClipImpl
   return groups;
 }
 
+TrainedImageTokenizer open_through_tokenizer(const ClipTrainConfig& config, torch::Device device) {
+  auto tokenizer = load_image_tokenizer(config.through_tokenizer);
+  if (tokenizer.image_size != config.data.image_size) {
+    throw Error("clip training: through_tokenizer " + config.through_tokenizer + " was trained on " +
+                std::to_string(tokenizer.image_size) + "px images, data.image_size is " +
+                std::to_string(config.data.image_size) + ": they must be equal");
+  }
+  tokenizer.model->module().to(device);
+  return tokenizer;
+}
+
 }  // namespace
 
 ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
@@ -169,6 +188,7 @@ ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
                                         s.config.precision.moments_dtype());
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
 
+  if (!s.config.through_tokenizer.empty()) s.image_tokenizer = open_through_tokenizer(s.config, s.device);
   s.images = detail::open_image_data(s.config.data, s.config.seed);
   s.open(visit_of(s.config), /*samples=*/false, [&s](const std::string& latest) { s.resume(latest); });
 }
@@ -191,17 +211,25 @@ torch::Tensor ClipTrainer::State::tokenize(const std::vector<std::string>& capti
   return tokens.to(device);
 }
 
+// What CLIP sees of a batch of [0, 1] images: on the device, through the image tokenizer
+// when one is set, resized and normalised.
+torch::Tensor ClipTrainer::State::pixels(const torch::Tensor& images) {
+  auto seen = images.to(device);
+  if (image_tokenizer) seen = round_trip(*image_tokenizer, seen);
+  return models::clip_preprocess(seen, config.model.image_size);
+}
+
 ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, const std::vector<std::string>& captions) {
   ClipStepMetrics metrics;
   metrics.learning_rate = config.learning_rate_at(step);
   for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
 
-  const auto pixels = models::clip_preprocess(images.to(device), config.model.image_size);
+  const auto input = pixels(images);
   const auto tokens = tokenize(captions);
   torch::Tensor image_features, text_features;
   {
-    AutocastGuard autocast(pixels.device().type(), precision->autocast_dtype());
-    image_features = model->encode_image(pixels);
+    AutocastGuard autocast(input.device().type(), precision->autocast_dtype());
+    image_features = model->encode_image(input);
     text_features = model->encode_text(tokens);
   }
   const auto logits =
@@ -289,8 +317,7 @@ ClipValidation ClipTrainer::validate() {
       }
     }
     if (examples.empty()) continue;
-    const auto pixels = models::clip_preprocess(detail::stack_images(examples).to(s.device), s.config.model.image_size);
-    image_features.push_back(s.ema_model->encode_image(pixels).to(torch::kFloat32));
+    image_features.push_back(s.ema_model->encode_image(s.pixels(detail::stack_images(examples))).to(torch::kFloat32));
     text_features.push_back(s.ema_model->encode_text(s.tokenize(batch_captions)).to(torch::kFloat32));
     captions.insert(captions.end(), batch_captions.begin(), batch_captions.end());
   }

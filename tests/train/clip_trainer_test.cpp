@@ -11,8 +11,10 @@
 #include "dalle/io/state_dict.h"
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/clip_loader.h"
+#include "dalle/train/vqgan_trainer.h"
 #include "gpu_run.h"
 #include "test_support.h"
+#include "tiny_vqgan.h"
 
 namespace dalle::train {
 namespace {
@@ -199,6 +201,28 @@ TEST_F(ClipTrainerTest, ATrainedRunLoadsForReranking) {
   for (const auto& [name, tensor] : io::state_dict(*loaded)) {
     EXPECT_TRUE(torch::equal(tensor, trained.at(name))) << name;
   }
+}
+
+// With through_tokenizer, CLIP learns the decoder's version of every image, as it will see
+// the prior's samples when it reranks them; the run still resumes exactly.
+TEST_F(ClipTrainerTest, ThroughTokenizerTrainsOnTheDecodersImagesAndResumes) {
+  ScratchDir runs;
+  VqganTrainer(testing::tiny_vqgan_config(*data_ / "fc/train", *data_ / "fc/test", 2), runs / "vqgan").run();
+  auto config = tiny(3);
+  config.through_tokenizer = runs / "vqgan";
+  ClipTrainer(tiny(3), runs / "real").run();
+  ClipTrainer(config, runs / "decoded").run();
+  const auto real = losses(runs / "real"), decoded = losses(runs / "decoded");
+  ASSERT_EQ(decoded.size(), 3u);
+  EXPECT_NE(decoded.at(1)["loss"], real.at(1)["loss"]) << "the same weights and batch, other pixels";
+  EXPECT_THAT(testing::read_text(runs / "decoded/config.yaml"), ::testing::HasSubstr("through_tokenizer:"));
+  expect_exact_resume(config);
+
+  config.data.image_size = 32;
+  EXPECT_THROW_WITH(ClipTrainer(config, runs / "sizes"), Error, "was trained on 16px images, data.image_size is 32");
+  EXPECT_FALSE(std::filesystem::exists(runs / "sizes"));
+  config.through_tokenizer = runs / "none";
+  EXPECT_THROW_WITH(ClipTrainer(config, runs / "missing"), Error, "none");
 }
 
 TEST(ClipTraining, ContrastiveLossAndSchedule) {

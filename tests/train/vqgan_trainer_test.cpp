@@ -14,6 +14,7 @@
 #include "dalle/train/image_tokenizer_loader.h"
 #include "gpu_run.h"
 #include "test_support.h"
+#include "tiny_vqgan.h"
 
 namespace dalle::train {
 namespace {
@@ -33,33 +34,7 @@ class VqganTrainerTest : public ::testing::Test {
   static void TearDownTestSuite() { delete data_; }
 
   static VqganTrainConfig tiny(int64_t steps, const std::string& quantizer = "gumbel") {
-    VqganTrainConfig config;
-    config.model.ch = 8;
-    config.model.ch_mult = {1, 2};
-    config.model.num_res_blocks = 1;
-    config.model.attn_resolutions = {8};
-    config.model.z_channels = 8;
-    config.model.embed_dim = 8;
-    config.model.n_embed = 32;
-    config.model.resolution = 16;
-    config.model.norm_groups = 4;
-    config.model.quantizer = quantizer;
-    config.data.train = *data_ / "fc/train";
-    config.data.validation = *data_ / "fc/test";
-    config.data.image_size = 16;
-    config.data.batch_size = 8;
-    config.learning_rate = {.start = 3e-3, .end = 3e-3, .steps = 0};
-    config.temperature = {.start = 1.0, .end = 0.5, .steps = 20};
-    config.kl_weight = 1e-3;
-    config.beta1 = 0.9;
-    config.beta2 = 0.99;
-    config.steps = steps;
-    config.log_every = 1;
-    config.validate_every = 1000;
-    config.checkpoint_every = 3;
-    config.grid_images = 2;
-    config.ema_decay = 0.8;
-    return config;
+    return testing::tiny_vqgan_config(*data_ / "fc/train", *data_ / "fc/test", steps, quantizer);
   }
 
   static VqganTrainConfig with_discriminator(VqganTrainConfig config, int64_t start) {
@@ -195,6 +170,26 @@ TEST_F(VqganTrainerTest, EncodeImagesAcceptsAVqganRun) {
     const auto resized = data::resize(source->image, 16, 16).unsqueeze(0);
     EXPECT_TRUE(torch::equal(example->image_tokens, loaded.model->encode_tokens(resized)[0])) << i;
   }
+}
+
+TEST_F(VqganTrainerTest, ARoundTripIsTheDecodedTokensOfEachImageInAnyBatch) {
+  ScratchDir dir;
+  VqganTrainer(tiny(2), dir / "vqgan").run();
+  auto tokenizer = load_image_tokenizer(dir / "vqgan");
+  torch::manual_seed(0);
+  const auto images = torch::rand({3, 3, 16, 16});
+  const auto out = round_trip(tokenizer, images);
+  ASSERT_EQ(out.sizes(), images.sizes());
+  EXPECT_FALSE(out.requires_grad());
+  EXPECT_GE(out.min().item<float>(), 0.0f);
+  EXPECT_LE(out.max().item<float>(), 1.0f);
+  torch::NoGradGuard no_grad;
+  const auto decoded = tokenizer.model->decode_tokens(tokenizer.model->encode_tokens(images)).clamp(0, 1);
+  EXPECT_TRUE(torch::equal(out, decoded));
+  EXPECT_TRUE(torch::allclose(round_trip(tokenizer, images.slice(0, 1, 2)), out.slice(0, 1, 2), 1e-5, 1e-6));
+  EXPECT_GT((out - images).abs().max().item<float>(), 0.1f) << "a 2-update VQGAN cannot be lossless";
+  EXPECT_THROW_WITH(round_trip(tokenizer, torch::rand({1, 3, 32, 32})), Error, "expected [B, C, 16, 16] images");
+  EXPECT_THROW_WITH(round_trip(tokenizer, torch::rand({3, 16, 16})), Error, "expected [B, C, 16, 16] images");
 }
 
 // Without noise (vector quantizer, no restarts) a GPU run starts from the CPU run's weights

@@ -32,6 +32,7 @@ struct ClipTrainConfig {
   models::ClipConfig model = clip_training_model_defaults();
   ImageDataConfig data;
   std::string tokenizer;  // SentencePiece model (its <model>.yaml sets the caption length)
+  std::string through_tokenizer;  // image tokenizer whose round trip every image takes; empty: none
   int64_t warmup_steps = 100;
   CosineSchedule learning_rate{5e-4, 0.0, 10'000};
   double beta1 = 0.9, beta2 = 0.98, epsilon = 1e-6, weight_decay = 0.2;

@@ -5,6 +5,8 @@
 #include <memory>
 #include <string>
 
+#include <torch/types.h>
+
 #include "dalle/models/image_tokenizer.h"
 
 namespace dalle::train {
@@ -17,5 +19,10 @@ struct TrainedImageTokenizer {
 };
 
 TrainedImageTokenizer load_image_tokenizer(const std::string& run_or_checkpoint);
+
+// [B, C, S, S] images in [0, 1], S the tokenizer's image_size -> the same images encoded to
+// tokens and decoded again, clamped to [0, 1]: what a perfect prior drawing through this
+// tokenizer could show. Without gradients; on the images' device.
+torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& images);
 
 }  // namespace dalle::train
