@@ -38,6 +38,13 @@ json split_json(const AccuracySplit& s) {
   return {{"all", tally_json(s.all)}, {"seen", tally_json(s.seen)}, {"heldout", tally_json(s.heldout)}};
 }
 
+json split_json(const AnyImageSplit& s) {
+  const auto tally = [](const AnyImageTally& t) {
+    return json{{"prompts", t.prompts}, {"caption_accuracy", t.caption_accuracy()}};
+  };
+  return {{"all", tally(s.all)}, {"seen", tally(s.seen)}, {"heldout", tally(s.heldout)}};
+}
+
 // What one fashion-compose split's captions.jsonl lists: image paths and captions.
 struct RealImage {
   std::string path, caption;
@@ -82,9 +89,10 @@ class Scorer {
     if (!options.tokenizer_run.empty()) report.tokenizer = read_tokenizer_psnr(options.tokenizer_run);
   }
 
-  // Scores one picture against its prompt; a prompt the caption grammar cannot write is
-  // counted as unparsed and not scored.
-  void score(const torch::Tensor& image, const std::string& prompt, int64_t rank, const std::string& name) {
+  // Scores one picture against its prompt (the prompt_index-th); a prompt the caption grammar
+  // cannot write is counted as unparsed and not scored.
+  void score(const torch::Tensor& image, const std::string& prompt, int64_t prompt_index, int64_t rank,
+             const std::string& name) {
     const auto caption = data::parse_fashion_compose_caption(prompt);
     if (!caption) {
       ++report.unparsed;
@@ -93,9 +101,12 @@ class Scorer {
     }
     auto objects = find_objects(image, measure_);
     const auto features = classify_objects(classifier_.model, objects);
-    if (features.size(0) > 0) features_.push_back(features);
+    if (rank == 0 && features.size(0) > 0) features_.push_back(features);
     const auto verdict = judge_caption(*caption, objects, measure_.canvas_size);
     const bool held = names_heldout_combination(*caption, heldout_);
+    auto& outcome = prompts_[prompt_index];
+    outcome.heldout = held;
+    outcome.right = outcome.right || verdict.correct;
     for (auto* split : rank == 0 ? std::vector<AccuracySplit*>{&report.every, &report.best}
                                  : std::vector<AccuracySplit*>{&report.every}) {
       split->all.add(verdict);
@@ -106,6 +117,12 @@ class Scorer {
   }
 
   void finish() {
+    for (const auto& [index, outcome] : prompts_) {
+      for (auto* tally : {&report.any.all, outcome.heldout ? &report.any.heldout : &report.any.seen}) {
+        ++tally->prompts;
+        tally->right += outcome.right;
+      }
+    }
     if (!options_.details.empty()) io::write_file_atomic(options_.details, details_.str());
     if (options_.real.empty()) return;
     FidResult fid;
@@ -182,6 +199,10 @@ class Scorer {
   std::vector<std::string> heldout_;
   std::string heldout_from_;
   std::vector<torch::Tensor> features_;
+  struct PromptOutcome {
+    bool heldout = false, right = false;
+  };
+  std::map<int64_t, PromptOutcome> prompts_;
   std::ostringstream details_;
 };
 
@@ -258,7 +279,7 @@ ScoreReport score_generated(const std::string& directory, const ScoreOptions& op
     }
     ++per_prompt[s.prompt_index];
     report.reranked = report.reranked || s.clip;
-    scorer.score(image, s.prompt, s.rank, fs::path(s.image).filename().string());
+    scorer.score(image, s.prompt, s.prompt_index, s.rank, fs::path(s.image).filename().string());
   }
   progress.finish();
   report.prompts = static_cast<int64_t>(per_prompt.size());
@@ -290,7 +311,7 @@ ScoreReport score_real(const std::string& split, const ScoreOptions& options) {
       continue;
     }
     if (tokenizer) picture = through_tokenizer(*tokenizer, picture);
-    scorer.score(picture, image.caption, 0, fs::path(image.path).filename().string());
+    scorer.score(picture, image.caption, report.images, 0, fs::path(image.path).filename().string());
   }
   progress.finish();
   report.prompts = report.images;
@@ -322,7 +343,8 @@ std::string ScoreReport::to_json(int indent) const {
               {"images_per_prompt", images_per_prompt},
               {"skipped", {{"unparsed_prompts", unparsed}, {"unreadable_images", unreadable}}},
               {"reranked", reranked},
-              {"accuracy", {{"every_image", split_json(every)}, {"best_ranked", split_json(best)}}},
+              {"accuracy",
+               {{"every_image", split_json(every)}, {"best_ranked", split_json(best)}, {"any_image", split_json(any)}}},
               {"heldout_combinations", heldout},
               {"heldout_from", heldout_from},
               {"classifier", {{"path", classifier}, {"test_accuracy", classifier_test_accuracy}}}};

@@ -99,7 +99,7 @@ struct Pipeline::Stages {
   text::Tokenizer tokenizer;
   train::TrainedImageTokenizer decoder;
   models::Clip clip{nullptr};
-  std::optional<text::ClipTokenizer> clip_tokenizer;
+  std::optional<text::ClipTokenizer> clip_tokenizer{};
   models::RrdbNet superres{nullptr};
 
   // Samples and decodes the candidates numbered [first, first + rows) of the flattened

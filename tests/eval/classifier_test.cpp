@@ -2,6 +2,8 @@
 // and the scoring built on it, end to end on small real datasets.
 #include "dalle/eval/classifier_trainer.h"
 
+#include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "dalle/data/fashion_compose.h"
@@ -223,6 +225,48 @@ TEST(Scoring, ScoresRealSplitsAndGenerationFolders) {
   EXPECT_EQ(json["skipped"]["unparsed_prompts"], 1);
   EXPECT_EQ(json["heldout_combinations"].size(), 8u);
   EXPECT_TRUE(json["fid"].is_object());
+  EXPECT_EQ(generated.any.all.prompts, 40);
+  EXPECT_EQ(generated.any.all.right, test.every.all.correct) << "one image per prompt: any is every";
+
+  // Two images per prompt: at rank 0 the next prompt's picture, at rank 1 its own.
+  fs::create_directories(dir / "pairs");
+  for (int64_t i = 0; i < 40; ++i) {
+    char own[16], next[16];
+    std::snprintf(own, sizeof own, "%04lld", static_cast<long long>(i));
+    std::snprintf(next, sizeof next, "%04lld", static_cast<long long>((i + 1) % 40));
+    const auto prompt = nlohmann::json::parse(testing::read_text(fs::path(dir / "generated") / (std::string(own) + "-00.json")));
+    fs::copy_file(fs::path(dir / "generated") / (std::string(next) + "-00.png"), fs::path(dir / "pairs") / (std::string(own) + "-00.png"));
+    fs::copy_file(fs::path(dir / "generated") / (std::string(own) + "-00.png"), fs::path(dir / "pairs") / (std::string(own) + "-01.png"));
+    for (int rank : {0, 1}) {
+      auto sidecar = prompt;
+      sidecar["rank"] = rank;
+      testing::write_text(fs::path(dir / "pairs") / (std::string(own) + "-0" + std::to_string(rank) + ".json"),
+                          sidecar.dump());
+    }
+  }
+  options.details = dir / "pairs-details.jsonl";
+  const auto pairs = score_generated(dir / "pairs", options);
+  EXPECT_EQ(pairs.every.all.images, 80);
+  EXPECT_EQ(pairs.best.all.images, 40);
+  std::map<std::string, bool> any_right;
+  std::ifstream pair_lines(dir / "pairs-details.jsonl");
+  for (std::string line; std::getline(pair_lines, line);) {
+    const auto entry = nlohmann::json::parse(line);
+    any_right[entry["image"].get<std::string>().substr(0, 4)] |= entry["correct"].get<bool>();
+  }
+  ASSERT_EQ(any_right.size(), 40u);
+  int64_t expected = 0;
+  for (const auto& [prompt, right] : any_right) expected += right;
+  EXPECT_EQ(pairs.any.all.prompts, 40);
+  EXPECT_EQ(pairs.any.all.right, expected);
+  EXPECT_GE(pairs.any.all.right, test.every.all.correct) << "each prompt's own picture is among its images";
+  EXPECT_GT(pairs.any.all.right, pairs.best.all.correct) << "the wrong picture ranks first";
+  EXPECT_EQ(pairs.any.seen.prompts + pairs.any.heldout.prompts, 40);
+  EXPECT_EQ(nlohmann::json::parse(pairs.to_json())["accuracy"]["any_image"]["all"]["prompts"], 40);
+  ASSERT_TRUE(pairs.fid);
+  EXPECT_EQ(pairs.fid->generated_items, test.fid->real_items) << "FID takes the rank-0 pictures only";
+  EXPECT_NEAR(pairs.fid->value, 0.0, 1e-6) << "which are the test split, reordered";
+  options.details.clear();
 
   EXPECT_THROW_WITH(score_generated(dir / "nowhere", options), Error, "no such folder");
   fs::create_directories(dir / "empty");

@@ -36,6 +36,17 @@ struct AccuracySplit {
   AccuracyTally all, seen, heldout;  // heldout: the caption names a held-out combination
 };
 
+// Prompts with at least one right image among all of theirs: what a perfect reranker would
+// pick from the same candidates.
+struct AnyImageTally {
+  int64_t prompts = 0, right = 0;
+  double caption_accuracy() const { return prompts > 0 ? static_cast<double>(right) / static_cast<double>(prompts) : 0; }
+};
+
+struct AnyImageSplit {
+  AnyImageTally all, seen, heldout;
+};
+
 struct FidResult {
   double value = 0;
   int64_t generated_items = 0, real_items = 0;  // item crops each side's statistics came from
@@ -60,7 +71,8 @@ struct ScoreReport {
   bool reranked = false;   // the sidecars carry CLIP scores
   AccuracySplit every;     // every image
   AccuracySplit best;      // each prompt's rank-0 image (CLIP's best when reranked)
-  std::optional<FidResult> fid;
+  AnyImageSplit any;       // each prompt with any right image (a perfect reranker's pick)
+  std::optional<FidResult> fid;  // of each prompt's rank-0 image, the one a user keeps
   std::optional<TokenizerPsnr> tokenizer;
   std::vector<std::string> heldout;  // the held-out combinations used for the split
   std::string heldout_from;          // the config they came from ("defaults" when none)
