@@ -143,10 +143,15 @@ std::shared_ptr<ImageCaptionDataset> ImageCaptionDataset::open(const std::string
 }
 
 std::optional<ImageCaptionExample> ImageCaptionDataset::get(size_t index, std::mt19937_64& rng) const {
+  return get(index, rng() % records_.at(index).captions.size(), rng);
+}
+
+std::optional<ImageCaptionExample> ImageCaptionDataset::get(size_t index, size_t caption,
+                                                            std::mt19937_64& rng) const {
   const auto& record = records_.at(index);
   ImageCaptionExample example;
   example.index = static_cast<int64_t>(index);
-  example.caption = record.captions[rng() % record.captions.size()];
+  example.caption = record.captions.at(caption);
   try {
     example.image = read_image(record.image_path);
   } catch (const ImageError& error) {

@@ -58,6 +58,8 @@ class ImageCaptionDataset {
   // Loads image `index` with one of its captions drawn by `rng`; nullopt (counted) when the
   // image cannot be read.
   std::optional<ImageCaptionExample> get(size_t index, std::mt19937_64& rng) const;
+  // The same with its caption number `caption`; `rng` places a random crop.
+  std::optional<ImageCaptionExample> get(size_t index, size_t caption, std::mt19937_64& rng) const;
   DatasetReport report() const;
   const std::string& root() const { return root_; }
 
