@@ -8,6 +8,7 @@
 #include <random>
 
 #include "dalle/data/caption_dataset.h"
+#include "dalle/data/caption_neighbours.h"
 #include "dalle/data/loader.h"
 #include "dalle/device.h"
 #include "dalle/io/checkpoint.h"
@@ -38,6 +39,11 @@ void ClipTrainConfig::visit(ConfigVisitor& v) {
           "dVAE or VQGAN run or export: every training and validation image is encoded and decoded by it "
           "first, so that CLIP learns the decoder's images it will rerank (its image size must be "
           "data.image_size; empty: the images as they are)");
+  v.field("hard_negatives", hard_negatives,
+          "share of each training batch replaced by images whose captions differ from those of the batch's "
+          "first images in one span of up to three words (another item, colour or position): negatives that "
+          "a random batch seldom holds (0: random batches, as CLIP)",
+          {.min = 0.0, .max = 0.5});
   v.section("learning_rate", "cosine learning-rate schedule after the warmup (CLIP: 5e-4 -> 0)", learning_rate);
   v.field("beta1", beta1, "AdamW beta1 (CLIP: 0.9)", {.min = 0.0, .max = 1.0});
   v.field("beta2", beta2, "AdamW beta2 (CLIP: 0.98 for ViTs)", {.min = 0.0, .max = 1.0});
@@ -96,6 +102,7 @@ struct ClipTrainer::State : RunRecord {
   std::unique_ptr<ModelPrecision> precision;
   detail::ImageData images;
   std::optional<TrainedImageTokenizer> image_tokenizer;  // config.through_tokenizer's
+  std::optional<data::CaptionNeighbours> neighbours;     // of the training set, for hard_negatives
 
   State(ClipTrainConfig c, fs::path r)
       : RunRecord("clip", std::move(r), c.keep_checkpoints),
@@ -105,6 +112,7 @@ struct ClipTrainer::State : RunRecord {
 
   torch::Tensor tokenize(const std::vector<std::string>& captions) const;
   torch::Tensor pixels(const torch::Tensor& images);
+  data::Batch<data::ImageCaptionExample> next_batch();
   ClipStepMetrics train_step(const torch::Tensor& images, const std::vector<std::string>& captions);
   void log_step(const ClipStepMetrics& metrics);
   void save_checkpoint();
@@ -129,6 +137,9 @@ void validate_settings(const ClipTrainConfig& config) {
     throw Error("clip training: learning_rate.start and learning_rate.end cannot be negative");
   }
   if (config.data.batch_size < 2) throw Error("clip training: data.batch_size must be at least 2 (negatives)");
+  if (config.hard_negatives < 0.0 || config.hard_negatives > 0.5) {
+    throw Error("clip training: hard_negatives must be between 0 and 0.5 (half the batch are neighbours of the other half)");
+  }
 }
 
 void check_tokenizer(const text::Tokenizer& tokenizer, const models::ClipConfig& model, const std::string& path) {
@@ -190,6 +201,10 @@ ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
 
   if (!s.config.through_tokenizer.empty()) s.image_tokenizer = open_through_tokenizer(s.config, s.device);
   s.images = detail::open_image_data(s.config.data, s.config.seed);
+  if (s.config.hard_negatives > 0) {
+    s.neighbours.emplace(s.images.train);
+    log::info("clip: ", 100 * s.neighbours->coverage(), "% of the training captions have a neighbour (hard_negatives)");
+  }
   s.open(visit_of(s.config), /*samples=*/false, [&s](const std::string& latest) { s.resume(latest); });
 }
 
@@ -209,6 +224,24 @@ torch::Tensor ClipTrainer::State::tokenize(const std::vector<std::string>& capti
     for (int64_t j = 0; j < length; ++j) rows[static_cast<int64_t>(i)][j] = ids[static_cast<size_t>(j)];
   }
   return tokens.to(device);
+}
+
+// The loader's next batch, its last hard_negatives share replaced by neighbours of its first
+// captions. The draws are seeded by the update so that a resumed run sees the same batches.
+data::Batch<data::ImageCaptionExample> ClipTrainer::State::next_batch() {
+  auto batch = detail::next_nonempty_batch(images);
+  if (!neighbours) return batch;
+  auto& examples = batch.examples;
+  const auto replaced = static_cast<size_t>(config.hard_negatives * static_cast<double>(examples.size()));
+  for (size_t i = 0; i < replaced; ++i) {
+    std::mt19937_64 rng(data::mix_seed(static_cast<uint64_t>(config.seed), static_cast<uint64_t>(step), i));
+    const auto neighbour = neighbours->draw(examples[i].caption, rng);
+    if (!neighbour) continue;
+    if (auto example = images.train->get(neighbour->record, neighbour->caption, rng)) {
+      examples[examples.size() - 1 - i] = std::move(*example);
+    }
+  }
+  return batch;
 }
 
 // What CLIP sees of a batch of [0, 1] images: on the device, through the image tokenizer
@@ -280,7 +313,7 @@ void ClipTrainer::run() {
       s, detail::intervals_of(s.config),
       {.update =
            [&] {
-             auto batch = detail::next_nonempty_batch(s.images);
+             auto batch = s.next_batch();
              std::vector<std::string> captions;
              for (const auto& example : batch.examples) captions.push_back(example.caption);
              metrics = s.train_step(detail::stack_images(batch.examples), captions);

@@ -225,6 +225,19 @@ TEST_F(ClipTrainerTest, ThroughTokenizerTrainsOnTheDecodersImagesAndResumes) {
   EXPECT_THROW_WITH(ClipTrainer(config, runs / "missing"), Error, "none");
 }
 
+// hard_negatives replaces the second half of each batch of the halves set with images of
+// the other side or another colour; the batches differ, and the run still resumes exactly.
+TEST_F(ClipTrainerTest, HardNegativesChangeTheBatchesAndResume) {
+  ScratchDir runs;
+  auto random = tiny(2), hard = tiny(2);
+  random.data.train = hard.data.train = *data_ / "halves";
+  hard.hard_negatives = 0.5;
+  ClipTrainer(random, runs / "random").run();
+  ClipTrainer(hard, runs / "hard").run();
+  EXPECT_NE(losses(runs / "hard").at(1)["loss"], losses(runs / "random").at(1)["loss"]);
+  expect_exact_resume(hard);
+}
+
 TEST(ClipTraining, ContrastiveLossAndSchedule) {
   EXPECT_NEAR(clip_contrastive_loss(torch::zeros({5, 5})).item<double>(), std::log(5.0), 1e-6);
   EXPECT_LT(clip_contrastive_loss(torch::eye(4) * 50).item<double>(), 1e-6);
@@ -262,6 +275,9 @@ TEST_F(ClipTrainerTest, BadSettingsAreRefused) {
   config = tiny(2);
   config.data.batch_size = 1;
   EXPECT_THROW_WITH(ClipTrainer(config, runs / "e"), Error, "batch_size must be at least 2");
+  config = tiny(2);
+  config.hard_negatives = 0.6;
+  EXPECT_THROW_WITH(ClipTrainer(config, runs / "f"), Error, "hard_negatives must be between 0 and 0.5");
   testing::write_text(runs / "notes.txt", "a user's file");
   EXPECT_THROW_WITH(ClipTrainer(tiny(2), runs.path().string()), Error, "not a CLIP run directory");
   EXPECT_FALSE(std::filesystem::exists(runs / "a/config.yaml"));

@@ -5,7 +5,8 @@
 // logit_scale (clamped to [0, ln 100] after each update), AdamW (decay on matrices only)
 // with a linear warmup and a cosine learning rate, an optional EMA, and the shared
 // precision section. Validation logs image->text and text->image top-1 retrieval accuracy
-// on held-out images. The run directory, checkpoints and exact resume are the other
+// on held-out images. hard_negatives fills part of each batch with images whose captions
+// differ from another's in one span (data::CaptionNeighbours). The run directory, checkpoints and exact resume are the other
 // trainers'.
 #include <cstdint>
 #include <memory>
@@ -33,6 +34,7 @@ struct ClipTrainConfig {
   ImageDataConfig data;
   std::string tokenizer;  // SentencePiece model (its <model>.yaml sets the caption length)
   std::string through_tokenizer;  // image tokenizer whose round trip every image takes; empty: none
+  double hard_negatives = 0.0;    // share of each batch replaced by caption neighbours of the rest
   int64_t warmup_steps = 100;
   CosineSchedule learning_rate{5e-4, 0.0, 10'000};
   double beta1 = 0.9, beta2 = 0.98, epsilon = 1e-6, weight_decay = 0.2;
