@@ -138,7 +138,8 @@ void validate_settings(const ClipTrainConfig& config) {
   }
   if (config.data.batch_size < 2) throw Error("clip training: data.batch_size must be at least 2 (negatives)");
   if (config.hard_negatives < 0.0 || config.hard_negatives > 0.5) {
-    throw Error("clip training: hard_negatives must be between 0 and 0.5 (half the batch are neighbours of the other half)");
+    throw Error("clip training: hard_negatives must be between 0 and 0.5 (at most half of a batch are neighbours "
+                "of the other half)");
   }
 }
 

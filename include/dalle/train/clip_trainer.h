@@ -6,8 +6,8 @@
 // with a linear warmup and a cosine learning rate, an optional EMA, and the shared
 // precision section. Validation logs image->text and text->image top-1 retrieval accuracy
 // on held-out images. hard_negatives fills part of each batch with images whose captions
-// differ from another's in one span (data::CaptionNeighbours). The run directory, checkpoints and exact resume are the other
-// trainers'.
+// differ from another's in one span (data::CaptionNeighbours). The run directory,
+// checkpoints and exact resume are the other trainers'.
 #include <cstdint>
 #include <memory>
 #include <string>
