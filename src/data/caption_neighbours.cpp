@@ -61,16 +61,15 @@ bool differ_in_one_span(const std::vector<std::string>& a, const std::vector<std
 
 }  // namespace
 
-CaptionNeighbours::CaptionNeighbours(std::shared_ptr<const ImageCaptionDataset> dataset)
-    : dataset_(std::move(dataset)) {
-  for (size_t record = 0; record < dataset_->size(); ++record) {
-    for (size_t caption = 0; caption < dataset_->record(record).captions.size(); ++caption) {
+CaptionNeighbours::CaptionNeighbours(const ImageCaptionDataset& dataset) {
+  for (size_t record = 0; record < dataset.size(); ++record) {
+    for (size_t caption = 0; caption < dataset.record(record).captions.size(); ++caption) {
       captions_.push_back({record, caption});
-      words_.push_back(words_of(dataset_->record(record).captions[caption]));
+      words_.push_back(words_of(dataset.record(record).captions[caption]));
     }
   }
   if (captions_.size() > std::numeric_limits<uint32_t>::max()) {
-    throw Error(dataset_->root() + ": too many captions to index their neighbours");
+    throw Error(dataset.root() + ": too many captions to index their neighbours");
   }
   for (uint32_t i = 0; i < captions_.size(); ++i) {
     for (const auto key : span_keys(words_[i])) entries_.emplace_back(key, i);

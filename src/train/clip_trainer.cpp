@@ -203,7 +203,7 @@ ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
   if (!s.config.through_tokenizer.empty()) s.image_tokenizer = open_through_tokenizer(s.config, s.device);
   s.images = detail::open_image_data(s.config.data, s.config.seed);
   if (s.config.hard_negatives > 0) {
-    s.neighbours.emplace(s.images.train);
+    s.neighbours.emplace(*s.images.train);
     log::info("clip: ", 100 * s.neighbours->coverage(), "% of the training captions have a neighbour (hard_negatives)");
   }
   s.open(visit_of(s.config), /*samples=*/false, [&s](const std::string& latest) { s.resume(latest); });

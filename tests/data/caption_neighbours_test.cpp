@@ -42,7 +42,7 @@ class CaptionNeighboursTest : public ::testing::Test {
 
   // How often each (image, caption) is drawn as a neighbour of `caption` in `draws` tries.
   std::map<std::pair<size_t, size_t>, int> draw_counts(const std::string& caption, int draws) const {
-    const CaptionNeighbours neighbours(dataset_);
+    const CaptionNeighbours neighbours(*dataset_);
     std::map<std::pair<size_t, size_t>, int> counts;
     for (int seed = 0; seed < draws; ++seed) {
       std::mt19937_64 rng(static_cast<uint64_t>(seed));
@@ -76,7 +76,7 @@ TEST_F(CaptionNeighboursTest, ACaptionOutsideTheDatasetHasNeighboursInIt) {
 }
 
 TEST_F(CaptionNeighboursTest, CaptionsWithoutNeighboursDrawNoneAndAreCounted) {
-  const CaptionNeighbours neighbours(dataset_);
+  const CaptionNeighbours neighbours(*dataset_);
   std::mt19937_64 rng(0);
   EXPECT_FALSE(neighbours.draw(kCaptions[5][0], rng));
   EXPECT_FALSE(neighbours.draw("red shirt", rng));

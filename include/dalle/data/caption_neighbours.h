@@ -5,7 +5,6 @@
 // negatives: a random batch of templated captions seldom holds two that differ in one
 // attribute only, so a model can match most of a batch by its easiest attribute.
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -25,7 +24,7 @@ class CaptionNeighbours {
  public:
   static constexpr int64_t kMaxSpanWords = 3;
 
-  explicit CaptionNeighbours(std::shared_ptr<const ImageCaptionDataset> dataset);
+  explicit CaptionNeighbours(const ImageCaptionDataset& dataset);
 
   // A caption of the dataset drawn by `rng` among the neighbours of `caption` (which need
   // not be in the dataset); nullopt when it has none.
@@ -41,7 +40,6 @@ class CaptionNeighbours {
 
   std::pair<Entries::const_iterator, Entries::const_iterator> filed_under(uint64_t key) const;
 
-  std::shared_ptr<const ImageCaptionDataset> dataset_;
   std::vector<CaptionReference> captions_;
   std::vector<std::vector<std::string>> words_;  // of each of captions_
   Entries entries_;
