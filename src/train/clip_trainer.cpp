@@ -60,19 +60,12 @@ void ClipTrainConfig::visit(ConfigVisitor& v) {
           "decay of the weights' moving average, used to validate and saved in checkpoints (0: no averaging)",
           {.min = 0.0, .max = 0.999999});
   v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale", precision);
-  v.field("steps", steps, "updates to train for", {.min = 1});
-  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
-  v.field("validate_every", validate_every, "updates between validations (retrieval accuracy)", {.min = 1});
+  detail::visit_interval_keys(v, *this, "retrieval accuracy");
   v.field("validation_images", validation_images,
           "held-out images scored at each validation: each image with one of its captions, retrieved among "
           "all of them",
           {.min = 2, .max = 65536});
-  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
-  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
-  v.field("seed", seed, "seed of initialisation and data order", {.min = 0});
-  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
-  v.field("device", device, "where CLIP trains: auto (a GPU when torch sees one), cpu or cuda",
-          {.choices = {"auto", "cpu", "cuda"}});
+  detail::visit_seed_and_device_keys(v, *this, "initialisation and data order", "CLIP trains");
 }
 
 double ClipTrainConfig::learning_rate_at(int64_t step) const {

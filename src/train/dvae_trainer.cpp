@@ -44,21 +44,14 @@ void DvaeTrainConfig::visit(ConfigVisitor& v) {
   v.field("weight_decay", weight_decay, "AdamW decoupled weight decay (DALL-E: 1e-4)", {.min = 0.0});
   v.field("ema_decay", ema_decay, "decay of the weights' moving average (DALL-E: 0.999)", {.min = 0.0, .max = 0.999999});
   v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale", precision);
-  v.field("steps", steps, "updates to train for", {.min = 1});
-  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
-  v.field("validate_every", validate_every, "updates between validations (PSNR, codebook usage, grid)", {.min = 1});
-  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
-  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
+  detail::visit_interval_keys(v, *this, "PSNR, codebook usage, grid");
   v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
   v.field("reconstruction_loss", reconstruction_loss,
           "logit_laplace: DALL-E's likelihood, which also learns a per-pixel scale; mse: squared error of the "
           "decoded pixels (in the mapped range [eps, 1 - eps]), which cannot trade colour accuracy for a wider scale "
           "(pair it with a smaller kl_weight)",
           {.choices = {"logit_laplace", "mse"}});
-  v.field("seed", seed, "seed of initialisation, data order and gumbel noise", {.min = 0});
-  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
-  v.field("device", device, "where the dVAE trains: auto (a GPU when torch sees one), cpu or cuda",
-          {.choices = {"auto", "cpu", "cuda"}});
+  detail::visit_seed_and_device_keys(v, *this, "initialisation, data order and gumbel noise", "the dVAE trains");
 }
 
 struct DvaeTrainer::State : RunRecord {

@@ -71,20 +71,14 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
           "recompute the activations of resblocks 0, k, 2k, ... in backward instead of keeping them "
           "(1: every resblock; 0: none)",
           {.min = 0});
-  v.field("steps", steps, "updates to train for", {.min = 1});
-  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
-  v.field("validate_every", validate_every, "updates between validations (loss, sample grid)", {.min = 1});
-  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
-  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
+  detail::visit_interval_keys(v, *this, "loss, sample grid");
   v.field("tokenizer", tokenizer, "caption tokenizer model that made the dataset's text tokens (for sample grids)");
   v.field("image_tokenizer", image_tokenizer, "dVAE or VQGAN run that made the image tokens (for sample grids)");
   v.field("sample_captions", sample_captions, "captions drawn at each validation (needs tokenizer and image_tokenizer)");
   v.field("samples_per_caption", samples_per_caption, "images per sample caption", {.min = 1, .max = 64});
   v.section("sampling", "sampling settings of the grids", sampling);
-  v.field("seed", seed, "seed of initialisation, data order, caption dropout and dropout", {.min = 0});
-  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
-  v.field("device", device, "where the prior trains: auto (a GPU when torch sees one), cpu or cuda",
-          {.choices = {"auto", "cpu", "cuda"}});
+  detail::visit_seed_and_device_keys(v, *this, "initialisation, data order, caption dropout and dropout",
+                                     "the prior trains");
 }
 
 struct PriorTrainer::State : RunRecord {
@@ -121,10 +115,9 @@ struct PriorTrainer::State : RunRecord {
 namespace {
 
 bool may_change_on_resume(const std::string& key) {
-  return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
-         key == "keep_checkpoints" || key == "threads" || key == "data.workers" || key == "sample_captions" ||
-         key == "samples_per_caption" || key.starts_with("sampling.") || key == "tokenizer" ||
-         key == "image_tokenizer" || key == "checkpoint_activations_every" || key == "device";
+  return detail::is_run_control_key(key) || key == "sample_captions" || key == "samples_per_caption" ||
+         key.starts_with("sampling.") || key == "tokenizer" || key == "image_tokenizer" ||
+         key == "checkpoint_activations_every";
 }
 
 void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig& model, const std::string& where) {

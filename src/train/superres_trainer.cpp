@@ -41,17 +41,10 @@ void SuperResTrainConfig::visit(ConfigVisitor& v) {
   v.field("ema_decay", ema_decay, "decay of the weights' moving average, used to validate and export (Real-ESRNet: 0.999)",
           {.min = 0.0, .max = 0.999999});
   v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale", precision);
-  v.field("steps", steps, "updates to train for", {.min = 1});
-  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
-  v.field("validate_every", validate_every, "updates between validations (PSNR against bicubic, grid)", {.min = 1});
+  detail::visit_interval_keys(v, *this, "PSNR against bicubic, grid");
   v.field("validation_images", validation_images, "held-out images each validation scores", {.min = 1, .max = 100000});
-  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
-  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
   v.field("grid_images", grid_images, "validation images in each sample grid", {.min = 1, .max = 256});
-  v.field("seed", seed, "seed of initialisation, data order and degradations", {.min = 0});
-  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
-  v.field("device", device, "where the network trains: auto (a GPU when torch sees one), cpu or cuda",
-          {.choices = {"auto", "cpu", "cuda"}});
+  detail::visit_seed_and_device_keys(v, *this, "initialisation, data order and degradations", "the network trains");
 }
 
 void SuperResTrainConfig::validate() const {

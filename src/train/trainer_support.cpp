@@ -15,11 +15,7 @@
 namespace dalle::train::detail {
 namespace fs = std::filesystem;
 
-bool may_change_on_resume(const std::string& key) {
-  return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
-         key == "keep_checkpoints" || key == "grid_images" || key == "threads" || key == "data.workers" ||
-         key == "device";
-}
+bool may_change_on_resume(const std::string& key) { return is_run_control_key(key) || key == "grid_images"; }
 
 ImageData open_image_data(const ImageDataConfig& config, int64_t seed) {
   ImageData images;

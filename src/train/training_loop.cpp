@@ -4,6 +4,11 @@
 
 namespace dalle::train::detail {
 
+bool is_run_control_key(const std::string& key) {
+  return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
+         key == "keep_checkpoints" || key == "threads" || key == "data.workers" || key == "device";
+}
+
 void run_training_loop(const RunRecord& record, const LoopIntervals& intervals, const LoopActions& actions) {
   const int64_t& step = record.step;  // advanced by actions.update
   if (step >= intervals.steps) {

@@ -60,16 +60,10 @@ void VqganTrainConfig::visit(ConfigVisitor& v) {
   v.field("ema_decay", ema_decay, "decay of the weights' moving average, used to validate and tokenize",
           {.min = 0.0, .max = 0.999999});
   v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale per network", precision);
-  v.field("steps", steps, "updates to train for", {.min = 1});
-  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
-  v.field("validate_every", validate_every, "updates between validations (PSNR, codebook usage, grid)", {.min = 1});
-  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
-  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
+  detail::visit_interval_keys(v, *this, "PSNR, codebook usage, grid");
   v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
-  v.field("seed", seed, "seed of initialisation, data order, gumbel noise and code restarts", {.min = 0});
-  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
-  v.field("device", device, "where the networks train: auto (a GPU when torch sees one), cpu or cuda",
-          {.choices = {"auto", "cpu", "cuda"}});
+  detail::visit_seed_and_device_keys(v, *this, "initialisation, data order, gumbel noise and code restarts",
+                                     "the networks train");
 }
 
 struct VqganTrainer::State : RunRecord {
