@@ -5,6 +5,7 @@
 #include <map>
 #include <sstream>
 
+#include "dalle/data/sampler.h"
 #include "dalle/error.h"
 
 namespace dalle::data {
@@ -118,6 +119,23 @@ std::optional<CaptionReference> CaptionNeighbours::draw(const std::string& capti
     }
   }
   return std::nullopt;
+}
+
+size_t replace_with_neighbours(std::vector<ImageCaptionExample>& examples, double share,
+                               const CaptionNeighbours& neighbours, const ImageCaptionDataset& dataset,
+                               uint64_t seed, uint64_t stream) {
+  const auto count = static_cast<size_t>(share * static_cast<double>(examples.size()));
+  size_t replaced = 0;
+  for (size_t i = 0; i < count; ++i) {
+    std::mt19937_64 rng(mix_seed(seed, stream, i));
+    const auto neighbour = neighbours.draw(examples[i].caption, rng);
+    if (!neighbour) continue;
+    if (auto example = dataset.get(neighbour->record, neighbour->caption, rng)) {
+      examples[examples.size() - 1 - i] = std::move(*example);
+      ++replaced;
+    }
+  }
+  return replaced;
 }
 
 }  // namespace dalle::data

@@ -224,16 +224,9 @@ torch::Tensor ClipTrainer::State::tokenize(const std::vector<std::string>& capti
 // captions. The draws are seeded by the update so that a resumed run sees the same batches.
 data::Batch<data::ImageCaptionExample> ClipTrainer::State::next_batch() {
   auto batch = detail::next_nonempty_batch(images);
-  if (!neighbours) return batch;
-  auto& examples = batch.examples;
-  const auto replaced = static_cast<size_t>(config.hard_negatives * static_cast<double>(examples.size()));
-  for (size_t i = 0; i < replaced; ++i) {
-    std::mt19937_64 rng(data::mix_seed(static_cast<uint64_t>(config.seed), static_cast<uint64_t>(step), i));
-    const auto neighbour = neighbours->draw(examples[i].caption, rng);
-    if (!neighbour) continue;
-    if (auto example = images.train->get(neighbour->record, neighbour->caption, rng)) {
-      examples[examples.size() - 1 - i] = std::move(*example);
-    }
+  if (neighbours) {
+    data::replace_with_neighbours(batch.examples, config.hard_negatives, *neighbours, *images.train,
+                                  static_cast<uint64_t>(config.seed), static_cast<uint64_t>(step));
   }
   return batch;
 }

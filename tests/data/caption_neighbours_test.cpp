@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -83,6 +84,45 @@ TEST_F(CaptionNeighboursTest, CaptionsWithoutNeighboursDrawNoneAndAreCounted) {
   EXPECT_FALSE(neighbours.draw("", rng));
   // Images 0-4 and "a red bag on the left" of 10 captions; "a zebra", 5, 6 and 7 have none.
   EXPECT_DOUBLE_EQ(neighbours.coverage(), 0.6);
+}
+
+TEST_F(CaptionNeighboursTest, ABatchsLastExamplesBecomeNeighboursOfItsFirst) {
+  const CaptionNeighbours neighbours(*dataset_);
+  // Images 0 and 5 first (5 has no neighbour), then 6 and 7, which they may replace.
+  const auto batch = [&] {
+    std::mt19937_64 rng(0);
+    std::vector<ImageCaptionExample> examples;
+    for (size_t image : {0, 5, 6, 7}) examples.push_back(*dataset_->get(image, 0, rng));
+    return examples;
+  };
+  const std::set<std::string> neighbours_of_0 = {"a red ankle boot on the left", "a blue shirt on the left",
+                                                 "a red shirt at the top", "a red bag on the left"};
+  auto examples = batch();
+  EXPECT_EQ(replace_with_neighbours(examples, 0.5, neighbours, *dataset_, 7, 3), 1u);
+  EXPECT_EQ(examples[0].caption, kCaptions[0][0]);
+  EXPECT_EQ(examples[1].caption, kCaptions[5][0]);
+  EXPECT_EQ(examples[2].caption, kCaptions[6][0]);
+  EXPECT_TRUE(neighbours_of_0.contains(examples[3].caption)) << examples[3].caption;
+  // The replacement is a whole example: its image is the one its caption belongs to.
+  const auto record = static_cast<size_t>(examples[3].index);
+  EXPECT_NE(std::find(kCaptions[record].begin(), kCaptions[record].end(), examples[3].caption),
+            kCaptions[record].end());
+  EXPECT_NEAR(examples[3].image.mean().item<double>(), 0.1 * static_cast<double>(record), 1.0 / 255);
+
+  auto again = batch();
+  replace_with_neighbours(again, 0.5, neighbours, *dataset_, 7, 3);
+  EXPECT_EQ(again[3].caption, examples[3].caption);
+  std::set<std::string> drawn;
+  for (uint64_t stream = 0; stream < 100; ++stream) {
+    auto other = batch();
+    replace_with_neighbours(other, 0.5, neighbours, *dataset_, 7, stream);
+    drawn.insert(other[3].caption);
+  }
+  EXPECT_EQ(drawn, neighbours_of_0);
+
+  auto unchanged = batch();
+  EXPECT_EQ(replace_with_neighbours(unchanged, 0.0, neighbours, *dataset_, 7, 3), 0u);
+  EXPECT_EQ(unchanged[3].caption, kCaptions[7][0]);
 }
 
 TEST_F(CaptionNeighboursTest, DatasetLoadsANamedCaption) {

@@ -46,4 +46,14 @@ class CaptionNeighbours {
   double coverage_ = 0.0;
 };
 
+// Hard negatives for a batch: for i below share * examples.size(), example size - 1 - i is
+// replaced by a neighbour of example i's caption, loaded from `dataset` (the one
+// `neighbours` indexed). Draw i is seeded by (seed, stream, i), so the replacements depend
+// on the batch's examples and (seed, stream) alone. An example whose caption has no
+// neighbour, or whose neighbour's image fails to load, keeps its partner. Returns how many
+// were replaced.
+size_t replace_with_neighbours(std::vector<ImageCaptionExample>& examples, double share,
+                               const CaptionNeighbours& neighbours, const ImageCaptionDataset& dataset,
+                               uint64_t seed, uint64_t stream);
+
 }  // namespace dalle::data
