@@ -124,6 +124,10 @@ std::optional<CaptionReference> CaptionNeighbours::draw(const std::string& capti
 size_t replace_with_neighbours(std::vector<ImageCaptionExample>& examples, double share,
                                const CaptionNeighbours& neighbours, const ImageCaptionDataset& dataset,
                                uint64_t seed, uint64_t stream) {
+  if (!(share >= 0.0 && share <= 0.5)) {
+    throw Error("hard negatives: the share replaced must be between 0 and 0.5 (each replaced example needs a "
+                "partner that is not replaced), got " + std::to_string(share));
+  }
   const auto count = static_cast<size_t>(share * static_cast<double>(examples.size()));
   size_t replaced = 0;
   for (size_t i = 0; i < count; ++i) {

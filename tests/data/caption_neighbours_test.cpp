@@ -123,6 +123,8 @@ TEST_F(CaptionNeighboursTest, ABatchsLastExamplesBecomeNeighboursOfItsFirst) {
   auto unchanged = batch();
   EXPECT_EQ(replace_with_neighbours(unchanged, 0.0, neighbours, *dataset_, 7, 3), 0u);
   EXPECT_EQ(unchanged[3].caption, kCaptions[7][0]);
+  EXPECT_THROW_WITH(replace_with_neighbours(unchanged, 0.75, neighbours, *dataset_, 7, 3), Error,
+                    "between 0 and 0.5", "got 0.75");
 }
 
 TEST_F(CaptionNeighboursTest, DatasetLoadsANamedCaption) {

@@ -51,7 +51,7 @@ class CaptionNeighbours {
 // `neighbours` indexed). Draw i is seeded by (seed, stream, i), so the replacements depend
 // on the batch's examples and (seed, stream) alone. An example whose caption has no
 // neighbour, or whose neighbour's image fails to load, keeps its partner. Returns how many
-// were replaced.
+// were replaced; a share outside [0, 0.5] is refused.
 size_t replace_with_neighbours(std::vector<ImageCaptionExample>& examples, double share,
                                const CaptionNeighbours& neighbours, const ImageCaptionDataset& dataset,
                                uint64_t seed, uint64_t stream);
