@@ -20,14 +20,18 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-Result run(const std::string& tool, const std::string& arguments) {
-  const std::string command = std::string(DALLE_TOOLS_DIR) + "/" + tool + " " + arguments + " 2>&1";
+Result run_command(const std::string& command_line) {
+  const std::string command = command_line + " 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   std::string output;
   std::array<char, 4096> buffer;
   while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) output.append(buffer.data(), n);
   const int status = pclose(pipe);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+Result run(const std::string& tool, const std::string& arguments) {
+  return run_command(std::string(DALLE_TOOLS_DIR) + "/" + tool + " " + arguments);
 }
 
 TEST(Tools, HelpDescribesEverySubcommand) {
@@ -338,6 +342,40 @@ TEST(Tools, EvalExplainsItselfAndRefusesBadInput) {
   EXPECT_EQ(result.status, 1);
   EXPECT_THAT(result.output, ::testing::HasSubstr("captions.jsonl: cannot read"));
   EXPECT_FALSE(std::filesystem::exists(dir / "eval.json"));
+}
+
+// scripts/judge-agreement compares two classifiers' --details of one dalle-generate folder:
+// one prompt, two candidates; the second classifier reads the rank-1 candidate's bag as a
+// sneaker.
+TEST(Tools, JudgeAgreementComparesTwoClassifiersVerdicts) {
+  ScratchDir dir;
+  const auto line = [](int rank, const char* item, bool correct) {
+    return nlohmann::json{{"image", "0000-0" + std::to_string(rank) + ".png"},
+                          {"prompt", "a red bag on the left"},
+                          {"rank", rank},
+                          {"heldout", false},
+                          {"correct", correct},
+                          {"measured", {{{"box", {0, 0, 9, 9}}, {"item", item}}}}}
+               .dump() +
+           "\n";
+  };
+  testing::write_text(dir / "a.jsonl", line(0, "coat", false) + line(1, "bag", true));
+  testing::write_text(dir / "b.jsonl", line(0, "coat", false) + line(1, "sneaker", false));
+  const std::string script = std::string(DALLE_SOURCE_DIR) + "/scripts/judge-agreement ";
+  auto result = run_command(script + (dir / "a.jsonl") + " " + (dir / "b.jsonl"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  const auto seen = nlohmann::json::parse(result.output)["seen"];
+  EXPECT_EQ(seen["objects"], 2);
+  EXPECT_DOUBLE_EQ(seen["item_agreement"].get<double>(), 0.5);
+  EXPECT_EQ(seen["prompts"], 1);
+  EXPECT_EQ(seen["best_ranked"], (nlohmann::json{{"a", 0.0}, {"b", 0.0}, {"both", 0.0}}));
+  EXPECT_EQ(seen["any_image"], (nlohmann::json{{"a", 1.0}, {"b", 0.0}, {"both", 0.0}}));
+  EXPECT_DOUBLE_EQ(seen["caption_verdicts"]["a"].get<double>(), 0.5);
+
+  testing::write_text(dir / "c.jsonl", line(0, "coat", false));
+  result = run_command(script + (dir / "a.jsonl") + " " + (dir / "c.jsonl"));
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("describe different images"));
 }
 
 // The same chain with a VQGAN as the image tokenizer: encode-images, the prior's sample
