@@ -1,6 +1,7 @@
 #include "training_loop.h"
 
 #include "dalle/log.h"
+#include "dalle/train/stop_request.h"
 
 namespace dalle::train::detail {
 
@@ -8,6 +9,25 @@ bool is_run_control_key(const std::string& key) {
   return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
          key == "keep_checkpoints" || key == "threads" || key == "data.workers" || key == "device";
 }
+
+namespace {
+
+// On a stop request: the last update's metrics line and a checkpoint, unless the loop wrote
+// them already, so that a rerun resumes from the last update.
+void save_before_stopping(const RunRecord& record, const LoopIntervals& intervals, const LoopActions& actions,
+                          int64_t first, int64_t checkpointed) {
+  const int64_t step = record.step;
+  if (step > first && step % intervals.log_every != 0) actions.log();
+  if (step > checkpointed) actions.checkpoint();
+}
+
+void log_stop(const RunRecord& record, const LoopIntervals& intervals) {
+  const int signal = stop_signal();
+  log::warn(record.what, ": stopped", signal == SIGINT ? " by SIGINT" : signal == SIGTERM ? " by SIGTERM" : "",
+            " after update ", record.step, " of ", intervals.steps, "; rerun the same command to resume from it");
+}
+
+}  // namespace
 
 void run_training_loop(const RunRecord& record, const LoopIntervals& intervals, const LoopActions& actions) {
   const int64_t& step = record.step;  // advanced by actions.update
@@ -17,16 +37,24 @@ void run_training_loop(const RunRecord& record, const LoopIntervals& intervals, 
   }
   log::info(record.what, ": training from update ", step, " to ", intervals.steps, " in ", record.run.string());
   log::Progress progress(record.what, intervals.steps - step);
-  while (step < intervals.steps) {
+  const int64_t first = step;
+  int64_t checkpointed = step;
+  while (step < intervals.steps && !stop_requested()) {
     const double loss = actions.update();
     progress.advance();
     progress.set_loss(loss);
     const bool last = step == intervals.steps;
     if (step % intervals.log_every == 0 || last) actions.log();
     if (step % intervals.validate_every == 0 || last) actions.validate();
-    if (step % intervals.checkpoint_every == 0 || last) actions.checkpoint();
+    if (step % intervals.checkpoint_every == 0 || last) {
+      actions.checkpoint();
+      checkpointed = step;
+    }
   }
+  const bool stopped = step < intervals.steps;
+  if (stopped) save_before_stopping(record, intervals, actions, first, checkpointed);
   progress.finish();
+  if (stopped) log_stop(record, intervals);
 }
 
 }  // namespace dalle::train::detail

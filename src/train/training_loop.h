@@ -1,8 +1,9 @@
 #pragma once
 // The loop every trainer runs: updates up to the configured count, with a metrics line, a
 // validation and a checkpoint at their intervals and after the last update, and a progress
-// line. The trainers differ in what an update, a validation and a checkpoint are, not in
-// when they happen. Private to the library.
+// line; a stop request (dalle/train/stop_request.h) ends it early with a checkpoint. The
+// trainers differ in what an update, a validation and a checkpoint are, not in when they
+// happen. Private to the library.
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -57,7 +58,7 @@ struct LoopActions {
   std::function<void()> checkpoint;
 };
 
-// Runs `actions.update` until the run's step reaches `intervals.steps`.
+// Runs `actions.update` until the run's step reaches `intervals.steps` or a stop is requested.
 void run_training_loop(const RunRecord& record, const LoopIntervals& intervals, const LoopActions& actions);
 
 }  // namespace dalle::train::detail

@@ -7,6 +7,7 @@
 #include "dalle/data/fashion_compose.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/train/rrdbnet_loader.h"
+#include "dalle/train/stop_request.h"
 #include "gpu_run.h"
 #include "test_support.h"
 
@@ -128,6 +129,22 @@ TEST_F(SuperResTrainerTest, LossGoesDownAndBeatsItsStartOnValidation) {
   const auto grid = testing::read_text(runs / "run/metrics.jsonl");
   EXPECT_THAT(grid, ::testing::HasSubstr("\"bicubic_psnr\""));
   EXPECT_THAT(grid, ::testing::HasSubstr("\"psnr_gain\""));
+}
+
+// A stop requested before run() trains nothing; once cleared, the run trains as usual. (A stop
+// in the middle of a run, by SIGTERM, is in tools_test.cpp.)
+TEST_F(SuperResTrainerTest, AStopRequestedBeforeTheRunTrainsNothing) {
+  ScratchDir runs;
+  SuperResTrainer trainer(tiny(2), runs / "run");
+  request_stop();
+  trainer.run();
+  clear_stop_request();
+  EXPECT_EQ(trainer.step(), 0);
+  EXPECT_TRUE(losses(runs / "run").empty());
+  EXPECT_FALSE(std::filesystem::exists(runs / "run/checkpoints/latest"));
+  trainer.run();
+  EXPECT_EQ(trainer.step(), 2);
+  EXPECT_EQ(losses(runs / "run").size(), 2u);
 }
 
 TEST_F(SuperResTrainerTest, ResumedRunContinuesWithTheSameLossesAndWeights) {

@@ -77,6 +77,8 @@ class ClipTrainer {
   ClipTrainer(ClipTrainConfig config, std::string run_directory);
   ~ClipTrainer();
 
+  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;
   // Retrieval accuracy on the first validation_images held-out images, with the EMA weights.

@@ -80,7 +80,8 @@ class DvaeTrainer {
   DvaeTrainer(DvaeTrainConfig config, std::string run_directory);
   ~DvaeTrainer();
 
-  // Trains until config.steps updates are done, validating and checkpointing on schedule.
+  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;
   // PSNR and codebook usage on the validation set, with the EMA weights; writes a grid.

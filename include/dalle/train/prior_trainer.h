@@ -94,6 +94,8 @@ class PriorTrainer {
   PriorTrainer(PriorTrainConfig config, std::string run_directory);
   ~PriorTrainer();
 
+  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;
   PriorStepMetrics last_metrics() const;

@@ -64,6 +64,8 @@ class SuperResTrainer {
   SuperResTrainer(SuperResTrainConfig config, std::string run_directory);
   ~SuperResTrainer();
 
+  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;
   // PSNR of the EMA network and of bicubic upscaling on the validation images; writes a

@@ -91,6 +91,8 @@ class VqganTrainer {
   VqganTrainer(VqganTrainConfig config, std::string run_directory);
   ~VqganTrainer();
 
+  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;
   // PSNR and codebook usage on the validation set, with the EMA weights; writes a grid.
