@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdio>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "dalle/io/safetensors.h"
@@ -176,6 +177,45 @@ TEST(Tools, TrainSrTrainsResumesAndRefusesBadKeys) {
   EXPECT_EQ(result.status, 1);
   EXPECT_THAT(result.output, ::testing::HasSubstr("unknown key 'degradation.blur_sigm"));
   EXPECT_FALSE(std::filesystem::exists(dir / "bad"));
+}
+
+// SIGTERM in the middle of a run, as a batch scheduler sends it: the trainer writes a
+// checkpoint of the update it is at, the tool exits with 143, and the same command resumes.
+TEST(Tools, SigtermStopsTrainingWithACheckpointThatTheRerunResumes) {
+  ScratchDir dir;
+  auto result = run("dalle-data", "compose --out " + (dir / "fc") +
+                                      " --set train_images=8 --set test_images=4 --set heldout_images=0");
+  ASSERT_EQ(result.status, 0) << result.output;
+  const std::string train_sr = std::string(DALLE_TOOLS_DIR) + "/dalle-train-sr --config " + DALLE_SOURCE_DIR +
+                               "/configs/superres/fashion-compose-x2-tiny.yaml --set data.train=" +
+                               (dir / "fc/train") + " --set data.validation=" + (dir / "fc/test") +
+                               " --set model.num_feat=8 --set model.num_block=1 --set model.num_grow_ch=4" +
+                               " --set data.batch_size=4 --set threads=1 --set log_every=1" +
+                               " --set validate_every=1000000 --set checkpoint_every=1000000 --out " + (dir / "run");
+  // The signal goes once the first update is logged; the watchdog ends a run that ignores it.
+  result = run_command(train_sr + " --set steps=1000000 2>&1 & pid=$!; for i in $(seq 600); do [ -s " +
+                       (dir / "run/metrics.jsonl") + " ] && break; sleep 0.1; done; kill -TERM $pid; " +
+                       "(for i in $(seq 1200); do kill -0 $pid || exit; sleep 0.1; done; kill -KILL $pid) " +
+                       ">/dev/null 2>&1 & wait $pid");
+  EXPECT_EQ(result.status, 143) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("stopped by SIGTERM after update"));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("rerun the same command to resume"));
+  EXPECT_THAT(result.output, ::testing::Not(::testing::HasSubstr("error")));
+
+  const auto latest = testing::read_text(dir / "run/checkpoints/latest");
+  const int64_t stopped_at = std::stoll(latest.substr(latest.find('-') + 1));
+  ASSERT_GE(stopped_at, 1) << latest;
+  int64_t logged = 0;
+  std::ifstream metrics(dir / "run/metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    if (nlohmann::json::parse(line).contains("loss")) ++logged;
+  }
+  EXPECT_EQ(logged, stopped_at) << "every update up to the checkpoint logged once";
+
+  result = run_command(train_sr + " --set steps=" + std::to_string(stopped_at + 2));
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("resumed from"));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("training from update " + std::to_string(stopped_at)));
 }
 
 TEST(Tools, FailuresExitNonZeroWithTheReason) {

@@ -4,6 +4,7 @@
 
 #include "dalle/log.h"
 #include "dalle/runtime.h"
+#include "dalle/train/stop_request.h"
 
 namespace dalle::tools {
 
@@ -36,6 +37,24 @@ bool ConfigOptions::print_requested(const ConfigVisit& visit) const {
   return print || print_reference;
 }
 
+namespace {
+
+// Thrown by run_stoppable for run_tool, which turns it into the exit status.
+struct StoppedBySignal {
+  int signal;
+};
+
+}  // namespace
+
+void run_stoppable(const std::function<void()>& train) {
+  train::clear_stop_request();
+  {
+    train::StopOnSignals stop_on_signals;
+    train();
+  }
+  if (train::stop_requested()) throw StoppedBySignal{train::stop_signal()};
+}
+
 int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body) {
   try {
     app.parse(argc, argv);
@@ -45,6 +64,8 @@ int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& 
   try {
     body();
     return 0;
+  } catch (const StoppedBySignal& stopped) {
+    return 128 + stopped.signal;
   } catch (const std::exception& error) {
     std::cerr << app.get_name() << ": error: " << error.what() << "\n";
     return kExitFailure;

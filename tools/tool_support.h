@@ -11,7 +11,9 @@
 
 namespace dalle::tools {
 
-// Exit statuses: 0 success, 1 the work failed (bad input, I/O), 2 bad command line.
+// Exit statuses: 0 success, 1 the work failed (bad input, I/O), 2 bad command line; a
+// training tool that SIGINT or SIGTERM stopped exits with 128 + the signal's number (130,
+// 143), as a shell reports a process the signal ended.
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 
@@ -31,6 +33,12 @@ struct ConfigOptions {
   // Handles --print-config / --print-reference: prints and returns true when either was given.
   bool print_requested(const ConfigVisit& visit) const;
 };
+
+// Runs `train` (a trainer's run()) with SIGINT and SIGTERM turned into a stop request
+// (dalle/train/stop_request.h): the trainer checkpoints and returns, and run_tool then
+// exits with 128 + the signal's number, so that scripts and schedulers see the run did not
+// finish. A second signal ends the process at once.
+void run_stoppable(const std::function<void()>& train);
 
 // Parses the command line and runs `body`, printing any error as "dalle-x: error: ...".
 int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body);
