@@ -23,6 +23,9 @@ int main(int argc, char** argv) {
     if (run_directory.empty()) throw Error("--out is required");
     log::add_file_sink(run_directory + ".log");
     train::SuperResTrainer trainer(config, run_directory);
-    tools::run_stoppable([&] { trainer.run(); });
+    tools::run_stoppable([&] {
+      trainer.run();
+      return trainer.step() >= config.steps;
+    });
   });
 }

@@ -19,7 +19,10 @@ void train_kind(const tools::ConfigOptions& options, const ConfigSource& source,
   if (run_directory.empty()) throw Error("--out is required");
   log::add_file_sink(run_directory + ".log");
   Trainer trainer(config, run_directory);
-  tools::run_stoppable([&] { trainer.run(); });
+  tools::run_stoppable([&] {
+    trainer.run();
+    return trainer.step() >= config.steps;
+  });
 }
 
 }  // namespace

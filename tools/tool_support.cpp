@@ -46,13 +46,15 @@ struct StoppedBySignal {
 
 }  // namespace
 
-void run_stoppable(const std::function<void()>& train) {
+void run_stoppable(const std::function<bool()>& train) {
   train::clear_stop_request();
+  bool finished = false;
   {
     train::StopOnSignals stop_on_signals;
-    train();
+    finished = train();
   }
-  if (train::stop_requested()) throw StoppedBySignal{train::stop_signal()};
+  // A signal after the last update stops nothing.
+  if (!finished && train::stop_requested()) throw StoppedBySignal{train::stop_signal()};
 }
 
 int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body) {

@@ -34,11 +34,11 @@ struct ConfigOptions {
   bool print_requested(const ConfigVisit& visit) const;
 };
 
-// Runs `train` (a trainer's run()) with SIGINT and SIGTERM turned into a stop request
-// (dalle/train/stop_request.h): the trainer checkpoints and returns, and run_tool then
-// exits with 128 + the signal's number, so that scripts and schedulers see the run did not
-// finish. A second signal ends the process at once.
-void run_stoppable(const std::function<void()>& train);
+// Runs `train` (a trainer's run(), then whether it did all its updates) with SIGINT and
+// SIGTERM turned into a stop request (dalle/train/stop_request.h): the trainer checkpoints
+// and returns, and run_tool then exits with 128 + the signal's number, so that scripts and
+// schedulers see the run did not finish. A second signal ends the process at once.
+void run_stoppable(const std::function<bool()>& train);
 
 // Parses the command line and runs `body`, printing any error as "dalle-x: error: ...".
 int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body);
