@@ -1,10 +1,17 @@
 #include "run_directory.h"
 
 #include <ATen/Context.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "dalle/error.h"
 #include "dalle/io/atomic_file.h"
@@ -17,9 +24,18 @@
 namespace dalle::train {
 namespace fs = std::filesystem;
 
+namespace {
+
+constexpr const char* kLockFile = ".lock";
+
+}  // namespace
+
 void check_run_directory(const fs::path& run, const std::string& what) {
   if (!fs::exists(run) || fs::is_empty(run)) return;
-  if (!fs::is_directory(run) || !(fs::exists(run / "checkpoints") || fs::exists(run / "metrics.jsonl"))) {
+  // The lock file marks a run that stopped before its first metrics line.
+  const bool a_run =
+      fs::exists(run / "checkpoints") || fs::exists(run / "metrics.jsonl") || fs::exists(run / kLockFile);
+  if (!fs::is_directory(run) || !a_run) {
     throw Error(run.string() + " exists and is not a " + what + " run directory; refusing to write into it");
   }
 }
@@ -52,6 +68,39 @@ void prepare_torch(int64_t threads, int64_t seed) {
   torch::manual_seed(static_cast<uint64_t>(seed));
 }
 
+RunLock::RunLock(const fs::path& run, const std::string& what) {
+  const auto path = (run / kLockFile).string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw Error(path + ": cannot open the run's lock file: " + std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    std::string holder(32, '\0');
+    holder.resize(static_cast<size_t>(std::max<ssize_t>(::pread(fd_, holder.data(), holder.size(), 0), 0)));
+    ::close(fd_);
+    fd_ = -1;
+    throw Error(run.string() + " is in use by another " + what + " run (process " +
+                (holder.empty() ? "unknown" : holder) + " holds " + path +
+                "); wait for it or train into another --out");
+  }
+  const auto pid = std::to_string(::getpid());
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) < 0) {
+    log::warn(path, ": cannot record this process in the lock file");
+  }
+}
+
+RunLock::~RunLock() {
+  if (fd_ >= 0) ::close(fd_);  // which releases the lock
+}
+
+RunLock::RunLock(RunLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+
+RunLock& RunLock::operator=(RunLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
 RunRecord::RunRecord(std::string what, fs::path run, int64_t keep_checkpoints)
     : what(std::move(what)),
       run(std::move(run)),
@@ -59,8 +108,10 @@ RunRecord::RunRecord(std::string what, fs::path run, int64_t keep_checkpoints)
       metrics_log(this->run / "metrics.jsonl") {}
 
 void RunRecord::open(const ConfigVisit& config, bool samples, const std::function<void(const std::string&)>& resume) {
+  fs::create_directories(run);
+  lock = RunLock(run, what);
   if (auto latest = checkpoints.latest()) resume(*latest);
-  fs::create_directories(samples ? run / "samples" : run);
+  if (samples) fs::create_directories(run / "samples");
   save_config((run / "config.yaml").string(), config);
 }
 

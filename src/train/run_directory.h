@@ -16,8 +16,8 @@
 
 namespace dalle::train {
 
-// A directory a trainer may write into: new, empty, or an earlier run (checkpoints/ or
-// metrics.jsonl inside). `what` names the trainer in the error.
+// A directory a trainer may write into: new, empty, or an earlier run (checkpoints/,
+// metrics.jsonl or the run's lock file inside). `what` names the trainer in the error.
 void check_run_directory(const std::filesystem::path& run, const std::string& what);
 
 // A run's checkpoint directory: `run_or_checkpoint` itself when it holds model.safetensors,
@@ -40,14 +40,32 @@ class MetricsLog {
 // its model.
 void prepare_torch(int64_t threads, int64_t seed);
 
+// An exclusive lock on a run directory (flock on <run>/.lock, which holds the owner's pid),
+// held while a trainer writes into it: a second process given the same folder is refused
+// rather than interleaving its checkpoints and metrics with the first's. The kernel drops
+// the lock when the process ends, however it ends.
+class RunLock {
+ public:
+  RunLock() = default;
+  // Throws Error naming the holder when another RunLock, in this process or another, holds it.
+  RunLock(const std::filesystem::path& run, const std::string& what);
+  ~RunLock();
+  RunLock(RunLock&& other) noexcept;
+  RunLock& operator=(RunLock&& other) noexcept;
+
+ private:
+  int fd_ = -1;
+};
+
 // What every trainer keeps of its run: the folder, its checkpoints and metrics log, and the
 // updates made so far. `what` names the trainer in the log.
 struct RunRecord {
   RunRecord(std::string what, std::filesystem::path run, int64_t keep_checkpoints);
 
-  // Resumes with `resume` from the latest checkpoint, if there is one; then creates the run's
-  // folder (with samples/ in it when `samples`) and writes its config.yaml. In that order, so
-  // that a refused resume leaves the run untouched.
+  // Locks the run's folder (creating it when new), resumes with `resume` from the latest
+  // checkpoint, if there is one; then writes the run's config.yaml (and samples/ when
+  // `samples`). In that order, so that a refused resume leaves the run as it was, but for
+  // its lock file.
   void open(const ConfigVisit& config, bool samples, const std::function<void(const std::string&)>& resume);
   // Saves `checkpoint` as the current update's.
   void save(const io::Checkpoint& checkpoint);
@@ -60,6 +78,7 @@ struct RunRecord {
   io::CheckpointStore checkpoints;
   MetricsLog metrics_log;
   int64_t step = 0;
+  RunLock lock;  // from open() on
 };
 
 // Throws unless `now` equals the config a checkpoint was written with, except for the keys

@@ -1,6 +1,7 @@
 #include "dalle/train/superres_trainer.h"
 
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -145,6 +146,30 @@ TEST_F(SuperResTrainerTest, AStopRequestedBeforeTheRunTrainsNothing) {
   trainer.run();
   EXPECT_EQ(trainer.step(), 2);
   EXPECT_EQ(losses(runs / "run").size(), 2u);
+}
+
+// Two trainers given one run folder would interleave their checkpoints and metrics.
+TEST_F(SuperResTrainerTest, ASecondTrainerOnARunInUseIsRefused) {
+  ScratchDir runs;
+  {
+    SuperResTrainer first(tiny(1), runs / "run");
+    try {
+      SuperResTrainer second(tiny(1), runs / "run");
+      ADD_FAILURE() << "a second trainer opened a run in use";
+    } catch (const Error& error) {
+      EXPECT_THAT(error.what(), ::testing::HasSubstr("is in use by another super-resolution run (process " +
+                                                     std::to_string(::getpid()) + " holds"));
+    }
+  }
+  SuperResTrainer again(tiny(1), runs / "run");  // the lock went with the first trainer
+  again.run();
+  EXPECT_EQ(again.step(), 1);
+
+  // A run stopped before its first metrics line holds its lock file and config.yaml: it resumes.
+  std::filesystem::create_directories(runs / "early");
+  testing::write_text(runs / "early/.lock", "12345");
+  testing::write_text(runs / "early/config.yaml", "");
+  EXPECT_NO_THROW(SuperResTrainer(tiny(1), runs / "early"));
 }
 
 TEST_F(SuperResTrainerTest, ResumedRunContinuesWithTheSameLossesAndWeights) {
