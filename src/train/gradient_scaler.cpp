@@ -28,8 +28,8 @@ ScaleSummary GradientScaler::summary() const {
   return {std::exp2(sorted.front()), std::exp2(sorted[sorted.size() / 2]), std::exp2(sorted.back())};
 }
 
-std::vector<bool> GradientScaler::finite_groups() const {
-  // One flag per group, stacked on the gradients' device so that a GPU synchronises once.
+torch::Tensor GradientScaler::finite_flags() const {
+  // Stacked on the gradients' device, so that a GPU synchronises once.
   std::vector<torch::Tensor> flags;
   for (const auto& group : groups_) {
     std::vector<torch::Tensor> finite;
@@ -38,16 +38,18 @@ std::vector<bool> GradientScaler::finite_groups() const {
     }
     flags.push_back(finite.empty() ? torch::tensor(true) : torch::stack(finite).all());
   }
-  std::vector<bool> result;
-  if (flags.empty()) return result;
+  if (flags.empty()) return torch::ones({0}, torch::kBool);
   for (auto& flag : flags) flag = flag.to(flags.front().device());
-  const auto all = torch::stack(flags).cpu();
-  for (int64_t i = 0; i < all.size(0); ++i) result.push_back(all[i].item<bool>());
-  return result;
+  return torch::stack(flags);
 }
 
-bool GradientScaler::unscale_and_update() {
-  const auto finite = finite_groups();
+bool GradientScaler::unscale_and_update(const torch::Tensor& finite_flags) {
+  if (finite_flags.numel() != static_cast<int64_t>(groups_.size())) {
+    throw Error("gradient scaler: " + std::to_string(finite_flags.numel()) + " finite flags for " +
+                std::to_string(groups_.size()) + " scale groups");
+  }
+  const auto flags = finite_flags.to(torch::kCPU, torch::kBool).contiguous();
+  std::vector<bool> finite(flags.data_ptr<bool>(), flags.data_ptr<bool>() + flags.numel());
   const bool step = std::all_of(finite.begin(), finite.end(), [](bool f) { return f; });
   torch::NoGradGuard no_grad;
   for (size_t g = 0; g < groups_.size(); ++g) {

@@ -2,29 +2,42 @@
 
 #include <torch/torch.h>
 
-#include "trainer_support.h"
+#include "dalle/io/state_dict.h"
 
 namespace dalle::train {
 
-ModelPrecision::ModelPrecision(const PrecisionConfig& config, std::vector<torch::Tensor> parameters)
-    : autocast_(config.autocast_dtype()), parameters_(std::move(parameters)) {
+ModelPrecision::ModelPrecision(const PrecisionConfig& config, std::vector<torch::Tensor> parameters,
+                               int64_t replicas)
+    : ModelPrecision(config, parameters, {parameters}, replicas) {
+  scales_loss_ = true;
+}
+
+ModelPrecision::ModelPrecision(const PrecisionConfig& config, std::vector<torch::Tensor> parameters,
+                               std::vector<std::vector<torch::Tensor>> scale_groups, int64_t replicas)
+    : autocast_(config.autocast_dtype()), parameters_(std::move(parameters)), scales_loss_(false) {
   if (config.precision() == Precision::fp16) {
-    scaler_ = std::make_unique<GradientScaler>(config.gradient_scaling,
-                                               std::vector<std::vector<torch::Tensor>>{parameters_});
+    scaler_ = std::make_unique<GradientScaler>(config.gradient_scaling, std::move(scale_groups), replicas);
   }
 }
 
 torch::Tensor ModelPrecision::scaled(const torch::Tensor& loss) const {
-  return scaler_ ? loss * scale() : loss;
+  return scaler_ && scales_loss_ ? loss * scale() : loss;
 }
 
-bool ModelPrecision::unscale_and_update() {
-  if (scaler_) return scaler_->unscale_and_update();
+torch::Tensor ModelPrecision::finite_flags() const {
+  if (scaler_) return scaler_->finite_flags();
   std::vector<torch::Tensor> finite;
   for (const auto& parameter : parameters_) {
     if (parameter.grad().defined()) finite.push_back(torch::isfinite(parameter.grad()).all());
   }
-  return finite.empty() || torch::stack(finite).all().item<bool>();
+  if (finite.empty()) return torch::ones({1}, torch::kBool);
+  for (auto& flag : finite) flag = flag.to(finite.front().device());
+  return torch::stack(finite).all().reshape({1});
+}
+
+bool ModelPrecision::unscale_and_update(const torch::Tensor& finite_flags) {
+  if (scaler_) return scaler_->unscale_and_update(finite_flags);
+  return finite_flags.all().item<bool>();
 }
 
 void ModelPrecision::save_state(io::TensorMap& checkpoint_state, const std::string& prefix) const {
@@ -34,7 +47,7 @@ void ModelPrecision::save_state(io::TensorMap& checkpoint_state, const std::stri
 
 void ModelPrecision::load_state(const io::TensorMap& checkpoint_state, const std::string& prefix) {
   if (!scaler_) return;
-  scaler_->load_state(detail::with_prefix_removed(checkpoint_state, prefix));
+  scaler_->load_state(io::with_prefix_removed(checkpoint_state, prefix));
 }
 
 }  // namespace dalle::train

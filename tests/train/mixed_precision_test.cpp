@@ -92,7 +92,7 @@ TEST(ResblockGradientScaling, PerResblockScalesRecoverWhatOneScaleLoses) {
   for (; single_log2 >= -10; --single_log2) {
     GradientScaler scaler(fixed_scale(single_log2), resblock_parameter_groups(blocks));
     backward_through(blocks, make_training_runner(blocks, {.precision = Precision::fp16, .scaler = &scaler}));
-    if (scaler.unscale_and_update()) {
+    if (scaler.unscale_and_update(scaler.finite_flags())) {
       single = block_gradients(blocks);
       break;
     }
@@ -111,7 +111,7 @@ TEST(ResblockGradientScaling, PerResblockScalesRecoverWhatOneScaleLoses) {
   GradientScaler settling(fast, resblock_parameter_groups(blocks));
   for (int step = 0; step < 40; ++step) {
     backward_through(blocks, make_training_runner(blocks, {.precision = Precision::fp16, .scaler = &settling}));
-    settling.unscale_and_update();
+    settling.unscale_and_update(settling.finite_flags());
   }
   auto slow = fast;
   slow.growth_log2 = 1e-3;
@@ -120,7 +120,7 @@ TEST(ResblockGradientScaling, PerResblockScalesRecoverWhatOneScaleLoses) {
   bool finite = false;
   for (int step = 0; step < 10 && !finite; ++step) {
     backward_through(blocks, make_training_runner(blocks, {.precision = Precision::fp16, .scaler = &scaler}));
-    finite = scaler.unscale_and_update();
+    finite = scaler.unscale_and_update(scaler.finite_flags());
   }
   ASSERT_TRUE(finite);
   const auto scaled = block_gradients(blocks);
@@ -166,23 +166,23 @@ TEST(GradientScaler, UpdateRuleGrowsBacksOffAtMostOncePerIntervalAndClamps) {
     broken.mutable_grad() = torch::full({2}, broken_value);
   };
   backward(INFINITY);
-  EXPECT_FALSE(scaler.unscale_and_update());
+  EXPECT_FALSE(scaler.unscale_and_update(scaler.finite_flags()));
   EXPECT_DOUBLE_EQ(scaler.scale(0), 4 * std::exp2(13.25));
   EXPECT_DOUBLE_EQ(scaler.scale(1), 4 * std::exp2(12.5));
   EXPECT_TRUE(torch::equal(finite.grad(), torch::zeros({2}))) << "a skipped update leaves no gradient behind";
   backward(NAN);  // within the interval: skipped, but no second division
-  EXPECT_FALSE(scaler.unscale_and_update());
+  EXPECT_FALSE(scaler.unscale_and_update(scaler.finite_flags()));
   EXPECT_DOUBLE_EQ(scaler.scale(1), 4 * std::exp2(12.5));
   backward(1.0);
-  EXPECT_TRUE(scaler.unscale_and_update());
+  EXPECT_TRUE(scaler.unscale_and_update(scaler.finite_flags()));
   EXPECT_TRUE(torch::allclose(finite.grad(), torch::full({2}, 2.0 / (4 * std::exp2(13.5)))));
   EXPECT_DOUBLE_EQ(scaler.scale(1), 4 * std::exp2(12.75));
   backward(INFINITY);  // three updates after the first division: divided again, then clamped
-  EXPECT_FALSE(scaler.unscale_and_update());
+  EXPECT_FALSE(scaler.unscale_and_update(scaler.finite_flags()));
   EXPECT_DOUBLE_EQ(scaler.scale(1), 4 * std::exp2(12.25));
   for (int i = 0; i < 8; ++i) {
     backward(1.0);
-    scaler.unscale_and_update();
+    scaler.unscale_and_update(scaler.finite_flags());
   }
   EXPECT_DOUBLE_EQ(scaler.scale(0), 4 * std::exp2(14.0));
   EXPECT_EQ(scaler.skipped_updates(), 3);
@@ -283,7 +283,7 @@ TEST(MixedPrecision, Fp16AndBf16StepsFollowFp32) {
   GradientScaler scaler(fixed_scale(13), resblock_parameter_groups(prior->resblocks()));
   const auto fp16 =
       training_step(prior, make_training_runner(prior->resblocks(), {.precision = Precision::fp16, .scaler = &scaler}));
-  ASSERT_TRUE(scaler.unscale_and_update());
+  ASSERT_TRUE(scaler.unscale_and_update(scaler.finite_flags()));
   std::vector<torch::Tensor> fp16_gradients;
   for (const auto& parameter : prior->parameters()) fp16_gradients.push_back(parameter.grad().clone());
   const auto bf16 = training_step(prior, make_training_runner(prior->resblocks(), {.precision = Precision::bf16}));

@@ -3,7 +3,8 @@
 // backward pass multiplies a group's gradients by its scale; `unscale_and_update` divides
 // them back, then grows the scale of every group whose gradients were finite and backs off
 // the others, and says whether the optimizer may step: a single non-finite gradient skips
-// the whole update.
+// the whole update. The finite flags are taken apart from the update so that data-parallel
+// replicas can agree on them first (dist/gradient_reducer.h).
 #include <torch/types.h>
 
 #include <cstdint>
@@ -28,17 +29,19 @@ class GradientScaler {
   ScaleSummary summary() const;
   int64_t skipped_updates() const { return skipped_; }
 
-  // After backward: true when every group's gradients are finite, which are then unscaled;
-  // false when the update must be skipped. Either way the scales move by the update rule.
-  bool unscale_and_update();
+  // After backward: [groups] booleans on the gradients' device, true where a group's
+  // gradients are all finite.
+  torch::Tensor finite_flags() const;
+  // Given the flags (this replica's, or those all replicas agree on): true when every group
+  // is finite, and the gradients are then unscaled; false when the update must be skipped.
+  // Either way the scales move by the update rule.
+  bool unscale_and_update(const torch::Tensor& finite);
 
   // Scales and backoff history, for checkpoints.
   io::TensorMap state() const;
   void load_state(const io::TensorMap& state);
 
  private:
-  std::vector<bool> finite_groups() const;
-
   GradientScalingConfig config_;
   std::vector<std::vector<torch::Tensor>> groups_;
   double offset_log2_;                      // log2(replicas)

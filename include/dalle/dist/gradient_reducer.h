@@ -1,0 +1,36 @@
+#pragma once
+// How the gradients of data-parallel replicas become one: the seam between an update step
+// (train/update_step.h) and the processes that train one model together. An update calls
+// `reduce` between the backward pass and unscaling, and `agree` on its finite flags, so that
+// every replica skips, and backs off its fp16 scales, at the same updates. The trainers
+// never see which reducer they run with, as Flashlight's modules never see its Reducer.
+#include <torch/types.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace dalle::dist {
+
+class GradientReducer {
+ public:
+  virtual ~GradientReducer() = default;
+
+  // Replaces the defined gradient of every tensor of `parameters` by the replicas' mean (or,
+  // for sharded parameters, by the mean of this replica's shard), in place.
+  virtual void reduce(const std::vector<torch::Tensor>& parameters) = 0;
+  // `flags`: [G] booleans of this replica, one per fp16 scale group, true where its
+  // gradients are finite. Returns the flags every replica agrees on: true where all are.
+  virtual torch::Tensor agree(const torch::Tensor& flags) = 0;
+  // The data-parallel replicas M, which multiply DALL-E's fp16 gradient scales.
+  virtual int64_t replicas() const = 0;
+};
+
+// One process: its gradients and flags are already every replica's.
+class LocalReducer final : public GradientReducer {
+ public:
+  void reduce(const std::vector<torch::Tensor>&) override {}
+  torch::Tensor agree(const torch::Tensor& flags) override { return flags; }
+  int64_t replicas() const override { return 1; }
+};
+
+}  // namespace dalle::dist

@@ -1,0 +1,56 @@
+#include "dalle/train/update_step.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "dalle/error.h"
+#include "dalle/log.h"
+
+namespace dalle::train {
+
+UpdateStep::UpdateStep(torch::optim::Optimizer& optimizer, ModelPrecision& precision, UpdateOptions options,
+                       Ema* ema, const torch::nn::Module* averaged)
+    : optimizer_(optimizer),
+      precision_(precision),
+      options_(std::move(options)),
+      ema_(ema),
+      averaged_(averaged),
+      reducer_(std::make_shared<dist::LocalReducer>()) {
+  if ((ema_ == nullptr) != (averaged_ == nullptr)) {
+    throw Error(options_.what + ": an update step's moving average needs both the average and its module");
+  }
+}
+
+void UpdateStep::set_reducer(std::shared_ptr<dist::GradientReducer> reducer) {
+  if (!reducer) throw Error(options_.what + ": an update step needs a gradient reducer");
+  reducer_ = std::move(reducer);
+}
+
+double UpdateStep::clip_gradients() {
+  if (options_.grad_clip <= 0 && !options_.measure_norm) return 0;
+  const double clip = options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
+  return torch::nn::utils::clip_grad_norm_(precision_.parameters(), clip);
+}
+
+UpdateResult UpdateStep::apply(const torch::Tensor& loss, int64_t update) {
+  optimizer_.zero_grad();
+  precision_.scaled(loss).backward();
+  reducer_->reduce(precision_.parameters());
+  const auto finite = reducer_->agree(precision_.finite_flags());
+  UpdateResult result;
+  result.grad_norm = precision_.unscale_and_update(finite) ? clip_gradients() : std::nan("");
+  // A norm that overflows is as unusable as a non-finite gradient.
+  result.skipped = !std::isfinite(result.grad_norm);
+  if (result.skipped) {
+    log::warn(options_.what, ": gradients not finite at update ", update, "; the update is skipped");
+    return result;
+  }
+  optimizer_.step();
+  if (options_.after_step) options_.after_step();
+  if (ema_) ema_->update(*averaged_);
+  return result;
+}
+
+}  // namespace dalle::train

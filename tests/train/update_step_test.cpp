@@ -1,0 +1,147 @@
+#include "dalle/train/update_step.h"
+
+#include <torch/torch.h>
+
+#include <limits>
+
+#include "test_support.h"
+
+namespace dalle::train {
+namespace {
+
+// A linear model whose gradient of sum(w * x) is x: known in advance.
+struct Fixture {
+  torch::nn::Linear model{torch::nn::LinearOptions(3, 1).bias(false)};
+  torch::optim::SGD optimizer{model->parameters(), torch::optim::SGDOptions(1.0)};
+
+  Fixture() {
+    torch::NoGradGuard no_grad;
+    model->weight.fill_(1.0);
+  }
+  torch::Tensor loss(const torch::Tensor& input) { return model->forward(input.reshape({1, 3})).sum(); }
+  torch::Tensor weight() const { return model->weight.detach().clone().flatten(); }
+};
+
+PrecisionConfig fp16() {
+  PrecisionConfig config;
+  config.mode = "fp16";
+  return config;
+}
+
+// Records what the gradients are when the reducer is called, and may veto the update.
+class RecordingReducer final : public dist::GradientReducer {
+ public:
+  void reduce(const std::vector<torch::Tensor>& parameters) override {
+    for (const auto& parameter : parameters) seen.push_back(parameter.grad().clone());
+    for (const auto& parameter : parameters) parameter.grad().mul_(0.5);  // as a mean with a zero replica
+  }
+  torch::Tensor agree(const torch::Tensor& flags) override {
+    agreed_on = flags.clone();
+    return veto ? torch::zeros_like(flags) : flags;
+  }
+  int64_t replicas() const override { return 2; }
+
+  std::vector<torch::Tensor> seen;
+  torch::Tensor agreed_on;
+  bool veto = false;
+};
+
+TEST(UpdateStep, StepsWithTheGradientAndAveragesTheWeights) {
+  Fixture f;
+  ModelPrecision precision(PrecisionConfig{}, f.model->parameters());
+  Ema ema(*f.model, 0.5);
+  UpdateStep update(f.optimizer, precision, {.what = "test"}, &ema, f.model.get());
+  const auto result = update.apply(f.loss(torch::tensor({1.0, 2.0, 3.0})), 1);
+  EXPECT_FALSE(result.skipped);
+  EXPECT_TRUE(torch::equal(f.weight(), torch::tensor({0.0, -1.0, -2.0})));
+  // The average moved halfway from 1 towards the new weights.
+  EXPECT_TRUE(torch::allclose(ema.weights().at("weight").flatten(), torch::tensor({0.5, 0.0, -0.5})));
+}
+
+TEST(UpdateStep, TheReducerSeesScaledGradientsBeforeUnscalingAndItsResultIsWhatSteps) {
+  Fixture f;
+  ModelPrecision precision(fp16(), f.model->parameters());
+  UpdateStep update(f.optimizer, precision, {.what = "test"});
+  auto reducer = std::make_shared<RecordingReducer>();
+  update.set_reducer(reducer);
+  const double scale = precision.scale();
+  ASSERT_GT(scale, 1.0);
+  update.apply(f.loss(torch::tensor({1.0, 2.0, 3.0})), 1);
+  ASSERT_EQ(reducer->seen.size(), 1u);
+  EXPECT_TRUE(torch::allclose(reducer->seen[0].flatten(), torch::tensor({1.0, 2.0, 3.0}) * scale));
+  ASSERT_TRUE(reducer->agreed_on.defined());
+  EXPECT_EQ(reducer->agreed_on.numel(), 1);
+  // The reducer halved the gradient; unscaling divided the scale out.
+  EXPECT_TRUE(torch::allclose(f.weight(), torch::tensor({0.5, 0.0, -0.5})));
+}
+
+TEST(UpdateStep, AVetoFromTheReplicasSkipsTheUpdateAndBacksOffTheScale) {
+  Fixture f;
+  ModelPrecision precision(fp16(), f.model->parameters());
+  Ema ema(*f.model, 0.5);
+  UpdateStep update(f.optimizer, precision, {.what = "test"}, &ema, f.model.get());
+  auto reducer = std::make_shared<RecordingReducer>();
+  reducer->veto = true;
+  update.set_reducer(reducer);
+  const double scale = precision.scale();
+  const auto result = update.apply(f.loss(torch::tensor({1.0, 2.0, 3.0})), 1);
+  EXPECT_TRUE(result.skipped);
+  EXPECT_TRUE(torch::equal(f.weight(), torch::ones({3})));
+  EXPECT_TRUE(torch::equal(ema.weights().at("weight").flatten(), torch::ones({3})));
+  EXPECT_LT(precision.scale(), scale);
+  EXPECT_EQ(precision.scaler()->skipped_updates(), 1);
+}
+
+TEST(UpdateStep, ANonFiniteGradientSkipsInFp32Too) {
+  Fixture f;
+  ModelPrecision precision(PrecisionConfig{}, f.model->parameters());
+  UpdateStep update(f.optimizer, precision, {.what = "test"});
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto result = update.apply(f.loss(torch::tensor({1.0, inf, 3.0})), 7);
+  EXPECT_TRUE(result.skipped);
+  EXPECT_TRUE(std::isnan(result.grad_norm));
+  EXPECT_TRUE(torch::equal(f.weight(), torch::ones({3})));
+}
+
+TEST(UpdateStep, ClipsTheGlobalNormAndReportsItBeforeClipping) {
+  Fixture f;
+  ModelPrecision precision(PrecisionConfig{}, f.model->parameters());
+  UpdateStep update(f.optimizer, precision, {.what = "test", .grad_clip = 2.5});
+  const auto result = update.apply(f.loss(torch::tensor({3.0, 4.0, 0.0})), 1);  // norm 5
+  EXPECT_NEAR(result.grad_norm, 5.0, 1e-6);
+  EXPECT_TRUE(torch::allclose(f.weight(), torch::tensor({1.0 - 1.5, 1.0 - 2.0, 1.0}), 1e-5, 1e-5));
+}
+
+TEST(UpdateStep, ConstraintsApplyAfterTheStepAndBeforeTheAverage) {
+  Fixture f;
+  ModelPrecision precision(PrecisionConfig{}, f.model->parameters());
+  Ema ema(*f.model, 0.0);  // the average is the latest weights
+  UpdateStep update(f.optimizer, precision,
+                    {.what = "test",
+                     .after_step = [&f] {
+                       torch::NoGradGuard no_grad;
+                       f.model->weight.clamp_(-0.5, 0.5);
+                     }},
+                    &ema, f.model.get());
+  update.apply(f.loss(torch::tensor({1.0, 2.0, 3.0})), 1);
+  EXPECT_TRUE(torch::equal(f.weight(), torch::tensor({0.0, -0.5, -0.5})));
+  EXPECT_TRUE(torch::equal(ema.weights().at("weight").flatten(), torch::tensor({0.0, -0.5, -0.5})));
+}
+
+TEST(UpdateStep, GradientsOutsideTheScaleGroupsAreCheckedByTheNorm) {
+  // The prior's layout: the scaler covers the resblocks, the embeddings come out unscaled.
+  torch::nn::Linear grouped(torch::nn::LinearOptions(2, 1).bias(false)), outside(torch::nn::LinearOptions(2, 1).bias(false));
+  std::vector<torch::Tensor> all = grouped->parameters();
+  all.push_back(outside->weight);
+  torch::optim::SGD optimizer(all, torch::optim::SGDOptions(1.0));
+  ModelPrecision precision(fp16(), all, {grouped->parameters()});
+  UpdateStep update(optimizer, precision, {.what = "test", .measure_norm = true});
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const auto before = outside->weight.detach().clone();
+  const auto loss = grouped->forward(torch::ones({1, 2})).sum() + outside->forward(torch::tensor({{nan, 1.0}})).sum();
+  EXPECT_TRUE(update.apply(loss, 1).skipped);
+  EXPECT_TRUE(torch::equal(outside->weight.detach(), before));
+}
+
+}  // namespace
+}  // namespace dalle::train
