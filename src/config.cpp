@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "dalle/io/atomic_file.h"
 
@@ -538,6 +539,39 @@ std::string peek_choice(const ConfigSource& source, std::string_view key, const 
   YamlReader reader(impl, impl.root, "");
   std::string value = fallback;
   reader.field(key, value, "", {.choices = choices});
+  return value;
+}
+
+void bind_config_parts(const ConfigSource& source, const ConfigVisit& visit, const std::vector<std::string>& required) {
+  const auto& impl = source.impl();
+  for (const auto& key : required) {
+    const bool present = impl.root.IsMap() && impl.root[key] && !impl.root[key].IsNull() &&
+                         !(impl.root[key].IsMap() && impl.root[key].size() == 0);
+    if (!present) throw ConfigError(impl.name + ": '" + key + "' is missing or empty; a model's config must name its sizes");
+  }
+  YamlReader reader(impl, impl.root, "");
+  visit(reader);
+}
+
+int64_t peek_integer(const ConfigSource& source, std::string_view path, int64_t fallback, const Limits& limits) {
+  const auto& impl = source.impl();
+  // reset(), not assignment: assigning a yaml-cpp node writes into the document.
+  YAML::Node parent;
+  parent.reset(impl.root);
+  std::string prefix;
+  std::string_view rest = path;
+  for (auto dot = rest.find('.'); dot != std::string_view::npos; dot = rest.find('.')) {
+    const std::string key(rest.substr(0, dot));
+    if (!parent.IsMap()) return fallback;
+    const YAML::Node child = std::as_const(parent)[key];
+    if (!child || !child.IsMap()) return fallback;
+    parent.reset(child);
+    prefix = join_path(prefix, key);
+    rest.remove_prefix(dot + 1);
+  }
+  YamlReader reader(impl, parent, prefix);
+  int64_t value = fallback;
+  reader.field(rest, value, "", limits);
   return value;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "dalle/io/safetensors.h"
+#include "dalle/io/state_dict.h"
 
 namespace dalle::testing {
 
@@ -41,14 +42,6 @@ class ScratchDir {
 // Max |a - b| relative to max |b|: robust to entries near zero.
 inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
   return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
-}
-
-inline io::TensorMap with_prefix_removed(const io::TensorMap& tensors, const std::string& prefix) {
-  io::TensorMap out;
-  for (const auto& [name, tensor] : tensors) {
-    if (name.rfind(prefix, 0) == 0) out.emplace(name.substr(prefix.size()), tensor);
-  }
-  return out;
 }
 
 inline std::string fixture_path(const std::string& name) {

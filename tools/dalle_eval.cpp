@@ -6,7 +6,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
-#include "dalle/eval/classifier_trainer.h"
+#include "dalle/train/trainers/classifier_trainer.h"
 #include "dalle/eval/score.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
@@ -91,10 +91,10 @@ int main(int argc, char** argv) {
 
   return tools::run_tool(app, argc, argv, [&] {
     if (*train_command) {
-      auto config = load_config<eval::ClassifierTrainConfig>(classifier_config.source());
+      auto config = load_config<train::ClassifierTrainConfig>(classifier_config.source());
       if (classifier_config.print_requested(visit_of(config))) return;
       if (classifier_out.empty()) throw Error("train-classifier: --out is required");
-      const auto result = eval::train_item_classifier(config, classifier_out);
+      const auto result = train::train_item_classifier(config, classifier_out);
       const nlohmann::json summary = {{"classifier", classifier_out},     {"test_accuracy", result.test_accuracy},
                                       {"test_items", result.test_items},   {"train_items", result.train_items},
                                       {"epoch_losses", result.epoch_losses}, {"seconds", result.seconds}};

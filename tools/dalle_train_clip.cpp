@@ -1,29 +1,13 @@
 // dalle-train-clip: trains CLIP on an image-caption dataset from a YAML recipe, resuming
 // from the run directory's last checkpoint when there is one.
-#include "dalle/log.h"
-#include "dalle/train/clip_trainer.h"
+#include "dalle/train/trainers/clip_trainer.h"
 #include "tool_support.h"
 
 using namespace dalle;
 
 int main(int argc, char** argv) {
-  CLI::App app{"Trains CLIP (contrastive image-caption model) for reranking; rerun the same command to resume."};
-  app.name("dalle-train-clip");
-  tools::add_common_options(app);
-  std::string run_directory;
-  tools::ConfigOptions config_options;
-  app.add_option("--out", run_directory, "run directory: config, metrics.jsonl, checkpoints/");
-  config_options.add_to(app, "training run (configs/clip/*.yaml)");
-
-  return tools::run_tool(app, argc, argv, [&] {
-    auto config = load_config<train::ClipTrainConfig>(config_options.source());
-    if (config_options.print_requested(visit_of(config))) return;
-    if (run_directory.empty()) throw Error("--out is required");
-    log::add_file_sink(run_directory + ".log");
-    train::ClipTrainer trainer(config, run_directory);
-    tools::run_stoppable([&] {
-      trainer.run();
-      return trainer.step() >= config.steps;
-    });
-  });
+  return tools::training_main(
+      argc, argv,
+      {"dalle-train-clip", "Trains CLIP (contrastive image-caption model) for reranking", "configs/clip/*.yaml"},
+      tools::train_recipe<train::ClipTrainConfig, train::ClipTrainer>);
 }

@@ -57,6 +57,20 @@ void run_stoppable(const std::function<bool()>& train) {
   if (!finished && train::stop_requested()) throw StoppedBySignal{train::stop_signal()};
 }
 
+void start_run_log(const std::string& run) { log::add_file_sink(run + ".log"); }
+
+int training_main(int argc, char** argv, const TrainingTool& tool, const TrainRecipe& train) {
+  CLI::App app{tool.description + "; rerun the same command to resume."};
+  app.name(tool.name);
+  add_common_options(app);
+  std::string run_directory;
+  ConfigOptions config_options;
+  app.add_option("--out", run_directory,
+                 "run directory (config.yaml, metrics.jsonl, checkpoints/, sample grids); created, or resumed");
+  config_options.add_to(app, "training run (" + tool.recipes + ")");
+  return run_tool(app, argc, argv, [&] { train(config_options, config_options.source(), run_directory); });
+}
+
 int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body) {
   try {
     app.parse(argc, argv);

@@ -34,6 +34,9 @@ struct ConfigOptions {
   bool print_requested(const ConfigVisit& visit) const;
 };
 
+// Copies the log into `run`.log from now on.
+void start_run_log(const std::string& run);
+
 // Runs `train` (a trainer's run(), then whether it did all its updates) with SIGINT and
 // SIGTERM turned into a stop request (dalle/train/stop_request.h): the trainer checkpoints
 // and returns, and run_tool then exits with 128 + the signal's number, so that scripts and
@@ -42,5 +45,34 @@ void run_stoppable(const std::function<bool()>& train);
 
 // Parses the command line and runs `body`, printing any error as "dalle-x: error: ...".
 int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body);
+
+// What a training tool says of itself in --help.
+struct TrainingTool {
+  std::string name;         // "dalle-train"
+  std::string description;  // what it trains
+  std::string recipes;      // where its recipes are, "configs/prior/*.yaml"
+};
+
+// Trains what a recipe describes: the options, the recipe with its overrides, and --out.
+using TrainRecipe = std::function<void(const ConfigOptions&, const ConfigSource&, const std::string& run)>;
+
+// The main of every training tool: --out and the config options, the run's log file beside
+// it, and `train` stoppable by SIGINT or SIGTERM; rerunning the same command resumes.
+int training_main(int argc, char** argv, const TrainingTool& tool, const TrainRecipe& train);
+
+// The TrainRecipe of one trainer: Config bound strictly from the recipe, --print-config and
+// --print-reference answered, else Trainer run into `run` until its last update or a stop.
+template <class Config, class Trainer>
+void train_recipe(const ConfigOptions& options, const ConfigSource& source, const std::string& run) {
+  auto config = load_config<Config>(source);
+  if (options.print_requested(visit_of(config))) return;
+  if (run.empty()) throw Error("--out is required");
+  start_run_log(run);
+  Trainer trainer(config, run);
+  run_stoppable([&] {
+    trainer.run();
+    return trainer.step() >= config.steps;
+  });
+}
 
 }  // namespace dalle::tools

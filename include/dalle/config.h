@@ -86,6 +86,18 @@ void bind_config(const ConfigSource& source, const ConfigVisit& visit);
 // is refused with the file, line and key, as bind_config refuses it. Other keys are ignored.
 std::string peek_choice(const ConfigSource& source, std::string_view key, const std::string& fallback,
                         const std::vector<std::string>& choices);
+// Reads the parts of a larger document that `visit` names, such as a model's sizes from the
+// training recipe saved beside its weights: keys and sections `visit` names are read as
+// bind_config reads them (a section's unknown keys refused), other top-level keys are left
+// alone. Each of `required` must be present: a model's config names its sizes, never
+// falling back to defaults that would build another model.
+void bind_config_parts(const ConfigSource& source, const ConfigVisit& visit,
+                       const std::vector<std::string>& required = {});
+
+// Reads one integer at a dotted `path` ("data.image_size") ahead of binding, with binding's
+// checks against `limits`; `fallback` when absent. Other keys are ignored.
+int64_t peek_integer(const ConfigSource& source, std::string_view path, int64_t fallback, const Limits& limits = {});
+
 // The config as YAML, every key with its current value.
 std::string config_to_yaml(const ConfigVisit& visit);
 // Markdown table of every key: path, type, default, limits, help.

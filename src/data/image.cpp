@@ -135,14 +135,6 @@ torch::Tensor random_crop(const torch::Tensor& image, int64_t height, int64_t wi
   return image.slice(1, top, top + height).slice(2, left, left + width);
 }
 
-torch::Tensor map_pixels(const torch::Tensor& image, double epsilon) {
-  return image * (1.0 - 2.0 * epsilon) + epsilon;
-}
-
-torch::Tensor unmap_pixels(const torch::Tensor& image, double epsilon) {
-  return ((image - epsilon) / (1.0 - 2.0 * epsilon)).clamp(0.0, 1.0);
-}
-
 namespace {
 
 constexpr int kFont = cv::FONT_HERSHEY_SIMPLEX;

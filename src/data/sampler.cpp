@@ -7,17 +7,6 @@
 
 namespace dalle::data {
 
-uint64_t mix_seed(uint64_t value) {
-  value += 0x9e3779b97f4a7c15ull;
-  value = (value ^ (value >> 30)) * 0xbf58476d1ce4e5b9ull;
-  value = (value ^ (value >> 27)) * 0x94d049bb133111ebull;
-  return value ^ (value >> 31);
-}
-
-uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
-  return mix_seed(mix_seed(mix_seed(a) ^ b) ^ c);
-}
-
 ShardedSampler::ShardedSampler(int64_t dataset_size, SamplerOptions options)
     : dataset_size_(dataset_size), options_(options) {
   if (dataset_size <= 0) throw Error("cannot sample from an empty dataset");

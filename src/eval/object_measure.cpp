@@ -9,6 +9,7 @@
 
 #include "dalle/data/fashion_compose.h"
 #include "dalle/data/fashion_mnist.h"
+#include "dalle/data/classifier_input.h"
 #include "dalle/data/image.h"
 #include "dalle/error.h"
 
@@ -226,17 +227,17 @@ std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const Measu
         if (mine) g[y - y0][x - x0] = brightness[y * side + x];
       }
     }
-    object.crop = classifier_input(grey);
+    object.crop = data::classifier_input(grey);
     objects.push_back(std::move(object));
   }
   return objects;
 }
 
-torch::Tensor classify_objects(ItemClassifier& model, std::vector<MeasuredObject>& objects) {
+torch::Tensor classify_objects(models::ItemClassifier& model, std::vector<MeasuredObject>& objects) {
   if (objects.empty()) return torch::zeros({0, 0});
   std::vector<torch::Tensor> crops;
   for (const auto& object : objects) crops.push_back(object.crop);
-  const auto result = classify(model, torch::stack(crops));
+  const auto result = models::classify(model, torch::stack(crops));
   const auto& classes = data::fashion_mnist_classes();
   for (size_t i = 0; i < objects.size(); ++i) {
     const auto label = result.labels[static_cast<int64_t>(i)].item<int64_t>();

@@ -13,10 +13,10 @@
 #include "dalle/data/image.h"
 #include "dalle/error.h"
 #include "dalle/eval/frechet_distance.h"
-#include "dalle/eval/item_classifier.h"
+#include "dalle/models/item_classifier.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
-#include "dalle/train/image_tokenizer_loader.h"
+#include "dalle/models/trained.h"
 
 namespace dalle::eval {
 namespace fs = std::filesystem;
@@ -80,7 +80,7 @@ class Scorer {
     if (options.classifier.empty()) {
       throw Error("score: a classifier is required (dalle-eval train-classifier makes one)");
     }
-    classifier_ = load_item_classifier(options.classifier);
+    classifier_ = models::load_item_classifier(options.classifier);
     read_dataset_config(split_near);
     report.classifier = options.classifier;
     report.classifier_test_accuracy = classifier_.test_accuracy;
@@ -195,7 +195,7 @@ class Scorer {
 
   ScoreOptions options_;
   MeasureOptions measure_;
-  TrainedClassifier classifier_;
+  models::TrainedClassifier classifier_;
   std::vector<std::string> heldout_;
   std::string heldout_from_;
   std::vector<torch::Tensor> features_;
@@ -218,12 +218,12 @@ std::pair<int64_t, int64_t> indices_from_stem(const std::string& stem) {
 }
 
 // An image as the tokenizer's decoder gives it back, at the size the tokenizer was trained at.
-torch::Tensor through_tokenizer(train::TrainedImageTokenizer& tokenizer, const torch::Tensor& image) {
+torch::Tensor through_tokenizer(models::TrainedImageTokenizer& tokenizer, const torch::Tensor& image) {
   auto input = image;
   if (input.size(1) != tokenizer.image_size || input.size(2) != tokenizer.image_size) {
     input = data::resize(input, tokenizer.image_size, tokenizer.image_size);
   }
-  return train::round_trip(tokenizer, input.unsqueeze(0))[0];
+  return models::round_trip(tokenizer, input.unsqueeze(0))[0];
 }
 
 }  // namespace
@@ -294,9 +294,9 @@ ScoreReport score_real(const std::string& split, const ScoreOptions& options) {
   auto& report = scorer.report;
   report.kind = "real";
   report.source = split;
-  std::optional<train::TrainedImageTokenizer> tokenizer;
+  std::optional<models::TrainedImageTokenizer> tokenizer;
   if (!options.through_tokenizer.empty()) {
-    tokenizer = train::load_image_tokenizer(options.through_tokenizer);
+    tokenizer = models::load_image_tokenizer(options.through_tokenizer);
     report.through_tokenizer = options.through_tokenizer;
   }
   log::Progress progress("score", static_cast<int64_t>(images.size()));

@@ -1,17 +1,17 @@
-#include "dalle/train/encode_images.h"
+#include "dalle/generate/encode_images.h"
 
 #include <torch/torch.h>
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/loader.h"
 #include "dalle/log.h"
+#include "dalle/models/trained.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/image_tokenizer_loader.h"
 
-namespace dalle::train {
+namespace dalle::generate {
 
 data::TokenDatasetInfo encode_images(const EncodeImagesOptions& options) {
-  const auto vae = load_image_tokenizer(options.image_tokenizer);
+  const auto vae = models::load_image_tokenizer(options.image_tokenizer);
   const auto tokenizer = text::Tokenizer::load(options.tokenizer);
   auto dataset = data::ImageCaptionDataset::open(options.dataset, {.image_size = vae.image_size});
   data::DataLoader<data::ImageCaptionDataset> loader(
@@ -55,4 +55,4 @@ data::TokenDatasetInfo encode_images(const EncodeImagesOptions& options) {
   return info;
 }
 
-}  // namespace dalle::train
+}  // namespace dalle::generate

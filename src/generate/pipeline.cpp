@@ -14,12 +14,9 @@
 #include "dalle/log.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/tiled_upscale.h"
+#include "dalle/models/trained.h"
 #include "dalle/text/clip_tokenizer.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/clip_loader.h"
-#include "dalle/train/image_tokenizer_loader.h"
-#include "dalle/train/prior_trainer.h"
-#include "dalle/train/rrdbnet_loader.h"
 
 namespace dalle::generate {
 
@@ -95,9 +92,9 @@ void check_clip_fits(const models::ClipConfig& clip, const text::ClipTokenizer& 
 struct Pipeline::Stages {
   PipelineConfig config;
   torch::Device device = torch::kCPU;
-  train::TrainedPrior prior;
+  models::TrainedPrior prior;
   text::Tokenizer tokenizer;
-  train::TrainedImageTokenizer decoder;
+  models::TrainedImageTokenizer decoder;
   models::Clip clip{nullptr};
   std::optional<text::ClipTokenizer> clip_tokenizer{};
   models::RrdbNet superres{nullptr};
@@ -116,9 +113,9 @@ struct Pipeline::Stages {
 Pipeline::Pipeline(PipelineConfig config) {
   check(config);
   if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
-  auto prior = train::load_trained_prior(config.prior);
-  if (config.tokenizer.empty()) config.tokenizer = prior.config.tokenizer;
-  if (config.decoder.empty()) config.decoder = prior.config.image_tokenizer;
+  auto prior = models::load_trained_prior(config.prior);
+  if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
+  if (config.decoder.empty()) config.decoder = prior.image_tokenizer;
   if (config.tokenizer.empty() || config.decoder.empty()) {
     throw Error("pipeline: the prior run " + config.prior +
                 " names no caption tokenizer or image tokenizer: set `tokenizer` and `decoder`");
@@ -126,11 +123,11 @@ Pipeline::Pipeline(PipelineConfig config) {
   const auto device = resolve_device(config.device, "pipeline");
   config.device = device.is_cuda() ? "cuda" : "cpu";
   auto tokenizer = text::Tokenizer::load(config.tokenizer);
-  auto decoder = train::load_image_tokenizer(config.decoder);
-  if (decoder.grid_size() != prior.config.model.grid_size) {
+  auto decoder = models::load_image_tokenizer(config.decoder);
+  if (decoder.grid_size() != prior.config.grid_size) {
     throw Error("pipeline: the decoder " + config.decoder + " makes " + std::to_string(decoder.grid_size()) +
                 "x" + std::to_string(decoder.grid_size()) + " token grids, the prior samples " +
-                std::to_string(prior.config.model.grid_size) + "x" + std::to_string(prior.config.model.grid_size));
+                std::to_string(prior.config.grid_size) + "x" + std::to_string(prior.config.grid_size));
   }
   prior.model->to(device);
   decoder.model->module().to(device);
@@ -138,7 +135,7 @@ Pipeline::Pipeline(PipelineConfig config) {
       Stages{std::move(config), device, std::move(prior), std::move(tokenizer), std::move(decoder)});
   auto& s = *stages_;
   if (!s.config.clip.empty()) {
-    s.clip = train::load_trained_clip(s.config.clip);
+    s.clip = models::load_trained_clip(s.config.clip);
     if (s.config.clip_tokenizer.empty()) {
       check_clip_fits(s.clip->config(), s.tokenizer, s.config.clip);
     } else {
@@ -148,7 +145,7 @@ Pipeline::Pipeline(PipelineConfig config) {
     s.clip->to(device);
   }
   if (!s.config.superres.empty()) {
-    s.superres = train::load_trained_rrdbnet(s.config.superres);
+    s.superres = models::load_trained_rrdbnet(s.config.superres);
     s.superres->to(device);
   }
 }
@@ -231,7 +228,7 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
   }
   // Batches run across prompts; a prompt is reranked and upscaled once its last candidate is drawn.
   const int64_t rows = static_cast<int64_t>(prompts.size()) * s.config.candidates;
-  log::Progress progress("generate", rows * s.prior.config.model.image_length());
+  log::Progress progress("generate", rows * s.prior.config.image_length());
   std::vector<GeneratedImage> kept, candidates;
   for (int64_t first = 0; first < rows; first += s.config.batch_size) {
     for (auto& image : s.sample(first, std::min(s.config.batch_size, rows - first), prompts, captions, progress)) {

@@ -130,4 +130,11 @@ void CheckpointStore::prune() const {
   }
 }
 
+std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what) {
+  if (fs::exists(fs::path(run_or_checkpoint) / "model.safetensors")) return run_or_checkpoint;
+  auto latest = CheckpointStore((fs::path(run_or_checkpoint) / "checkpoints").string()).latest();
+  if (!latest) throw Error(run_or_checkpoint + ": neither a " + what + " checkpoint nor a run with checkpoints");
+  return *latest;
+}
+
 }  // namespace dalle::io

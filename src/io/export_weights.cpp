@@ -1,14 +1,13 @@
-#include "dalle/train/export_weights.h"
+#include "dalle/io/export_weights.h"
 
 #include <filesystem>
 
 #include "dalle/config.h"
 #include "dalle/error.h"
 #include "dalle/io/checkpoint.h"
-#include "run_directory.h"
-#include "trainer_support.h"
+#include "dalle/io/state_dict.h"
 
-namespace dalle::train {
+namespace dalle::io {
 
 namespace fs = std::filesystem;
 
@@ -23,20 +22,20 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
   if (fs::exists(out) && fs::equivalent(out, exported.checkpoint)) {
     throw Error(out + ": is the checkpoint being exported; choose another output folder");
   }
-  auto checkpoint = io::load_checkpoint(exported.checkpoint);
+  auto checkpoint = load_checkpoint(exported.checkpoint);
   if (!config_overrides.empty()) {
     // The exported config is complete, so a key it lacks is a typo, not an addition.
     auto config = ConfigSource::from_string(checkpoint.config_yaml, exported.checkpoint + "/config.yaml");
     for (const auto& assignment : config_overrides) config.replace(assignment);
     checkpoint.config_yaml = config.yaml();
   }
-  auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
+  auto ema = with_prefix_removed(checkpoint.state, "ema.");
   exported.moving_average = !ema.empty();
-  io::Checkpoint weights_only{std::move(checkpoint.config_yaml),
+  Checkpoint weights_only{std::move(checkpoint.config_yaml),
                               exported.moving_average ? std::move(ema) : std::move(checkpoint.weights), {}, {}};
   exported.tensors = static_cast<int64_t>(weights_only.weights.size());
-  io::save_checkpoint(out, weights_only);
+  save_checkpoint(out, weights_only);
   return exported;
 }
 
-}  // namespace dalle::train
+}  // namespace dalle::io

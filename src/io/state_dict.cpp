@@ -54,4 +54,12 @@ void load_state_dict(torch::nn::Module& module, const TensorMap& tensors, const 
   for (auto& [name, target] : targets) target.copy_(tensors.at(name));
 }
 
+TensorMap with_prefix_removed(const TensorMap& tensors, const std::string& prefix) {
+  TensorMap out;
+  for (const auto& [name, tensor] : tensors) {
+    if (name.rfind(prefix, 0) == 0) out.emplace(name.substr(prefix.size()), tensor);
+  }
+  return out;
+}
+
 }  // namespace dalle::io

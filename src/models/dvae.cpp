@@ -4,10 +4,17 @@
 
 #include <cmath>
 
-#include "dalle/data/image.h"
 #include "dalle/error.h"
 
 namespace dalle::models {
+
+torch::Tensor map_pixels(const torch::Tensor& image, double epsilon) {
+  return image * (1.0 - 2.0 * epsilon) + epsilon;
+}
+
+torch::Tensor unmap_pixels(const torch::Tensor& image, double epsilon) {
+  return ((image - epsilon) / (1.0 - 2.0 * epsilon)).clamp(0.0, 1.0);
+}
 namespace F = torch::nn::functional;
 
 void DvaeConfig::validate() const {
@@ -125,7 +132,7 @@ DvaeImpl::DvaeImpl(const DvaeConfig& config) : config_(config) {
 }
 
 torch::Tensor DvaeImpl::encode_tokens(const torch::Tensor& images) {
-  return encoder->forward(data::map_pixels(images)).argmax(1);
+  return encoder->forward(map_pixels(images)).argmax(1);
 }
 
 torch::Tensor DvaeImpl::decode_tokens(const torch::Tensor& tokens) {
@@ -137,7 +144,7 @@ torch::Tensor DvaeImpl::decode_tokens(const torch::Tensor& tokens) {
 }
 
 torch::Tensor DvaeImpl::reconstruction(const torch::Tensor& decoder_output) {
-  return data::unmap_pixels(mapped_reconstruction(decoder_output));
+  return unmap_pixels(mapped_reconstruction(decoder_output));
 }
 
 torch::Tensor DvaeImpl::mapped_reconstruction(const torch::Tensor& decoder_output) {

@@ -6,7 +6,6 @@
 #include <map>
 
 #include "dalle/error.h"
-#include "dalle/text/tokenizer.h"
 
 namespace dalle::models {
 namespace F = torch::nn::functional;
@@ -167,7 +166,7 @@ torch::Tensor PriorImpl::embed(const torch::Tensor& tokens, int64_t start) {
   if (text_rows > 0) {
     const auto positions = torch::arange(start, start + text_rows, tokens.options());
     const auto ids = tokens.index({Slice(), Slice(0, text_rows)});
-    const auto padded = torch::where(ids == text::Tokenizer::kPadId, config_.text_vocab_size + positions, ids);
+    const auto padded = torch::where(ids == kCaptionPadId, config_.text_vocab_size + positions, ids);
     parts.push_back(text_embedding_(padded) + text_position_embedding_(positions));
   }
   if (text_rows < rows) {
@@ -246,7 +245,7 @@ PriorLoss prior_loss(const torch::Tensor& logits, const torch::Tensor& tokens, c
   const auto text = tokens.index({Slice(), Slice(0, text_length)});
   const auto positions = torch::arange(text_length, tokens.options());
   const auto text_targets =
-      torch::where(text == text::Tokenizer::kPadId, config.text_vocab_size + positions, text).index({Slice(), Slice(1)});
+      torch::where(text == kCaptionPadId, config.text_vocab_size + positions, text).index({Slice(), Slice(1)});
   const auto text_logits = logits.index({Slice(), Slice(0, text_length - 1), Slice(0, classes)}).to(torch::kFloat32);
   const auto image_targets = tokens.index({Slice(), Slice(text_length)});
   const auto image_logits =
@@ -259,8 +258,8 @@ PriorLoss prior_loss(const torch::Tensor& logits, const torch::Tensor& tokens, c
 }
 
 torch::Tensor empty_caption(int64_t text_length, int64_t batch) {
-  auto ids = torch::full({batch, text_length}, text::Tokenizer::kPadId, torch::kInt64);
-  ids.index_put_({Slice(), 0}, text::Tokenizer::kEndId);
+  auto ids = torch::full({batch, text_length}, kCaptionPadId, torch::kInt64);
+  ids.index_put_({Slice(), 0}, kCaptionEndId);
   return ids;
 }
 

@@ -5,7 +5,7 @@
 #include <limits>
 #include <numeric>
 
-#include "dalle/data/sampler.h"
+#include "dalle/seed.h"
 #include "dalle/error.h"
 
 namespace dalle::models {
@@ -48,7 +48,7 @@ torch::Tensor sampling_uniforms(int64_t seed, const std::vector<uint64_t>& strea
   for (const uint64_t stream : streams) {
     for (int64_t position = 0; position < positions; ++position) {
       // The top 23 bits, centred in their interval: exact in float32 and never 0 or 1.
-      const uint64_t bits = data::mix_seed(static_cast<uint64_t>(seed), stream, static_cast<uint64_t>(position)) >> 41;
+      const uint64_t bits = mix_seed(static_cast<uint64_t>(seed), stream, static_cast<uint64_t>(position)) >> 41;
       *out++ = (static_cast<float>(bits) + 0.5f) * 0x1p-23f;
     }
   }

@@ -1,4 +1,4 @@
-#include "run_directory.h"
+#include "train/run_directory.h"
 
 #include <ATen/Context.h>
 #include <fcntl.h>
@@ -19,7 +19,7 @@
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
 #include "dalle/train/optimizer_state.h"
-#include "trainer_support.h"
+#include "train/trainers/trainer_support.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -38,13 +38,6 @@ void check_run_directory(const fs::path& run, const std::string& what) {
   if (!fs::is_directory(run) || !a_run) {
     throw Error(run.string() + " exists and is not a " + what + " run directory; refusing to write into it");
   }
-}
-
-std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what) {
-  if (fs::exists(fs::path(run_or_checkpoint) / "model.safetensors")) return run_or_checkpoint;
-  auto latest = io::CheckpointStore((fs::path(run_or_checkpoint) / "checkpoints").string()).latest();
-  if (!latest) throw Error(run_or_checkpoint + ": neither a " + what + " checkpoint nor a run with checkpoints");
-  return *latest;
 }
 
 void MetricsLog::append(const nlohmann::json& line) const {
@@ -173,8 +166,8 @@ void restore_generator(at::Generator& generator, const torch::Tensor& state, con
 RestoredProgress restore_checkpoint(const io::Checkpoint& checkpoint, const std::string& directory,
                                     torch::nn::Module& model, Ema& ema, torch::optim::AdamW& optimizer) {
   io::load_state_dict(model, checkpoint.weights, directory + "/model.safetensors");
-  ema.load(detail::with_prefix_removed(checkpoint.state, "ema."));
-  load_adamw_state(optimizer, model, detail::with_prefix_removed(checkpoint.state, "adamw."));
+  ema.load(io::with_prefix_removed(checkpoint.state, "ema."));
+  load_adamw_state(optimizer, model, io::with_prefix_removed(checkpoint.state, "adamw."));
   auto torch_generator = at::detail::getDefaultCPUGenerator();  // a handle: setting its state sets torch's
   torch_generator.set_state(checkpoint.state.at("rng.torch"));
   const auto& meta = checkpoint.state_metadata;

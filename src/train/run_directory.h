@@ -20,10 +20,6 @@ namespace dalle::train {
 // metrics.jsonl or the run's lock file inside). `what` names the trainer in the error.
 void check_run_directory(const std::filesystem::path& run, const std::string& what);
 
-// A run's checkpoint directory: `run_or_checkpoint` itself when it holds model.safetensors,
-// else the latest checkpoint of the run.
-std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what);
-
 // metrics.jsonl: one JSON object per line, each with the update ("step") it belongs to.
 class MetricsLog {
  public:

@@ -1,4 +1,4 @@
-#include "training_loop.h"
+#include "train/training_loop.h"
 
 #include "dalle/log.h"
 #include "dalle/train/stop_request.h"

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "dalle/config.h"
-#include "run_directory.h"
+#include "train/run_directory.h"
 
 namespace dalle::train::detail {
 

@@ -95,13 +95,6 @@ TEST(Image, RandomCropIsReproducibleFromTheSeed) {
   EXPECT_TRUE(differs);
 }
 
-TEST(Image, PixelMappingMatchesTheDvaeAndInverts) {
-  const auto x = torch::tensor({0.0, 0.5, 1.0});
-  EXPECT_TRUE(torch::allclose(map_pixels(x), torch::tensor({0.1, 0.5, 0.9})));
-  EXPECT_TRUE(torch::allclose(unmap_pixels(map_pixels(x)), x));
-  EXPECT_TRUE(torch::allclose(unmap_pixels(torch::tensor({0.0, 1.0})), torch::tensor({0.0, 1.0})));
-}
-
 TEST(Image, GridPlacesTilesAndPrintsLabels) {
   std::vector<torch::Tensor> tiles;
   for (int i = 0; i < 5; ++i) tiles.push_back(torch::full({3, 10, 10}, 0.1 * i));

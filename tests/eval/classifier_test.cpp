@@ -1,11 +1,12 @@
 // The item classifier (trained on a slice of Fashion-MNIST), its framing, its checkpoint,
 // and the scoring built on it, end to end on small real datasets.
-#include "dalle/eval/classifier_trainer.h"
+#include "dalle/train/trainers/classifier_trainer.h"
 
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "dalle/data/classifier_input.h"
 #include "dalle/data/fashion_compose.h"
 #include "dalle/data/image.h"
 #include "dalle/data/sampler.h"
@@ -18,8 +19,16 @@
 namespace dalle::eval {
 namespace {
 
+using data::classifier_input;
 using testing::ScratchDir;
+using train::classifier_accuracy;
+using train::classifier_inputs;
+using train::ClassifierTrainConfig;
+using train::train_item_classifier;
 namespace fs = std::filesystem;
+
+static_assert(data::kClassifierInputSize == models::kClassifierInputSize,
+              "items are framed at the classifier's input size");
 
 // One test trains the classifier that the rest of it measures with: ctest runs every test
 // in its own process, so a suite-wide fixture would train once per test.
@@ -42,13 +51,13 @@ TEST(ItemClassifier, LearnsFashionMnistAndNamesTheItemsOfRealImages) {
   for (const char* file : {"config.yaml", "model.safetensors", "state.safetensors"}) {
     EXPECT_TRUE(fs::exists(fs::path(dir / "classifier") / file)) << file;
   }
-  auto loaded = load_item_classifier(dir / "classifier");
+  auto loaded = models::load_item_classifier(dir / "classifier");
   EXPECT_NEAR(loaded.test_accuracy, result.test_accuracy, 1e-6);
   EXPECT_EQ(loaded.config.features, 128);
   const auto test = data::load_fashion_mnist("test");
   const data::FashionMnist first{test.images.slice(0, 0, 2000), test.labels.slice(0, 0, 2000)};
   EXPECT_NEAR(classifier_accuracy(loaded.model, first), result.test_accuracy, 1e-9);
-  const auto classified = classify(loaded.model, classifier_inputs(first.images.slice(0, 0, 10)));
+  const auto classified = models::classify(loaded.model, classifier_inputs(first.images.slice(0, 0, 10)));
   EXPECT_EQ(classified.features.sizes(), (std::vector<int64_t>{10, 128}));
   EXPECT_GE(classified.features.min().item<float>(), 0.0f) << "features come after a ReLU";
   EXPECT_LT((classified.probabilities.sum(1) - 1).abs().max().item<float>(), 1e-5);
@@ -57,7 +66,7 @@ TEST(ItemClassifier, LearnsFashionMnistAndNamesTheItemsOfRealImages) {
   data::FashionComposer composer({}, test);
   AccuracyTally tally;
   for (int64_t i = 0; i < 300; ++i) {
-    std::mt19937_64 rng(data::mix_seed(7, static_cast<uint64_t>(i)));
+    std::mt19937_64 rng(mix_seed(7, static_cast<uint64_t>(i)));
     const auto composed = composer.compose(i % 4 ? data::ComposeSplit::test : data::ComposeSplit::heldout, rng);
     std::vector<data::CaptionObject> truth;
     for (const auto& o : composed.objects) truth.push_back({o.colour, o.item, o.label, o.position});
@@ -103,12 +112,12 @@ TEST(ItemClassifier, RefusesForeignDirectoriesAndCheckpoints) {
   config.train_limit = 10;
   EXPECT_THROW_WITH(train_item_classifier(config, dir / "notes"), Error, "not an item classifier directory");
   EXPECT_TRUE(fs::exists(dir / "notes/readme.txt"));
-  EXPECT_THROW_WITH(load_item_classifier(dir / "missing"), Error, "missing", "not an item classifier directory");
+  EXPECT_THROW_WITH(models::load_item_classifier(dir / "missing"), Error, "missing", "not an item classifier directory");
   io::Checkpoint other;
   other.config_yaml = "steps: 1\n";
   other.weights["w"] = torch::zeros({1});
   io::save_checkpoint(dir / "other", other);
-  EXPECT_THROW_WITH(load_item_classifier(dir / "other"), Error, "not an item classifier checkpoint");
+  EXPECT_THROW_WITH(models::load_item_classifier(dir / "other"), Error, "not an item classifier checkpoint");
 }
 
 TEST(ItemClassifier, ShippedRecipeLoads) {
@@ -116,7 +125,7 @@ TEST(ItemClassifier, ShippedRecipeLoads) {
       ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/eval/fashion-mnist-classifier.yaml"));
   EXPECT_EQ(config.model.features, 128);
   EXPECT_EQ(config.train_limit, 0) << "the shipped recipe trains on every item";
-  EXPECT_NO_THROW(ItemClassifier{config.model});
+  EXPECT_NO_THROW(models::ItemClassifier{config.model});
 }
 
 TEST(ItemClassifier, FramesAnItemTheSameWhereverItIs) {

@@ -96,7 +96,7 @@ TEST(Measure, AgreesWithTheGroundTruthOfRealImages) {
   int64_t heldout = 0;
   const int64_t images = 400;
   for (int64_t i = 0; i < images; ++i) {
-    std::mt19937_64 rng(data::mix_seed(99, static_cast<uint64_t>(i)));
+    std::mt19937_64 rng(mix_seed(99, static_cast<uint64_t>(i)));
     const auto split = i % 4 == 0 ? data::ComposeSplit::heldout : data::ComposeSplit::test;
     heldout += split == data::ComposeSplit::heldout;
     // Through an 8-bit PNG, as the dataset stores it.

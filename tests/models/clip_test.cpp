@@ -6,7 +6,7 @@
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/models/clip_rerank.h"
-#include "dalle/train/clip_loader.h"
+#include "dalle/models/trained.h"
 #include "test_support.h"
 
 namespace dalle::models {
@@ -213,7 +213,7 @@ TEST_F(ClipParity, MissingExtraOrMisshapenTensorsAreRefusedByName) {
 TEST_F(ClipParity, CheckpointDirectoryLoadsByName) {
   testing::ScratchDir scratch;
   io::save_checkpoint(scratch / "clip", {yaml_of(fixture_config("quick_gelu")), weights_, {}, {}});
-  auto loaded = train::load_trained_clip(scratch / "clip");
+  auto loaded = models::load_trained_clip(scratch / "clip");
   EXPECT_EQ(loaded->config().activation, "quick_gelu");
   EXPECT_FALSE(loaded->is_training());
   torch::NoGradGuard no_grad;
@@ -222,10 +222,10 @@ TEST_F(ClipParity, CheckpointDirectoryLoadsByName) {
   auto config = fixture_config();
   config.vocab_size = 65;
   io::save_checkpoint(scratch / "wrong", {yaml_of(config), weights_, {}, {}});
-  EXPECT_THROW_WITH(train::load_trained_clip(scratch / "wrong"), Error, "wrong/model.safetensors",
+  EXPECT_THROW_WITH(models::load_trained_clip(scratch / "wrong"), Error, "wrong/model.safetensors",
                     "misshapen: token_embedding.weight [64, 32] where the model has [65, 32]");
   io::save_checkpoint(scratch / "typo", {"kind: clip\nmodel:\n  embed_dims: 16\n", weights_, {}, {}});
-  EXPECT_THROW_WITH(train::load_trained_clip(scratch / "typo"), ConfigError, "unknown key 'model.embed_dims'");
+  EXPECT_THROW_WITH(models::load_trained_clip(scratch / "typo"), ConfigError, "unknown key 'model.embed_dims'");
 }
 
 TEST(Clip, DefaultConfigIsViTB32) {

@@ -36,7 +36,7 @@ TEST(DvaeObjective, MappedPixelMseStillPullsUpPixelsDecodedBelowEpsilon) {
   // unmap_pixels' clamp gives such pixels no gradient, the mapped-space error does.
   auto output = torch::full({1, 2, 2, 2}, -8.0, torch::requires_grad());
   const auto item = torch::full({1, 1, 2, 2}, 0.7);
-  mapped_pixel_mse(output, data::map_pixels(item)).backward();
+  mapped_pixel_mse(output, map_pixels(item)).backward();
   const auto mu_gradient = output.grad().slice(1, 0, 1);
   EXPECT_TRUE((mu_gradient < 0).all().item<bool>()) << mu_gradient;
 

@@ -10,8 +10,16 @@
 namespace dalle::models {
 namespace {
 
+TEST(DvaePixels, MappingMatchesOpenAisAndInverts) {
+  const auto x = torch::tensor({0.0, 0.5, 1.0});
+  EXPECT_TRUE(torch::allclose(map_pixels(x), torch::tensor({0.1, 0.5, 0.9})));
+  EXPECT_TRUE(torch::allclose(unmap_pixels(map_pixels(x)), x));
+  EXPECT_TRUE(torch::allclose(unmap_pixels(torch::tensor({0.0, 1.0})), torch::tensor({0.0, 1.0})));
+}
+
+
 using testing::relative_error;
-using testing::with_prefix_removed;
+using io::with_prefix_removed;
 
 DvaeConfig tiny_config() {
   DvaeConfig config;
@@ -31,7 +39,7 @@ TEST_F(DvaeParity, EncoderLogitsMatchOpenAIsPackage) {
   DvaeEncoder encoder(tiny_config());
   io::load_state_dict(*encoder, with_prefix_removed(fixture_.tensors, "encoder."));
   torch::NoGradGuard no_grad;
-  const auto logits = encoder->forward(data::map_pixels(fixture_.tensors.at("pixels")));
+  const auto logits = encoder->forward(map_pixels(fixture_.tensors.at("pixels")));
   EXPECT_EQ(logits.sizes(), fixture_.tensors.at("logits").sizes());
   EXPECT_LT(relative_error(logits, fixture_.tensors.at("logits")), 1e-4);
 }

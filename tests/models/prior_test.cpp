@@ -4,6 +4,7 @@
 
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/text/tokenizer.h"
 #include "test_support.h"
 
 namespace dalle::models {
@@ -51,7 +52,7 @@ torch::Tensor random_tokens(const PriorConfig& config, int64_t batch) {
 class RudalleParity : public ::testing::Test {
  protected:
   void SetUp() override {
-    io::load_state_dict(*prior_, import_rudalle_state(testing::with_prefix_removed(fixture_.tensors, "state."),
+    io::load_state_dict(*prior_, import_rudalle_state(io::with_prefix_removed(fixture_.tensors, "state."),
                                                       rudalle_fixture_config()));
     prior_->eval();
   }
@@ -198,6 +199,8 @@ TEST(Prior, RefusesBadTokensAndSizes) {
 }
 
 TEST(Prior, EmptyCaptionIsEndOfTextThenPadding) {
+  static_assert(kCaptionPadId == text::Tokenizer::kPadId && kCaptionEndId == text::Tokenizer::kEndId,
+                "the prior reads captions as the tokenizer writes them");
   const auto ids = empty_caption(5, 2);
   EXPECT_TRUE(torch::equal(ids[1], torch::tensor({3, 0, 0, 0, 0}, torch::kInt64)));
 }

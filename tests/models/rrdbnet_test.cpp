@@ -5,7 +5,7 @@
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
-#include "dalle/train/rrdbnet_loader.h"
+#include "dalle/models/trained.h"
 #include "test_support.h"
 
 namespace dalle::models {
@@ -131,18 +131,18 @@ TEST_F(RrdbNetParity, ACheckpointAsExportedLoadsAndMatches) {
   testing::ScratchDir dir;
   const std::string sizes = "model:\n  num_in_ch: 3\n  num_out_ch: 3\n  scale: 2\n  num_feat: 8\n  num_grow_ch: 4\n";
   io::save_checkpoint(dir / "x2", {.config_yaml = "kind: rrdbnet\n" + sizes + "  num_block: 2\n", .weights = weights(2)});
-  auto model = train::load_trained_rrdbnet(dir / "x2");
+  auto model = models::load_trained_rrdbnet(dir / "x2");
   EXPECT_FALSE(model->is_training());
   EXPECT_EQ(model->config().scale, 2);
   torch::NoGradGuard no_grad;
   EXPECT_LT(relative_error(model->forward(at("x2.input")), at("x2.output")), 1e-4);
 
   io::save_checkpoint(dir / "deeper", {.config_yaml = sizes + "  num_block: 3\n", .weights = weights(2)});
-  EXPECT_THROW_WITH(train::load_trained_rrdbnet(dir / "deeper"), Error, "deeper/model.safetensors",
+  EXPECT_THROW_WITH(models::load_trained_rrdbnet(dir / "deeper"), Error, "deeper/model.safetensors",
                     "missing: body.2.");
   io::save_checkpoint(dir / "vqgan", {.config_yaml = "kind: vqgan\n" + sizes, .weights = weights(2)});
-  EXPECT_THROW_WITH(train::load_trained_rrdbnet(dir / "vqgan"), Error, "vqgan/config.yaml", "kind");
-  EXPECT_THROW_WITH(train::load_trained_rrdbnet(dir / "nowhere"), Error, "nowhere",
+  EXPECT_THROW_WITH(models::load_trained_rrdbnet(dir / "vqgan"), Error, "vqgan/config.yaml", "kind");
+  EXPECT_THROW_WITH(models::load_trained_rrdbnet(dir / "nowhere"), Error, "nowhere",
                     "neither a super-resolution checkpoint nor a run");
 }
 

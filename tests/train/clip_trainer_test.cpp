@@ -1,4 +1,4 @@
-#include "dalle/train/clip_trainer.h"
+#include "dalle/train/trainers/clip_trainer.h"
 
 #include <torch/torch.h>
 
@@ -10,16 +10,18 @@
 #include "dalle/data/image.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/clip_loader.h"
-#include "dalle/train/vqgan_trainer.h"
+#include "dalle/models/trained.h"
+#include "dalle/train/trainers/vqgan_trainer.h"
 #include "gpu_run.h"
 #include "test_support.h"
+#include "trainer_harness.h"
 #include "tiny_vqgan.h"
 
 namespace dalle::train {
 namespace {
 
 using testing::ScratchDir;
+using testing::training_lines;
 
 class ClipTrainerTest : public ::testing::Test {
  protected:
@@ -96,52 +98,17 @@ class ClipTrainerTest : public ::testing::Test {
     return config;
   }
 
-  // step -> the metric line, for lines that carry a training loss; a step logged twice fails.
-  static std::map<int64_t, nlohmann::json> losses(const std::string& run) {
-    std::map<int64_t, nlohmann::json> out;
-    std::ifstream in(run + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto entry = nlohmann::json::parse(line);
-      if (!entry.contains("loss")) continue;
-      const bool first = out.emplace(entry["step"].get<int64_t>(), entry).second;
-      EXPECT_TRUE(first) << "update " << entry["step"] << " logged twice in " << run;
-    }
-    return out;
-  }
-
-  // Runs `config` for 8 updates whole, and stopped after 4 then resumed from update 3.
-  static void expect_exact_resume(const ClipTrainConfig& config) {
-    ScratchDir runs;
-    auto whole_config = config, half_config = config;
-    whole_config.steps = 8;
-    half_config.steps = 4;
-    ClipTrainer(whole_config, runs / "whole").run();
-    ClipTrainer(half_config, runs / "interrupted").run();  // checkpoints at 3 and 4
-    std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
-    testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
-    ClipTrainer resumed(whole_config, runs / "interrupted");
-    EXPECT_EQ(resumed.step(), 3);
-    resumed.run();
-
-    const auto whole = losses(runs / "whole"), interrupted = losses(runs / "interrupted");
-    ASSERT_EQ(whole.size(), 8u);
-    EXPECT_EQ(interrupted, whole) << "every update's loss, accuracy and logit scale, bit for bit";
-    const auto a = io::state_dict(*load_trained_clip(runs / "whole"));
-    const auto b = io::state_dict(*load_trained_clip(runs / "interrupted"));
-    for (const auto& [name, tensor] : a) EXPECT_TRUE(torch::equal(tensor, b.at(name))) << name;
-  }
-
   static ScratchDir* data_;
 };
 ScratchDir* ClipTrainerTest::data_ = nullptr;
 
-TEST_F(ClipTrainerTest, ResumedRunContinuesWithTheSameLosses) { expect_exact_resume(tiny(8)); }
+TEST_F(ClipTrainerTest, ResumedRunContinuesWithTheSameLosses) { testing::expect_exact_resume<ClipTrainer>(tiny(8)); }
 
 TEST_F(ClipTrainerTest, ResumedFp16RunContinuesWithTheSameLossesAndScale) {
   auto config = tiny(8);
   config.precision.mode = "fp16";
   config.precision.adam_moments = "bf16";
-  expect_exact_resume(config);
+  testing::expect_exact_resume<ClipTrainer>(config);
 }
 
 TEST_F(ClipTrainerTest, LossGoesDownAndTrainingImagesFindTheirCaptions) {
@@ -154,7 +121,7 @@ TEST_F(ClipTrainerTest, LossGoesDownAndTrainingImagesFindTheirCaptions) {
   ClipTrainer trainer(config, runs / "run");
   const auto untrained = trainer.validate();
   trainer.run();
-  const auto lines = losses(runs / "run");
+  const auto lines = training_lines(runs / "run");
   double first = 0, last = 0;
   for (int64_t step = 1; step <= 5; ++step) first += lines.at(step)["loss"].get<double>() / 5;
   for (int64_t step = 56; step <= 60; ++step) last += lines.at(step)["loss"].get<double>() / 5;
@@ -183,7 +150,7 @@ TEST_F(ClipTrainerTest, LogitScaleIsClampedAtTheMaximum) {
   config.max_logit_scale = 3.0;  // below the initial value: the first update clamps it
   config.checkpoint_every = 1000;
   ClipTrainer(config, runs / "run").run();
-  const auto lines = losses(runs / "run");
+  const auto lines = training_lines(runs / "run");
   EXPECT_EQ(lines.at(1)["logit_scale"].get<double>(), 3.0) << "clamped after the first update";
   for (const auto& [step, line] : lines) EXPECT_LE(line["logit_scale"].get<double>(), 3.0) << step;
 }
@@ -194,7 +161,7 @@ TEST_F(ClipTrainerTest, ATrainedRunLoadsForReranking) {
   config.ema_decay = 0.0;  // the average is the weights themselves
   ClipTrainer trainer(config, runs / "run");
   trainer.run();
-  const auto loaded = load_trained_clip(runs / "run");
+  const auto loaded = models::load_trained_clip(runs / "run");
   EXPECT_FALSE(loaded->is_training());
   EXPECT_EQ(loaded->config().text_pooling, "eos");
   const auto trained = io::state_dict(*trainer.model());
@@ -212,11 +179,11 @@ TEST_F(ClipTrainerTest, ThroughTokenizerTrainsOnTheDecodersImagesAndResumes) {
   config.through_tokenizer = runs / "vqgan";
   ClipTrainer(tiny(3), runs / "real").run();
   ClipTrainer(config, runs / "decoded").run();
-  const auto real = losses(runs / "real"), decoded = losses(runs / "decoded");
+  const auto real = training_lines(runs / "real"), decoded = training_lines(runs / "decoded");
   ASSERT_EQ(decoded.size(), 3u);
   EXPECT_NE(decoded.at(1)["loss"], real.at(1)["loss"]) << "the same weights and batch, other pixels";
   EXPECT_THAT(testing::read_text(runs / "decoded/config.yaml"), ::testing::HasSubstr("through_tokenizer:"));
-  expect_exact_resume(config);
+  testing::expect_exact_resume<ClipTrainer>(config);
 
   config.data.image_size = 32;
   EXPECT_THROW_WITH(ClipTrainer(config, runs / "sizes"), Error, "was trained on 16px images, data.image_size is 32");
@@ -234,8 +201,8 @@ TEST_F(ClipTrainerTest, HardNegativesChangeTheBatchesAndResume) {
   hard.hard_negatives = 0.5;
   ClipTrainer(random, runs / "random").run();
   ClipTrainer(hard, runs / "hard").run();
-  EXPECT_NE(losses(runs / "hard").at(1)["loss"], losses(runs / "random").at(1)["loss"]);
-  expect_exact_resume(hard);
+  EXPECT_NE(training_lines(runs / "hard").at(1)["loss"], training_lines(runs / "random").at(1)["loss"]);
+  testing::expect_exact_resume<ClipTrainer>(hard);
 }
 
 TEST(ClipTraining, ContrastiveLossAndSchedule) {

@@ -1,21 +1,24 @@
-#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/trainers/dvae_trainer.h"
 
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
 
+#include "dalle/models/trained.h"
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/fashion_compose.h"
 #include "dalle/data/image.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/encode_images.h"
+#include "dalle/generate/encode_images.h"
 #include "gpu_run.h"
+#include "trainer_harness.h"
 #include "test_support.h"
 
 namespace dalle::train {
 namespace {
 
 using testing::ScratchDir;
+using testing::training_lines;
 
 class DvaeTrainerTest : public ::testing::Test {
  protected:
@@ -53,38 +56,13 @@ class DvaeTrainerTest : public ::testing::Test {
     return config;
   }
 
-  // step -> the metric line's text, for lines that carry a training loss; a step logged
-  // twice fails the test.
-  static std::map<int64_t, std::string> losses(const std::string& run) {
-    std::map<int64_t, std::string> out;
-    std::ifstream in(run + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto entry = nlohmann::json::parse(line);
-      if (!entry.contains("loss")) continue;
-      const bool first = out.emplace(entry["step"].get<int64_t>(), line).second;
-      EXPECT_TRUE(first) << "update " << entry["step"] << " logged twice in " << run;
-    }
-    return out;
-  }
-
   static ScratchDir* data_;
 };
 ScratchDir* DvaeTrainerTest::data_ = nullptr;
 
 TEST_F(DvaeTrainerTest, ResumedRunContinuesWithTheSameLosses) {
   ScratchDir runs;
-  DvaeTrainer(tiny(8), runs / "whole").run();
-
-  DvaeTrainer(tiny(4), runs / "interrupted").run();  // stops after update 4, checkpoint at 3 and 4
-  std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
-  testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
-  DvaeTrainer resumed(tiny(8), runs / "interrupted");
-  EXPECT_EQ(resumed.step(), 3);
-  resumed.run();
-
-  const auto whole = losses(runs / "whole"), interrupted = losses(runs / "interrupted");
-  ASSERT_EQ(whole.size(), 8u);
-  EXPECT_EQ(interrupted, whole) << "every update's loss, bit for bit, and no duplicated lines";
+  testing::expect_exact_resume<DvaeTrainer>(tiny(8), runs);
   EXPECT_TRUE(std::filesystem::exists(runs / "whole/samples/step-000000008.png"));
   EXPECT_TRUE(std::filesystem::exists(runs / "whole/config.yaml"));
 }
@@ -96,8 +74,8 @@ TEST_F(DvaeTrainerTest, LossGoesDownAndValidationReportsUsage) {
   DvaeTrainer trainer(config, runs / "run");
   const auto untrained = trainer.validate();
   trainer.run();
-  const auto lines = losses(runs / "run");
-  auto loss_at = [&](int64_t step) { return nlohmann::json::parse(lines.at(step))["reconstruction"].get<double>(); };
+  const auto lines = training_lines(runs / "run");
+  auto loss_at = [&](int64_t step) { return lines.at(step)["reconstruction"].get<double>(); };
   double first = 0, last = 0;
   for (int64_t step = 1; step <= 5; ++step) first += loss_at(step) / 5;
   for (int64_t step = 56; step <= 60; ++step) last += loss_at(step) / 5;
@@ -117,7 +95,7 @@ TEST_F(DvaeTrainerTest, Fp16AndBf16RunsFollowTheFp32Run) {
     config.precision.mode = mode;
     config.checkpoint_every = 1000;
     DvaeTrainer(config, runs / mode).run();
-    return nlohmann::json::parse(losses(runs / mode).at(12));
+    return training_lines(runs / mode).at(12);
   };
   const auto fp32 = reconstruction_after("fp32");
   const auto fp16 = reconstruction_after("fp16");
@@ -141,14 +119,14 @@ TEST_F(DvaeTrainerTest, EncodeImagesWritesTheDvaeTokensAndCaptionIds) {
   tokenizer_config.text_length = 24;
   text::Tokenizer::train(captions, tokenizer_config, dir / "tok.model");
 
-  const auto info = encode_images({.dataset = *data_ / "fc/test", .image_tokenizer = dir / "dvae",
+  const auto info = generate::encode_images({.dataset = *data_ / "fc/test", .image_tokenizer = dir / "dvae",
                                    .tokenizer = dir / "tok.model", .out = dir / "tokens", .batch_size = 3,
                                    .images_per_shard = 5});
   EXPECT_EQ(info.images, 8);
   EXPECT_EQ(info.shards, 2);
   EXPECT_EQ(info.grid_height, 8);
 
-  auto dvae = load_trained_dvae(dir / "dvae");
+  auto dvae = models::load_trained_dvae(dir / "dvae");
   const auto tokenizer = text::Tokenizer::load(dir / "tok.model");
   const auto tokens = data::TokenDataset::open(dir / "tokens");
   ASSERT_EQ(tokens->size(), 8u);

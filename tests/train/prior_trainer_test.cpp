@@ -1,4 +1,4 @@
-#include "dalle/train/prior_trainer.h"
+#include "dalle/train/trainers/prior_trainer.h"
 
 #include <torch/torch.h>
 
@@ -6,8 +6,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "dalle/models/trained.h"
 #include "dalle/data/token_dataset.h"
 #include "gpu_run.h"
+#include "trainer_harness.h"
 #include "test_support.h"
 
 namespace dalle::train {
@@ -63,32 +65,12 @@ class PriorTrainerTest : public ::testing::Test {
     return config;
   }
 
-  static std::map<int64_t, std::string> losses(const std::string& run) {
-    std::map<int64_t, std::string> out;
-    std::ifstream in(run + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto entry = nlohmann::json::parse(line);
-      if (!entry.contains("loss")) continue;
-      EXPECT_TRUE(out.emplace(entry["step"].get<int64_t>(), line).second) << "update logged twice in " << run;
-    }
-    return out;
-  }
   static ScratchDir* data_;
 };
 ScratchDir* PriorTrainerTest::data_ = nullptr;
 
 TEST_F(PriorTrainerTest, ResumedRunContinuesWithTheSameLosses) {
-  ScratchDir runs;
-  PriorTrainer(tiny(8), runs / "whole").run();
-  PriorTrainer(tiny(4), runs / "interrupted").run();
-  std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
-  testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
-  PriorTrainer resumed(tiny(8), runs / "interrupted");
-  EXPECT_EQ(resumed.step(), 3);
-  resumed.run();
-  const auto whole = losses(runs / "whole");
-  ASSERT_EQ(whole.size(), 8u);
-  EXPECT_EQ(losses(runs / "interrupted"), whole) << "every update's loss and gradient norm, bit for bit";
+  testing::expect_exact_resume<PriorTrainer>(tiny(8));
 }
 
 TEST_F(PriorTrainerTest, LossGoesDownAndTheRunLoads) {
@@ -102,7 +84,7 @@ TEST_F(PriorTrainerTest, LossGoesDownAndTheRunLoads) {
   const auto trained = trainer.validate();
   EXPECT_LT(trained.image_loss, 0.5 * untrained.image_loss)
       << "validation image loss " << untrained.image_loss << " -> " << trained.image_loss;
-  auto loaded = load_trained_prior(runs / "run");
+  auto loaded = models::load_trained_prior(runs / "run");
   EXPECT_EQ(loaded.config.model.layers, 2);
   torch::NoGradGuard no_grad;
   const auto tokens = torch::cat({torch::tensor({5, 3, 0, 0, 0, 0}), (torch::arange(16) + 5) % 16}).view({1, 22});
@@ -161,17 +143,9 @@ TEST_F(PriorTrainerTest, ResumedFp16RunWithCheckpointingContinuesWithTheSameLoss
   config.precision.mode = "fp16";
   config.precision.adam_moments = "bf16";
   config.checkpoint_activations_every = 1;
-  PriorTrainer(config, runs / "whole").run();
-  auto first = config;
-  first.steps = 4;  // killed after update 3 (still in the warmup, whose rates do not depend on `steps`)
-  PriorTrainer(first, runs / "interrupted").run();
-  std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
-  testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
-  PriorTrainer(config, runs / "interrupted").run();
-  const auto whole = losses(runs / "whole");
-  ASSERT_EQ(whole.size(), 8u);
-  EXPECT_NE(whole.at(8).find("grad_scale_median"), std::string::npos) << "the scales are logged";
-  EXPECT_EQ(losses(runs / "interrupted"), whole) << "losses, gradient norms and scales, bit for bit";
+  // Cut back to update 3, still in the warmup, whose rates do not depend on `steps`.
+  testing::expect_exact_resume<PriorTrainer>(config, runs);
+  EXPECT_TRUE(testing::training_lines(runs / "whole").at(8).contains("grad_scale_median")) << "the scales are logged";
 }
 
 // Without dropout a GPU run starts from the CPU run's weights and sees its batches (caption

@@ -8,11 +8,11 @@
 #include "dalle/data/fashion_compose.h"
 #include "dalle/generate/pipeline.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/clip_trainer.h"
-#include "dalle/train/dvae_trainer.h"
-#include "dalle/train/prior_trainer.h"
-#include "dalle/train/superres_trainer.h"
-#include "dalle/train/vqgan_trainer.h"
+#include "dalle/train/trainers/clip_trainer.h"
+#include "dalle/train/trainers/dvae_trainer.h"
+#include "dalle/train/trainers/prior_trainer.h"
+#include "dalle/train/trainers/superres_trainer.h"
+#include "dalle/train/trainers/vqgan_trainer.h"
 #include "test_support.h"
 
 namespace dalle {

@@ -1,4 +1,4 @@
-#include "dalle/train/superres_trainer.h"
+#include "dalle/train/trainers/superres_trainer.h"
 
 #include <torch/torch.h>
 #include <unistd.h>
@@ -7,15 +7,17 @@
 
 #include "dalle/data/fashion_compose.h"
 #include "dalle/io/checkpoint.h"
-#include "dalle/train/rrdbnet_loader.h"
+#include "dalle/models/trained.h"
 #include "dalle/train/stop_request.h"
 #include "gpu_run.h"
 #include "test_support.h"
+#include "trainer_harness.h"
 
 namespace dalle::train {
 namespace {
 
 using testing::ScratchDir;
+using testing::training_lines;
 
 class SuperResTrainerTest : public ::testing::Test {
  protected:
@@ -54,42 +56,6 @@ class SuperResTrainerTest : public ::testing::Test {
     return config;
   }
 
-  // step -> the metric line, for lines that carry a training loss; a step logged twice fails.
-  static std::map<int64_t, nlohmann::json> losses(const std::string& run) {
-    std::map<int64_t, nlohmann::json> out;
-    std::ifstream in(run + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto entry = nlohmann::json::parse(line);
-      if (!entry.contains("loss")) continue;
-      const bool first = out.emplace(entry["step"].get<int64_t>(), entry).second;
-      EXPECT_TRUE(first) << "update " << entry["step"] << " logged twice in " << run;
-    }
-    return out;
-  }
-
-  // Runs `config` for 8 updates whole, and stopped after 4 then resumed from update 3.
-  static void expect_exact_resume(const SuperResTrainConfig& config) {
-    ScratchDir runs;
-    auto whole_config = config, half_config = config;
-    whole_config.steps = 8;
-    half_config.steps = 4;
-    SuperResTrainer(whole_config, runs / "whole").run();
-    SuperResTrainer(half_config, runs / "interrupted").run();  // checkpoints at 3 and 4
-    std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
-    testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
-    SuperResTrainer resumed(whole_config, runs / "interrupted");
-    EXPECT_EQ(resumed.step(), 3);
-    resumed.run();
-
-    const auto whole = losses(runs / "whole"), interrupted = losses(runs / "interrupted");
-    ASSERT_EQ(whole.size(), 8u);
-    EXPECT_EQ(interrupted, whole) << "every update's loss, bit for bit, and no duplicated lines";
-    const auto a = io::load_checkpoint(runs / "whole/checkpoints/step-000000008");
-    const auto b = io::load_checkpoint(runs / "interrupted/checkpoints/step-000000008");
-    for (const auto& [name, tensor] : a.weights) EXPECT_TRUE(torch::equal(tensor, b.weights.at(name))) << name;
-    for (const auto& [name, tensor] : a.state) EXPECT_TRUE(torch::equal(tensor, b.state.at(name))) << name;
-  }
-
   static ScratchDir* data_;
 };
 ScratchDir* SuperResTrainerTest::data_ = nullptr;
@@ -115,7 +81,7 @@ TEST_F(SuperResTrainerTest, LossGoesDownAndBeatsItsStartOnValidation) {
   SuperResTrainer trainer(config, runs / "run");
   const auto untrained = trainer.validate();
   trainer.run();
-  const auto lines = losses(runs / "run");
+  const auto lines = training_lines(runs / "run");
   double first = 0, last = 0;
   for (int64_t step = 1; step <= 5; ++step) first += lines.at(step)["loss"].get<double>() / 5;
   for (int64_t step = 36; step <= 40; ++step) last += lines.at(step)["loss"].get<double>() / 5;
@@ -141,11 +107,11 @@ TEST_F(SuperResTrainerTest, AStopRequestedBeforeTheRunTrainsNothing) {
   trainer.run();
   clear_stop_request();
   EXPECT_EQ(trainer.step(), 0);
-  EXPECT_TRUE(losses(runs / "run").empty());
+  EXPECT_TRUE(training_lines(runs / "run").empty());
   EXPECT_FALSE(std::filesystem::exists(runs / "run/checkpoints/latest"));
   trainer.run();
   EXPECT_EQ(trainer.step(), 2);
-  EXPECT_EQ(losses(runs / "run").size(), 2u);
+  EXPECT_EQ(training_lines(runs / "run").size(), 2u);
 }
 
 // Two trainers given one run folder would interleave their checkpoints and metrics.
@@ -173,23 +139,23 @@ TEST_F(SuperResTrainerTest, ASecondTrainerOnARunInUseIsRefused) {
 }
 
 TEST_F(SuperResTrainerTest, ResumedRunContinuesWithTheSameLossesAndWeights) {
-  expect_exact_resume(tiny(8));
+  testing::expect_exact_resume<SuperResTrainer>(tiny(8));
 }
 
 TEST_F(SuperResTrainerTest, ResumedBf16RunContinuesWithTheSameLossesAndWeights) {
   auto config = tiny(8);
   config.precision.mode = "bf16";
   config.precision.adam_moments = "bf16";
-  expect_exact_resume(config);
+  testing::expect_exact_resume<SuperResTrainer>(config);
 }
 
 TEST_F(SuperResTrainerTest, TheRunLoadsAsANetworkWithItsEmaWeights) {
   ScratchDir runs;
   SuperResTrainer(tiny(3), runs / "run").run();
-  auto net = load_trained_rrdbnet(runs / "run");
+  auto net = models::load_trained_rrdbnet(runs / "run");
   EXPECT_FALSE(net->is_training());
   const auto checkpoint = io::load_checkpoint(runs / "run/checkpoints/step-000000003");
-  const auto ema = testing::with_prefix_removed(checkpoint.state, "ema.");
+  const auto ema = io::with_prefix_removed(checkpoint.state, "ema.");
   for (const auto& item : net->named_parameters()) {
     EXPECT_TRUE(torch::equal(item.value(), ema.at(item.key()))) << item.key();
   }

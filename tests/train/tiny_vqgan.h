@@ -3,7 +3,7 @@
 // in seconds on a CPU. Shared by the VQGAN tests and by tests that need an image tokenizer.
 #include <string>
 
-#include "dalle/train/vqgan_trainer.h"
+#include "dalle/train/trainers/vqgan_trainer.h"
 
 namespace dalle::testing {
 

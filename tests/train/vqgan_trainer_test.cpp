@@ -1,4 +1,4 @@
-#include "dalle/train/vqgan_trainer.h"
+#include "dalle/train/trainers/vqgan_trainer.h"
 
 #include <torch/torch.h>
 
@@ -10,16 +10,18 @@
 #include "dalle/data/image.h"
 #include "dalle/data/token_dataset.h"
 #include "dalle/text/tokenizer.h"
-#include "dalle/train/encode_images.h"
-#include "dalle/train/image_tokenizer_loader.h"
+#include "dalle/generate/encode_images.h"
+#include "dalle/models/trained.h"
 #include "gpu_run.h"
 #include "test_support.h"
+#include "trainer_harness.h"
 #include "tiny_vqgan.h"
 
 namespace dalle::train {
 namespace {
 
 using testing::ScratchDir;
+using testing::training_lines;
 
 class VqganTrainerTest : public ::testing::Test {
  protected:
@@ -45,39 +47,6 @@ class VqganTrainerTest : public ::testing::Test {
     return config;
   }
 
-  // step -> the metric line, for lines that carry a training loss; a step logged twice fails.
-  static std::map<int64_t, nlohmann::json> losses(const std::string& run) {
-    std::map<int64_t, nlohmann::json> out;
-    std::ifstream in(run + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto entry = nlohmann::json::parse(line);
-      if (!entry.contains("loss")) continue;
-      const bool first = out.emplace(entry["step"].get<int64_t>(), entry).second;
-      EXPECT_TRUE(first) << "update " << entry["step"] << " logged twice in " << run;
-    }
-    return out;
-  }
-
-  // Runs `config` for 8 updates whole, and stopped after 4 then resumed from update 3.
-  static void expect_exact_resume(const VqganTrainConfig& config) {
-    ScratchDir runs;
-    auto whole_config = config, half_config = config;
-    whole_config.steps = 8;
-    half_config.steps = 4;
-    VqganTrainer(whole_config, runs / "whole").run();
-    VqganTrainer(half_config, runs / "interrupted").run();  // checkpoints at 3 and 4
-    std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");
-    testing::write_text(runs / "interrupted/checkpoints/latest", "step-000000003\n");
-    VqganTrainer resumed(whole_config, runs / "interrupted");
-    EXPECT_EQ(resumed.step(), 3);
-    resumed.run();
-
-    const auto whole = losses(runs / "whole"), interrupted = losses(runs / "interrupted");
-    ASSERT_EQ(whole.size(), 8u);
-    EXPECT_EQ(interrupted, whole) << "every update's losses, bit for bit, and no duplicated lines";
-    EXPECT_TRUE(std::filesystem::exists(runs / "whole/samples/step-000000008.png"));
-  }
-
   static ScratchDir* data_;
 };
 ScratchDir* VqganTrainerTest::data_ = nullptr;
@@ -85,20 +54,20 @@ ScratchDir* VqganTrainerTest::data_ = nullptr;
 TEST_F(VqganTrainerTest, ResumedGumbelRunWithADiscriminatorContinuesWithTheSameLosses) {
   // The discriminator starts at update 2, so the checkpoint at 3 carries its weights,
   // BatchNorm statistics and moments.
-  expect_exact_resume(with_discriminator(tiny(8), 2));
+  testing::expect_exact_resume<VqganTrainer>(with_discriminator(tiny(8), 2));
 }
 
 TEST_F(VqganTrainerTest, ResumedFp16RunWithADiscriminatorContinuesWithTheSameLossesAndScales) {
   auto config = with_discriminator(tiny(8), 2);
   config.precision.mode = "fp16";
   config.precision.adam_moments = "bf16";
-  expect_exact_resume(config);
+  testing::expect_exact_resume<VqganTrainer>(config);
 }
 
 TEST_F(VqganTrainerTest, ResumedVectorRunWithRestartsContinuesWithTheSameLosses) {
   auto config = tiny(8, "vector");
   config.restart_every = 2;  // a usage window open across the checkpoint at 3
-  expect_exact_resume(config);
+  testing::expect_exact_resume<VqganTrainer>(config);
 }
 
 TEST_F(VqganTrainerTest, VectorRunLearnsAndRestartsUnusedCodes) {
@@ -109,7 +78,7 @@ TEST_F(VqganTrainerTest, VectorRunLearnsAndRestartsUnusedCodes) {
   VqganTrainer trainer(config, runs / "run");
   const auto untrained = trainer.validate();
   trainer.run();
-  const auto lines = losses(runs / "run");
+  const auto lines = training_lines(runs / "run");
   double first = 0, last = 0;
   for (int64_t step = 1; step <= 5; ++step) first += lines.at(step)["reconstruction"].get<double>() / 5;
   for (int64_t step = 26; step <= 30; ++step) last += lines.at(step)["reconstruction"].get<double>() / 5;
@@ -127,7 +96,7 @@ TEST_F(VqganTrainerTest, AdversarialLossCountsFromItsStartWithAnAdaptiveWeight) 
   auto config = with_discriminator(tiny(4), 2);
   config.checkpoint_every = 1000;
   VqganTrainer(config, runs / "run").run();
-  const auto lines = losses(runs / "run");
+  const auto lines = training_lines(runs / "run");
   for (int64_t step : {1, 2}) {
     EXPECT_EQ(lines.at(step)["adversarial_weight"].get<double>(), 0.0) << step;
     EXPECT_EQ(lines.at(step)["discriminator"].get<double>(), 0.0) << step;
@@ -152,13 +121,13 @@ TEST_F(VqganTrainerTest, EncodeImagesAcceptsAVqganRun) {
   tokenizer_config.text_length = 24;
   text::Tokenizer::train(captions, tokenizer_config, dir / "tok.model");
 
-  const auto info = encode_images({.dataset = *data_ / "fc/test", .image_tokenizer = dir / "vqgan",
+  const auto info = generate::encode_images({.dataset = *data_ / "fc/test", .image_tokenizer = dir / "vqgan",
                                    .tokenizer = dir / "tok.model", .out = dir / "tokens", .batch_size = 3});
   EXPECT_EQ(info.images, 8);
   EXPECT_EQ(info.grid_height, 8);
   EXPECT_EQ(info.image_vocab_size, 32);
 
-  const auto loaded = load_image_tokenizer(dir / "vqgan");
+  const auto loaded = models::load_image_tokenizer(dir / "vqgan");
   EXPECT_EQ(loaded.kind, "vqgan");
   EXPECT_EQ(loaded.grid_size(), 8);
   const auto tokens = data::TokenDataset::open(dir / "tokens");
@@ -175,10 +144,10 @@ TEST_F(VqganTrainerTest, EncodeImagesAcceptsAVqganRun) {
 TEST_F(VqganTrainerTest, ARoundTripIsTheDecodedTokensOfEachImageInAnyBatch) {
   ScratchDir dir;
   VqganTrainer(tiny(2), dir / "vqgan").run();
-  auto tokenizer = load_image_tokenizer(dir / "vqgan");
+  auto tokenizer = models::load_image_tokenizer(dir / "vqgan");
   torch::manual_seed(0);
   const auto images = torch::rand({3, 3, 16, 16});
-  const auto out = round_trip(tokenizer, images);
+  const auto out = models::round_trip(tokenizer, images);
   ASSERT_EQ(out.sizes(), images.sizes());
   EXPECT_FALSE(out.requires_grad());
   EXPECT_GE(out.min().item<float>(), 0.0f);
@@ -186,10 +155,10 @@ TEST_F(VqganTrainerTest, ARoundTripIsTheDecodedTokensOfEachImageInAnyBatch) {
   torch::NoGradGuard no_grad;
   const auto decoded = tokenizer.model->decode_tokens(tokenizer.model->encode_tokens(images)).clamp(0, 1);
   EXPECT_TRUE(torch::equal(out, decoded));
-  EXPECT_TRUE(torch::allclose(round_trip(tokenizer, images.slice(0, 1, 2)), out.slice(0, 1, 2), 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(models::round_trip(tokenizer, images.slice(0, 1, 2)), out.slice(0, 1, 2), 1e-5, 1e-6));
   EXPECT_GT((out - images).abs().max().item<float>(), 0.1f) << "a 2-update VQGAN cannot be lossless";
-  EXPECT_THROW_WITH(round_trip(tokenizer, torch::rand({1, 3, 32, 32})), Error, "expected [B, C, 16, 16] images");
-  EXPECT_THROW_WITH(round_trip(tokenizer, torch::rand({3, 16, 16})), Error, "expected [B, C, 16, 16] images");
+  EXPECT_THROW_WITH(models::round_trip(tokenizer, torch::rand({1, 3, 32, 32})), Error, "expected [B, C, 16, 16] images");
+  EXPECT_THROW_WITH(models::round_trip(tokenizer, torch::rand({3, 16, 16})), Error, "expected [B, C, 16, 16] images");
 }
 
 // Without noise (vector quantizer, no restarts) a GPU run starts from the CPU run's weights
@@ -204,7 +173,7 @@ TEST_F(VqganTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
   auto gumbel = tiny(2);
   gumbel.device = "cuda";
   VqganTrainer(gumbel, runs / "gumbel").run();
-  EXPECT_EQ(losses(runs / "gumbel").size(), 2u);
+  EXPECT_EQ(training_lines(runs / "gumbel").size(), 2u);
 }
 
 // The decoder of a trained VQGAN learns on the tokens its frozen encoder gives: every image
@@ -217,7 +186,7 @@ TEST_F(VqganTrainerTest, DecoderFineTuningKeepsEveryTokenAndMovesOnlyTheDecoder)
   config.trainable = "decoder";
   VqganTrainer(config, runs / "decoder").run();
 
-  auto base = load_trained_vqgan(runs / "base"), tuned = load_trained_vqgan(runs / "decoder");
+  auto base = models::load_trained_vqgan(runs / "base"), tuned = models::load_trained_vqgan(runs / "decoder");
   const auto validation = data::ImageCaptionDataset::open(*data_ / "fc/test", {.image_size = 16});
   std::vector<torch::Tensor> images;
   for (size_t i = 0; i < validation->size(); ++i) {
@@ -235,11 +204,11 @@ TEST_F(VqganTrainerTest, DecoderFineTuningKeepsEveryTokenAndMovesOnlyTheDecoder)
     moved += learned && !same;
   }
   EXPECT_GT(moved, 10) << "the decoder's weights move";
-  for (const auto& [step, line] : losses(runs / "decoder")) {
+  for (const auto& [step, line] : training_lines(runs / "decoder")) {
     EXPECT_EQ(line["quantizer"].get<double>(), 0.0) << "update " << step;
     EXPECT_GT(line["adversarial_weight"].get<double>(), 0.0) << "update " << step;
   }
-  expect_exact_resume(config);  // a resumed run starts from its checkpoint, not from init_from
+  testing::expect_exact_resume<VqganTrainer>(config);  // a resumed run starts from its checkpoint, not from init_from
 }
 
 TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
@@ -274,7 +243,7 @@ TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
 
   // A run of the other kind is not resumed as this one.
   VqganTrainer(tiny(1), runs / "vq").run();
-  EXPECT_THROW_WITH(load_trained_dvae(runs / "vq"), Error, "kind: 'vqgan' is not allowed, expected one of 'dvae'");
+  EXPECT_THROW_WITH(models::load_trained_dvae(runs / "vq"), Error, "kind: 'vqgan' is not allowed, expected one of 'dvae'");
   auto changed = tiny(2);
   changed.model.quantizer = "vector";
   EXPECT_THROW_WITH(VqganTrainer(changed, runs / "vq"), Error, "different config", "model.quantizer (gumbel -> vector)");

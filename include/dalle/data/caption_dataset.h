@@ -16,8 +16,28 @@
 #include <string>
 #include <vector>
 
+#include "dalle/config.h"
 
 namespace dalle::data {
+
+// A training run's images and their batching: the same keys in every trainer on images.
+struct ImageDataConfig {
+  std::string train;       // image-caption dataset folder
+  std::string validation;  // held-out images for PSNR and reconstruction grids
+  int64_t image_size = 256;
+  int64_t batch_size = 8;
+  int64_t workers = 2;
+  bool random_crop = false;
+
+  void visit(ConfigVisitor& v) {
+    v.field("train", train, "image-caption dataset folder to train on (required)");
+    v.field("validation", validation, "dataset folder of held-out images for PSNR and grids (required)");
+    v.field("image_size", image_size, "images are resized and cropped to this square side", {.min = 8, .max = 4096});
+    v.field("batch_size", batch_size, "images per update", {.min = 1, .max = 1 << 16});
+    v.field("workers", workers, "loader threads (0: load on the training thread)", {.min = 0, .max = 64});
+    v.field("random_crop", random_crop, "crop at random places instead of the centre");
+  }
+};
 
 struct ImageCaptionRecord {
   std::string image_path;  // absolute, or relative to the working directory

@@ -35,11 +35,6 @@ torch::Tensor center_crop(const torch::Tensor& image, int64_t height, int64_t wi
 torch::Tensor random_crop(const torch::Tensor& image, int64_t height, int64_t width,
                           std::mt19937_64& rng);
 
-// The dVAE's pixel range: x -> (1 - 2 eps) x + eps keeps logits finite; unmap clamps back.
-inline constexpr double kDvaePixelEpsilon = 0.1;
-torch::Tensor map_pixels(const torch::Tensor& image, double epsilon = kDvaePixelEpsilon);
-torch::Tensor unmap_pixels(const torch::Tensor& image, double epsilon = kDvaePixelEpsilon);
-
 struct GridOptions {
   int64_t columns = 0;    // 0: as close to square as the count allows
   int64_t tile_size = 0;  // tiles are scaled (nearest) to this size; 0 keeps the first image's

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "dalle/seed.h"
+
 namespace dalle::data {
 
 struct SamplerOptions {
@@ -13,10 +15,6 @@ struct SamplerOptions {
   int64_t rank = 0;
   int64_t world_size = 1;
 };
-
-// splitmix64: a well-mixed 64-bit value from a counter, for seeds derived from seeds.
-uint64_t mix_seed(uint64_t value);
-uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c = 0);
 
 class ShardedSampler {
  public:

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "dalle/eval/item_classifier.h"
+#include "dalle/models/item_classifier.h"
 
 namespace dalle::eval {
 
@@ -42,7 +42,7 @@ struct MeasuredObject {
 std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const MeasureOptions& options = {});
 
 // Names each object's item with the classifier; returns their features, [N, features].
-torch::Tensor classify_objects(ItemClassifier& model, std::vector<MeasuredObject>& objects);
+torch::Tensor classify_objects(models::ItemClassifier& model, std::vector<MeasuredObject>& objects);
 
 // The named colour whose hue (largest channel scaled to 1) is nearest to `rgb`'s.
 std::string nearest_colour(const std::array<float, 3>& rgb);

@@ -7,7 +7,7 @@
 
 #include "dalle/data/token_dataset.h"
 
-namespace dalle::train {
+namespace dalle::generate {
 
 struct EncodeImagesOptions {
   std::string dataset;    // image-caption dataset folder
@@ -21,4 +21,4 @@ struct EncodeImagesOptions {
 
 data::TokenDatasetInfo encode_images(const EncodeImagesOptions& options);
 
-}  // namespace dalle::train
+}  // namespace dalle::generate

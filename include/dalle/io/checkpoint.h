@@ -43,4 +43,8 @@ class CheckpointStore {
   int keep_;
 };
 
+// A checkpoint directory: `run_or_checkpoint` itself when it holds model.safetensors, else
+// the latest checkpoint of the run it names. `what` names the model in the error.
+std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what);
+
 }  // namespace dalle::io

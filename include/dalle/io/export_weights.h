@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-namespace dalle::train {
+namespace dalle::io {
 
 struct ExportedWeights {
   std::string checkpoint;  // the checkpoint directory that was read
@@ -22,4 +22,4 @@ struct ExportedWeights {
 ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
                                const std::vector<std::string>& config_overrides = {});
 
-}  // namespace dalle::train
+}  // namespace dalle::io

@@ -13,4 +13,8 @@ TensorMap state_dict(const torch::nn::Module& module);
 // copied unless everything matches. Dtypes are converted to the module's.
 void load_state_dict(torch::nn::Module& module, const TensorMap& tensors, const std::string& source = "weights");
 
+// The tensors of `tensors` whose name starts with `prefix`, the prefix removed: a part of a
+// checkpoint's state, such as its moving average ("ema.").
+TensorMap with_prefix_removed(const TensorMap& tensors, const std::string& prefix);
+
 }  // namespace dalle::io

@@ -15,6 +15,11 @@
 
 namespace dalle::models {
 
+// The dVAE's pixel range: x -> (1 - 2 eps) x + eps keeps logits finite; unmap clamps back.
+inline constexpr double kDvaePixelEpsilon = 0.1;
+torch::Tensor map_pixels(const torch::Tensor& image, double epsilon = kDvaePixelEpsilon);
+torch::Tensor unmap_pixels(const torch::Tensor& image, double epsilon = kDvaePixelEpsilon);
+
 struct DvaeConfig {
   int64_t input_channels = 3;
   int64_t hidden = 256;          // n_hid: width of the first group; group g is 2^(g-1) times wider

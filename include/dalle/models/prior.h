@@ -22,6 +22,12 @@
 
 namespace dalle::models {
 
+// The ids the caption tokenizer pads short captions with and ends them with
+// (text::Tokenizer's kPadId and kEndId; a test holds them together): the prior embeds each
+// padded position as its own token, as DALL-E does, and the empty caption is an end.
+inline constexpr int64_t kCaptionPadId = 0;
+inline constexpr int64_t kCaptionEndId = 3;
+
 struct PriorConfig {
   int64_t text_length = 256;        // caption tokens, bos/eos included
   int64_t text_vocab_size = 16384;  // BPE vocabulary; text_length position-unique padding ids follow it

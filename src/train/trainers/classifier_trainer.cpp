@@ -1,4 +1,4 @@
-#include "dalle/eval/classifier_trainer.h"
+#include "dalle/train/trainers/classifier_trainer.h"
 
 #include <torch/torch.h>
 
@@ -8,26 +8,29 @@
 #include <random>
 #include <sstream>
 
+#include "dalle/data/classifier_input.h"
 #include "dalle/data/sampler.h"
 #include "dalle/error.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
+#include "dalle/train/model_precision.h"
+#include "dalle/train/update_step.h"
 
-namespace dalle::eval {
+namespace dalle::train {
 namespace fs = std::filesystem;
 
 torch::Tensor classifier_inputs(const torch::Tensor& items) {
   TORCH_CHECK(items.dim() == 3, "classifier_inputs: expected [N, H, W] items, got ", items.sizes());
   const auto pictures = items.to(torch::kFloat32);
-  auto inputs = torch::empty({items.size(0), 1, kClassifierInputSize, kClassifierInputSize});
-  for (int64_t i = 0; i < items.size(0); ++i) inputs[i].copy_(classifier_input(pictures[i]));
+  auto inputs = torch::empty({items.size(0), 1, models::kClassifierInputSize, models::kClassifierInputSize});
+  for (int64_t i = 0; i < items.size(0); ++i) inputs[i].copy_(data::classifier_input(pictures[i]));
   return inputs;
 }
 
-double classifier_accuracy(ItemClassifier& model, const data::FashionMnist& items) {
+double classifier_accuracy(models::ItemClassifier& model, const data::FashionMnist& items) {
   if (items.images.size(0) == 0) throw Error("classifier accuracy: no items");
-  const auto predicted = classify(model, classifier_inputs(items.images)).labels;
+  const auto predicted = models::classify(model, classifier_inputs(items.images)).labels;
   return predicted.eq(items.labels).to(torch::kFloat64).mean().item<double>();
 }
 
@@ -71,12 +74,14 @@ ClassifierTrainResult train_item_classifier(const ClassifierTrainConfig& config,
   const auto seed = static_cast<uint64_t>(config.seed);
 
   torch::manual_seed(seed);
-  ItemClassifier model(config.model);
+  models::ItemClassifier model(config.model);
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(config.learning_rate));
+  ModelPrecision precision(PrecisionConfig{}, model->parameters());
+  UpdateStep update(optimizer, precision, {.what = "classifier"});
   const auto inputs = classifier_inputs(train.images);
   const int64_t count = inputs.size(0);
   const data::ShardedSampler sampler(count, {.seed = seed, .shuffle = true});
-  std::mt19937_64 rng(data::mix_seed(seed, 1));
+  std::mt19937_64 rng(mix_seed(seed, 1));
 
   ClassifierTrainResult result;
   result.train_items = count;
@@ -97,9 +102,7 @@ ClassifierTrainResult train_item_classifier(const ClassifierTrainConfig& config,
         }
       }
       const auto loss = torch::nn::functional::cross_entropy(model->forward(batch), train.labels.index_select(0, rows));
-      optimizer.zero_grad();
-      loss.backward();
-      optimizer.step();
+      update.apply(loss, epoch * batches + b + 1);
       const double value = loss.item<double>();
       total += value * static_cast<double>(rows.size(0));
       progress.set_loss(value);
@@ -129,4 +132,4 @@ ClassifierTrainResult train_item_classifier(const ClassifierTrainConfig& config,
   return result;
 }
 
-}  // namespace dalle::eval
+}  // namespace dalle::train

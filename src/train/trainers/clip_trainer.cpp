@@ -1,4 +1,4 @@
-#include "dalle/train/clip_trainer.h"
+#include "dalle/train/trainers/clip_trainer.h"
 
 #include <torch/torch.h>
 
@@ -16,11 +16,12 @@
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
-#include "dalle/train/image_tokenizer_loader.h"
+#include "dalle/models/trained.h"
 #include "dalle/train/model_precision.h"
-#include "run_directory.h"
-#include "trainer_support.h"
-#include "training_loop.h"
+#include "dalle/train/update_step.h"
+#include "train/run_directory.h"
+#include "train/trainers/trainer_support.h"
+#include "train/training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -93,8 +94,9 @@ struct ClipTrainer::State : RunRecord {
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
   std::unique_ptr<ModelPrecision> precision;
+  std::unique_ptr<UpdateStep> update;
   detail::ImageData images;
-  std::optional<TrainedImageTokenizer> image_tokenizer;  // config.through_tokenizer's
+  std::optional<models::TrainedImageTokenizer> image_tokenizer;  // config.through_tokenizer's
   std::optional<data::CaptionNeighbours> neighbours;     // of the training set, for hard_negatives
 
   State(ClipTrainConfig c, fs::path r)
@@ -107,6 +109,11 @@ struct ClipTrainer::State : RunRecord {
   torch::Tensor pixels(const torch::Tensor& images);
   data::Batch<data::ImageCaptionExample> next_batch();
   ClipStepMetrics train_step(const torch::Tensor& images, const std::vector<std::string>& captions);
+  // open_clip's bound on the logit scale, kept after every step.
+  void bound_logit_scale() {
+    torch::NoGradGuard no_grad;
+    model->logit_scale.clamp_(0.0, config.max_logit_scale);
+  }
   void log_step(const ClipStepMetrics& metrics);
   void save_checkpoint();
   void resume(const std::string& directory);
@@ -162,8 +169,8 @@ std::vector<torch::optim::OptimizerParamGroup> parameter_groups(models::ClipImpl
   return groups;
 }
 
-TrainedImageTokenizer open_through_tokenizer(const ClipTrainConfig& config, torch::Device device) {
-  auto tokenizer = load_image_tokenizer(config.through_tokenizer);
+models::TrainedImageTokenizer open_through_tokenizer(const ClipTrainConfig& config, torch::Device device) {
+  auto tokenizer = models::load_image_tokenizer(config.through_tokenizer);
   if (tokenizer.image_size != config.data.image_size) {
     throw Error("clip training: through_tokenizer " + config.through_tokenizer + " was trained on " +
                 std::to_string(tokenizer.image_size) + "px images, data.image_size is " +
@@ -192,6 +199,9 @@ ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
                                         torch::optim::AdamWOptions(s.config.learning_rate_at(0)),
                                         s.config.precision.moments_dtype());
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
+  s.update = std::make_unique<UpdateStep>(*s.optimizer, *s.precision,
+                                          UpdateOptions{.what = "clip", .after_step = [&s] { s.bound_logit_scale(); }},
+                                          s.ema.get(), s.model.get());
 
   if (!s.config.through_tokenizer.empty()) s.image_tokenizer = open_through_tokenizer(s.config, s.device);
   s.images = detail::open_image_data(s.config.data, s.config.seed);
@@ -235,7 +245,7 @@ data::Batch<data::ImageCaptionExample> ClipTrainer::State::next_batch() {
 // when one is set, resized and normalised.
 torch::Tensor ClipTrainer::State::pixels(const torch::Tensor& images) {
   auto seen = images.to(device);
-  if (image_tokenizer) seen = round_trip(*image_tokenizer, seen);
+  if (image_tokenizer) seen = models::round_trip(*image_tokenizer, seen);
   return models::clip_preprocess(seen, config.model.image_size);
 }
 
@@ -259,19 +269,7 @@ ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, cons
     throw Error("clip: the loss is not finite at update " + std::to_string(step + 1) +
                 "; lower the learning rate or resume from an earlier checkpoint");
   }
-  optimizer->zero_grad();
-  precision->scaled(loss).backward();
-  metrics.skipped = !precision->unscale_and_update();
-  if (metrics.skipped) {
-    log::warn("clip: gradients not finite at update ", step + 1, "; the update is skipped");
-  } else {
-    optimizer->step();
-    {
-      torch::NoGradGuard no_grad;
-      model->logit_scale.clamp_(0.0, config.max_logit_scale);
-    }
-    ema->update(*model);
-  }
+  metrics.skipped = update->apply(loss, step + 1).skipped;
   ++step;
   metrics.step = step;
   metrics.loss = loss.item<double>();

@@ -1,4 +1,4 @@
-#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/trainers/dvae_trainer.h"
 
 #include <torch/torch.h>
 
@@ -17,9 +17,10 @@
 #include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
 #include "dalle/train/model_precision.h"
+#include "dalle/train/update_step.h"
 #include "dalle/train/optimizer_state.h"
-#include "run_directory.h"
-#include "trainer_support.h"
+#include "train/run_directory.h"
+#include "train/trainers/trainer_support.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -62,6 +63,7 @@ struct DvaeTrainer::State : RunRecord {
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
   std::unique_ptr<ModelPrecision> precision;
+  std::unique_ptr<UpdateStep> update;
   detail::ImageData images;
   at::Generator noise;
 
@@ -117,6 +119,8 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
   s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
+  s.update = std::make_unique<UpdateStep>(*s.optimizer, *s.precision, UpdateOptions{.what = "dvae"}, s.ema.get(),
+                                          s.model.get());
 
   s.images = detail::open_image_data(s.config.data, s.config.seed);
   s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
@@ -134,7 +138,7 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
   metrics.learning_rate = config.learning_rate.at(step);
   for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
 
-  const auto pixels = data::map_pixels(images.to(device));
+  const auto pixels = models::map_pixels(images.to(device));
   torch::Tensor logits, output;
   {
     AutocastGuard autocast(pixels.device().type(), precision->autocast_dtype());
@@ -157,15 +161,7 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
                 " (reconstruction " + std::to_string(reconstruction.item<double>()) + ", KL " +
                 std::to_string(kl.item<double>()) + "); lower the learning rate or resume from an earlier checkpoint");
   }
-  optimizer->zero_grad();
-  precision->scaled(loss).backward();
-  metrics.skipped = !precision->unscale_and_update();
-  if (metrics.skipped) {
-    log::warn("dvae: gradients not finite at update ", step + 1, "; the update is skipped");
-  } else {
-    optimizer->step();
-    ema->update(*model);
-  }
+  metrics.skipped = update->apply(loss, step + 1).skipped;
   ++step;
 
   metrics.step = step;
@@ -216,18 +212,6 @@ void DvaeTrainer::State::resume(const std::string& directory) {
   precision->load_state(checkpoint.state, "gradient_scaler.");
   images.loader->seek(progress.position);
   resumed(directory, progress.step);
-}
-
-TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint) {
-  const auto directory = resolve_checkpoint(run_or_checkpoint, "dVAE");
-  const auto checkpoint = io::load_checkpoint(directory);
-  const auto config = load_config<DvaeTrainConfig>(
-      ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
-  const auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
-  TrainedDvae trained{models::Dvae(config.model), config.data.image_size};
-  io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);
-  trained.model->eval();
-  return trained;
 }
 
 }  // namespace dalle::train

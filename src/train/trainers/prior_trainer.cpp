@@ -1,4 +1,4 @@
-#include "dalle/train/prior_trainer.h"
+#include "dalle/train/trainers/prior_trainer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -21,12 +21,14 @@
 #include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
 #include "dalle/train/gradient_scaler.h"
-#include "dalle/train/image_tokenizer_loader.h"
+#include "dalle/models/trained.h"
 #include "dalle/train/optimizer_state.h"
+#include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
-#include "run_directory.h"
-#include "trainer_support.h"
-#include "training_loop.h"
+#include "dalle/train/update_step.h"
+#include "train/run_directory.h"
+#include "train/trainers/trainer_support.h"
+#include "train/training_loop.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -87,7 +89,8 @@ struct PriorTrainer::State : RunRecord {
   models::Prior model{nullptr}, ema_model{nullptr};
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
-  std::unique_ptr<GradientScaler> scaler;  // fp16 only
+  std::unique_ptr<ModelPrecision> precision;  // per-resblock scales in fp16
+  std::unique_ptr<UpdateStep> update;
   std::shared_ptr<data::TokenDataset> train_set, validation_set;
   std::unique_ptr<data::DataLoader<data::TokenDataset>> loader;
   at::Generator caption_dropout;
@@ -106,7 +109,6 @@ struct PriorTrainer::State : RunRecord {
   PriorStepMetrics train_step(const torch::Tensor& tokens);
   void install_resblock_runner();
   nlohmann::json metrics_line() const;
-  bool apply_gradients(PriorStepMetrics& metrics);
   void save_checkpoint();
   void resume(const std::string& directory);
   void update_plateau(double validation_loss);
@@ -188,6 +190,11 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
     auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
     options.betas({s.config.beta1, s.config.beta2}).eps(s.config.epsilon);
   }
+  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
+                                                 resblock_parameter_groups(s.model->resblocks()));
+  s.update = std::make_unique<UpdateStep>(
+      *s.optimizer, *s.precision, UpdateOptions{.what = "prior", .grad_clip = s.config.grad_clip, .measure_norm = true},
+      s.ema.get(), s.model.get());
   s.install_resblock_runner();
   s.loader = std::make_unique<data::DataLoader<data::TokenDataset>>(
       s.train_set, data::LoaderOptions{.batch_size = s.config.data.batch_size,
@@ -200,19 +207,14 @@ PriorTrainer::~PriorTrainer() = default;
 int64_t PriorTrainer::step() const { return state_->step; }
 PriorStepMetrics PriorTrainer::last_metrics() const { return state_->last; }
 models::Prior& PriorTrainer::model() { return state_->model; }
-const GradientScaler* PriorTrainer::gradient_scaler() const { return state_->scaler.get(); }
+const GradientScaler* PriorTrainer::gradient_scaler() const { return state_->precision->scaler(); }
 
 void PriorTrainer::State::install_resblock_runner() {
-  const auto precision = config.precision.precision();
-  if (precision == Precision::fp32 && config.checkpoint_activations_every == 0) return;
-  if (precision == Precision::fp16) {
-    config.precision.gradient_scaling.validate();
-    scaler = std::make_unique<GradientScaler>(config.precision.gradient_scaling,
-                                              resblock_parameter_groups(model->resblocks()));
-  }
+  const auto mode = config.precision.precision();
+  if (mode == Precision::fp32 && config.checkpoint_activations_every == 0) return;
   model->set_resblock_runner(make_training_runner(model->resblocks(),
-                                                  {.precision = precision,
-                                                   .scaler = scaler.get(),
+                                                  {.precision = mode,
+                                                   .scaler = precision->scaler(),
                                                    .checkpoint_every = config.checkpoint_activations_every}));
 }
 
@@ -240,12 +242,9 @@ PriorStepMetrics PriorTrainer::State::train_step(const torch::Tensor& tokens) {
     throw Error("prior: the loss is not finite at update " + std::to_string(step + 1) +
                 "; lower the learning rate or resume from an earlier checkpoint");
   }
-  optimizer->zero_grad();
-  loss.total.backward();
-  if (apply_gradients(metrics)) {
-    optimizer->step();
-    ema->update(*model);
-  }
+  const auto update_result = update->apply(loss.total, step + 1);
+  metrics.skipped = update_result.skipped;
+  metrics.grad_norm = update_result.grad_norm;
   ++step;
   metrics.step = step;
   metrics.loss = loss.total.item<double>();
@@ -254,22 +253,11 @@ PriorStepMetrics PriorTrainer::State::train_step(const torch::Tensor& tokens) {
   return metrics;
 }
 
-// Unscales fp16 gradients and clips them; false (the update is skipped) when any is not
-// finite, which the fp16 scales then adapt to.
-bool PriorTrainer::State::apply_gradients(PriorStepMetrics& metrics) {
-  const bool finite = scaler ? scaler->unscale_and_update() : true;
-  const double clip = config.grad_clip > 0 ? config.grad_clip : std::numeric_limits<double>::infinity();
-  metrics.grad_norm = finite ? torch::nn::utils::clip_grad_norm_(model->parameters(), clip) : std::nan("");
-  metrics.skipped = !std::isfinite(metrics.grad_norm);
-  if (metrics.skipped) log::warn("prior: gradients not finite at update ", step + 1, "; the update is skipped");
-  return !metrics.skipped;
-}
-
 nlohmann::json PriorTrainer::State::metrics_line() const {
   nlohmann::json line = {{"step", last.step},         {"loss", last.loss},
                          {"text_loss", last.text_loss}, {"image_loss", last.image_loss},
                          {"grad_norm", last.grad_norm}, {"learning_rate", last.learning_rate}};
-  if (scaler) {
+  if (const auto* scaler = precision->scaler()) {
     const auto scales = scaler->summary();
     line.update({{"grad_scale_min", scales.min}, {"grad_scale_median", scales.median},
                  {"grad_scale_max", scales.max}, {"skipped_updates", scaler->skipped_updates()}});
@@ -316,7 +304,7 @@ namespace {
 void write_sample_grid(models::Prior& model, const PriorTrainConfig& config,
                        const fs::path& path) {
   const auto tokenizer = text::Tokenizer::load(config.tokenizer);
-  auto decoder = load_image_tokenizer(config.image_tokenizer);
+  auto decoder = models::load_image_tokenizer(config.image_tokenizer);
   std::vector<torch::Tensor> captions, tiles;
   std::vector<std::string> labels;
   for (const auto& caption : config.sample_captions) {
@@ -375,9 +363,7 @@ PriorValidation PriorTrainer::validate() {
 void PriorTrainer::State::save_checkpoint() {
   auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
   checkpoint.state.emplace("rng.caption_dropout", caption_dropout.get_state());
-  if (scaler) {
-    for (auto& [name, tensor] : scaler->state()) checkpoint.state.emplace("gradient_scaler." + name, tensor);
-  }
+  precision->save_state(checkpoint.state, "gradient_scaler.");
   checkpoint.state_metadata.insert({{"best_validation", std::to_string(best_validation)},
                                     {"validations_since_best", std::to_string(validations_since_best)},
                                     {"reductions", std::to_string(reductions)}});
@@ -389,24 +375,13 @@ void PriorTrainer::State::resume(const std::string& directory) {
   check_resumable<PriorTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change_on_resume);
   const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
   caption_dropout.set_state(checkpoint.state.at("rng.caption_dropout"));
-  if (scaler) scaler->load_state(detail::with_prefix_removed(checkpoint.state, "gradient_scaler."));
+  precision->load_state(checkpoint.state, "gradient_scaler.");
   const auto& meta = checkpoint.state_metadata;
   best_validation = std::stod(meta.at("best_validation"));
   validations_since_best = std::stoll(meta.at("validations_since_best"));
   reductions = std::stoll(meta.at("reductions"));
   loader->seek(progress.position);
   resumed(directory, progress.step);
-}
-
-TrainedPrior load_trained_prior(const std::string& run_or_checkpoint) {
-  const auto directory = resolve_checkpoint(run_or_checkpoint, "prior");
-  const auto checkpoint = io::load_checkpoint(directory);
-  auto config = load_config<PriorTrainConfig>(ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
-  const auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
-  TrainedPrior trained{models::Prior(config.model), config, directory};
-  io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);
-  trained.model->eval();
-  return trained;
 }
 
 }  // namespace dalle::train

@@ -1,4 +1,4 @@
-#include "dalle/train/superres_trainer.h"
+#include "dalle/train/trainers/superres_trainer.h"
 
 #include <torch/torch.h>
 
@@ -18,8 +18,9 @@
 #include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
 #include "dalle/train/model_precision.h"
-#include "run_directory.h"
-#include "trainer_support.h"
+#include "dalle/train/update_step.h"
+#include "train/run_directory.h"
+#include "train/trainers/trainer_support.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -76,6 +77,7 @@ struct SuperResTrainer::State : RunRecord {
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
   std::unique_ptr<ModelPrecision> precision;
+  std::unique_ptr<UpdateStep> update;
   detail::ImageData images;
 
   State(SuperResTrainConfig c, fs::path r)
@@ -148,6 +150,8 @@ SuperResTrainer::SuperResTrainer(SuperResTrainConfig config, std::string run_dir
   s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
   s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
+  s.update = std::make_unique<UpdateStep>(*s.optimizer, *s.precision, UpdateOptions{.what = "super-resolution"}, s.ema.get(),
+                                          s.model.get());
 
   s.images = detail::open_image_data(s.config.data, s.config.seed);
   s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
@@ -173,15 +177,7 @@ SuperResStepMetrics SuperResTrainer::State::train_step(const torch::Tensor& imag
     throw Error("super-resolution: the loss is not finite at update " + std::to_string(step + 1) +
                 "; lower the learning rate or resume from an earlier checkpoint");
   }
-  optimizer->zero_grad();
-  precision->scaled(loss).backward();
-  metrics.skipped = !precision->unscale_and_update();
-  if (metrics.skipped) {
-    log::warn("super-resolution: gradients not finite at update ", step + 1, "; the update is skipped");
-  } else {
-    optimizer->step();
-    ema->update(*model);
-  }
+  metrics.skipped = update->apply(loss, step + 1).skipped;
   ++step;
   metrics.step = step;
   metrics.loss = loss.item<double>();

@@ -1,4 +1,4 @@
-#include "trainer_support.h"
+#include "train/trainers/trainer_support.h"
 
 #include <torch/torch.h>
 
@@ -17,7 +17,7 @@ namespace fs = std::filesystem;
 
 bool may_change_on_resume(const std::string& key) { return is_run_control_key(key) || key == "grid_images"; }
 
-ImageData open_image_data(const ImageDataConfig& config, int64_t seed) {
+ImageData open_image_data(const data::ImageDataConfig& config, int64_t seed) {
   ImageData images;
   images.train = data::ImageCaptionDataset::open(
       config.train, {.image_size = config.image_size, .random_crop = config.random_crop});
@@ -46,14 +46,6 @@ data::Batch<data::ImageCaptionExample> next_nonempty_batch(ImageData& images) {
 }
 
 torch::Tensor next_image_batch(ImageData& images) { return stack_images(next_nonempty_batch(images).examples); }
-
-io::TensorMap with_prefix_removed(const io::TensorMap& tensors, const std::string& prefix) {
-  io::TensorMap out;
-  for (const auto& [name, tensor] : tensors) {
-    if (name.rfind(prefix, 0) == 0) out.emplace(name.substr(prefix.size()), tensor);
-  }
-  return out;
-}
 
 namespace {
 

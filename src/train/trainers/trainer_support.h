@@ -15,10 +15,10 @@
 #include "dalle/io/safetensors.h"
 #include "dalle/models/image_tokenizer.h"
 #include "dalle/train/adamw.h"
-#include "dalle/train/dvae_trainer.h"
-#include "dalle/train/tokenizer_validation.h"
-#include "run_directory.h"
-#include "training_loop.h"
+#include "dalle/train/trainers/dvae_trainer.h"
+#include "dalle/train/trainers/tokenizer_validation.h"
+#include "train/run_directory.h"
+#include "train/training_loop.h"
 
 namespace dalle::train::detail {
 
@@ -31,7 +31,7 @@ struct ImageData {
   std::shared_ptr<data::ImageCaptionDataset> train, validation;
   std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
 };
-ImageData open_image_data(const ImageDataConfig& config, int64_t seed);
+ImageData open_image_data(const data::ImageDataConfig& config, int64_t seed);
 
 torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples);
 
@@ -68,9 +68,6 @@ std::unique_ptr<AdamW> make_adamw(const std::vector<torch::Tensor>& parameters, 
                                      .weight_decay(config.weight_decay),
                                  config.precision.moments_dtype());
 }
-
-// Tensors of `tensors` whose name starts with `prefix`, the prefix removed.
-io::TensorMap with_prefix_removed(const io::TensorMap& tensors, const std::string& prefix);
 
 // PSNR of decode(encode(x)) and codebook usage over the first 256 validation images; writes
 // original | reconstruction pairs to run/samples/step-N.png and a line to the metrics log.

@@ -1,4 +1,4 @@
-#include "dalle/train/vqgan_trainer.h"
+#include "dalle/train/trainers/vqgan_trainer.h"
 
 #include <torch/torch.h>
 
@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "dalle/models/trained.h"
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/loader.h"
 #include "dalle/device.h"
@@ -16,9 +17,10 @@
 #include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
 #include "dalle/train/model_precision.h"
+#include "dalle/train/update_step.h"
 #include "dalle/train/optimizer_state.h"
-#include "run_directory.h"
-#include "trainer_support.h"
+#include "train/run_directory.h"
+#include "train/trainers/trainer_support.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -74,9 +76,11 @@ struct VqganTrainer::State : RunRecord {
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
   std::unique_ptr<ModelPrecision> precision;
+  std::unique_ptr<UpdateStep> update;
   models::PatchDiscriminator discriminator{nullptr};
   std::unique_ptr<AdamW> discriminator_optimizer;
   std::unique_ptr<ModelPrecision> discriminator_precision;
+  std::unique_ptr<UpdateStep> discriminator_update;
   detail::ImageData images;
   at::Generator noise;
   torch::Tensor usage;  // vector quantizer: how often each code was chosen since the last restart
@@ -152,12 +156,16 @@ VqganTrainer::VqganTrainer(VqganTrainConfig config, std::string run_directory) {
   const auto learned = s.learned_parameters();
   s.optimizer = detail::make_adamw(learned, s.config);
   s.precision = std::make_unique<ModelPrecision>(s.config.precision, learned);
+  s.update = std::make_unique<UpdateStep>(*s.optimizer, *s.precision, UpdateOptions{.what = "vqgan"}, s.ema.get(),
+                                          s.model.get());
   if (s.config.discriminator.enabled) {
     s.discriminator = models::PatchDiscriminator(s.config.model.out_channels, s.config.discriminator.channels,
                                                  s.config.discriminator.layers);
     s.discriminator->to(s.device);
     s.discriminator_optimizer = detail::make_adamw(s.discriminator->parameters(), s.config);
     s.discriminator_precision = std::make_unique<ModelPrecision>(s.config.precision, s.discriminator->parameters());
+    s.discriminator_update = std::make_unique<UpdateStep>(*s.discriminator_optimizer, *s.discriminator_precision,
+                                                          UpdateOptions{.what = "vqgan discriminator"});
   }
 
   s.images = detail::open_image_data(s.config.data, s.config.seed);
@@ -190,15 +198,14 @@ torch::Tensor VqganTrainer::State::discriminate(const torch::Tensor& images) {
 }
 
 double VqganTrainer::State::train_discriminator(const torch::Tensor& real, const torch::Tensor& fake) {
-  discriminator_optimizer->zero_grad();  // also drops what the generator's loss left on it
   const auto loss = models::discriminator_hinge_loss(discriminate(real), discriminate(fake));
-  discriminator_precision->scaled(loss).backward();
-  if (discriminator_precision->unscale_and_update()) discriminator_optimizer->step();
+  // Its zero_grad also drops what the generator's loss left on the discriminator.
+  discriminator_update->apply(loss, step + 1);
   return loss.item<double>();
 }
 
 void VqganTrainer::State::initialise_from(const std::string& run_or_checkpoint) {
-  const auto trained = load_trained_vqgan(run_or_checkpoint);
+  const auto trained = models::load_trained_vqgan(run_or_checkpoint);
   io::load_state_dict(*model, io::state_dict(*trained.model), run_or_checkpoint + " (init_from)");
 }
 
@@ -272,15 +279,7 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
                 std::to_string(quantizer.item<double>()) +
                 "); lower the learning rate or resume from an earlier checkpoint");
   }
-  optimizer->zero_grad();
-  precision->scaled(loss).backward();
-  metrics.skipped = !precision->unscale_and_update();
-  if (metrics.skipped) {
-    log::warn("vqgan: gradients not finite at update ", step + 1, "; the update is skipped");
-  } else {
-    optimizer->step();
-    ema->update(*model);
-  }
+  metrics.skipped = update->apply(loss, step + 1).skipped;
   if (adversarial) metrics.discriminator = train_discriminator(x, out.reconstruction.detach());
   ++step;
   metrics.restarted = track_usage(out);
@@ -347,10 +346,10 @@ void VqganTrainer::State::resume(const std::string& directory) {
   const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
   const auto& state = checkpoint.state;
   if (discriminator) {
-    io::load_state_dict(*discriminator, detail::with_prefix_removed(state, "discriminator."),
+    io::load_state_dict(*discriminator, io::with_prefix_removed(state, "discriminator."),
                         directory + "/state.safetensors (discriminator.*)");
     load_adamw_state(*discriminator_optimizer, *discriminator,
-                     detail::with_prefix_removed(state, "discriminator_adamw."));
+                     io::with_prefix_removed(state, "discriminator_adamw."));
   }
   usage.copy_(state.at("vq.usage"));
   restore_generator(noise, state.at("rng.noise"), "vqgan");
@@ -358,18 +357,6 @@ void VqganTrainer::State::resume(const std::string& directory) {
   if (discriminator_precision) discriminator_precision->load_state(state, "discriminator_gradient_scaler.");
   images.loader->seek(progress.position);
   resumed(directory, progress.step);
-}
-
-TrainedVqgan load_trained_vqgan(const std::string& run_or_checkpoint) {
-  const std::string directory = resolve_checkpoint(run_or_checkpoint, "VQGAN");
-  const auto checkpoint = io::load_checkpoint(directory);
-  const auto config = load_config<VqganTrainConfig>(
-      ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
-  const auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
-  TrainedVqgan trained{models::Vqgan(config.model), config.data.image_size};
-  io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);
-  trained.model->eval();
-  return trained;
 }
 
 }  // namespace dalle::train

@@ -9,12 +9,12 @@
 
 #include "dalle/config.h"
 #include "dalle/data/fashion_mnist.h"
-#include "dalle/eval/item_classifier.h"
+#include "dalle/models/item_classifier.h"
 
-namespace dalle::eval {
+namespace dalle::train {
 
 struct ClassifierTrainConfig {
-  ItemClassifierConfig model;
+  models::ItemClassifierConfig model;
   int64_t epochs = 5;
   int64_t batch_size = 64;
   double learning_rate = 1e-3;
@@ -56,10 +56,10 @@ struct ClassifierTrainResult {
 ClassifierTrainResult train_item_classifier(const ClassifierTrainConfig& config, const std::string& out);
 
 // Fraction of `items` ([N, 28, 28] uint8 Fashion-MNIST pictures) whose class comes out as
-// `labels`, each framed by classifier_input first.
-double classifier_accuracy(ItemClassifier& model, const data::FashionMnist& items);
+// `labels`, each framed by data::classifier_input first.
+double classifier_accuracy(models::ItemClassifier& model, const data::FashionMnist& items);
 
-// classifier_input of every item: [N, 1, 28, 28] float.
+// data::classifier_input of every item: [N, 1, 28, 28] float.
 torch::Tensor classifier_inputs(const torch::Tensor& items);
 
-}  // namespace dalle::eval
+}  // namespace dalle::train

@@ -14,7 +14,7 @@
 
 #include "dalle/config.h"
 #include "dalle/models/clip.h"
-#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/trainers/dvae_trainer.h"
 #include "dalle/train/precision.h"
 #include "dalle/train/schedule.h"
 
@@ -31,7 +31,7 @@ inline models::ClipConfig clip_training_model_defaults() {
 struct ClipTrainConfig {
   std::string kind = "clip";
   models::ClipConfig model = clip_training_model_defaults();
-  ImageDataConfig data;
+  data::ImageDataConfig data;
   std::string tokenizer;  // SentencePiece model (its <model>.yaml sets the caption length)
   std::string through_tokenizer;  // image tokenizer whose round trip every image takes; empty: none
   double hard_negatives = 0.0;    // share of each batch replaced by caption neighbours of the rest

@@ -11,38 +11,18 @@
 #include <vector>
 
 #include "dalle/config.h"
+#include "dalle/data/caption_dataset.h"
 #include "dalle/models/dvae.h"
 #include "dalle/train/precision.h"
 #include "dalle/train/schedule.h"
-#include "dalle/train/tokenizer_validation.h"
+#include "dalle/train/trainers/tokenizer_validation.h"
 
 namespace dalle::train {
-
-// Image datasets and batching: the same keys for every image-tokenizer trainer.
-struct ImageDataConfig {
-  std::string train;       // image-caption dataset folder
-  std::string validation;  // held-out images for PSNR and reconstruction grids
-  int64_t image_size = 256;
-  int64_t batch_size = 8;
-  int64_t workers = 2;
-  bool random_crop = false;
-
-  void visit(ConfigVisitor& v) {
-    v.field("train", train, "image-caption dataset folder to train on (required)");
-    v.field("validation", validation, "dataset folder of held-out images for PSNR and grids (required)");
-    v.field("image_size", image_size, "images are resized and cropped to this square side", {.min = 8, .max = 4096});
-    v.field("batch_size", batch_size, "images per update", {.min = 1, .max = 1 << 16});
-    v.field("workers", workers, "loader threads (0: load on the training thread)", {.min = 0, .max = 64});
-    v.field("random_crop", random_crop, "crop at random places instead of the centre");
-  }
-};
-
-using DvaeDataConfig = ImageDataConfig;
 
 struct DvaeTrainConfig {
   std::string kind = "dvae";  // read first by dalle-train-vae to pick the recipe's struct
   models::DvaeConfig model;
-  DvaeDataConfig data;
+  data::ImageDataConfig data;
   CosineSchedule learning_rate{1e-4, 1.25e-6, 1'200'000};
   CosineSchedule temperature{1.0, 1.0 / 16, 150'000};
   CosineSchedule kl_weight{0.0, 6.6, 5'000};
@@ -92,14 +72,5 @@ class DvaeTrainer {
   struct State;
   std::unique_ptr<State> state_;
 };
-
-// A trained dVAE from a run directory (its latest checkpoint) or a checkpoint directory:
-// the EMA weights, as DALL-E evaluates and tokenizes with them, and the image side it was
-// trained at.
-struct TrainedDvae {
-  models::Dvae model{nullptr};
-  int64_t image_size = 0;
-};
-TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint);
 
 }  // namespace dalle::train

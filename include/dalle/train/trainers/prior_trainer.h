@@ -111,13 +111,4 @@ class PriorTrainer {
   std::unique_ptr<State> state_;
 };
 
-// The EMA weights of a run's latest checkpoint (or of a checkpoint directory), with the
-// config it was trained with.
-struct TrainedPrior {
-  models::Prior model{nullptr};
-  PriorTrainConfig config;
-  std::string checkpoint;
-};
-TrainedPrior load_trained_prior(const std::string& run_or_checkpoint);
-
 }  // namespace dalle::train

@@ -14,7 +14,7 @@
 #include "dalle/config.h"
 #include "dalle/data/degradation.h"
 #include "dalle/models/rrdbnet.h"
-#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/trainers/dvae_trainer.h"
 #include "dalle/train/precision.h"
 #include "dalle/train/schedule.h"
 
@@ -23,7 +23,7 @@ namespace dalle::train {
 struct SuperResTrainConfig {
   std::string kind = "rrdbnet";  // what load_trained_rrdbnet checks in a checkpoint
   models::RrdbNetConfig model;
-  ImageDataConfig data;  // image_size: the high-resolution crop side
+  data::ImageDataConfig data;  // image_size: the high-resolution crop side
   data::DegradationConfig degradation;
   CosineSchedule learning_rate{2e-4, 2e-6, 1'000'000};
   double beta1 = 0.9, beta2 = 0.99, epsilon = 1e-8, weight_decay = 0.0;

@@ -15,10 +15,10 @@
 
 #include "dalle/config.h"
 #include "dalle/models/vqgan.h"
-#include "dalle/train/dvae_trainer.h"
+#include "dalle/train/trainers/dvae_trainer.h"
 #include "dalle/train/precision.h"
 #include "dalle/train/schedule.h"
-#include "dalle/train/tokenizer_validation.h"
+#include "dalle/train/trainers/tokenizer_validation.h"
 
 namespace dalle::train {
 
@@ -48,7 +48,7 @@ struct VqganTrainConfig {
   models::VqganConfig model;
   std::string init_from;
   std::string trainable = "all";
-  ImageDataConfig data;
+  data::ImageDataConfig data;
   std::string reconstruction_loss = "l1";
   CosineSchedule learning_rate{1e-4, 1e-5, 500'000};
   CosineSchedule temperature{0.9, 1e-6, 1'000'001};
@@ -103,14 +103,5 @@ class VqganTrainer {
   struct State;
   std::unique_ptr<State> state_;
 };
-
-// A trained VQGAN from a run directory (its latest checkpoint) or a checkpoint directory,
-// e.g. one written by scripts/export_rudalle_vqgan.py: the EMA weights when the checkpoint
-// has them, and the image side it was trained at.
-struct TrainedVqgan {
-  models::Vqgan model{nullptr};
-  int64_t image_size = 0;
-};
-TrainedVqgan load_trained_vqgan(const std::string& run_or_checkpoint);
 
 }  // namespace dalle::train

@@ -1,0 +1,68 @@
+#pragma once
+// Trained and exported models, loaded from a checkpoint directory (config.yaml,
+// model.safetensors, state.safetensors) or from a run directory (its latest checkpoint).
+// The weights are the moving average when the checkpoint keeps one (the weights otherwise),
+// and every model comes back in eval mode on the CPU.
+//
+// A loader reads only what describes the model in config.yaml: its `kind`, its `model`
+// section (required: a model's config names its sizes) and the few keys named below. The
+// rest of a training recipe is the trainer's, so recipes may change without orphaning the
+// models trained by them, and an exported folder (scripts/export_*.py) needs nothing more.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/types.h>
+
+#include "dalle/models/clip.h"
+#include "dalle/models/dvae.h"
+#include "dalle/models/image_tokenizer.h"
+#include "dalle/models/prior.h"
+#include "dalle/models/rrdbnet.h"
+#include "dalle/models/vqgan.h"
+
+namespace dalle::models {
+
+// The image tokenizers also read `data.image_size`, the side they were trained at (256 when
+// absent, the trainers' default).
+struct TrainedDvae {
+  Dvae model{nullptr};
+  int64_t image_size = 0;
+};
+TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint);
+
+struct TrainedVqgan {
+  Vqgan model{nullptr};
+  int64_t image_size = 0;
+};
+TrainedVqgan load_trained_vqgan(const std::string& run_or_checkpoint);
+
+// Either kind, as its `kind` says (`dvae` when absent).
+struct TrainedImageTokenizer {
+  std::string kind;  // "dvae" or "vqgan"
+  std::shared_ptr<ImageTokenizer> model;
+  int64_t image_size = 0;
+  int64_t grid_size() const { return image_size / model->downsampling_factor(); }
+};
+TrainedImageTokenizer load_image_tokenizer(const std::string& run_or_checkpoint);
+
+// [B, C, S, S] images in [0, 1], S the tokenizer's image_size -> the same images encoded to
+// tokens and decoded again, clamped to [0, 1]: what a perfect prior drawing through this
+// tokenizer could show. Without gradients; on the images' device.
+torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& images);
+
+// The prior also reads the `tokenizer` and `image_tokenizer` it was trained with, which
+// generation uses unless told otherwise.
+struct TrainedPrior {
+  Prior model{nullptr};
+  PriorConfig config;
+  std::string tokenizer;        // caption tokenizer model
+  std::string image_tokenizer;  // dVAE or VQGAN run or checkpoint
+  std::string checkpoint;       // the directory read
+};
+TrainedPrior load_trained_prior(const std::string& run_or_checkpoint);
+
+Clip load_trained_clip(const std::string& run_or_checkpoint);
+RrdbNet load_trained_rrdbnet(const std::string& run_or_checkpoint);
+
+}  // namespace dalle::models

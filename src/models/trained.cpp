@@ -1,0 +1,125 @@
+#include "dalle/models/trained.h"
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <vector>
+
+#include "dalle/config.h"
+#include "dalle/error.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/io/state_dict.h"
+
+namespace dalle::models {
+
+namespace {
+
+// A checkpoint with the parts of its config.yaml a loader reads.
+struct CheckpointConfig {
+  std::string directory;
+  io::Checkpoint checkpoint;
+  ConfigSource source;
+};
+
+CheckpointConfig open_checkpoint(const std::string& run_or_checkpoint, const std::string& what) {
+  auto directory = io::resolve_checkpoint(run_or_checkpoint, what);
+  auto checkpoint = io::load_checkpoint(directory);
+  auto source = ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml");
+  return {std::move(directory), std::move(checkpoint), std::move(source)};
+}
+
+// Binds `kind` (one allowed value, also its default), the `model` section and `extra`.
+template <class ModelConfig>
+ModelConfig read_model_config(const ConfigSource& source, const std::string& kind,
+                              const ConfigVisit& extra = nullptr) {
+  std::string read_kind = kind;
+  ModelConfig model;
+  bind_config_parts(
+      source,
+      [&](ConfigVisitor& v) {
+        v.field("kind", read_kind, "", {.choices = {kind}});
+        v.section("model", "", model);
+        if (extra) extra(v);
+      },
+      {"model"});
+  model.validate();
+  return model;
+}
+
+// The moving average when the checkpoint keeps one, else its weights, into `module`.
+void load_weights(torch::nn::Module& module, const CheckpointConfig& opened) {
+  const auto ema = io::with_prefix_removed(opened.checkpoint.state, "ema.");
+  io::load_state_dict(module, ema.empty() ? opened.checkpoint.weights : ema,
+                      opened.directory + (ema.empty() ? "/model.safetensors" : "/state.safetensors (ema.*)"));
+  module.eval();
+}
+
+int64_t trained_image_size(const ConfigSource& source) {
+  return peek_integer(source, "data.image_size", 256, {.min = 8, .max = 4096});
+}
+
+}  // namespace
+
+TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint) {
+  const auto opened = open_checkpoint(run_or_checkpoint, "dVAE");
+  TrainedDvae trained{Dvae(read_model_config<DvaeConfig>(opened.source, "dvae")), trained_image_size(opened.source)};
+  load_weights(*trained.model, opened);
+  return trained;
+}
+
+TrainedVqgan load_trained_vqgan(const std::string& run_or_checkpoint) {
+  const auto opened = open_checkpoint(run_or_checkpoint, "VQGAN");
+  TrainedVqgan trained{Vqgan(read_model_config<VqganConfig>(opened.source, "vqgan")),
+                       trained_image_size(opened.source)};
+  load_weights(*trained.model, opened);
+  return trained;
+}
+
+TrainedImageTokenizer load_image_tokenizer(const std::string& run_or_checkpoint) {
+  const std::string directory = io::resolve_checkpoint(run_or_checkpoint, "dVAE or VQGAN");
+  const auto kind = peek_choice(ConfigSource::from_file(directory + "/config.yaml"), "kind", "dvae", {"dvae", "vqgan"});
+  if (kind == "vqgan") {
+    auto trained = load_trained_vqgan(directory);
+    return {kind, trained.model.ptr(), trained.image_size};
+  }
+  auto trained = load_trained_dvae(directory);
+  return {kind, trained.model.ptr(), trained.image_size};
+}
+
+torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& images) {
+  if (images.dim() != 4 || images.size(2) != tokenizer.image_size || images.size(3) != tokenizer.image_size) {
+    throw Error("round trip through a " + tokenizer.kind + ": expected [B, C, " + std::to_string(tokenizer.image_size) +
+                ", " + std::to_string(tokenizer.image_size) + "] images, got " + c10::str(images.sizes()));
+  }
+  torch::NoGradGuard no_grad;
+  return tokenizer.model->decode_tokens(tokenizer.model->encode_tokens(images)).clamp(0, 1);
+}
+
+TrainedPrior load_trained_prior(const std::string& run_or_checkpoint) {
+  const auto opened = open_checkpoint(run_or_checkpoint, "prior");
+  TrainedPrior trained;
+  trained.config = read_model_config<PriorConfig>(opened.source, "prior", [&](ConfigVisitor& v) {
+    v.field("tokenizer", trained.tokenizer, "");
+    v.field("image_tokenizer", trained.image_tokenizer, "");
+  });
+  trained.model = Prior(trained.config);
+  trained.checkpoint = opened.directory;
+  load_weights(*trained.model, opened);
+  return trained;
+}
+
+Clip load_trained_clip(const std::string& run_or_checkpoint) {
+  const auto opened = open_checkpoint(run_or_checkpoint, "CLIP");
+  Clip model(read_model_config<ClipConfig>(opened.source, "clip"));
+  load_weights(*model, opened);
+  return model;
+}
+
+RrdbNet load_trained_rrdbnet(const std::string& run_or_checkpoint) {
+  const auto opened = open_checkpoint(run_or_checkpoint, "super-resolution");
+  RrdbNet model(read_model_config<RrdbNetConfig>(opened.source, "rrdbnet"));
+  load_weights(*model, opened);
+  return model;
+}
+
+}  // namespace dalle::models
