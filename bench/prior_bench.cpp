@@ -18,7 +18,9 @@
 #include "dalle/models/prior.h"
 #include "dalle/models/prior_sampling.h"
 #include "dalle/train/adamw.h"
+#include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
+#include "dalle/train/update_step.h"
 
 using namespace dalle;
 using Clock = std::chrono::steady_clock;
@@ -107,28 +109,21 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
   torch::manual_seed(0);
   const double rss_before = peak_rss_mib();
   models::Prior prior(config);
-  train::PrecisionConfig precision;
-  precision.mode = options.precision;
-  std::unique_ptr<train::GradientScaler> scaler;
-  if (precision.precision() == train::Precision::fp16) {
-    scaler = std::make_unique<train::GradientScaler>(precision.gradient_scaling,
-                                                     train::resblock_parameter_groups(prior->resblocks()));
-  }
-  prior->set_resblock_runner(train::make_training_runner(
-      prior->resblocks(),
-      {.precision = precision.precision(), .scaler = scaler.get(), .checkpoint_every = options.checkpoint_every}));
+  train::PrecisionConfig precision_config;
+  precision_config.mode = options.precision;
+  train::ModelPrecision precision(precision_config, prior->parameters(),
+                                  train::resblock_parameter_groups(prior->resblocks()));
+  prior->set_resblock_runner(train::make_training_runner(prior->resblocks(),
+                                                         {.precision = precision_config.precision(),
+                                                          .scaler = precision.scaler(),
+                                                          .checkpoint_every = options.checkpoint_every}));
   train::AdamW optimizer({torch::optim::OptimizerParamGroup(prior->parameters())}, torch::optim::AdamWOptions(1e-4));
+  train::UpdateStep update(optimizer, precision, {.what = "bench"});
   const auto tokens = random_tokens(config, batch);
   int64_t skipped = 0;
   auto step = [&] {
-    auto loss = models::prior_loss(prior->forward(tokens), tokens, config).total;
-    optimizer.zero_grad();
-    loss.backward();
-    if (scaler && !scaler->unscale_and_update()) {
-      ++skipped;
-      return;
-    }
-    optimizer.step();
+    const auto loss = models::prior_loss(prior->forward(tokens), tokens, config).total;
+    skipped += update.apply(loss, 1).skipped;
   };
   const double seconds = time_per_call(steps, step);
   int64_t parameters = 0;

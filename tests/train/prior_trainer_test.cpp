@@ -85,10 +85,10 @@ TEST_F(PriorTrainerTest, LossGoesDownAndTheRunLoads) {
   EXPECT_LT(trained.image_loss, 0.5 * untrained.image_loss)
       << "validation image loss " << untrained.image_loss << " -> " << trained.image_loss;
   auto loaded = models::load_trained_prior(runs / "run");
-  EXPECT_EQ(loaded.config.model.layers, 2);
+  EXPECT_EQ(loaded.config.layers, 2);
   torch::NoGradGuard no_grad;
   const auto tokens = torch::cat({torch::tensor({5, 3, 0, 0, 0, 0}), (torch::arange(16) + 5) % 16}).view({1, 22});
-  const auto loss = models::prior_loss(loaded.model->forward(tokens), tokens, loaded.config.model);
+  const auto loss = models::prior_loss(loaded.model->forward(tokens), tokens, loaded.config);
   EXPECT_LT(loss.image.item<double>(), 0.5 * untrained.image_loss) << "the EMA weights are loaded";
 }
 
