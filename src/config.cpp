@@ -139,6 +139,13 @@ class YamlReader final : public ConfigVisitor {
     inner.refuse_unknown_keys();
   }
 
+  void moved(std::string_view key, std::string_view new_path) override {
+    const auto child = lookup(key);
+    if (!child) return;
+    const std::string path = join_path(prefix_, key);
+    fail(*child, path, "'" + path + "' has moved to '" + std::string(new_path) + "'");
+  }
+
   void refuse_unknown_keys() const {
     if (!node_.IsMap()) return;
     for (const auto& entry : node_) {

@@ -28,6 +28,7 @@ struct ExampleConfig {
     v.field("attention", attention, "attention mask", {.choices = {"row", "column", "conv"}});
     v.field("captions", captions, "validation captions");
     v.section("optimizer", "the optimizer", optimizer);
+    v.moved("learning_rate", "optimizer.learning_rate");
   }
 };
 
@@ -88,6 +89,35 @@ TEST(Config, OutOfRangeAndDisallowedChoiceAreRefused) {
                     "optimizer.betas_permille: 1001 is out of range");
   EXPECT_THROW_WITH(parse("attention: diagonal\n"), ConfigError, "'diagonal' is not allowed",
                     "one of 'row' 'column' 'conv'");
+}
+
+TEST(Config, AMovedKeyIsRefusedWithItsNewPlace) {
+  EXPECT_THROW_WITH(parse("layers: 3\nlearning_rate: 0.1\n"), ConfigError, "test.yaml:2:",
+                    "'learning_rate' has moved to 'optimizer.learning_rate'");
+  EXPECT_THROW_WITH(parse("", {"learning_rate=0.1"}), ConfigError, "--set learning_rate=0.1",
+                    "has moved to 'optimizer.learning_rate'");
+  EXPECT_EQ(parse("optimizer: {learning_rate: 0.1}\n").optimizer.learning_rate, 0.1);
+}
+
+TEST(Config, PartsOfALargerDocumentBindAndAnEmptyRequiredSectionIsRefused) {
+  ExampleConfig config;
+  const auto read_optimizer = [&config](ConfigVisitor& v) { v.section("optimizer", "", config.optimizer); };
+  bind_config_parts(ConfigSource::from_string("optimizer: {learning_rate: 0.5}\nother: 1\n", "run.yaml"),
+                    read_optimizer, {"optimizer"});
+  EXPECT_EQ(config.optimizer.learning_rate, 0.5) << "keys outside the parts read are left alone";
+  EXPECT_THROW_WITH(bind_config_parts(ConfigSource::from_string("optimizer: {learning_rat: 0.5}\n", "run.yaml"),
+                                      read_optimizer, {"optimizer"}),
+                    ConfigError, "unknown key 'optimizer.learning_rat'");
+  for (const char* empty : {"", "other: 1\n", "optimizer:\n", "optimizer: {}\n"}) {
+    EXPECT_THROW_WITH(bind_config_parts(ConfigSource::from_string(empty, "run.yaml"), read_optimizer, {"optimizer"}),
+                      ConfigError, "run.yaml: 'optimizer' is missing or empty")
+        << empty;
+  }
+  const auto source = ConfigSource::from_string("data: {image_size: 64, train: x}\n", "run.yaml");
+  EXPECT_EQ(peek_integer(source, "data.image_size", 256, {.min = 8}), 64);
+  EXPECT_EQ(peek_integer(source, "data.batch_size", 8), 8);
+  EXPECT_EQ(peek_integer(source, "model.side", 3), 3);
+  EXPECT_THROW_WITH(peek_integer(source, "data.image_size", 256, {.max = 32}), ConfigError, "data.image_size");
 }
 
 TEST(Config, YamlSyntaxErrorNamesFileAndLine) {

@@ -43,6 +43,12 @@ class ConfigVisitor {
   virtual void section(std::string_view key, std::string_view help,
                        const std::function<void(ConfigVisitor&)>& body) = 0;
 
+  // A key that has moved to `new_path`: a document that still has `key` here is refused
+  // with a message naming the new place (nothing else takes notice).
+  virtual void moved(std::string_view key, std::string_view new_path) {
+    (void)key;
+    (void)new_path;
+  }
   template <class Section>
   void section(std::string_view key, std::string_view help, Section& value) {
     section(key, help, [&value](ConfigVisitor& inner) { value.visit(inner); });
