@@ -44,6 +44,19 @@ inline double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
   return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item<double>();
 }
 
+// A parity fixture's weights: each stored as int8 `name` times the scalar `name:scale` (see
+// the generators in tests/parity/); those under `prefix` only, the prefix removed.
+inline io::TensorMap dequantized_weights(const io::TensorMap& fixture, const std::string& prefix = "") {
+  io::TensorMap out;
+  for (const auto& [name, scale] : fixture) {
+    const auto colon = name.find(':');
+    if (colon == std::string::npos || name.rfind(prefix, 0) != 0) continue;
+    const std::string weight = name.substr(0, colon);
+    out.emplace(weight.substr(prefix.size()), fixture.at(weight).to(torch::kFloat32) * scale);
+  }
+  return out;
+}
+
 inline std::string fixture_path(const std::string& name) {
   return std::string(DALLE_SOURCE_DIR) + "/tests/fixtures/" + name;
 }

@@ -163,13 +163,13 @@ TEST(Tools, TrainSrTrainsResumesAndRefusesBadKeys) {
   const std::string recipe = std::string(DALLE_SOURCE_DIR) + "/configs/superres/fashion-compose-x2-tiny.yaml";
   const std::string small = " --set data.train=" + (dir / "fc/train") + " --set data.validation=" + (dir / "fc/test") +
                             " --set model.num_feat=8 --set model.num_block=1 --set model.num_grow_ch=4" +
-                            " --set data.batch_size=4 --set threads=1 --set validate_every=2 --set checkpoint_every=2";
-  result = run("dalle-train-sr", "--config " + recipe + small + " --set steps=2 --out " + (dir / "run"));
+                            " --set data.batch_size=4 --set run.threads=1 --set run.validate_every=2 --set run.checkpoint_every=2";
+  result = run("dalle-train-sr", "--config " + recipe + small + " --set run.steps=2 --out " + (dir / "run"));
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_TRUE(std::filesystem::exists(dir / "run/checkpoints/step-000000002/model.safetensors"));
   EXPECT_TRUE(std::filesystem::exists(dir / "run/samples/step-000000002.png"));
   EXPECT_THAT(testing::read_text(dir / "run/metrics.jsonl"), ::testing::HasSubstr("bicubic_psnr"));
-  result = run("dalle-train-sr", "--config " + recipe + small + " --set steps=3 --out " + (dir / "run"));
+  result = run("dalle-train-sr", "--config " + recipe + small + " --set run.steps=3 --out " + (dir / "run"));
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_THAT(result.output, ::testing::HasSubstr("resumed from"));
 
@@ -191,10 +191,10 @@ TEST(Tools, SigtermStopsTrainingWithACheckpointThatTheRerunResumes) {
                                "/configs/superres/fashion-compose-x2-tiny.yaml --set data.train=" +
                                (dir / "fc/train") + " --set data.validation=" + (dir / "fc/test") +
                                " --set model.num_feat=8 --set model.num_block=1 --set model.num_grow_ch=4" +
-                               " --set data.batch_size=4 --set threads=1 --set log_every=3" +
-                               " --set validate_every=1000000 --set checkpoint_every=1000000 --out " + (dir / "run");
+                               " --set data.batch_size=4 --set run.threads=1 --set run.log_every=3" +
+                               " --set run.validate_every=1000000 --set run.checkpoint_every=1000000 --out " + (dir / "run");
   // The signal goes once the first update is logged; the watchdog ends a run that ignores it.
-  result = run_command(train_sr + " --set steps=1000000 2>&1 & pid=$!; for i in $(seq 600); do [ -s " +
+  result = run_command(train_sr + " --set run.steps=1000000 2>&1 & pid=$!; for i in $(seq 600); do [ -s " +
                        (dir / "run/metrics.jsonl") + " ] && break; sleep 0.1; done; kill -TERM $pid; " +
                        "(for i in $(seq 1200); do kill -0 $pid || exit; sleep 0.1; done; kill -KILL $pid) " +
                        ">/dev/null 2>&1 & wait $pid");
@@ -217,7 +217,7 @@ TEST(Tools, SigtermStopsTrainingWithACheckpointThatTheRerunResumes) {
   if (stopped_at % 3 != 0) expected.push_back(stopped_at);
   EXPECT_EQ(logged, expected) << "every third update, and the one the run stopped at";
 
-  result = run_command(train_sr + " --set steps=" + std::to_string(stopped_at + 2));
+  result = run_command(train_sr + " --set run.steps=" + std::to_string(stopped_at + 2));
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_THAT(result.output, ::testing::HasSubstr("resumed from"));
   EXPECT_THAT(result.output, ::testing::HasSubstr("training from update " + std::to_string(stopped_at)));
@@ -247,7 +247,7 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
                                    " --set data.validation=" + (dir / "fc/test") +
                                    " --set data.image_size=16 --set data.batch_size=8 --set model.hidden=8"
                                    " --set model.decoder_init=8 --set model.groups=2 --set model.downsamplings=1"
-                                   " --set model.blocks_per_group=1 --set model.vocab_size=32 --set steps=2"));
+                                   " --set model.blocks_per_group=1 --set model.vocab_size=32 --set run.steps=2"));
   for (const char* split : {"train", "test"}) {
     check(run("dalle-encode-images", "--dataset " + (dir / "fc/" + split) + " --dvae " + (dir / "dvae") +
                                          " --tokenizer " + (dir / "tok.model") + " --out " + (dir / "tokens-" + split)));
@@ -258,7 +258,7 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
                       "data: {train: " + (dir / "tokens-train") + ", validation: " + (dir / "tokens-test") +
                       ", batch_size: 8}\n"
                       "learning_rate: {peak: 1.0e-3, warmup_steps: 2, decay: cosine}\n"
-                      "steps: 4\nvalidate_every: 4\ncheckpoint_every: 4\n"
+                      "run: {steps: 4, validate_every: 4, checkpoint_every: 4}\n"
                       "tokenizer: " + (dir / "tok.model") + "\nimage_tokenizer: " + (dir / "dvae") + "\n"
                       "sample_captions: [a red bag on the left]\n");
   check(run("dalle-train", "--config " + (dir / "prior.yaml") + " --out " + (dir / "prior")));
@@ -317,9 +317,9 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_EQ(unknown_key.status, 1);
   EXPECT_THAT(unknown_key.output, ::testing::HasSubstr("has no key 'image_tokeniser'"));
   EXPECT_FALSE(std::filesystem::exists(dir / "typo"));
-  const auto wrong_type = run("dalle-export", (dir / "prior") + " --out " + (dir / "typo") + " --set steps=many");
+  const auto wrong_type = run("dalle-export", (dir / "prior") + " --out " + (dir / "typo") + " --set run.steps=many");
   EXPECT_EQ(wrong_type.status, 1);
-  EXPECT_THAT(wrong_type.output, ::testing::HasSubstr("has 'steps' as an integer, and the new value is text"));
+  EXPECT_THAT(wrong_type.output, ::testing::HasSubstr("has 'run.steps' as an integer, and the new value is text"));
   EXPECT_FALSE(std::filesystem::exists(dir / "typo"));
 
   const auto onto_a_run = run("dalle-export", (dir / "prior") + " --out " + (dir / "dvae"));
@@ -438,7 +438,7 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
                       "        embed_dim: 8, n_embed: 32, resolution: 16, norm_groups: 4}\n"
                       "data: {train: " + (dir / "fc/train") + ", validation: " + (dir / "fc/train") +
                       ", image_size: 16, batch_size: 8}\n"
-                      "steps: 1\n");
+                      "run: {steps: 1}\n");
   check(run("dalle-train-vae", "--config " + (dir / "vqgan.yaml") + " --out " + (dir / "vqgan")));
   check(run("dalle-encode-images", "--dataset " + (dir / "fc/train") + " --vqgan " + (dir / "vqgan") +
                                        " --tokenizer " + (dir / "tok.model") + " --out " + (dir / "tokens")));
@@ -446,7 +446,7 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
                       "model: {text_length: 12, text_vocab_size: 60, grid_size: 8, image_vocab_size: 32,\n"
                       "        layers: 1, width: 16, heads: 2, conv_kernel: 3}\n"
                       "data: {train: " + (dir / "tokens") + ", batch_size: 8}\n"
-                      "steps: 1\nvalidate_every: 1\ncheckpoint_every: 1\n"
+                      "run: {steps: 1, validate_every: 1, checkpoint_every: 1}\n"
                       "tokenizer: " + (dir / "tok.model") + "\nimage_tokenizer: " + (dir / "vqgan") + "\n"
                       "sample_captions: [a red bag on the left]\n");
   check(run("dalle-train", "--config " + (dir / "prior.yaml") + " --out " + (dir / "prior")));
@@ -462,13 +462,13 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
                       "        text_heads: 2}\n"
                       "data: {train: " + (dir / "fc/train") + ", validation: " + (dir / "fc/train") +
                       ", image_size: 16, batch_size: 8}\n"
-                      "tokenizer: " + (dir / "tok.model") + "\nsteps: 2\nvalidate_every: 2\ncheckpoint_every: 2\n");
+                      "tokenizer: " + (dir / "tok.model") + "\nrun: {steps: 2, validate_every: 2, checkpoint_every: 2}\n");
   check(run("dalle-train-clip", "--config " + (dir / "clip.yaml") + " --out " + (dir / "clip")));
   check(run("dalle-train-sr", "--config " + std::string(DALLE_SOURCE_DIR) +
                                   "/configs/superres/fashion-compose-x2-tiny.yaml --set data.train=" + (dir / "fc/train") +
                                   " --set data.validation=" + (dir / "fc/train") + " --set data.image_size=16" +
                                   " --set model.num_feat=8 --set model.num_block=1 --set model.num_grow_ch=4" +
-                                  " --set data.batch_size=4 --set steps=2 --out " + (dir / "sr")));
+                                  " --set data.batch_size=4 --set run.steps=2 --out " + (dir / "sr")));
   const std::string pipeline = "--prior " + (dir / "prior") + " --clip " + (dir / "clip") + " -n 4 --seed 3";
   check(run("dalle-generate", pipeline + " --keep 0 --out " + (dir / "ranked") + " 'a red bag'"));
   check(run("dalle-generate", pipeline + " --keep 2 --superres " + (dir / "sr") + " --out " + (dir / "best") +

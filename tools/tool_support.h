@@ -71,7 +71,7 @@ void train_recipe(const ConfigOptions& options, const ConfigSource& source, cons
   Trainer trainer(config, run);
   run_stoppable([&] {
     trainer.run();
-    return trainer.step() >= config.steps;
+    return trainer.step() >= config.run.steps;
   });
 }
 

@@ -5,11 +5,6 @@
 
 namespace dalle::train::detail {
 
-bool is_run_control_key(const std::string& key) {
-  return key == "steps" || key == "log_every" || key == "validate_every" || key == "checkpoint_every" ||
-         key == "keep_checkpoints" || key == "threads" || key == "data.workers" || key == "device";
-}
-
 namespace {
 
 // On a stop request: the last update's metrics line and a checkpoint, unless the loop wrote

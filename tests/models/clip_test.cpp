@@ -46,14 +46,7 @@ std::string yaml_of(ClipConfig config) {
 class ClipParity : public ::testing::Test {
  protected:
   void SetUp() override {
-    // Weights are stored as int8 `name` times the scalar `name:scale` (see the generator).
-    for (const auto& [name, tensor] : fixture_.tensors) {
-      const auto colon = name.find(':');
-      if (colon != std::string::npos) {
-        const std::string weight = name.substr(0, colon);
-        weights_.emplace(weight, fixture_.tensors.at(weight).to(torch::kFloat32) * tensor);
-      }
-    }
+    weights_ = testing::dequantized_weights(fixture_.tensors);
   }
   Clip model(const std::string& activation = "gelu", const std::string& pooling = "argmax") const {
     Clip clip(fixture_config(activation, pooling));

@@ -25,18 +25,9 @@ RrdbNetConfig fixture_config(int64_t scale) {
 
 class RrdbNetParity : public ::testing::Test {
  protected:
-  // The state dict of the x`scale` reference: int8 `x<S>.name` times the scalar `x<S>.name:scale`.
+  // The state dict of the x`scale` reference, stored under `x<S>.`.
   io::TensorMap weights(int64_t scale) const {
-    const std::string prefix = "x" + std::to_string(scale) + ".";
-    io::TensorMap out;
-    for (const auto& [name, tensor] : fixture_.tensors) {
-      const auto colon = name.find(':');
-      if (name.rfind(prefix, 0) == 0 && colon != std::string::npos) {
-        const std::string weight = name.substr(0, colon);
-        out.emplace(weight.substr(prefix.size()), fixture_.tensors.at(weight).to(torch::kFloat32) * tensor);
-      }
-    }
-    return out;
+    return testing::dequantized_weights(fixture_.tensors, "x" + std::to_string(scale) + ".");
   }
   RrdbNet loaded(int64_t scale) const {
     RrdbNet model(fixture_config(scale));

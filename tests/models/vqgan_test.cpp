@@ -45,14 +45,7 @@ VqganConfig tiny_config(const std::string& quantizer = "gumbel") {
 class VqganParity : public ::testing::Test {
  protected:
   void SetUp() override {
-    // Weights are stored as int8 `name` times the scalar `name:scale` (see the generator).
-    for (const auto& [name, tensor] : fixture_.tensors) {
-      const auto colon = name.find(':');
-      if (colon != std::string::npos) {
-        const std::string weight = name.substr(0, colon);
-        weights_.emplace(weight, fixture_.tensors.at(weight).to(torch::kFloat32) * tensor);
-      }
-    }
+    weights_ = testing::dequantized_weights(fixture_.tensors);
     model_ = Vqgan(fixture_config());
     io::load_state_dict(*model_, weights_, "vqgan_parity.safetensors");
     model_->eval();

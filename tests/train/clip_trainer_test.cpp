@@ -23,22 +23,11 @@ namespace {
 using testing::ScratchDir;
 using testing::training_lines;
 
-class ClipTrainerTest : public ::testing::Test {
+class ClipTrainerTest : public testing::TrainerSuite {
  protected:
   static void SetUpTestSuite() {
-    data_ = new ScratchDir();
-    data::FashionComposeConfig compose;
-    compose.train_images = 48;
-    compose.test_images = 16;
-    compose.heldout_images = 0;
-    data::build_fashion_compose(compose, *data_ / "fc");
-    const auto images = data::ImageCaptionDataset::open(*data_ / "fc/train");
-    std::vector<std::string> captions;
-    for (size_t i = 0; i < images->size(); ++i) captions.push_back(images->record(i).captions[0]);
-    text::TokenizerConfig tokenizer;
-    tokenizer.vocab_size = 60;
-    tokenizer.text_length = 16;
-    text::Tokenizer::train(captions, tokenizer, *data_ / "tok.model");
+    compose_data(48, 16);
+    testing::train_caption_tokenizer(*data_ / "fc/train", *data_ / "tok.model", 60, 16);
     write_halves(*data_ / "halves");
   }
 
@@ -62,7 +51,6 @@ class ClipTrainerTest : public ::testing::Test {
       }
     }
   }
-  static void TearDownTestSuite() { delete data_; }
 
   static ClipTrainConfig tiny(int64_t steps) {
     ClipTrainConfig config;
@@ -89,18 +77,12 @@ class ClipTrainerTest : public ::testing::Test {
     config.tokenizer = *data_ / "tok.model";
     config.warmup_steps = 2;
     config.learning_rate = {.start = 2e-3, .end = 2e-3, .steps = 0};
-    config.weight_decay = 0.01;
-    config.steps = steps;
-    config.log_every = 1;
-    config.validate_every = 1000;
-    config.checkpoint_every = 3;
-    config.ema_decay = 0.8;
+    config.optimizer.weight_decay = 0.01;
+    config.run = testing::quick_run(steps);
+    config.optimizer.ema_decay = 0.8;
     return config;
   }
-
-  static ScratchDir* data_;
 };
-ScratchDir* ClipTrainerTest::data_ = nullptr;
 
 TEST_F(ClipTrainerTest, ResumedRunContinuesWithTheSameLosses) { testing::expect_exact_resume<ClipTrainer>(tiny(8)); }
 
@@ -116,8 +98,8 @@ TEST_F(ClipTrainerTest, LossGoesDownAndTrainingImagesFindTheirCaptions) {
   auto config = tiny(60);
   config.data.train = config.data.validation = *data_ / "halves";  // retrieval among the training images
   config.validation_images = 64;
-  config.checkpoint_every = 1000;
-  config.ema_decay = 0.0;
+  config.run.checkpoint_every = 1000;
+  config.optimizer.ema_decay = 0.0;
   ClipTrainer trainer(config, runs / "run");
   const auto untrained = trainer.validate();
   trainer.run();
@@ -148,7 +130,7 @@ TEST_F(ClipTrainerTest, LogitScaleIsClampedAtTheMaximum) {
   auto config = tiny(3);
   config.model.init_logit_scale = 4.0;
   config.max_logit_scale = 3.0;  // below the initial value: the first update clamps it
-  config.checkpoint_every = 1000;
+  config.run.checkpoint_every = 1000;
   ClipTrainer(config, runs / "run").run();
   const auto lines = training_lines(runs / "run");
   EXPECT_EQ(lines.at(1)["logit_scale"].get<double>(), 3.0) << "clamped after the first update";
@@ -158,7 +140,7 @@ TEST_F(ClipTrainerTest, LogitScaleIsClampedAtTheMaximum) {
 TEST_F(ClipTrainerTest, ATrainedRunLoadsForReranking) {
   ScratchDir runs;
   auto config = tiny(3);
-  config.ema_decay = 0.0;  // the average is the weights themselves
+  config.optimizer.ema_decay = 0.0;  // the average is the weights themselves
   ClipTrainer trainer(config, runs / "run");
   trainer.run();
   const auto loaded = models::load_trained_clip(runs / "run");

@@ -20,17 +20,11 @@ namespace {
 using testing::ScratchDir;
 using testing::training_lines;
 
-class DvaeTrainerTest : public ::testing::Test {
+class DvaeTrainerTest : public testing::TrainerSuite {
  protected:
   static void SetUpTestSuite() {
-    data_ = new ScratchDir();
-    data::FashionComposeConfig compose;
-    compose.train_images = 48;
-    compose.test_images = 8;
-    compose.heldout_images = 0;
-    data::build_fashion_compose(compose, *data_ / "fc");
+    compose_data(48, 8);
   }
-  static void TearDownTestSuite() { delete data_; }
 
   static DvaeTrainConfig tiny(int64_t steps) {
     DvaeTrainConfig config;
@@ -47,18 +41,12 @@ class DvaeTrainerTest : public ::testing::Test {
     config.learning_rate = {.start = 3e-3, .end = 3e-3, .steps = 0};
     config.temperature = {.start = 1.0, .end = 0.5, .steps = 20};
     config.kl_weight = {.start = 0.0, .end = 1.0, .steps = 20};
-    config.steps = steps;
-    config.log_every = 1;
-    config.validate_every = 1000;
-    config.checkpoint_every = 3;
+    config.run = testing::quick_run(steps);
     config.grid_images = 2;
-    config.ema_decay = 0.8;
+    config.optimizer.ema_decay = 0.8;
     return config;
   }
-
-  static ScratchDir* data_;
 };
-ScratchDir* DvaeTrainerTest::data_ = nullptr;
 
 TEST_F(DvaeTrainerTest, ResumedRunContinuesWithTheSameLosses) {
   ScratchDir runs;
@@ -70,7 +58,7 @@ TEST_F(DvaeTrainerTest, ResumedRunContinuesWithTheSameLosses) {
 TEST_F(DvaeTrainerTest, LossGoesDownAndValidationReportsUsage) {
   ScratchDir runs;
   auto config = tiny(60);
-  config.checkpoint_every = 1000;
+  config.run.checkpoint_every = 1000;
   DvaeTrainer trainer(config, runs / "run");
   const auto untrained = trainer.validate();
   trainer.run();
@@ -93,7 +81,7 @@ TEST_F(DvaeTrainerTest, Fp16AndBf16RunsFollowTheFp32Run) {
   auto reconstruction_after = [&](const std::string& mode) {
     auto config = tiny(12);
     config.precision.mode = mode;
-    config.checkpoint_every = 1000;
+    config.run.checkpoint_every = 1000;
     DvaeTrainer(config, runs / mode).run();
     return training_lines(runs / mode).at(12);
   };
@@ -111,13 +99,7 @@ TEST_F(DvaeTrainerTest, Fp16AndBf16RunsFollowTheFp32Run) {
 TEST_F(DvaeTrainerTest, EncodeImagesWritesTheDvaeTokensAndCaptionIds) {
   ScratchDir dir;
   DvaeTrainer(tiny(2), dir / "dvae").run();
-  const auto images = data::ImageCaptionDataset::open(*data_ / "fc/test");
-  std::vector<std::string> captions;
-  for (size_t i = 0; i < images->size(); ++i) captions.push_back(images->record(i).captions[0]);
-  text::TokenizerConfig tokenizer_config;
-  tokenizer_config.vocab_size = 60;
-  tokenizer_config.text_length = 24;
-  text::Tokenizer::train(captions, tokenizer_config, dir / "tok.model");
+  testing::train_caption_tokenizer(*data_ / "fc/test", dir / "tok.model", 60, 24);
 
   const auto info = generate::encode_images({.dataset = *data_ / "fc/test", .image_tokenizer = dir / "dvae",
                                    .tokenizer = dir / "tok.model", .out = dir / "tokens", .batch_size = 3,
@@ -127,6 +109,7 @@ TEST_F(DvaeTrainerTest, EncodeImagesWritesTheDvaeTokensAndCaptionIds) {
   EXPECT_EQ(info.grid_height, 8);
 
   auto dvae = models::load_trained_dvae(dir / "dvae");
+  const auto images = data::ImageCaptionDataset::open(*data_ / "fc/test");
   const auto tokenizer = text::Tokenizer::load(dir / "tok.model");
   const auto tokens = data::TokenDataset::open(dir / "tokens");
   ASSERT_EQ(tokens->size(), 8u);
@@ -149,12 +132,12 @@ TEST_F(DvaeTrainerTest, ResumeRefusesAChangedRecipeAndLeavesTheRunAlone) {
   const std::string config_before = testing::read_text(runs / "run/config.yaml");
   auto changed = tiny(6);
   changed.data.batch_size = 4;
-  changed.seed = 5;
+  changed.run.seed = 5;
   EXPECT_THROW_WITH(DvaeTrainer(changed, runs / "run"), Error, "different config", "data.batch_size (8 -> 4)",
                     "seed (0 -> 5)");
   EXPECT_EQ(testing::read_text(runs / "run/config.yaml"), config_before);
   auto longer = tiny(6);
-  longer.checkpoint_every = 2;
+  longer.run.checkpoint_every = 2;
   EXPECT_EQ(DvaeTrainer(longer, runs / "run").step(), 3) << "how long and how often may change";
 }
 

@@ -35,11 +35,11 @@ template <class Trainer, class Config>
 void expect_gpu_run_follows_cpu_run(Config config, const std::string& key, std::optional<double> tolerance) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
   ScratchDir runs;
-  const int64_t first_steps = config.steps;
+  const int64_t first_steps = config.run.steps;
   for (const int64_t steps : {first_steps, first_steps + 3}) {
-    config.steps = steps;
+    config.run.steps = steps;
     for (const char* device : {"cpu", "cuda"}) {
-      config.device = device;
+      config.run.device = device;
       Trainer trainer(config, runs / device);
       EXPECT_EQ(trainer.step(), steps == first_steps ? 0 : first_steps) << device;
       trainer.run();
@@ -60,7 +60,7 @@ template <class Trainer, class Config>
 void expect_cuda_refused_without_a_gpu(Config config, const std::string& what) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "torch sees a CUDA device";
   ScratchDir runs;
-  config.device = "cuda";
+  config.run.device = "cuda";
   EXPECT_THROW_WITH(Trainer(config, runs / "run"), Error,
                     what + ": device cuda was asked for, but torch sees no CUDA device");
   EXPECT_FALSE(std::filesystem::exists(runs / "run"));

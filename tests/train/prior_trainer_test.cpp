@@ -32,14 +32,13 @@ void write_token_dataset(const std::string& directory, int64_t images, uint64_t 
   writer.finish();
 }
 
-class PriorTrainerTest : public ::testing::Test {
+class PriorTrainerTest : public testing::TrainerSuite {
  protected:
   static void SetUpTestSuite() {
-    data_ = new ScratchDir();
+    make_data();
     write_token_dataset(*data_ / "train", 64, 1);
     write_token_dataset(*data_ / "validation", 16, 2);
   }
-  static void TearDownTestSuite() { delete data_; }
 
   static PriorTrainConfig tiny(int64_t steps) {
     PriorTrainConfig config;
@@ -57,17 +56,12 @@ class PriorTrainerTest : public ::testing::Test {
     config.data.batch_size = 8;
     config.data.caption_dropout = 0.25;
     config.learning_rate = {.peak = 3e-3, .warmup_steps = 3, .decay = "cosine", .end = 1e-4};
-    config.steps = steps;
-    config.log_every = 1;
-    config.validate_every = 4;
-    config.checkpoint_every = 3;
-    config.ema_decay = 0.8;
+    config.run = testing::quick_run(steps);
+    config.run.validate_every = 4;
+    config.optimizer.ema_decay = 0.8;
     return config;
   }
-
-  static ScratchDir* data_;
 };
-ScratchDir* PriorTrainerTest::data_ = nullptr;
 
 TEST_F(PriorTrainerTest, ResumedRunContinuesWithTheSameLosses) {
   testing::expect_exact_resume<PriorTrainer>(tiny(8));
@@ -76,8 +70,8 @@ TEST_F(PriorTrainerTest, ResumedRunContinuesWithTheSameLosses) {
 TEST_F(PriorTrainerTest, LossGoesDownAndTheRunLoads) {
   ScratchDir runs;
   auto config = tiny(80);
-  config.validate_every = 40;
-  config.checkpoint_every = 80;
+  config.run.validate_every = 40;
+  config.run.checkpoint_every = 80;
   PriorTrainer trainer(config, runs / "run");
   const auto untrained = trainer.validate();
   trainer.run();
@@ -111,7 +105,7 @@ TEST_F(PriorTrainerTest, InfInOneResblockSkipsTheUpdateAndDividesOnlyItsScale) {
   ScratchDir runs;
   auto config = tiny(1);
   config.precision.mode = "fp16";
-  config.validate_every = 100;
+  config.run.validate_every = 100;
   std::vector<torch::Tensor> before;
   {
     PriorTrainer trainer(config, runs / "run");
@@ -127,7 +121,7 @@ TEST_F(PriorTrainerTest, InfInOneResblockSkipsTheUpdateAndDividesOnlyItsScale) {
       EXPECT_DOUBLE_EQ(scaler->scale(block), std::exp2(block == 3 ? 12.5 : 13.001)) << "resblock " << block;
     }
   }
-  config.steps = 3;
+  config.run.steps = 3;
   PriorTrainer resumed(config, runs / "run");
   resumed.run();
   EXPECT_FALSE(resumed.last_metrics().skipped);

@@ -35,6 +35,20 @@ Config shipped(const std::string& path) {
   return load_config<Config>(ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/" + path));
 }
 
+TEST(ShippedConfigs, EveryTrainerReadsTheSharedSectionsAndNamesWhereOldKeysWent) {
+  const auto source = [](const std::string& yaml) { return ConfigSource::from_string(yaml, "old.yaml"); };
+  EXPECT_THROW_WITH(load_config<train::PriorTrainConfig>(source("model: {layers: 2}\nsteps: 5\n")), ConfigError,
+                    "old.yaml:2:", "'steps' has moved to 'run.steps'");
+  EXPECT_THROW_WITH(load_config<train::VqganTrainConfig>(source("beta1: 0.5\n")), ConfigError,
+                    "'beta1' has moved to 'optimizer.beta1'");
+  const std::string shared = "optimizer: {beta1: 0.8, grad_clip: 2}\nrun: {steps: 7, device: cpu}\n";
+  EXPECT_EQ(load_config<train::DvaeTrainConfig>(source(shared)).run.steps, 7);
+  EXPECT_EQ(load_config<train::VqganTrainConfig>(source(shared)).optimizer.beta1, 0.8);
+  EXPECT_EQ(load_config<train::PriorTrainConfig>(source(shared)).optimizer.grad_clip, 2.0);
+  EXPECT_EQ(load_config<train::ClipTrainConfig>(source(shared)).run.device, "cpu");
+  EXPECT_EQ(load_config<train::SuperResTrainConfig>(source(shared)).run.steps, 7);
+}
+
 TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
   int vqgans = 0, dvaes = 0;
   for (const auto& folder : {"dvae", "vqgan"}) {

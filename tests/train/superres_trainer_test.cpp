@@ -19,17 +19,11 @@ namespace {
 using testing::ScratchDir;
 using testing::training_lines;
 
-class SuperResTrainerTest : public ::testing::Test {
+class SuperResTrainerTest : public testing::TrainerSuite {
  protected:
   static void SetUpTestSuite() {
-    data_ = new ScratchDir();
-    data::FashionComposeConfig compose;
-    compose.train_images = 32;
-    compose.test_images = 8;
-    compose.heldout_images = 0;
-    data::build_fashion_compose(compose, *data_ / "fc");
+    compose_data(32, 8);
   }
-  static void TearDownTestSuite() { delete data_; }
 
   // x2 on 32-pixel crops of the 64-pixel pictures: 16x16 inputs.
   static SuperResTrainConfig tiny(int64_t steps) {
@@ -46,19 +40,13 @@ class SuperResTrainerTest : public ::testing::Test {
     config.degradation.noise_sigma = {1.0, 5.0};
     config.degradation.jpeg_quality = {70, 95};
     config.learning_rate = {.start = 2e-3, .end = 2e-3, .steps = 0};
-    config.steps = steps;
-    config.log_every = 1;
-    config.validate_every = 1000;
-    config.checkpoint_every = 3;
+    config.run = testing::quick_run(steps);
     config.grid_images = 2;
     config.validation_images = 8;
-    config.ema_decay = 0.8;
+    config.optimizer.ema_decay = 0.8;
     return config;
   }
-
-  static ScratchDir* data_;
 };
-ScratchDir* SuperResTrainerTest::data_ = nullptr;
 
 TEST_F(SuperResTrainerTest, DegradedBatchesAreFixedBySeedAndStep) {
   auto config = tiny(1);
@@ -70,14 +58,14 @@ TEST_F(SuperResTrainerTest, DegradedBatchesAreFixedBySeedAndStep) {
   EXPECT_FALSE(torch::equal(low, SuperResTrainer::degrade_batch(high, config, 6))) << "another update";
   EXPECT_FALSE(torch::equal(low[0], SuperResTrainer::degrade_batch(high.flip(0), config, 5)[2]))
       << "each place in the batch draws its own degradation";
-  config.seed = 1;
+  config.run.seed = 1;
   EXPECT_FALSE(torch::equal(low, SuperResTrainer::degrade_batch(high, config, 5))) << "another seed";
 }
 
 TEST_F(SuperResTrainerTest, LossGoesDownAndBeatsItsStartOnValidation) {
   ScratchDir runs;
   auto config = tiny(40);
-  config.checkpoint_every = 1000;
+  config.run.checkpoint_every = 1000;
   SuperResTrainer trainer(config, runs / "run");
   const auto untrained = trainer.validate();
   trainer.run();

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "dalle/train/trainers/vqgan_trainer.h"
+#include "trainer_harness.h"
 
 namespace dalle::testing {
 
@@ -27,14 +28,11 @@ inline train::VqganTrainConfig tiny_vqgan_config(const std::string& train, const
   config.learning_rate = {.start = 3e-3, .end = 3e-3, .steps = 0};
   config.temperature = {.start = 1.0, .end = 0.5, .steps = 20};
   config.kl_weight = 1e-3;
-  config.beta1 = 0.9;
-  config.beta2 = 0.99;
-  config.steps = steps;
-  config.log_every = 1;
-  config.validate_every = 1000;
-  config.checkpoint_every = 3;
+  config.optimizer.beta1 = 0.9;
+  config.optimizer.beta2 = 0.99;
+  config.run = quick_run(steps);
   config.grid_images = 2;
-  config.ema_decay = 0.8;
+  config.optimizer.ema_decay = 0.8;
   return config;
 }
 

@@ -7,10 +7,54 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "dalle/data/caption_dataset.h"
+#include "dalle/data/fashion_compose.h"
 #include "dalle/io/checkpoint.h"
+#include "dalle/text/tokenizer.h"
+#include "dalle/train/recipe.h"
 #include "test_support.h"
 
 namespace dalle::testing {
+
+// A trainer test's run: `steps` updates, a metrics line each, a checkpoint every 3, no
+// validation before the last update.
+inline train::RunConfig quick_run(int64_t steps) {
+  return {.steps = steps, .log_every = 1, .validate_every = 1000, .checkpoint_every = 3};
+}
+
+// A caption tokenizer trained on the first caption of every image of `dataset`.
+inline void train_caption_tokenizer(const std::string& dataset, const std::string& out, int64_t vocab_size,
+                                    int64_t text_length) {
+  const auto images = data::ImageCaptionDataset::open(dataset);
+  std::vector<std::string> captions;
+  for (size_t i = 0; i < images->size(); ++i) captions.push_back(images->record(i).captions[0]);
+  text::TokenizerConfig config;
+  config.vocab_size = vocab_size;
+  config.text_length = text_length;
+  text::Tokenizer::train(captions, config, out);
+}
+
+// A suite whose tests share datasets: its scratch folder `data_` lives from its first test
+// to its last.
+class TrainerSuite : public ::testing::Test {
+ protected:
+  static void TearDownTestSuite() {
+    delete data_;
+    data_ = nullptr;
+  }
+  static void make_data() { data_ = new ScratchDir(); }
+  // A small fashion-compose dataset in data_/fc (train and test, nothing held out).
+  static void compose_data(int64_t train_images, int64_t test_images) {
+    make_data();
+    data::FashionComposeConfig compose;
+    compose.train_images = train_images;
+    compose.test_images = test_images;
+    compose.heldout_images = 0;
+    data::build_fashion_compose(compose, *data_ / "fc");
+  }
+
+  static inline ScratchDir* data_ = nullptr;
+};
 
 // update -> the metrics line of each update that logged a training loss; an update logged
 // twice fails the test.
@@ -33,10 +77,10 @@ inline std::map<int64_t, nlohmann::json> training_lines(const std::string& run) 
 template <class Trainer, class Config>
 void expect_exact_resume(const Config& config, const ScratchDir& runs = ScratchDir()) {
   auto whole = config, half = config;
-  whole.steps = 8;
-  half.steps = 4;
-  EXPECT_EQ(config.checkpoint_every, 3);
-  EXPECT_EQ(config.log_every, 1);
+  whole.run.steps = 8;
+  half.run.steps = 4;
+  EXPECT_EQ(config.run.checkpoint_every, 3);
+  EXPECT_EQ(config.run.log_every, 1);
   Trainer(whole, runs / "whole").run();
   Trainer(half, runs / "interrupted").run();  // checkpoints at 3 and 4
   std::filesystem::remove_all(runs / "interrupted/checkpoints/step-000000004");

@@ -23,17 +23,11 @@ namespace {
 using testing::ScratchDir;
 using testing::training_lines;
 
-class VqganTrainerTest : public ::testing::Test {
+class VqganTrainerTest : public testing::TrainerSuite {
  protected:
   static void SetUpTestSuite() {
-    data_ = new ScratchDir();
-    data::FashionComposeConfig compose;
-    compose.train_images = 48;
-    compose.test_images = 8;
-    compose.heldout_images = 0;
-    data::build_fashion_compose(compose, *data_ / "fc");
+    compose_data(48, 8);
   }
-  static void TearDownTestSuite() { delete data_; }
 
   static VqganTrainConfig tiny(int64_t steps, const std::string& quantizer = "gumbel") {
     return testing::tiny_vqgan_config(*data_ / "fc/train", *data_ / "fc/test", steps, quantizer);
@@ -46,10 +40,7 @@ class VqganTrainerTest : public ::testing::Test {
     config.discriminator.layers = 2;
     return config;
   }
-
-  static ScratchDir* data_;
 };
-ScratchDir* VqganTrainerTest::data_ = nullptr;
 
 TEST_F(VqganTrainerTest, ResumedGumbelRunWithADiscriminatorContinuesWithTheSameLosses) {
   // The discriminator starts at update 2, so the checkpoint at 3 carries its weights,
@@ -74,7 +65,7 @@ TEST_F(VqganTrainerTest, VectorRunLearnsAndRestartsUnusedCodes) {
   ScratchDir runs;
   auto config = tiny(30, "vector");
   config.restart_every = 10;
-  config.checkpoint_every = 1000;
+  config.run.checkpoint_every = 1000;
   VqganTrainer trainer(config, runs / "run");
   const auto untrained = trainer.validate();
   trainer.run();
@@ -94,7 +85,7 @@ TEST_F(VqganTrainerTest, VectorRunLearnsAndRestartsUnusedCodes) {
 TEST_F(VqganTrainerTest, AdversarialLossCountsFromItsStartWithAnAdaptiveWeight) {
   ScratchDir runs;
   auto config = with_discriminator(tiny(4), 2);
-  config.checkpoint_every = 1000;
+  config.run.checkpoint_every = 1000;
   VqganTrainer(config, runs / "run").run();
   const auto lines = training_lines(runs / "run");
   for (int64_t step : {1, 2}) {
@@ -113,13 +104,7 @@ TEST_F(VqganTrainerTest, AdversarialLossCountsFromItsStartWithAnAdaptiveWeight) 
 TEST_F(VqganTrainerTest, EncodeImagesAcceptsAVqganRun) {
   ScratchDir dir;
   VqganTrainer(tiny(2), dir / "vqgan").run();
-  const auto images = data::ImageCaptionDataset::open(*data_ / "fc/test");
-  std::vector<std::string> captions;
-  for (size_t i = 0; i < images->size(); ++i) captions.push_back(images->record(i).captions[0]);
-  text::TokenizerConfig tokenizer_config;
-  tokenizer_config.vocab_size = 60;
-  tokenizer_config.text_length = 24;
-  text::Tokenizer::train(captions, tokenizer_config, dir / "tok.model");
+  testing::train_caption_tokenizer(*data_ / "fc/test", dir / "tok.model", 60, 24);
 
   const auto info = generate::encode_images({.dataset = *data_ / "fc/test", .image_tokenizer = dir / "vqgan",
                                    .tokenizer = dir / "tok.model", .out = dir / "tokens", .batch_size = 3});
@@ -130,6 +115,7 @@ TEST_F(VqganTrainerTest, EncodeImagesAcceptsAVqganRun) {
   const auto loaded = models::load_image_tokenizer(dir / "vqgan");
   EXPECT_EQ(loaded.kind, "vqgan");
   EXPECT_EQ(loaded.grid_size(), 8);
+  const auto images = data::ImageCaptionDataset::open(*data_ / "fc/test");
   const auto tokens = data::TokenDataset::open(dir / "tokens");
   std::mt19937_64 rng(0);
   torch::NoGradGuard no_grad;
@@ -171,7 +157,7 @@ TEST_F(VqganTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
   if (!torch::cuda::is_available()) return;
   ScratchDir runs;
   auto gumbel = tiny(2);
-  gumbel.device = "cuda";
+  gumbel.run.device = "cuda";
   VqganTrainer(gumbel, runs / "gumbel").run();
   EXPECT_EQ(training_lines(runs / "gumbel").size(), 2u);
 }
@@ -235,7 +221,7 @@ TEST_F(VqganTrainerTest, BadSettingsAreRefused) {
   EXPECT_THROW_WITH(VqganTrainer(config, runs / "d"), Error, "multiple of norm_groups (3)");
   if (!torch::cuda::is_available()) {
     config = tiny(1);
-    config.device = "cuda";
+    config.run.device = "cuda";
     EXPECT_THROW_WITH(VqganTrainer(config, runs / "e"), Error,
                       "vqgan training: device cuda was asked for, but torch sees no CUDA device");
     EXPECT_FALSE(std::filesystem::exists(runs / "e"));

@@ -46,27 +46,15 @@ void ClipTrainConfig::visit(ConfigVisitor& v) {
           "a random batch seldom holds (0: random batches, as CLIP)",
           {.min = 0.0, .max = 0.5});
   v.section("learning_rate", "cosine learning-rate schedule after the warmup (CLIP: 5e-4 -> 0)", learning_rate);
-  v.field("beta1", beta1, "AdamW beta1 (CLIP: 0.9)", {.min = 0.0, .max = 1.0});
-  v.field("beta2", beta2, "AdamW beta2 (CLIP: 0.98 for ViTs)", {.min = 0.0, .max = 1.0});
-  v.field("epsilon", epsilon, "AdamW epsilon (CLIP: 1e-6 for ViTs)", {.min = 0.0});
-  v.field("weight_decay", weight_decay,
-          "AdamW decoupled weight decay of the matrices and embeddings; gains, biases, the class embedding "
-          "and logit_scale have none (CLIP: 0.2)",
-          {.min = 0.0});
+  visit_shared_sections(v, optimizer, run, precision);
   v.field("max_logit_scale", max_logit_scale,
           "logit_scale is clamped to [0, this] after every update: the logits' scale at most e^this "
           "(CLIP: ln 100)",
           {.min = 0.0, .max = 10.0});
-  v.field("ema_decay", ema_decay,
-          "decay of the weights' moving average, used to validate and saved in checkpoints (0: no averaging)",
-          {.min = 0.0, .max = 0.999999});
-  v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale", precision);
-  detail::visit_interval_keys(v, *this, "retrieval accuracy");
   v.field("validation_images", validation_images,
           "held-out images scored at each validation: each image with one of its captions, retrieved among "
           "all of them",
           {.min = 2, .max = 65536});
-  detail::visit_seed_and_device_keys(v, *this, "initialisation and data order", "CLIP trains");
 }
 
 double ClipTrainConfig::learning_rate_at(int64_t step) const {
@@ -85,25 +73,13 @@ torch::Tensor clip_contrastive_loss(const torch::Tensor& logits_per_image) {
   return (F::cross_entropy(logits_per_image, labels) + F::cross_entropy(logits_per_image.t(), labels)) / 2;
 }
 
-struct ClipTrainer::State : RunRecord {
-  ClipTrainConfig config;
-  torch::Device device;
+struct ClipTrainer::State : detail::ImageTrainerState<ClipTrainConfig, models::Clip> {
   text::Tokenizer tokenizer;
-  models::Clip model{nullptr};
-  models::Clip ema_model{nullptr};
-  std::unique_ptr<Ema> ema;
-  std::unique_ptr<AdamW> optimizer;
-  std::unique_ptr<ModelPrecision> precision;
-  std::unique_ptr<UpdateStep> update;
-  detail::ImageData images;
   std::optional<models::TrainedImageTokenizer> image_tokenizer;  // config.through_tokenizer's
   std::optional<data::CaptionNeighbours> neighbours;     // of the training set, for hard_negatives
 
   State(ClipTrainConfig c, fs::path r)
-      : RunRecord("clip", std::move(r), c.keep_checkpoints),
-        config(std::move(c)),
-        device(resolve_device(config.device, "clip training")),
-        tokenizer(text::Tokenizer::load(config.tokenizer)) {}
+      : ImageTrainerState("clip", std::move(c), std::move(r)), tokenizer(text::Tokenizer::load(config.tokenizer)) {}
 
   torch::Tensor tokenize(const std::vector<std::string>& captions) const;
   torch::Tensor pixels(const torch::Tensor& images);
@@ -115,8 +91,9 @@ struct ClipTrainer::State : RunRecord {
     model->logit_scale.clamp_(0.0, config.max_logit_scale);
   }
   void log_step(const ClipStepMetrics& metrics);
-  void save_checkpoint();
-  void resume(const std::string& directory);
+  bool may_change_on_resume(const std::string& key) const override {
+    return ImageTrainerState::may_change_on_resume(key) || key == "validation_images";
+  }
 };
 
 namespace {
@@ -161,9 +138,9 @@ std::vector<torch::optim::OptimizerParamGroup> parameter_groups(models::ClipImpl
   std::vector<torch::Tensor> decayed, undecayed;
   for (const auto& parameter : model.parameters()) (parameter.dim() >= 2 ? decayed : undecayed).push_back(parameter);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  for (auto [parameters, decay] : {std::pair{decayed, config.weight_decay}, std::pair{undecayed, 0.0}}) {
+  for (auto [parameters, decay] : {std::pair{decayed, config.optimizer.weight_decay}, std::pair{undecayed, 0.0}}) {
     auto options = std::make_unique<torch::optim::AdamWOptions>(config.learning_rate_at(0));
-    options->betas({config.beta1, config.beta2}).eps(config.epsilon).weight_decay(decay);
+    options->weight_decay(decay);
     groups.emplace_back(parameters, std::move(options));
   }
   return groups;
@@ -184,32 +161,22 @@ models::TrainedImageTokenizer open_through_tokenizer(const ClipTrainConfig& conf
 
 ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
   validate_settings(config);
-  check_run_directory(run_directory, "CLIP");
-  prepare_torch(config.threads, config.seed);
-
-  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  state_ = detail::start_trainer<State>(std::move(config), run_directory, "CLIP");
   auto& s = *state_;
   check_tokenizer(s.tokenizer, s.config.model, s.config.tokenizer);
   s.model = models::Clip(s.config.model);
-  s.model->to(s.device);
-  s.ema_model = models::Clip(s.config.model);
-  s.ema_model->to(s.device);
-  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  s.optimizer = std::make_unique<AdamW>(parameter_groups(*s.model, s.config),
-                                        torch::optim::AdamWOptions(s.config.learning_rate_at(0)),
-                                        s.config.precision.moments_dtype());
-  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
-  s.update = std::make_unique<UpdateStep>(*s.optimizer, *s.precision,
-                                          UpdateOptions{.what = "clip", .after_step = [&s] { s.bound_logit_scale(); }},
-                                          s.ema.get(), s.model.get());
+  s.place_model();
+  s.build_update(parameter_groups(*s.model, s.config), s.config.learning_rate_at(0),
+                 std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters()),
+                 {.after_step = [&s] { s.bound_logit_scale(); }});
 
   if (!s.config.through_tokenizer.empty()) s.image_tokenizer = open_through_tokenizer(s.config, s.device);
-  s.images = detail::open_image_data(s.config.data, s.config.seed);
+  s.open_images();
   if (s.config.hard_negatives > 0) {
     s.neighbours.emplace(*s.images.train);
     log::info("clip: ", 100 * s.neighbours->coverage(), "% of the training captions have a neighbour (hard_negatives)");
   }
-  s.open(visit_of(s.config), /*samples=*/false, [&s](const std::string& latest) { s.resume(latest); });
+  s.open_run(/*samples=*/false);
 }
 
 ClipTrainer::~ClipTrainer() = default;
@@ -236,7 +203,7 @@ data::Batch<data::ImageCaptionExample> ClipTrainer::State::next_batch() {
   auto batch = detail::next_nonempty_batch(images);
   if (neighbours) {
     data::replace_with_neighbours(batch.examples, config.hard_negatives, *neighbours, *images.train,
-                                  static_cast<uint64_t>(config.seed), static_cast<uint64_t>(step));
+                                  static_cast<uint64_t>(config.run.seed), static_cast<uint64_t>(step));
   }
   return batch;
 }
@@ -252,7 +219,7 @@ torch::Tensor ClipTrainer::State::pixels(const torch::Tensor& images) {
 ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, const std::vector<std::string>& captions) {
   ClipStepMetrics metrics;
   metrics.learning_rate = config.learning_rate_at(step);
-  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+  set_learning_rate(metrics.learning_rate);
 
   const auto input = pixels(images);
   const auto tokens = tokenize(captions);
@@ -265,11 +232,7 @@ ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, cons
   const auto logits =
       model->logits_from_features(image_features.to(torch::kFloat32), text_features.to(torch::kFloat32)).per_image;
   const auto loss = clip_contrastive_loss(logits);
-  if (!torch::isfinite(loss).item<bool>()) {
-    throw Error("clip: the loss is not finite at update " + std::to_string(step + 1) +
-                "; lower the learning rate or resume from an earlier checkpoint");
-  }
-  metrics.skipped = update->apply(loss, step + 1).skipped;
+  metrics.skipped = apply_update(loss).skipped;
   ++step;
   metrics.step = step;
   metrics.loss = loss.item<double>();
@@ -280,22 +243,18 @@ ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, cons
 }
 
 void ClipTrainer::State::log_step(const ClipStepMetrics& m) {
-  nlohmann::json line = {{"step", m.step},
-                         {"loss", m.loss},
-                         {"batch_accuracy", m.accuracy},
-                         {"logit_scale", m.logit_scale},
-                         {"learning_rate", m.learning_rate}};
-  if (const auto* scaler = precision->scaler()) {
-    line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
-  }
-  metrics_log.append(line);
+  append_metrics({{"step", m.step},
+                  {"loss", m.loss},
+                  {"batch_accuracy", m.accuracy},
+                  {"logit_scale", m.logit_scale},
+                  {"learning_rate", m.learning_rate}});
 }
 
 void ClipTrainer::run() {
   auto& s = *state_;
   ClipStepMetrics metrics;
   detail::run_training_loop(
-      s, detail::intervals_of(s.config),
+      s, detail::intervals_of(s.config.run),
       {.update =
            [&] {
              auto batch = s.next_batch();
@@ -363,25 +322,6 @@ ClipValidation ClipTrainer::validate() {
                         {"validation_text_to_image", result.text_to_image},
                         {"validation_loss", result.loss}});
   return result;
-}
-
-void ClipTrainer::State::save_checkpoint() {
-  auto checkpoint =
-      make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, images.loader->position());
-  precision->save_state(checkpoint.state, "gradient_scaler.");
-  save(checkpoint);
-}
-
-void ClipTrainer::State::resume(const std::string& directory) {
-  auto checkpoint = io::load_checkpoint(directory);
-  const auto may_change = [](const std::string& key) {
-    return detail::may_change_on_resume(key) || key == "validation_images";
-  };
-  check_resumable<ClipTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change);
-  const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
-  precision->load_state(checkpoint.state, "gradient_scaler.");
-  images.loader->seek(progress.position);
-  resumed(directory, progress.step);
 }
 
 }  // namespace dalle::train

@@ -39,44 +39,28 @@ void DvaeTrainConfig::visit(ConfigVisitor& v) {
           "decode the one-hot argmax of the gumbel-softmax sample and pass the gradient through its soft "
           "relaxation, so that training decodes the one-hot codes tokenizing decodes (DALL-E: false, it anneals "
           "the temperature long enough for the soft codes to become nearly one-hot)");
-  v.field("beta1", beta1, "AdamW beta1", {.min = 0.0, .max = 1.0});
-  v.field("beta2", beta2, "AdamW beta2", {.min = 0.0, .max = 1.0});
-  v.field("epsilon", epsilon, "AdamW epsilon", {.min = 0.0});
-  v.field("weight_decay", weight_decay, "AdamW decoupled weight decay (DALL-E: 1e-4)", {.min = 0.0});
-  v.field("ema_decay", ema_decay, "decay of the weights' moving average (DALL-E: 0.999)", {.min = 0.0, .max = 0.999999});
-  v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale", precision);
-  detail::visit_interval_keys(v, *this, "PSNR, codebook usage, grid");
+  visit_shared_sections(v, optimizer, run, precision);
   v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
   v.field("reconstruction_loss", reconstruction_loss,
           "logit_laplace: DALL-E's likelihood, which also learns a per-pixel scale; mse: squared error of the "
           "decoded pixels (in the mapped range [eps, 1 - eps]), which cannot trade colour accuracy for a wider scale "
           "(pair it with a smaller kl_weight)",
           {.choices = {"logit_laplace", "mse"}});
-  detail::visit_seed_and_device_keys(v, *this, "initialisation, data order and gumbel noise", "the dVAE trains");
 }
 
-struct DvaeTrainer::State : RunRecord {
-  DvaeTrainConfig config;
-  torch::Device device;
-  models::Dvae model{nullptr};
-  models::Dvae ema_model{nullptr};
-  std::unique_ptr<Ema> ema;
-  std::unique_ptr<AdamW> optimizer;
-  std::unique_ptr<ModelPrecision> precision;
-  std::unique_ptr<UpdateStep> update;
-  detail::ImageData images;
-  at::Generator noise;
+struct DvaeTrainer::State : detail::ImageTrainerState<DvaeTrainConfig, models::Dvae> {
+  at::Generator noise;  // gumbel noise, from the device's own kind of generator
 
   State(DvaeTrainConfig c, fs::path r)
-      : RunRecord("dvae", std::move(r), c.keep_checkpoints),
-        config(std::move(c)),
-        device(resolve_device(config.device, "dvae training")),
-        noise(seeded_generator(device, static_cast<uint64_t>(config.seed))) {}
+      : ImageTrainerState("dvae", std::move(c), std::move(r)),
+        noise(seeded_generator(device, static_cast<uint64_t>(config.run.seed))) {}
 
   DvaeStepMetrics train_step(const torch::Tensor& images);
   void log_step(const DvaeStepMetrics& metrics);
-  void save_checkpoint();
-  void resume(const std::string& directory);
+  void save_extra(io::Checkpoint& checkpoint) const override { checkpoint.state.emplace("rng.noise", noise.get_state()); }
+  void restore_extra(const io::Checkpoint& checkpoint, const std::string&) override {
+    restore_generator(noise, checkpoint.state.at("rng.noise"), "dvae");
+  }
 };
 
 namespace {
@@ -103,27 +87,16 @@ DvaeTrainer::DvaeTrainer(DvaeTrainConfig config, std::string run_directory) {
   }
   config.model.validate();
   validate_schedules(config);
-  check_run_directory(run_directory, "dVAE");
   if (config.data.image_size % config.model.downsampling_factor() != 0) {
     throw Error("dvae training: data.image_size must be a multiple of 2^model.downsamplings");
   }
-  prepare_torch(config.threads, config.seed);
-
-  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  state_ = detail::start_trainer<State>(std::move(config), run_directory, "dVAE");
   auto& s = *state_;
-
   s.model = models::Dvae(s.config.model);
-  s.model->to(s.device);
-  s.ema_model = models::Dvae(s.config.model);
-  s.ema_model->to(s.device);
-  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
-  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
-  s.update = std::make_unique<UpdateStep>(*s.optimizer, *s.precision, UpdateOptions{.what = "dvae"}, s.ema.get(),
-                                          s.model.get());
-
-  s.images = detail::open_image_data(s.config.data, s.config.seed);
-  s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
+  s.place_model();
+  s.build_update(s.model->parameters(), s.config.learning_rate.at(0));
+  s.open_images();
+  s.open_run(/*samples=*/true);
 }
 
 DvaeTrainer::~DvaeTrainer() = default;
@@ -136,7 +109,7 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
   metrics.temperature = config.temperature.at(step);
   metrics.kl_weight = config.kl_weight.at(step);
   metrics.learning_rate = config.learning_rate.at(step);
-  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+  set_learning_rate(metrics.learning_rate);
 
   const auto pixels = models::map_pixels(images.to(device));
   torch::Tensor logits, output;
@@ -155,13 +128,10 @@ DvaeStepMetrics DvaeTrainer::State::train_step(const torch::Tensor& images) {
   const double f = static_cast<double>(config.model.downsampling_factor());
   const auto loss = reconstruction + metrics.kl_weight * kl / (f * f * static_cast<double>(config.model.input_channels));
 
-  if (!torch::isfinite(loss).item<bool>()) {
-    // Stop before the weights, the EMA or a checkpoint take the non-finite values.
-    throw Error("dvae: the loss is not finite at update " + std::to_string(step + 1) +
-                " (reconstruction " + std::to_string(reconstruction.item<double>()) + ", KL " +
-                std::to_string(kl.item<double>()) + "); lower the learning rate or resume from an earlier checkpoint");
-  }
-  metrics.skipped = update->apply(loss, step + 1).skipped;
+  metrics.skipped = apply_update(loss, [&] {
+                      return "reconstruction " + std::to_string(reconstruction.item<double>()) + ", KL " +
+                             std::to_string(kl.item<double>());
+                    }).skipped;
   ++step;
 
   metrics.step = step;
@@ -179,13 +149,8 @@ void DvaeTrainer::run() {
 }
 
 void DvaeTrainer::State::log_step(const DvaeStepMetrics& m) {
-  nlohmann::json line = {{"step", m.step}, {"loss", m.loss}, {"reconstruction", m.reconstruction},
-                         {"kl", m.kl}, {"temperature", m.temperature},
-                         {"kl_weight", m.kl_weight}, {"learning_rate", m.learning_rate}};
-  if (const auto* scaler = precision->scaler()) {
-    line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
-  }
-  metrics_log.append(line);
+  append_metrics({{"step", m.step}, {"loss", m.loss}, {"reconstruction", m.reconstruction}, {"kl", m.kl},
+                  {"temperature", m.temperature}, {"kl_weight", m.kl_weight}, {"learning_rate", m.learning_rate}});
 }
 
 DvaeValidation DvaeTrainer::validate() {
@@ -194,24 +159,6 @@ DvaeValidation DvaeTrainer::validate() {
   s.ema_model->eval();
   return detail::validate_tokenizer(*s.ema_model, *s.images.validation, s.config.data.batch_size, s.config.grid_images,
                                     s.step, s.run, s.metrics_log, "dvae");
-}
-
-void DvaeTrainer::State::save_checkpoint() {
-  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, images.loader->position());
-  checkpoint.state.emplace("rng.noise", noise.get_state());
-  precision->save_state(checkpoint.state, "gradient_scaler.");
-  save(checkpoint);
-}
-
-void DvaeTrainer::State::resume(const std::string& directory) {
-  auto checkpoint = io::load_checkpoint(directory);
-  check_resumable<DvaeTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
-                                   detail::may_change_on_resume);
-  const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
-  restore_generator(noise, checkpoint.state.at("rng.noise"), "dvae");
-  precision->load_state(checkpoint.state, "gradient_scaler.");
-  images.loader->seek(progress.position);
-  resumed(directory, progress.step);
 }
 
 }  // namespace dalle::train

@@ -59,38 +59,19 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
   v.section("model", "transformer sizes and options", model);
   v.section("data", "token datasets and batching", data);
   v.section("learning_rate", "warmup, then cosine or plateau decay", learning_rate);
-  v.field("beta1", beta1, "AdamW beta1 (DALL-E: 0.9)", {.min = 0.0, .max = 1.0});
-  v.field("beta2", beta2, "AdamW beta2 (DALL-E: 0.96)", {.min = 0.0, .max = 1.0});
-  v.field("epsilon", epsilon, "AdamW epsilon (DALL-E: 1e-8)", {.min = 0.0});
-  v.field("weight_decay", weight_decay,
-          "AdamW decoupled weight decay of the weight matrices; gains, biases and embeddings have none "
-          "(DALL-E: 4.5e-2)",
-          {.min = 0.0});
-  v.field("grad_clip", grad_clip, "clip the global gradient norm to this (DALL-E: 4; 0: no clipping)", {.min = 0.0});
-  v.field("ema_decay", ema_decay, "decay of the weights' moving average (DALL-E: 0.99)", {.min = 0.0, .max = 0.999999});
-  v.section("precision", "fp32, bf16, or fp16 with per-resblock gradient scales (DALL-E)", precision);
+  visit_shared_sections(v, optimizer, run, precision);
   v.field("checkpoint_activations_every", checkpoint_activations_every,
           "recompute the activations of resblocks 0, k, 2k, ... in backward instead of keeping them "
           "(1: every resblock; 0: none)",
           {.min = 0});
-  detail::visit_interval_keys(v, *this, "loss, sample grid");
   v.field("tokenizer", tokenizer, "caption tokenizer model that made the dataset's text tokens (for sample grids)");
   v.field("image_tokenizer", image_tokenizer, "dVAE or VQGAN run that made the image tokens (for sample grids)");
   v.field("sample_captions", sample_captions, "captions drawn at each validation (needs tokenizer and image_tokenizer)");
   v.field("samples_per_caption", samples_per_caption, "images per sample caption", {.min = 1, .max = 64});
   v.section("sampling", "sampling settings of the grids", sampling);
-  detail::visit_seed_and_device_keys(v, *this, "initialisation, data order, caption dropout and dropout",
-                                     "the prior trains");
 }
 
-struct PriorTrainer::State : RunRecord {
-  PriorTrainConfig config;
-  torch::Device device;
-  models::Prior model{nullptr}, ema_model{nullptr};
-  std::unique_ptr<Ema> ema;
-  std::unique_ptr<AdamW> optimizer;
-  std::unique_ptr<ModelPrecision> precision;  // per-resblock scales in fp16
-  std::unique_ptr<UpdateStep> update;
+struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prior> {
   std::shared_ptr<data::TokenDataset> train_set, validation_set;
   std::unique_ptr<data::DataLoader<data::TokenDataset>> loader;
   at::Generator caption_dropout;
@@ -100,27 +81,27 @@ struct PriorTrainer::State : RunRecord {
   PriorStepMetrics last;
 
   State(PriorTrainConfig c, fs::path r)
-      : RunRecord("prior", std::move(r), c.keep_checkpoints),
-        config(std::move(c)),
-        device(resolve_device(config.device, "prior training")),
-        caption_dropout(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.seed) + 1)) {}
+      : TrainerState("prior", std::move(c), std::move(r)),
+        caption_dropout(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.run.seed) + 1)) {}
 
   torch::Tensor batch_tokens(const std::vector<data::TokenExample>& examples, bool drop_captions);
   PriorStepMetrics train_step(const torch::Tensor& tokens);
   void install_resblock_runner();
-  nlohmann::json metrics_line() const;
-  void save_checkpoint();
-  void resume(const std::string& directory);
+  void log_step() const;
   void update_plateau(double validation_loss);
+
+  data::LoaderPosition loader_position() const override { return loader->position(); }
+  void seek_loader(const data::LoaderPosition& position) override { loader->seek(position); }
+  bool may_change_on_resume(const std::string& key) const override {
+    return is_run_control_key(key) || key == "sample_captions" || key == "samples_per_caption" ||
+           key.starts_with("sampling.") || key == "tokenizer" || key == "image_tokenizer" ||
+           key == "checkpoint_activations_every";
+  }
+  void save_extra(io::Checkpoint& checkpoint) const override;
+  void restore_extra(const io::Checkpoint& checkpoint, const std::string& directory) override;
 };
 
 namespace {
-
-bool may_change_on_resume(const std::string& key) {
-  return detail::is_run_control_key(key) || key == "sample_captions" || key == "samples_per_caption" ||
-         key.starts_with("sampling.") || key == "tokenizer" || key == "image_tokenizer" ||
-         key == "checkpoint_activations_every";
-}
 
 void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig& model, const std::string& where) {
   std::string problems;
@@ -164,10 +145,7 @@ std::vector<torch::optim::OptimizerParamGroup> parameter_groups(models::PriorImp
 PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   if (config.data.train.empty()) throw Error("prior training: data.train must name a token dataset folder");
   config.model.validate();
-  check_run_directory(run_directory, "prior");
-  prepare_torch(config.threads, config.seed);
-
-  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  state_ = detail::start_trainer<State>(std::move(config), run_directory, "prior");
   auto& s = *state_;
   s.train_set = data::TokenDataset::open(s.config.data.train);
   check_dataset(s.train_set->info(), s.config.model, s.config.data.train);
@@ -176,31 +154,17 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
     check_dataset(s.validation_set->info(), s.config.model, s.config.data.validation);
   }
   s.model = models::Prior(s.config.model);
-  s.model->to(s.device);
-  s.ema_model = models::Prior(s.config.model);
-  s.ema_model->to(s.device);
-  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  auto groups = parameter_groups(*s.model, s.config.weight_decay);
-  s.optimizer = std::make_unique<AdamW>(std::move(groups),
-                                        torch::optim::AdamWOptions(s.config.learning_rate.peak)
-                                            .betas({s.config.beta1, s.config.beta2})
-                                            .eps(s.config.epsilon),
-                                        s.config.precision.moments_dtype());
-  for (auto& group : s.optimizer->param_groups()) {
-    auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
-    options.betas({s.config.beta1, s.config.beta2}).eps(s.config.epsilon);
-  }
-  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
-                                                 resblock_parameter_groups(s.model->resblocks()));
-  s.update = std::make_unique<UpdateStep>(
-      *s.optimizer, *s.precision, UpdateOptions{.what = "prior", .grad_clip = s.config.grad_clip, .measure_norm = true},
-      s.ema.get(), s.model.get());
+  s.place_model();
+  s.build_update(parameter_groups(*s.model, s.config.optimizer.weight_decay), s.config.learning_rate.peak,
+                 std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
+                                                  resblock_parameter_groups(s.model->resblocks())),
+                 {.measure_norm = true});
   s.install_resblock_runner();
   s.loader = std::make_unique<data::DataLoader<data::TokenDataset>>(
       s.train_set, data::LoaderOptions{.batch_size = s.config.data.batch_size,
                                        .workers = s.config.data.workers,
-                                       .sampler = {.seed = static_cast<uint64_t>(s.config.seed)}});
-  s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
+                                       .sampler = {.seed = static_cast<uint64_t>(s.config.run.seed)}});
+  s.open_run(/*samples=*/true);
 }
 
 PriorTrainer::~PriorTrainer() = default;
@@ -234,15 +198,11 @@ torch::Tensor PriorTrainer::State::batch_tokens(const std::vector<data::TokenExa
 
 PriorStepMetrics PriorTrainer::State::train_step(const torch::Tensor& tokens) {
   PriorStepMetrics metrics;
-  metrics.learning_rate = config.learning_rate.at(step, config.steps, reductions);
-  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+  metrics.learning_rate = config.learning_rate.at(step, config.run.steps, reductions);
+  set_learning_rate(metrics.learning_rate);
   model->train();
   const auto loss = models::prior_loss(model->forward(tokens), tokens, config.model);
-  if (!torch::isfinite(loss.total).item<bool>()) {
-    throw Error("prior: the loss is not finite at update " + std::to_string(step + 1) +
-                "; lower the learning rate or resume from an earlier checkpoint");
-  }
-  const auto update_result = update->apply(loss.total, step + 1);
+  const auto update_result = apply_update(loss.total);
   metrics.skipped = update_result.skipped;
   metrics.grad_norm = update_result.grad_norm;
   ++step;
@@ -253,29 +213,26 @@ PriorStepMetrics PriorTrainer::State::train_step(const torch::Tensor& tokens) {
   return metrics;
 }
 
-nlohmann::json PriorTrainer::State::metrics_line() const {
-  nlohmann::json line = {{"step", last.step},         {"loss", last.loss},
-                         {"text_loss", last.text_loss}, {"image_loss", last.image_loss},
-                         {"grad_norm", last.grad_norm}, {"learning_rate", last.learning_rate}};
-  if (const auto* scaler = precision->scaler()) {
-    const auto scales = scaler->summary();
-    line.update({{"grad_scale_min", scales.min}, {"grad_scale_median", scales.median},
-                 {"grad_scale_max", scales.max}, {"skipped_updates", scaler->skipped_updates()}});
-  }
-  return line;
+void PriorTrainer::State::log_step() const {
+  append_metrics({{"step", last.step},
+                  {"loss", last.loss},
+                  {"text_loss", last.text_loss},
+                  {"image_loss", last.image_loss},
+                  {"grad_norm", last.grad_norm},
+                  {"learning_rate", last.learning_rate}});
 }
 
 void PriorTrainer::run() {
   auto& s = *state_;
   detail::run_training_loop(
-      s, detail::intervals_of(s.config),
+      s, detail::intervals_of(s.config.run),
       {.update =
            [&] {
              const auto batch = s.loader->next();
              s.last = s.train_step(s.batch_tokens(batch.examples, /*drop_captions=*/true));
              return s.last.loss;
            },
-       .log = [&] { s.metrics_log.append(s.metrics_line()); },
+       .log = [&] { s.log_step(); },
        .validate =
            [&] {
              const auto validation = validate();
@@ -360,28 +317,19 @@ PriorValidation PriorTrainer::validate() {
   return result;
 }
 
-void PriorTrainer::State::save_checkpoint() {
-  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader->position());
+void PriorTrainer::State::save_extra(io::Checkpoint& checkpoint) const {
   checkpoint.state.emplace("rng.caption_dropout", caption_dropout.get_state());
-  precision->save_state(checkpoint.state, "gradient_scaler.");
   checkpoint.state_metadata.insert({{"best_validation", std::to_string(best_validation)},
                                     {"validations_since_best", std::to_string(validations_since_best)},
                                     {"reductions", std::to_string(reductions)}});
-  save(checkpoint);
 }
 
-void PriorTrainer::State::resume(const std::string& directory) {
-  auto checkpoint = io::load_checkpoint(directory);
-  check_resumable<PriorTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml", may_change_on_resume);
-  const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
+void PriorTrainer::State::restore_extra(const io::Checkpoint& checkpoint, const std::string&) {
   caption_dropout.set_state(checkpoint.state.at("rng.caption_dropout"));
-  precision->load_state(checkpoint.state, "gradient_scaler.");
   const auto& meta = checkpoint.state_metadata;
   best_validation = std::stod(meta.at("best_validation"));
   validations_since_best = std::stoll(meta.at("validations_since_best"));
   reductions = std::stoll(meta.at("reductions"));
-  loader->seek(progress.position);
-  resumed(directory, progress.step);
 }
 
 }  // namespace dalle::train

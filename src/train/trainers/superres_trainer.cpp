@@ -35,17 +35,10 @@ void SuperResTrainConfig::visit(ConfigVisitor& v) {
             "degradation: blur, downscale by model.scale, noise, JPEG)",
             degradation);
   v.section("learning_rate", "cosine learning-rate schedule (Real-ESRNet: 2e-4)", learning_rate);
-  v.field("beta1", beta1, "Adam beta1 (Real-ESRNet: 0.9)", {.min = 0.0, .max = 1.0});
-  v.field("beta2", beta2, "Adam beta2 (Real-ESRNet: 0.99)", {.min = 0.0, .max = 1.0});
-  v.field("epsilon", epsilon, "Adam epsilon", {.min = 0.0});
-  v.field("weight_decay", weight_decay, "AdamW decoupled weight decay; 0 is Adam (Real-ESRNet: 0)", {.min = 0.0});
-  v.field("ema_decay", ema_decay, "decay of the weights' moving average, used to validate and export (Real-ESRNet: 0.999)",
-          {.min = 0.0, .max = 0.999999});
-  v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale", precision);
-  detail::visit_interval_keys(v, *this, "PSNR against bicubic, grid");
-  v.field("validation_images", validation_images, "held-out images each validation scores", {.min = 1, .max = 100000});
+  visit_shared_sections(v, optimizer, run, precision);
+  v.field("validation_images", validation_images, "held-out images each validation scores (PSNR against bicubic)",
+          {.min = 1, .max = 100000});
   v.field("grid_images", grid_images, "validation images in each sample grid", {.min = 1, .max = 256});
-  detail::visit_seed_and_device_keys(v, *this, "initialisation, data order and degradations", "the network trains");
 }
 
 void SuperResTrainConfig::validate() const {
@@ -69,26 +62,14 @@ void SuperResTrainConfig::validate() const {
   }
 }
 
-struct SuperResTrainer::State : RunRecord {
-  SuperResTrainConfig config;
-  torch::Device device;
-  models::RrdbNet model{nullptr};
-  models::RrdbNet ema_model{nullptr};
-  std::unique_ptr<Ema> ema;
-  std::unique_ptr<AdamW> optimizer;
-  std::unique_ptr<ModelPrecision> precision;
-  std::unique_ptr<UpdateStep> update;
-  detail::ImageData images;
-
-  State(SuperResTrainConfig c, fs::path r)
-      : RunRecord("super-resolution", std::move(r), c.keep_checkpoints),
-        config(std::move(c)),
-        device(resolve_device(config.device, "super-resolution training")) {}
+struct SuperResTrainer::State : detail::ImageTrainerState<SuperResTrainConfig, models::RrdbNet> {
+  State(SuperResTrainConfig c, fs::path r) : ImageTrainerState("super-resolution", std::move(c), std::move(r)) {}
 
   SuperResStepMetrics train_step(const torch::Tensor& images);  // high-resolution, on the CPU
   void log_step(const SuperResStepMetrics& metrics);
-  void save_checkpoint();
-  void resume(const std::string& directory);
+  bool may_change_on_resume(const std::string& key) const override {
+    return ImageTrainerState::may_change_on_resume(key) || key == "validation_images";
+  }
 };
 
 namespace {
@@ -130,7 +111,7 @@ torch::Tensor SuperResTrainer::degrade_batch(const torch::Tensor& high, const Su
                                              int64_t step) {
   std::vector<torch::Tensor> low;
   for (int64_t i = 0; i < high.size(0); ++i) {
-    auto rng = degradation_rng(config.seed, step, i, kTrainSalt);
+    auto rng = degradation_rng(config.run.seed, step, i, kTrainSalt);
     low.push_back(data::degrade(high[i], config.model.scale, config.degradation, rng));
   }
   return torch::stack(low);
@@ -138,23 +119,13 @@ torch::Tensor SuperResTrainer::degrade_batch(const torch::Tensor& high, const Su
 
 SuperResTrainer::SuperResTrainer(SuperResTrainConfig config, std::string run_directory) {
   config.validate();
-  check_run_directory(run_directory, "super-resolution");
-  prepare_torch(config.threads, config.seed);
-
-  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  state_ = detail::start_trainer<State>(std::move(config), run_directory, "super-resolution");
   auto& s = *state_;
   s.model = models::RrdbNet(s.config.model);
-  s.model->to(s.device);
-  s.ema_model = models::RrdbNet(s.config.model);
-  s.ema_model->to(s.device);
-  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  s.optimizer = detail::make_adamw(s.model->parameters(), s.config);
-  s.precision = std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters());
-  s.update = std::make_unique<UpdateStep>(*s.optimizer, *s.precision, UpdateOptions{.what = "super-resolution"}, s.ema.get(),
-                                          s.model.get());
-
-  s.images = detail::open_image_data(s.config.data, s.config.seed);
-  s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
+  s.place_model();
+  s.build_update(s.model->parameters(), s.config.learning_rate.at(0));
+  s.open_images();
+  s.open_run(/*samples=*/true);
 }
 
 SuperResTrainer::~SuperResTrainer() = default;
@@ -165,7 +136,7 @@ models::RrdbNet& SuperResTrainer::model() { return state_->model; }
 SuperResStepMetrics SuperResTrainer::State::train_step(const torch::Tensor& images) {
   SuperResStepMetrics metrics;
   metrics.learning_rate = config.learning_rate.at(step);
-  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+  set_learning_rate(metrics.learning_rate);
   // Degraded on the CPU: the degradation draws from std:: generators, the same everywhere.
   const auto low = degrade_batch(images, config, step).to(device), high = images.to(device);
   auto output = [&] {
@@ -173,11 +144,7 @@ SuperResStepMetrics SuperResTrainer::State::train_step(const torch::Tensor& imag
     return model->forward(low);
   }();
   const auto loss = (output.to(torch::kFloat32) - high).abs().mean();
-  if (!torch::isfinite(loss).item<bool>()) {
-    throw Error("super-resolution: the loss is not finite at update " + std::to_string(step + 1) +
-                "; lower the learning rate or resume from an earlier checkpoint");
-  }
-  metrics.skipped = update->apply(loss, step + 1).skipped;
+  metrics.skipped = apply_update(loss).skipped;
   ++step;
   metrics.step = step;
   metrics.loss = loss.item<double>();
@@ -185,11 +152,7 @@ SuperResStepMetrics SuperResTrainer::State::train_step(const torch::Tensor& imag
 }
 
 void SuperResTrainer::State::log_step(const SuperResStepMetrics& m) {
-  nlohmann::json line = {{"step", m.step}, {"loss", m.loss}, {"learning_rate", m.learning_rate}};
-  if (const auto* scaler = precision->scaler()) {
-    line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
-  }
-  metrics_log.append(line);
+  append_metrics({{"step", m.step}, {"loss", m.loss}, {"learning_rate", m.learning_rate}});
 }
 
 void SuperResTrainer::run() {
@@ -244,25 +207,6 @@ SuperResValidation SuperResTrainer::validate() {
                         {"psnr_gain", result.psnr - result.bicubic_psnr},
                         {"validation_images", result.images}});
   return result;
-}
-
-void SuperResTrainer::State::save_checkpoint() {
-  auto checkpoint =
-      make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, images.loader->position());
-  precision->save_state(checkpoint.state, "gradient_scaler.");
-  save(checkpoint);
-}
-
-void SuperResTrainer::State::resume(const std::string& directory) {
-  auto checkpoint = io::load_checkpoint(directory);
-  check_resumable<SuperResTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
-                                       [](const std::string& key) {
-                                         return detail::may_change_on_resume(key) || key == "validation_images";
-                                       });
-  const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
-  precision->load_state(checkpoint.state, "gradient_scaler.");
-  images.loader->seek(progress.position);
-  resumed(directory, progress.step);
 }
 
 }  // namespace dalle::train

@@ -15,8 +15,6 @@
 namespace dalle::train::detail {
 namespace fs = std::filesystem;
 
-bool may_change_on_resume(const std::string& key) { return is_run_control_key(key) || key == "grid_images"; }
-
 ImageData open_image_data(const data::ImageDataConfig& config, int64_t seed) {
   ImageData images;
   images.train = data::ImageCaptionDataset::open(

@@ -55,41 +55,21 @@ void VqganTrainConfig::visit(ConfigVisitor& v) {
           {.min = 0});
   v.section("discriminator", "PatchGAN discriminator with hinge losses (taming's VQGAN loss without LPIPS)",
             discriminator);
-  v.field("beta1", beta1, "AdamW beta1 (taming: 0.5)", {.min = 0.0, .max = 1.0});
-  v.field("beta2", beta2, "AdamW beta2 (taming: 0.9)", {.min = 0.0, .max = 1.0});
-  v.field("epsilon", epsilon, "AdamW epsilon", {.min = 0.0});
-  v.field("weight_decay", weight_decay, "AdamW decoupled weight decay (taming: 0)", {.min = 0.0});
-  v.field("ema_decay", ema_decay, "decay of the weights' moving average, used to validate and tokenize",
-          {.min = 0.0, .max = 0.999999});
-  v.section("precision", "fp32, bf16, or fp16 with one dynamic gradient scale per network", precision);
-  detail::visit_interval_keys(v, *this, "PSNR, codebook usage, grid");
+  visit_shared_sections(v, optimizer, run, precision);
   v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
-  detail::visit_seed_and_device_keys(v, *this, "initialisation, data order, gumbel noise and code restarts",
-                                     "the networks train");
 }
 
-struct VqganTrainer::State : RunRecord {
-  VqganTrainConfig config;
-  torch::Device device;
-  models::Vqgan model{nullptr};
-  models::Vqgan ema_model{nullptr};
-  std::unique_ptr<Ema> ema;
-  std::unique_ptr<AdamW> optimizer;
-  std::unique_ptr<ModelPrecision> precision;
-  std::unique_ptr<UpdateStep> update;
+struct VqganTrainer::State : detail::ImageTrainerState<VqganTrainConfig, models::Vqgan> {
   models::PatchDiscriminator discriminator{nullptr};
   std::unique_ptr<AdamW> discriminator_optimizer;
   std::unique_ptr<ModelPrecision> discriminator_precision;
   std::unique_ptr<UpdateStep> discriminator_update;
-  detail::ImageData images;
-  at::Generator noise;
+  at::Generator noise;  // gumbel noise and code restarts, from the device's own kind of generator
   torch::Tensor usage;  // vector quantizer: how often each code was chosen since the last restart
 
   State(VqganTrainConfig c, fs::path r)
-      : RunRecord("vqgan", std::move(r), c.keep_checkpoints),
-        config(std::move(c)),
-        device(resolve_device(config.device, "vqgan training")),
-        noise(seeded_generator(device, static_cast<uint64_t>(config.seed))),
+      : ImageTrainerState("vqgan", std::move(c), std::move(r)),
+        noise(seeded_generator(device, static_cast<uint64_t>(config.run.seed))),
         usage(torch::zeros({config.model.n_embed}, torch::kInt64)) {}
 
   VqganStepMetrics train_step(const torch::Tensor& images);
@@ -104,9 +84,10 @@ struct VqganTrainer::State : RunRecord {
   std::vector<torch::Tensor> learned_parameters();
   // trainable: decoder's pass: the frozen encoder's argmax tokens, decoded with gradients.
   models::VqganOutput decode_frozen_tokens(const torch::Tensor& images);
+  void build_discriminator();
   void log_step(const VqganStepMetrics& metrics);
-  void save_checkpoint();
-  void resume(const std::string& directory);
+  void save_extra(io::Checkpoint& checkpoint) const override;
+  void restore_extra(const io::Checkpoint& checkpoint, const std::string& directory) override;
 };
 
 namespace {
@@ -141,35 +122,28 @@ void validate_settings(const VqganTrainConfig& config) {
 
 VqganTrainer::VqganTrainer(VqganTrainConfig config, std::string run_directory) {
   validate_settings(config);
-  check_run_directory(run_directory, "VQGAN");
-  prepare_torch(config.threads, config.seed);
-
-  state_ = std::make_unique<State>(std::move(config), fs::path(run_directory));
+  state_ = detail::start_trainer<State>(std::move(config), run_directory, "VQGAN");
   auto& s = *state_;
   s.model = models::Vqgan(s.config.model);
   // A resumed run has its own weights; init_from is read only to start one.
   if (!s.config.init_from.empty() && !s.checkpoints.latest()) s.initialise_from(s.config.init_from);
-  s.model->to(s.device);
-  s.ema_model = models::Vqgan(s.config.model);
-  s.ema_model->to(s.device);
-  s.ema = std::make_unique<Ema>(*s.model, s.config.ema_decay);
-  const auto learned = s.learned_parameters();
-  s.optimizer = detail::make_adamw(learned, s.config);
-  s.precision = std::make_unique<ModelPrecision>(s.config.precision, learned);
-  s.update = std::make_unique<UpdateStep>(*s.optimizer, *s.precision, UpdateOptions{.what = "vqgan"}, s.ema.get(),
-                                          s.model.get());
-  if (s.config.discriminator.enabled) {
-    s.discriminator = models::PatchDiscriminator(s.config.model.out_channels, s.config.discriminator.channels,
-                                                 s.config.discriminator.layers);
-    s.discriminator->to(s.device);
-    s.discriminator_optimizer = detail::make_adamw(s.discriminator->parameters(), s.config);
-    s.discriminator_precision = std::make_unique<ModelPrecision>(s.config.precision, s.discriminator->parameters());
-    s.discriminator_update = std::make_unique<UpdateStep>(*s.discriminator_optimizer, *s.discriminator_precision,
-                                                          UpdateOptions{.what = "vqgan discriminator"});
-  }
+  s.place_model();
+  s.build_update(s.learned_parameters(), s.config.learning_rate.at(0));
+  if (s.config.discriminator.enabled) s.build_discriminator();
+  s.open_images();
+  s.open_run(/*samples=*/true);
+}
 
-  s.images = detail::open_image_data(s.config.data, s.config.seed);
-  s.open(visit_of(s.config), /*samples=*/true, [&s](const std::string& latest) { s.resume(latest); });
+void VqganTrainer::State::build_discriminator() {
+  discriminator = models::PatchDiscriminator(config.model.out_channels, config.discriminator.channels,
+                                             config.discriminator.layers);
+  discriminator->to(device);
+  discriminator_optimizer = make_adamw({torch::optim::OptimizerParamGroup(discriminator->parameters())},
+                                       config.learning_rate.at(0));
+  discriminator_precision = std::make_unique<ModelPrecision>(config.precision, discriminator->parameters());
+  discriminator_update = std::make_unique<UpdateStep>(
+      *discriminator_optimizer, *discriminator_precision,
+      UpdateOptions{.what = "vqgan discriminator", .grad_clip = config.optimizer.grad_clip});
 }
 
 VqganTrainer::~VqganTrainer() = default;
@@ -246,7 +220,7 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
   VqganStepMetrics metrics;
   metrics.temperature = config.temperature.at(step);
   metrics.learning_rate = config.learning_rate.at(step);
-  for (auto& group : optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
+  set_learning_rate(metrics.learning_rate);
   if (discriminator_optimizer) {
     for (auto& group : discriminator_optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
   }
@@ -272,14 +246,10 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
     metrics.adversarial_weight = config.discriminator.weight * factor;
     loss = loss + metrics.adversarial_weight * generator_loss;
   }
-  if (!torch::isfinite(loss).item<bool>()) {
-    // Stop before the weights, the EMA or a checkpoint take the non-finite values.
-    throw Error("vqgan: the loss is not finite at update " + std::to_string(step + 1) + " (reconstruction " +
-                std::to_string(reconstruction.item<double>()) + ", quantizer " +
-                std::to_string(quantizer.item<double>()) +
-                "); lower the learning rate or resume from an earlier checkpoint");
-  }
-  metrics.skipped = update->apply(loss, step + 1).skipped;
+  metrics.skipped = apply_update(loss, [&] {
+                      return "reconstruction " + std::to_string(reconstruction.item<double>()) + ", quantizer " +
+                             std::to_string(quantizer.item<double>());
+                    }).skipped;
   if (adversarial) metrics.discriminator = train_discriminator(x, out.reconstruction.detach());
   ++step;
   metrics.restarted = track_usage(out);
@@ -297,15 +267,12 @@ void VqganTrainer::State::log_step(const VqganStepMetrics& m) {
                          {"quantizer", m.quantizer}, {"learning_rate", m.learning_rate}};
   if (model->gumbel && !decoder_only()) line["temperature"] = m.temperature;
   if (model->vector && !decoder_only()) line["restarted"] = m.restarted;
-  if (const auto* scaler = precision->scaler()) {
-    line.update({{"grad_scale", scaler->scale(0)}, {"skipped_updates", scaler->skipped_updates()}});
-  }
   if (discriminator) {
     line["adversarial"] = m.adversarial;
     line["adversarial_weight"] = m.adversarial_weight;
     line["discriminator"] = m.discriminator;
   }
-  metrics_log.append(line);
+  append_metrics(line);
 }
 
 void VqganTrainer::run() {
@@ -323,8 +290,7 @@ TokenizerValidation VqganTrainer::validate() {
                                     s.step, s.run, s.metrics_log, "vqgan");
 }
 
-void VqganTrainer::State::save_checkpoint() {
-  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, images.loader->position());
+void VqganTrainer::State::save_extra(io::Checkpoint& checkpoint) const {
   auto& state = checkpoint.state;
   if (discriminator) {
     for (const auto& [name, tensor] : io::state_dict(*discriminator)) state.emplace("discriminator." + name, tensor);
@@ -334,16 +300,10 @@ void VqganTrainer::State::save_checkpoint() {
   }
   state.emplace("vq.usage", usage);
   state.emplace("rng.noise", noise.get_state());
-  precision->save_state(state, "gradient_scaler.");
   if (discriminator_precision) discriminator_precision->save_state(state, "discriminator_gradient_scaler.");
-  save(checkpoint);
 }
 
-void VqganTrainer::State::resume(const std::string& directory) {
-  auto checkpoint = io::load_checkpoint(directory);
-  check_resumable<VqganTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
-                                    detail::may_change_on_resume);
-  const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
+void VqganTrainer::State::restore_extra(const io::Checkpoint& checkpoint, const std::string& directory) {
   const auto& state = checkpoint.state;
   if (discriminator) {
     io::load_state_dict(*discriminator, io::with_prefix_removed(state, "discriminator."),
@@ -353,10 +313,7 @@ void VqganTrainer::State::resume(const std::string& directory) {
   }
   usage.copy_(state.at("vq.usage"));
   restore_generator(noise, state.at("rng.noise"), "vqgan");
-  precision->load_state(state, "gradient_scaler.");
   if (discriminator_precision) discriminator_precision->load_state(state, "discriminator_gradient_scaler.");
-  images.loader->seek(progress.position);
-  resumed(directory, progress.step);
 }
 
 }  // namespace dalle::train

@@ -16,6 +16,7 @@
 #include "dalle/models/clip.h"
 #include "dalle/train/trainers/dvae_trainer.h"
 #include "dalle/train/precision.h"
+#include "dalle/train/recipe.h"
 #include "dalle/train/schedule.h"
 
 namespace dalle::train {
@@ -37,19 +38,13 @@ struct ClipTrainConfig {
   double hard_negatives = 0.0;    // share of each batch replaced by caption neighbours of the rest
   int64_t warmup_steps = 100;
   CosineSchedule learning_rate{5e-4, 0.0, 10'000};
-  double beta1 = 0.9, beta2 = 0.98, epsilon = 1e-6, weight_decay = 0.2;
-  double max_logit_scale = 4.605170185988092;  // ln 100
-  double ema_decay = 0.0;
+  // CLIP's AdamW for ViTs: betas 0.9, 0.98, epsilon 1e-6, weight decay 0.2 on the matrices
+  // and embeddings only (gains, biases, the class embedding and logit_scale have none).
+  OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.98, .epsilon = 1e-6, .weight_decay = 0.2, .ema_decay = 0.0};
+  RunConfig run{.steps = 10'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
-  int64_t steps = 10'000;
-  int64_t log_every = 100;
-  int64_t validate_every = 1000;
+  double max_logit_scale = 4.605170185988092;  // ln 100
   int64_t validation_images = 256;
-  int64_t checkpoint_every = 1000;
-  int64_t keep_checkpoints = 3;
-  int64_t seed = 0;
-  int64_t threads = 0;
-  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
   double learning_rate_at(int64_t step) const;
@@ -77,7 +72,7 @@ class ClipTrainer {
   ClipTrainer(ClipTrainConfig config, std::string run_directory);
   ~ClipTrainer();
 
-  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // Trains until config.run.steps updates are done, validating and checkpointing on schedule,
   // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;

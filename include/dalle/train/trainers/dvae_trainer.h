@@ -14,6 +14,7 @@
 #include "dalle/data/caption_dataset.h"
 #include "dalle/models/dvae.h"
 #include "dalle/train/precision.h"
+#include "dalle/train/recipe.h"
 #include "dalle/train/schedule.h"
 #include "dalle/train/trainers/tokenizer_validation.h"
 
@@ -27,19 +28,12 @@ struct DvaeTrainConfig {
   CosineSchedule temperature{1.0, 1.0 / 16, 150'000};
   CosineSchedule kl_weight{0.0, 6.6, 5'000};
   bool straight_through = false;
-  double beta1 = 0.9, beta2 = 0.999, epsilon = 1e-8, weight_decay = 1e-4;
-  double ema_decay = 0.999;
+  // DALL-E's AdamW: weight decay 1e-4; its EMA decay 0.999.
+  OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.999, .epsilon = 1e-8, .weight_decay = 1e-4, .ema_decay = 0.999};
+  RunConfig run{.steps = 1'200'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
-  int64_t steps = 1'200'000;
-  int64_t log_every = 100;
-  int64_t validate_every = 1000;
-  int64_t checkpoint_every = 1000;
-  int64_t keep_checkpoints = 3;
   int64_t grid_images = 8;
   std::string reconstruction_loss = "logit_laplace";
-  int64_t seed = 0;
-  int64_t threads = 0;
-  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
 };
@@ -60,7 +54,7 @@ class DvaeTrainer {
   DvaeTrainer(DvaeTrainConfig config, std::string run_directory);
   ~DvaeTrainer();
 
-  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // Trains until config.run.steps updates are done, validating and checkpointing on schedule,
   // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;

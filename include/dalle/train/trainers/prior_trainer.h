@@ -16,6 +16,7 @@
 #include "dalle/models/prior_sampling.h"
 #include "dalle/train/gradient_scaler.h"
 #include "dalle/train/precision.h"
+#include "dalle/train/recipe.h"
 
 namespace dalle::train {
 
@@ -57,24 +58,18 @@ struct PriorTrainConfig {
   models::PriorConfig model;
   PriorDataConfig data;
   PriorLearningRate learning_rate;
-  double beta1 = 0.9, beta2 = 0.96, epsilon = 1e-8, weight_decay = 4.5e-2;
-  double grad_clip = 4.0;
-  double ema_decay = 0.99;
+  // DALL-E's AdamW: betas 0.9, 0.96, weight decay 4.5e-2 on the weight matrices only
+  // (gains, biases and embeddings have none), the global norm clipped at 4.
+  OptimizerConfig optimizer{
+      .beta1 = 0.9, .beta2 = 0.96, .epsilon = 1e-8, .weight_decay = 4.5e-2, .grad_clip = 4.0, .ema_decay = 0.99};
+  RunConfig run{.steps = 430'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
   int64_t checkpoint_activations_every = 0;  // resblocks 0, k, 2k, ... recompute in backward; 0: none
-  int64_t steps = 430'000;
-  int64_t log_every = 100;
-  int64_t validate_every = 1000;
-  int64_t checkpoint_every = 1000;
-  int64_t keep_checkpoints = 3;
   std::string tokenizer;        // caption tokenizer model, for the sample grids
   std::string image_tokenizer;  // dVAE or VQGAN run that made the tokens, for the sample grids
   std::vector<std::string> sample_captions;
   int64_t samples_per_caption = 2;
   models::SamplingOptions sampling;
-  int64_t seed = 0;
-  int64_t threads = 0;
-  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
 };
@@ -94,7 +89,7 @@ class PriorTrainer {
   PriorTrainer(PriorTrainConfig config, std::string run_directory);
   ~PriorTrainer();
 
-  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // Trains until config.run.steps updates are done, validating and checkpointing on schedule,
   // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;

@@ -16,6 +16,7 @@
 #include "dalle/models/rrdbnet.h"
 #include "dalle/train/trainers/dvae_trainer.h"
 #include "dalle/train/precision.h"
+#include "dalle/train/recipe.h"
 #include "dalle/train/schedule.h"
 
 namespace dalle::train {
@@ -26,19 +27,12 @@ struct SuperResTrainConfig {
   data::ImageDataConfig data;  // image_size: the high-resolution crop side
   data::DegradationConfig degradation;
   CosineSchedule learning_rate{2e-4, 2e-6, 1'000'000};
-  double beta1 = 0.9, beta2 = 0.99, epsilon = 1e-8, weight_decay = 0.0;
-  double ema_decay = 0.999;
+  // Real-ESRNet's Adam: betas 0.9, 0.99, no weight decay; its EMA decay 0.999.
+  OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.99, .epsilon = 1e-8, .weight_decay = 0.0, .ema_decay = 0.999};
+  RunConfig run{.steps = 1'000'000, .log_every = 100, .validate_every = 5000, .checkpoint_every = 5000};
   PrecisionConfig precision;
-  int64_t steps = 1'000'000;
-  int64_t log_every = 100;
-  int64_t validate_every = 5000;
   int64_t validation_images = 64;
-  int64_t checkpoint_every = 5000;
-  int64_t keep_checkpoints = 3;
   int64_t grid_images = 8;
-  int64_t seed = 0;
-  int64_t threads = 0;
-  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
   // Throws when the values are inconsistent with each other (image size and scale).
@@ -64,7 +58,7 @@ class SuperResTrainer {
   SuperResTrainer(SuperResTrainConfig config, std::string run_directory);
   ~SuperResTrainer();
 
-  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // Trains until config.run.steps updates are done, validating and checkpointing on schedule,
   // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;

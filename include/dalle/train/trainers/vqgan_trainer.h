@@ -17,6 +17,7 @@
 #include "dalle/models/vqgan.h"
 #include "dalle/train/trainers/dvae_trainer.h"
 #include "dalle/train/precision.h"
+#include "dalle/train/recipe.h"
 #include "dalle/train/schedule.h"
 #include "dalle/train/trainers/tokenizer_validation.h"
 
@@ -56,18 +57,11 @@ struct VqganTrainConfig {
   double commitment = 0.25;
   int64_t restart_every = 200;
   DiscriminatorConfig discriminator;
-  double beta1 = 0.5, beta2 = 0.9, epsilon = 1e-8, weight_decay = 0.0;
-  double ema_decay = 0.999;
+  // taming's Adam: betas 0.5, 0.9, no weight decay; the discriminator's too.
+  OptimizerConfig optimizer{.beta1 = 0.5, .beta2 = 0.9, .epsilon = 1e-8, .weight_decay = 0.0, .ema_decay = 0.999};
+  RunConfig run{.steps = 500'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
-  int64_t steps = 500'000;
-  int64_t log_every = 100;
-  int64_t validate_every = 1000;
-  int64_t checkpoint_every = 1000;
-  int64_t keep_checkpoints = 3;
   int64_t grid_images = 8;
-  int64_t seed = 0;
-  int64_t threads = 0;
-  std::string device = "auto";
 
   void visit(ConfigVisitor& v);
 };
@@ -91,7 +85,7 @@ class VqganTrainer {
   VqganTrainer(VqganTrainConfig config, std::string run_directory);
   ~VqganTrainer();
 
-  // Trains until config.steps updates are done, validating and checkpointing on schedule,
+  // Trains until config.run.steps updates are done, validating and checkpointing on schedule,
   // or until a stop is requested (stop_request.h): then it checkpoints and returns early.
   void run();
   int64_t step() const;

@@ -1,0 +1,46 @@
+#pragma once
+// The sections every training recipe shares, declared once and read under the same keys by
+// every trainer: `optimizer` (AdamW, clipping, the moving average of the weights), `run`
+// (how long, how often, where) and `precision` (train/precision.h). Each trainer gives its
+// own defaults (the paper's or the reference's), not its own keys.
+#include <cstdint>
+#include <string>
+
+#include "dalle/config.h"
+#include "dalle/train/precision.h"
+
+namespace dalle::train {
+
+struct OptimizerConfig {
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double epsilon = 1e-8;
+  double weight_decay = 0.0;
+  double grad_clip = 0.0;  // 0: no clipping
+  double ema_decay = 0.999;
+
+  void visit(ConfigVisitor& v);
+};
+
+struct RunConfig {
+  int64_t steps = 1000;
+  int64_t log_every = 100;
+  int64_t validate_every = 1000;
+  int64_t checkpoint_every = 1000;
+  int64_t keep_checkpoints = 3;
+  int64_t seed = 0;
+  int64_t threads = 0;
+  std::string device = "auto";
+
+  void visit(ConfigVisitor& v);
+};
+
+// Visits the three shared sections, and refuses a recipe that still has their keys at the
+// top level (as recipes had them before the sections), naming the key's new place.
+void visit_shared_sections(ConfigVisitor& v, OptimizerConfig& optimizer, RunConfig& run, PrecisionConfig& precision);
+
+// The keys a resume may change in every recipe: how long and how often, the threads, the
+// loader's workers and the device, not what is trained.
+bool is_run_control_key(const std::string& key);
+
+}  // namespace dalle::train

@@ -1,0 +1,46 @@
+#include "dalle/train/recipe.h"
+
+namespace dalle::train {
+
+void OptimizerConfig::visit(ConfigVisitor& v) {
+  v.field("beta1", beta1, "AdamW's first-moment decay", {.min = 0.0, .max = 1.0});
+  v.field("beta2", beta2, "AdamW's second-moment decay", {.min = 0.0, .max = 1.0});
+  v.field("epsilon", epsilon, "AdamW's epsilon", {.min = 0.0});
+  v.field("weight_decay", weight_decay, "AdamW's decoupled weight decay (0: Adam)", {.min = 0.0});
+  v.field("grad_clip", grad_clip, "clip the global gradient norm to this (0: no clipping)", {.min = 0.0});
+  v.field("ema_decay", ema_decay, "decay of the weights' moving average, which validates and is exported (0: off)",
+          {.min = 0.0, .max = 0.999999});
+}
+
+void RunConfig::visit(ConfigVisitor& v) {
+  v.field("steps", steps, "updates to train for", {.min = 1});
+  v.field("log_every", log_every, "updates between metric lines", {.min = 1});
+  v.field("validate_every", validate_every, "updates between validations", {.min = 1});
+  v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
+  v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
+  v.field("seed", seed, "seed of the initialisation, the data order and every random draw of training", {.min = 0});
+  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("device", device, "where training runs: auto (a GPU when torch sees one), cpu or cuda",
+          {.choices = {"auto", "cpu", "cuda"}});
+}
+
+void visit_shared_sections(ConfigVisitor& v, OptimizerConfig& optimizer, RunConfig& run, PrecisionConfig& precision) {
+  v.section("optimizer", "AdamW, gradient clipping and the moving average of the weights", optimizer);
+  v.section("run", "how long, how often and where the run trains", run);
+  v.section("precision", "fp32, bf16, or fp16 with dynamic gradient scales (per resblock in the prior)", precision);
+  for (const char* key : {"beta1", "beta2", "epsilon", "weight_decay", "grad_clip", "ema_decay"}) {
+    v.moved(key, std::string("optimizer.") + key);
+  }
+  for (const char* key :
+       {"steps", "log_every", "validate_every", "checkpoint_every", "keep_checkpoints", "seed", "threads", "device"}) {
+    v.moved(key, std::string("run.") + key);
+  }
+}
+
+bool is_run_control_key(const std::string& key) {
+  return key == "run.steps" || key == "run.log_every" || key == "run.validate_every" ||
+         key == "run.checkpoint_every" || key == "run.keep_checkpoints" || key == "run.threads" ||
+         key == "data.workers" || key == "run.device";
+}
+
+}  // namespace dalle::train

@@ -1,0 +1,165 @@
+#pragma once
+// The trainer driver: what every trainer holds and does alike. A trainer's State derives
+// from TrainerState<Config, Model> and fills it with its model (built on the CPU, so that a
+// seed gives the same weights anywhere), its loss, its data and whatever extra state it
+// checkpoints; the driver builds the moving average, AdamW, the precision and the update
+// step, opens the run directory, writes and restores checkpoints (refusing a resume under a
+// changed config) and adds the fp16 scales to the metrics line. Private to the library.
+#include <torch/optim/optimizer.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dalle/data/loader.h"
+#include "dalle/device.h"
+#include "dalle/error.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/train/adamw.h"
+#include "dalle/train/ema.h"
+#include "dalle/train/model_precision.h"
+#include "dalle/train/recipe.h"
+#include "dalle/train/update_step.h"
+#include "train/run_directory.h"
+#include "train/training_loop.h"
+
+namespace dalle::train::detail {
+
+// The start of every trainer: refuses a foreign `run` directory (`what` names the kind of
+// run in the error), sets torch's threads and seed, then builds the State.
+template <class State, class Config>
+std::unique_ptr<State> start_trainer(Config config, const std::string& run, const std::string& what) {
+  check_run_directory(run, what);
+  prepare_torch(config.run.threads, config.run.seed);
+  return std::make_unique<State>(std::move(config), std::filesystem::path(run));
+}
+
+template <class Config, class Model>
+struct TrainerState : RunRecord {
+  Config config;
+  torch::Device device;
+  Model model{nullptr}, ema_model{nullptr};
+  std::unique_ptr<Ema> ema;
+  std::unique_ptr<AdamW> optimizer;
+  std::unique_ptr<ModelPrecision> precision;
+  std::unique_ptr<UpdateStep> update;
+
+  // `what` names the trainer in logs and errors ("prior").
+  TrainerState(const std::string& what, Config c, std::filesystem::path run)
+      : RunRecord(what, std::move(run), c.run.keep_checkpoints),
+        config(std::move(c)),
+        device(resolve_device(config.run.device, what + " training")) {}
+  virtual ~TrainerState() = default;
+
+  // Once `model` is built: moves it to the device and starts its moving average.
+  void place_model() {
+    model->to(device);
+    ema_model = Model(config.model);
+    ema_model->to(device);
+    ema = std::make_unique<Ema>(*model, config.optimizer.ema_decay);
+  }
+
+  // AdamW over `groups` with the recipe's optimizer section (a group with options of its own
+  // keeps its weight decay), its moments in the recipe's precision.
+  std::unique_ptr<AdamW> make_adamw(std::vector<torch::optim::OptimizerParamGroup> groups,
+                                    double first_learning_rate) const {
+    const auto& o = config.optimizer;
+    auto adamw = std::make_unique<AdamW>(std::move(groups),
+                                         torch::optim::AdamWOptions(first_learning_rate)
+                                             .betas({o.beta1, o.beta2})
+                                             .eps(o.epsilon)
+                                             .weight_decay(o.weight_decay),
+                                         config.precision.moments_dtype());
+    for (auto& group : adamw->param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).betas({o.beta1, o.beta2}).eps(o.epsilon);
+    }
+    return adamw;
+  }
+
+  // AdamW over `groups`, `precision` and the update step, with `options`' name and
+  // clipping filled in from the recipe.
+  void build_update(std::vector<torch::optim::OptimizerParamGroup> groups, double first_learning_rate,
+                    std::unique_ptr<ModelPrecision> model_precision, UpdateOptions options = {}) {
+    optimizer = make_adamw(std::move(groups), first_learning_rate);
+    precision = std::move(model_precision);
+    options.what = what;
+    options.grad_clip = config.optimizer.grad_clip;
+    update = std::make_unique<UpdateStep>(*optimizer, *precision, std::move(options), ema.get(), model.get());
+  }
+  // The usual case: every learned tensor in one group with the config's weight decay, one
+  // fp16 scale on the loss.
+  void build_update(const std::vector<torch::Tensor>& learned, double first_learning_rate, UpdateOptions options = {}) {
+    build_update({torch::optim::OptimizerParamGroup(learned)}, first_learning_rate,
+                 std::make_unique<ModelPrecision>(config.precision, learned), std::move(options));
+  }
+
+  // Sets every parameter group's learning rate for the coming update.
+  void set_learning_rate(double rate) {
+    for (auto& group : optimizer->param_groups()) group.options().set_lr(rate);
+  }
+
+  // One update with `loss`. A loss that is not finite ends the run before the weights, the
+  // average or a checkpoint take it; `terms`, when given, describes its parts in that message.
+  UpdateResult apply_update(const torch::Tensor& loss, const std::function<std::string()>& terms = nullptr) {
+    if (!torch::isfinite(loss).item<bool>()) {
+      throw Error(what + ": the loss is not finite at update " + std::to_string(step + 1) +
+                  (terms ? " (" + terms() + ")" : "") + "; lower the learning rate or resume from an earlier checkpoint");
+    }
+    return update->apply(loss, step + 1);
+  }
+
+  // Locks the run directory and resumes from its latest checkpoint, if any.
+  void open_run(bool samples) {
+    open(visit_of(config), samples, [this](const std::string& latest) { resume(latest); });
+  }
+
+  void save_checkpoint() {
+    auto checkpoint =
+        make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader_position());
+    precision->save_state(checkpoint.state, "gradient_scaler.");
+    save_extra(checkpoint);
+    save(checkpoint);
+  }
+
+  void resume(const std::string& directory) {
+    auto checkpoint = io::load_checkpoint(directory);
+    check_resumable<Config>(config, checkpoint.config_yaml, directory + "/config.yaml",
+                            [this](const std::string& key) { return may_change_on_resume(key); });
+    const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
+    precision->load_state(checkpoint.state, "gradient_scaler.");
+    restore_extra(checkpoint, directory);
+    seek_loader(progress.position);
+    resumed(directory, progress.step);
+  }
+
+  // A metrics line with the fp16 scales added: the one scale, or the spread of the
+  // per-resblock ones, and the updates skipped so far.
+  void append_metrics(nlohmann::json line) const {
+    if (const auto* scaler = precision->scaler()) {
+      if (precision->scales_loss()) {
+        line["grad_scale"] = scaler->scale(0);
+      } else {
+        const auto scales = scaler->summary();
+        line.update({{"grad_scale_min", scales.min}, {"grad_scale_median", scales.median},
+                     {"grad_scale_max", scales.max}});
+      }
+      line["skipped_updates"] = scaler->skipped_updates();
+    }
+    metrics_log.append(line);
+  }
+
+  // What differs between trainers.
+  virtual data::LoaderPosition loader_position() const = 0;
+  virtual void seek_loader(const data::LoaderPosition& position) = 0;
+  // Keys beyond the run controls that a resume may change (sample settings, ...).
+  virtual bool may_change_on_resume(const std::string& key) const { return is_run_control_key(key); }
+  virtual void save_extra(io::Checkpoint&) const {}
+  virtual void restore_extra(const io::Checkpoint&, const std::string& directory) { (void)directory; }
+};
+
+}  // namespace dalle::train::detail
