@@ -10,6 +10,7 @@
 #include "dalle/eval/classifier_trainer.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/model_config.h"
 
 namespace dalle::eval {
 
@@ -77,8 +78,7 @@ TrainedClassifier load_item_classifier(const std::string& directory) {
     throw Error(directory + ": not an item classifier checkpoint (its state.safetensors says kind '" +
                 (checkpoint.state_metadata.count("kind") ? checkpoint.state_metadata.at("kind") : "") + "')");
   }
-  const auto config = load_config<ClassifierTrainConfig>(
-      ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
+  const auto config = load_model_config<ClassifierTrainConfig>(checkpoint.config_yaml, directory + "/config.yaml");
   TrainedClassifier trained{ItemClassifier(config.model), config.model, 0.0};
   io::load_state_dict(*trained.model, checkpoint.weights, directory + "/model.safetensors");
   trained.model->eval();

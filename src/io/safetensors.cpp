@@ -66,15 +66,22 @@ void check_nesting(std::string_view header, const std::string& name) {
 
 uint64_t checked_product(const std::vector<int64_t>& shape, uint64_t element_bytes,
                          const std::string& name, const std::string& tensor) {
-  uint64_t total = element_bytes;
+  // Every dimension counts, zeros aside: torch refuses a shape whose element count
+  // overflows even when another dimension is 0.
+  uint64_t nonzero = element_bytes;
+  bool empty = false;
   for (int64_t dim : shape) {
     if (dim < 0) refuse(name, "tensor '" + tensor + "' has a negative dimension");
-    if (dim != 0 && total > UINT64_MAX / static_cast<uint64_t>(dim)) {
+    if (dim == 0) {
+      empty = true;
+      continue;
+    }
+    if (nonzero > static_cast<uint64_t>(INT64_MAX) / static_cast<uint64_t>(dim)) {
       refuse(name, "tensor '" + tensor + "' has a shape too large to address");
     }
-    total *= static_cast<uint64_t>(dim);
+    nonzero *= static_cast<uint64_t>(dim);
   }
-  return total;
+  return empty ? 0 : nonzero;
 }
 
 struct Entry {
@@ -189,7 +196,12 @@ Safetensors parse_safetensors(std::string_view bytes, const std::string& name) {
   }
   check_layout(entries, data.size(), name);
   for (const auto& entry : entries) {
-    auto tensor = torch::empty(entry.shape, torch::TensorOptions().dtype(entry.dtype->type));
+    torch::Tensor tensor;
+    try {
+      tensor = torch::empty(entry.shape, torch::TensorOptions().dtype(entry.dtype->type));
+    } catch (const c10::Error& error) {
+      refuse(name, "tensor '" + entry.name + "': " + error.what_without_backtrace());
+    }
     std::memcpy(tensor.data_ptr(), data.data() + entry.begin, entry.end - entry.begin);
     result.tensors.emplace(entry.name, std::move(tensor));
   }

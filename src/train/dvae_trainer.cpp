@@ -18,6 +18,7 @@
 #include "dalle/train/ema.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/optimizer_state.h"
+#include "dalle/model_config.h"
 #include "run_directory.h"
 #include "trainer_support.h"
 
@@ -221,8 +222,7 @@ void DvaeTrainer::State::resume(const std::string& directory) {
 TrainedDvae load_trained_dvae(const std::string& run_or_checkpoint) {
   const auto directory = resolve_checkpoint(run_or_checkpoint, "dVAE");
   const auto checkpoint = io::load_checkpoint(directory);
-  const auto config = load_config<DvaeTrainConfig>(
-      ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
+  const auto config = load_model_config<DvaeTrainConfig>(checkpoint.config_yaml, directory + "/config.yaml");
   const auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
   TrainedDvae trained{models::Dvae(config.model), config.data.image_size};
   io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);

@@ -5,12 +5,33 @@
 #include "dalle/config.h"
 #include "dalle/error.h"
 #include "dalle/io/checkpoint.h"
+#include "dalle/train/clip_loader.h"
+#include "dalle/train/image_tokenizer_loader.h"
+#include "dalle/train/prior_trainer.h"
+#include "dalle/train/rrdbnet_loader.h"
 #include "run_directory.h"
 #include "trainer_support.h"
 
 namespace dalle::train {
 
 namespace fs = std::filesystem;
+
+namespace {
+
+// Loads the checkpoint as the model its config describes, as the tools that read the export
+// will: a config without sizes, NaN weights, or weights that do not fit the config are
+// refused here rather than shipped. The prior's config has no `kind`; OpenAI's imported
+// dVAE has none either, but no prior key.
+void check_loadable(const std::string& directory, const std::string& config_yaml) {
+  const auto kind = peek_choice(ConfigSource::from_string(config_yaml, directory + "/config.yaml"), "kind", "",
+                                {"dvae", "vqgan", "clip", "rrdbnet"});
+  if (kind == "clip") load_trained_clip(directory);
+  else if (kind == "rrdbnet") load_trained_rrdbnet(directory);
+  else if (kind.empty() && config_yaml.find("text_vocab_size") != std::string::npos) load_trained_prior(directory);
+  else load_image_tokenizer(directory);
+}
+
+}  // namespace
 
 ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
                                const std::vector<std::string>& config_overrides) {
@@ -24,6 +45,7 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
     throw Error(out + ": is the checkpoint being exported; choose another output folder");
   }
   auto checkpoint = io::load_checkpoint(exported.checkpoint);
+  check_loadable(exported.checkpoint, checkpoint.config_yaml);
   if (!config_overrides.empty()) {
     // The exported config is complete, so a key it lacks is a typo, not an addition.
     auto config = ConfigSource::from_string(checkpoint.config_yaml, exported.checkpoint + "/config.yaml");

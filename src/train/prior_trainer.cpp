@@ -24,6 +24,7 @@
 #include "dalle/train/image_tokenizer_loader.h"
 #include "dalle/train/optimizer_state.h"
 #include "dalle/train/resblock_runner.h"
+#include "dalle/model_config.h"
 #include "run_directory.h"
 #include "trainer_support.h"
 #include "training_loop.h"
@@ -401,7 +402,7 @@ void PriorTrainer::State::resume(const std::string& directory) {
 TrainedPrior load_trained_prior(const std::string& run_or_checkpoint) {
   const auto directory = resolve_checkpoint(run_or_checkpoint, "prior");
   const auto checkpoint = io::load_checkpoint(directory);
-  auto config = load_config<PriorTrainConfig>(ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
+  auto config = load_model_config<PriorTrainConfig>(checkpoint.config_yaml, directory + "/config.yaml");
   const auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
   TrainedPrior trained{models::Prior(config.model), config, directory};
   io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);

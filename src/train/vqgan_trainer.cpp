@@ -17,6 +17,7 @@
 #include "dalle/train/ema.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/optimizer_state.h"
+#include "dalle/model_config.h"
 #include "run_directory.h"
 #include "trainer_support.h"
 
@@ -363,8 +364,7 @@ void VqganTrainer::State::resume(const std::string& directory) {
 TrainedVqgan load_trained_vqgan(const std::string& run_or_checkpoint) {
   const std::string directory = resolve_checkpoint(run_or_checkpoint, "VQGAN");
   const auto checkpoint = io::load_checkpoint(directory);
-  const auto config = load_config<VqganTrainConfig>(
-      ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"));
+  const auto config = load_model_config<VqganTrainConfig>(checkpoint.config_yaml, directory + "/config.yaml");
   const auto ema = detail::with_prefix_removed(checkpoint.state, "ema.");
   TrainedVqgan trained{models::Vqgan(config.model), config.data.image_size};
   io::load_state_dict(*trained.model, ema.empty() ? checkpoint.weights : ema, directory);
