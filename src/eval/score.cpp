@@ -14,6 +14,7 @@
 #include "dalle/error.h"
 #include "dalle/eval/frechet_distance.h"
 #include "dalle/eval/item_classifier.h"
+#include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
 #include "dalle/train/image_tokenizer_loader.h"
@@ -96,7 +97,7 @@ class Scorer {
     const auto caption = data::parse_fashion_compose_caption(prompt);
     if (!caption) {
       ++report.unparsed;
-      log::warn("score: ", name, ": prompt '", prompt, "' is not a fashion-compose caption; not scored");
+      log::warn("score: ", name, ": prompt ", excerpt(prompt), " is not a fashion-compose caption; not scored");
       return;
     }
     auto objects = find_objects(image, measure_);
