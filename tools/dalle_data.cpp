@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
     } else if (*compose_command) {
       auto config = load_config<data::FashionComposeConfig>(compose_config.source());
       if (compose_config.print_requested(visit_of(config))) return;
-      if (compose_out.empty()) throw Error("compose: --out is required");
+      if (compose_out.empty()) throw tools::UsageError("compose: --out is required");
       data::build_fashion_compose(config, compose_out);
       log::info("fashion-compose written to ", compose_out, "; sample grid ",
                 (std::filesystem::path(compose_out) / "sample_grid.png").string());

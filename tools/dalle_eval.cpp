@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
     if (*train_command) {
       auto config = load_config<eval::ClassifierTrainConfig>(classifier_config.source());
       if (classifier_config.print_requested(visit_of(config))) return;
-      if (classifier_out.empty()) throw Error("train-classifier: --out is required");
+      if (classifier_out.empty()) throw tools::UsageError("train-classifier: --out is required");
       const auto result = eval::train_item_classifier(config, classifier_out);
       const nlohmann::json summary = {{"classifier", classifier_out},     {"test_accuracy", result.test_accuracy},
                                       {"test_items", result.test_items},   {"train_items", result.train_items},

@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   return tools::run_tool(app, argc, argv, [&] {
     auto config = load_config<train::PriorTrainConfig>(config_options.source());
     if (config_options.print_requested(visit_of(config))) return;
-    if (run_directory.empty()) throw Error("--out is required");
+    if (run_directory.empty()) throw tools::UsageError("--out is required");
     log::add_file_sink(run_directory + ".log");
     train::PriorTrainer trainer(config, run_directory);
     tools::run_stoppable([&] {

@@ -16,7 +16,7 @@ template <class Config, class Trainer>
 void train_kind(const tools::ConfigOptions& options, const ConfigSource& source, const std::string& run_directory) {
   auto config = load_config<Config>(source);
   if (options.print_requested(visit_of(config))) return;
-  if (run_directory.empty()) throw Error("--out is required");
+  if (run_directory.empty()) throw tools::UsageError("--out is required");
   log::add_file_sink(run_directory + ".log");
   Trainer trainer(config, run_directory);
   tools::run_stoppable([&] {

@@ -17,6 +17,13 @@ namespace dalle::tools {
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 
+// A bad command line found after parsing (a missing option, no prompts, a bad value for a
+// config shorthand): run_tool prints it and exits with kExitUsage.
+class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Adds --log-level and --version to `app`.
 void add_common_options(CLI::App& app);
 

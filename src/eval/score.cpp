@@ -283,6 +283,10 @@ ScoreReport score_generated(const std::string& directory, const ScoreOptions& op
     scorer.score(image, s.prompt, s.prompt_index, s.rank, fs::path(s.image).filename().string());
   }
   progress.finish();
+  if (per_prompt.empty()) {
+    throw Error(directory + ": none of its " + std::to_string(sidecars.size()) +
+                " images could be read; nothing to score");
+  }
   report.prompts = static_cast<int64_t>(per_prompt.size());
   for (const auto& [prompt, count] : per_prompt) report.images_per_prompt = std::max(report.images_per_prompt, count);
   scorer.finish();
@@ -315,6 +319,9 @@ ScoreReport score_real(const std::string& split, const ScoreOptions& options) {
     scorer.score(picture, image.caption, report.images, 0, fs::path(image.path).filename().string());
   }
   progress.finish();
+  if (report.unreadable == static_cast<int64_t>(images.size())) {
+    throw Error(split + ": none of its " + std::to_string(images.size()) + " images could be read; nothing to score");
+  }
   report.prompts = report.images;
   report.images_per_prompt = 1;
   scorer.finish();

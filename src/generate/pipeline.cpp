@@ -10,6 +10,7 @@
 #include "dalle/data/image.h"
 #include "dalle/device.h"
 #include "dalle/error.h"
+#include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
 #include "dalle/models/clip_rerank.h"
@@ -222,6 +223,10 @@ void Pipeline::Stages::upscale(std::vector<GeneratedImage>& images) {
 std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& prompts) {
   auto& s = *stages_;
   if (prompts.empty()) throw Error("pipeline: no prompts");
+  // Before any sampling: a prompt the sidecars cannot hold must not cost a run.
+  for (size_t index = 0; index < prompts.size(); ++index) {
+    check_prompt(prompts[index], "pipeline: prompt " + std::to_string(index));
+  }
   std::vector<torch::Tensor> captions, clip_captions;
   for (size_t index = 0; index < prompts.size(); ++index) {
     const auto encoding = s.tokenizer.encode(prompts[index]);
