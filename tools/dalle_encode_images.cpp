@@ -1,6 +1,7 @@
 // dalle-encode-images: turns an image-caption dataset into a token dataset (dVAE or VQGAN
 // tokens of every image, tokenizer ids of every caption), so that stage 2 trains without
 // the encoder.
+#include "dalle/runtime.h"
 #include "dalle/train/encode_images.h"
 #include "tool_support.h"
 
@@ -23,5 +24,8 @@ int main(int argc, char** argv) {
   app.add_option("--workers", options.workers, "image loading threads")->check(CLI::Range(0, 64));
   app.add_option("--images-per-shard", options.images_per_shard, "images per shard file")
       ->check(CLI::Range(1, 1 << 24));
-  return tools::run_tool(app, argc, argv, [&] { train::encode_images(options); });
+  return tools::run_tool(app, argc, argv, [&] {
+    set_torch_threads(0);
+    train::encode_images(options);
+  });
 }

@@ -39,7 +39,7 @@ struct ScoreCommand {
                        "a pixel belongs to an item when its brightest channel exceeds this")
         ->check(CLI::Range(0.0, 1.0))
         ->capture_default_str();
-    command.add_option("--threads", options.threads, "torch intra-op threads (0: torch's default)")
+    command.add_option("--threads", options.threads, "torch intra-op threads (0: one per idle core)")
         ->check(CLI::NonNegativeNumber);
   }
 

@@ -13,6 +13,7 @@
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
+#include "dalle/runtime.h"
 
 namespace dalle::eval {
 namespace fs = std::filesystem;
@@ -65,7 +66,7 @@ void check_output(const fs::path& out) {
 ClassifierTrainResult train_item_classifier(const ClassifierTrainConfig& config, const std::string& out) {
   const auto start = std::chrono::steady_clock::now();
   check_output(out);
-  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  set_torch_threads(config.threads);
   const auto train = first(data::load_fashion_mnist("train", config.source), config.train_limit);
   const auto test = first(data::load_fashion_mnist("test", config.source), config.test_limit);
   const auto seed = static_cast<uint64_t>(config.seed);

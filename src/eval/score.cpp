@@ -18,6 +18,7 @@
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
 #include "dalle/train/image_tokenizer_loader.h"
+#include "dalle/runtime.h"
 
 namespace dalle::eval {
 namespace fs = std::filesystem;
@@ -77,7 +78,7 @@ std::vector<RealImage> read_real_split(const std::string& split, int64_t limit) 
 class Scorer {
  public:
   Scorer(const ScoreOptions& options, const std::string& split_near) : options_(options), measure_(options.measure) {
-    if (options.threads > 0) torch::set_num_threads(static_cast<int>(options.threads));
+    set_torch_threads(options.threads);
     if (options.classifier.empty()) {
       throw Error("score: a classifier is required (dalle-eval train-classifier makes one)");
     }

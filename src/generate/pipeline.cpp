@@ -21,6 +21,7 @@
 #include "dalle/train/image_tokenizer_loader.h"
 #include "dalle/train/prior_trainer.h"
 #include "dalle/train/rrdbnet_loader.h"
+#include "dalle/runtime.h"
 
 namespace dalle::generate {
 
@@ -46,7 +47,7 @@ void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("tile", tile, "super-resolution tile side in input pixels (0: whole images at once)", {.min = 0});
   v.field("tile_overlap", tile_overlap, "pixels each super-resolution tile overlaps its neighbours by", {.min = 0});
   v.field("device", device, "where the models run", {.choices = {"auto", "cpu", "cuda"}});
-  v.field("threads", threads, "torch intra-op threads (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("threads", threads, "torch intra-op threads (0: one per idle core)", {.min = 0, .max = 1024});
 }
 
 namespace {
@@ -116,7 +117,7 @@ struct Pipeline::Stages {
 
 Pipeline::Pipeline(PipelineConfig config) {
   check(config);
-  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  set_torch_threads(config.threads);
   auto prior = train::load_trained_prior(config.prior);
   if (config.tokenizer.empty()) config.tokenizer = prior.config.tokenizer;
   if (config.decoder.empty()) config.decoder = prior.config.image_tokenizer;

@@ -42,7 +42,7 @@ void visit_interval_keys(ConfigVisitor& v, Config& c, const std::string& validat
 template <class Config>
 void visit_seed_and_device_keys(ConfigVisitor& v, Config& c, const std::string& seeded, const std::string& trains) {
   v.field("seed", c.seed, "seed of " + seeded, {.min = 0});
-  v.field("threads", c.threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("threads", c.threads, "CPU threads for torch (0: one per idle core)", {.min = 0, .max = 1024});
   v.field("device", c.device, "where " + trains + ": auto (a GPU when torch sees one), cpu or cuda",
           {.choices = {"auto", "cpu", "cuda"}});
 }
