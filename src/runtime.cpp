@@ -58,8 +58,9 @@ int64_t busy_cores() {
 }  // namespace
 
 int64_t set_torch_threads(int64_t threads) {
+  // Torch's own default, read before this function first changes it.
+  static const int64_t torch_default = torch::get_num_threads();
   if (threads <= 0) {
-    const int64_t torch_default = torch::get_num_threads();
     const char* configured = std::getenv("OMP_NUM_THREADS");
     if (configured != nullptr && *configured != '\0') {
       threads = torch_default;
