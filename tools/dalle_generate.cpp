@@ -43,8 +43,12 @@ std::vector<std::string> read_prompts(const std::string& path) {
   std::string line;
   size_t length = 0;
   for (int64_t number = 1; read_bounded_line(in, limit + 1, line, length); ++number) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const bool whole = length == line.size();
+    if (whole && !line.empty() && line.back() == '\r') {
+      line.pop_back();
+      --length;
+    }
+    if (whole && line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = path + ":" + std::to_string(number);
     check_prompt(line, where, length);
     prompts.push_back(line);
