@@ -12,10 +12,12 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <thread>
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/image.h"
 #include "dalle/input_limits.h"
+#include "dalle/runtime.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/io/stale_temporaries.h"
@@ -163,6 +165,29 @@ TEST(HostileModels, AShapeThatOverflowsNamesTheFile) {
   }
 }
 
+TEST(HostileFiles, MessagesQuoteAnExcerptOfWhatTheFileSays) {
+  const std::string endless(1 << 20, 'x');
+  const std::string header = R"({")" + endless + R"(": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}})";
+  std::string bytes(8, '\0');
+  const uint64_t size = header.size();
+  std::memcpy(bytes.data(), &size, 8);
+  try {
+    io::parse_safetensors(bytes + header, "long-names.safetensors");
+    ADD_FAILURE() << "a negative dimension was accepted";
+  } catch (const io::FormatError& error) {
+    EXPECT_LT(std::string(error.what()).size(), 400u);
+    EXPECT_THAT(error.what(), ::testing::HasSubstr("(1048576 bytes) has a negative dimension"));
+  }
+  try {
+    load_config<models::RrdbNetConfig>(ConfigSource::from_string("num_feat: " + endless + "\n", "long.yaml"));
+    ADD_FAILURE() << "a word was read as an integer";
+  } catch (const ConfigError& error) {
+    EXPECT_LT(std::string(error.what()).size(), 400u);
+    EXPECT_THAT(error.what(), ::testing::HasSubstr("long.yaml"));
+    EXPECT_THAT(error.what(), ::testing::HasSubstr("num_feat: expected an integer, got 'xxx"));
+  }
+}
+
 TEST(HostileFiles, TemporariesOfKilledWritersAreRemovedByTheNextWrite) {
   ScratchDir dir;
   const pid_t gone = testing::ended_process_id();
@@ -185,6 +210,21 @@ TEST(HostileFiles, TemporariesOfKilledWritersAreRemovedByTheNextWrite) {
   io::remove_stale_temporaries(dir / "export");
   EXPECT_FALSE(fs::exists(export_leftover));
   EXPECT_TRUE(fs::exists(other_leftover)) << "only the named target's temporaries";
+}
+
+// threads: 0 takes the idle cores, at least one; OMP_NUM_THREADS (ctest sets it) keeps
+// torch's default; a positive count is taken as it is.
+TEST(SharedMachine, ThreadsDefaultToTheIdleCoresAndNeverToNone) {
+  EXPECT_EQ(set_torch_threads(3), 3);
+  EXPECT_EQ(torch::get_num_threads(), 3);
+  const char* configured = std::getenv("OMP_NUM_THREADS");
+  const std::string kept = configured ? configured : "";
+  ::unsetenv("OMP_NUM_THREADS");
+  const auto idle = set_torch_threads(0);
+  EXPECT_GE(idle, 1);
+  EXPECT_LE(idle, static_cast<int64_t>(std::thread::hardware_concurrency()));
+  EXPECT_EQ(torch::get_num_threads(), idle);
+  if (!kept.empty()) ::setenv("OMP_NUM_THREADS", kept.c_str(), 1);
 }
 
 // Random damage to shipped model folders, fed to the loaders the tools use: each load must
