@@ -4,6 +4,8 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <opencv2/imgcodecs.hpp>
+
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -58,13 +60,29 @@ int64_t peak_resident_mb() {
 }
 void reset_peak_resident() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
+// A little-endian TIFF whose first directory gives only ImageWidth and ImageLength (LONG).
+std::string tiff_claiming(uint32_t width, uint32_t height) {
+  const auto little = [](uint32_t value, int bytes) {
+    std::string out;
+    for (int i = 0; i < bytes; ++i) out += static_cast<char>((value >> (8 * i)) & 0xFF);
+    return out;
+  };
+  std::string tiff = std::string("II*\0", 4) + little(8, 4) + little(2, 2);
+  for (const auto& [tag, value] : {std::pair{256u, width}, std::pair{257u, height}}) {
+    tiff += little(tag, 2) + little(4, 2) + little(1, 4) + little(value, 4);
+  }
+  return tiff + little(0, 4);
+}
+
 TEST(HostileImages, HeadersClaimingTooManyPixelsAreRefusedBeforeDecoding) {
   reset_peak_resident();
   const auto start = std::chrono::steady_clock::now();
   for (const auto& [name, bytes] :
        {std::pair{std::string("rgb8.png"), testing::png_claiming(20000, 20000)},
         std::pair{std::string("rgba16.png"), testing::png_claiming(20000, 20000, 16, 6)},
-        std::pair{std::string("huge.jpg"), testing::jpeg_claiming(60000, 60000)}}) {
+        std::pair{std::string("huge.jpg"), testing::jpeg_claiming(60000, 60000)},
+        std::pair{std::string("huge.tif"), tiff_claiming(100000, 100000)},
+        std::pair{std::string("huge.ppm"), std::string("P6\n# made by hand\n30000 30000\n255\n")}}) {
     EXPECT_LT(bytes.size(), 1000u) << name;
     EXPECT_THROW_WITH(data::decode_image(bytes, name), data::ImageError, name.c_str(), "pixels, over the limit of 33554432",
                       "DALLE_MAX_IMAGE_PIXELS");
@@ -76,8 +94,15 @@ TEST(HostileImages, HeadersClaimingTooManyPixelsAreRefusedBeforeDecoding) {
   ScratchDir dir;
   data::write_png(dir / "small.png", torch::rand({3, 16, 16}));
   EXPECT_EQ(data::read_image(dir / "small.png").size(2), 16);
+  for (const char* name : {"small.tif", "small.ppm", "small.bmp", "small.jpg", "small.webp"}) {
+    ASSERT_TRUE(cv::imwrite(dir / name, cv::Mat(12, 16, CV_8UC3, cv::Scalar(10, 20, 30)))) << name;
+    EXPECT_EQ(data::read_image(dir / name).sizes(), (std::vector<int64_t>{3, 12, 16})) << name;
+  }
   ScopedEnvironment limit("DALLE_MAX_IMAGE_PIXELS", "100");
   EXPECT_THROW_WITH(data::read_image(dir / "small.png"), data::ImageError, "small.png: 16x16 pixels");
+  for (const char* name : {"small.tif", "small.ppm", "small.bmp", "small.jpg", "small.webp"}) {
+    EXPECT_THROW_WITH(data::read_image(dir / name), data::ImageError, "16x12 pixels, over the limit of 100");
+  }
   ScopedEnvironment nonsense("DALLE_MAX_IMAGE_PIXELS", "lots");
   EXPECT_THROW_WITH(data::read_image(dir / "small.png"), Error, "DALLE_MAX_IMAGE_PIXELS='lots'", "positive integer");
 }

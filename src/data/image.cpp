@@ -9,6 +9,7 @@
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 #include <sstream>
+#include <vector>
 
 #include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
@@ -98,8 +99,51 @@ std::optional<PixelSize> jpeg_size(std::string_view bytes) {
   return std::nullopt;
 }
 
+// TIFF: ImageWidth (256) and ImageLength (257) in the first image file directory.
+std::optional<PixelSize> tiff_size(std::string_view bytes) {
+  const bool little = bytes[0] == 'I';
+  const auto read = [&](size_t at, size_t count) {
+    return little ? little_endian(bytes, at, count) : big_endian(bytes, at, count);
+  };
+  const size_t directory = read(4, 4);
+  if (directory + 2 > bytes.size()) return std::nullopt;
+  PixelSize size{-1, -1};
+  for (size_t i = 0, entries = read(directory, 2); i < entries; ++i) {
+    const size_t at = directory + 2 + 12 * i;
+    if (at + 12 > bytes.size()) break;
+    const uint32_t tag = read(at, 2), type = read(at + 2, 2);
+    if (tag != 256 && tag != 257) continue;
+    const int64_t value = type == 3 ? read(at + 8, 2) : read(at + 8, 4);  // SHORT or LONG
+    (tag == 256 ? size.width : size.height) = value;
+  }
+  if (size.width < 0 || size.height < 0) return std::nullopt;
+  return size;
+}
+
+// PNM (P1-P6): width and height are the first two numbers after the magic, comments aside.
+std::optional<PixelSize> pnm_size(std::string_view bytes) {
+  std::vector<int64_t> numbers;
+  size_t at = 2;
+  while (numbers.size() < 2 && at < bytes.size() && at < 4096) {
+    const char c = bytes[at];
+    if (c == '#') {
+      while (at < bytes.size() && bytes[at] != '\n') ++at;
+    } else if (c >= '0' && c <= '9') {
+      int64_t value = 0;
+      for (; at < bytes.size() && bytes[at] >= '0' && bytes[at] <= '9' && value < (int64_t{1} << 40); ++at) {
+        value = value * 10 + (bytes[at] - '0');
+      }
+      numbers.push_back(value);
+    } else {
+      ++at;
+    }
+  }
+  if (numbers.size() < 2) return std::nullopt;
+  return PixelSize{numbers[0], numbers[1]};
+}
+
 // The size an image's header claims, for the formats whose header says it plainly (PNG,
-// JPEG, BMP, WebP); nullopt for others, which OpenCV bounds with its own limit.
+// JPEG, BMP, WebP, TIFF, PNM); nullopt for others, which OpenCV bounds with its own limit.
 std::optional<PixelSize> header_size(std::string_view bytes) {
   const auto starts_with = [&](std::string_view prefix, size_t at = 0) {
     return bytes.size() >= at + prefix.size() && bytes.substr(at, prefix.size()) == prefix;
@@ -123,6 +167,10 @@ std::optional<PixelSize> header_size(std::string_view bytes) {
     }
     if (starts_with("VP8X", 12)) return PixelSize{little_endian(bytes, 24, 3) + 1, little_endian(bytes, 27, 3) + 1};
   }
+  if ((starts_with(std::string_view("II*\0", 4)) || starts_with(std::string_view("MM\0*", 4))) && bytes.size() >= 8) {
+    return tiff_size(bytes);
+  }
+  if (bytes.size() >= 3 && bytes[0] == 'P' && bytes[1] >= '1' && bytes[1] <= '6') return pnm_size(bytes);
   return std::nullopt;
 }
 
@@ -132,7 +180,7 @@ void check_pixel_count(std::string_view bytes, const std::string& name) {
   const auto size = header_size(bytes);
   if (!size) return;
   const int64_t limit = max_image_pixels();
-  if (size->width < 0 || size->height < 0 || size->width * size->height > limit) {
+  if (size->width < 0 || size->height < 0 || (size->width > 0 && size->height > limit / size->width)) {
     throw ImageError(name + ": " + std::to_string(size->width) + "x" + std::to_string(size->height) +
                      " pixels, over the limit of " + std::to_string(limit) +
                      " (DALLE_MAX_IMAGE_PIXELS); not decoded");
