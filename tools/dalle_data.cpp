@@ -62,8 +62,13 @@ int main(int argc, char** argv) {
     } else if (*inspect_command) {
       auto dataset = data::ImageCaptionDataset::open(inspect_root);
       if (verify) data::verify_images(*dataset);
-      if (!grid_path.empty()) data::write_sample_grid(*dataset, grid_path, grid_count, grid_seed);
-      std::cout << inspect_root << ": " << dataset->report().summary() << "\n";
+      // After --verify, the grid reads images that were already counted: each unreadable one once.
+      auto report = dataset->report();
+      if (!grid_path.empty()) {
+        data::write_sample_grid(*dataset, grid_path, grid_count, grid_seed);
+        if (!verify) report = dataset->report();
+      }
+      std::cout << inspect_root << ": " << report.summary() << "\n";
       if (!grid_path.empty()) std::cout << "sample grid: " << grid_path << "\n";
     }
   });
