@@ -11,6 +11,7 @@
 #include <sstream>
 #include <utility>
 
+#include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 
 namespace dalle {
@@ -205,7 +206,7 @@ class YamlReader final : public ConfigVisitor {
     try {
       parse(*child);
     } catch (const YAML::BadConversion&) {
-      fail(*child, path, path + ": expected " + expected + ", got '" + child->Scalar() + "'");
+      fail(*child, path, path + ": expected " + expected + ", got " + excerpt(child->Scalar()));
     }
   }
 
@@ -227,7 +228,7 @@ class YamlReader final : public ConfigVisitor {
                     const Limits& limits) const {
     if (!std::isfinite(value)) {
       const std::string path = join_path(prefix_, key);
-      fail(node, path, path + ": expected a finite number, got '" + node.Scalar() + "'");
+      fail(node, path, path + ": expected a finite number, got " + excerpt(node.Scalar()));
     }
     if ((limits.min && value < *limits.min) || (limits.max && value > *limits.max)) {
       const std::string path = join_path(prefix_, key);
@@ -241,7 +242,7 @@ class YamlReader final : public ConfigVisitor {
     if (limits.choices.empty()) return;
     if (std::find(limits.choices.begin(), limits.choices.end(), value) != limits.choices.end()) return;
     const std::string path = join_path(prefix_, key);
-    fail(node, path, path + ": '" + value + "' is not allowed, expected " + describe_limits(limits));
+    fail(node, path, path + ": " + excerpt(value) + " is not allowed, expected " + describe_limits(limits));
   }
 
   const ConfigSource::Impl& source_;

@@ -2,7 +2,12 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <sstream>
+#include <thread>
 
 namespace dalle {
 
@@ -35,6 +40,37 @@ std::string runtime_summary() {
       << (torch::cuda::is_available() ? torch::cuda::device_count() : 0)
       << ", CPU threads " << at::get_num_threads();
   return out.str();
+}
+
+namespace {
+
+// Cores busy with other work: /proc/loadavg's 1-minute average, or its count of entities
+// running now less this process, whichever is larger (the average lags a job just started).
+int64_t busy_cores() {
+  std::ifstream in("/proc/loadavg");
+  double average = 0;
+  std::string ignored, running_of_total;
+  if (!(in >> average >> ignored >> ignored >> running_of_total)) return 0;
+  const int64_t running = std::atoll(running_of_total.c_str()) - 1;
+  return std::max<int64_t>(std::llround(average), running);
+}
+
+}  // namespace
+
+int64_t set_torch_threads(int64_t threads) {
+  // Torch's own default, read before this function first changes it.
+  static const int64_t torch_default = torch::get_num_threads();
+  if (threads <= 0) {
+    const char* configured = std::getenv("OMP_NUM_THREADS");
+    if (configured != nullptr && *configured != '\0') {
+      threads = torch_default;
+    } else {
+      const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+      threads = std::clamp<int64_t>(cores - busy_cores(), 1, std::max<int64_t>(1, torch_default));
+    }
+  }
+  torch::set_num_threads(static_cast<int>(threads));
+  return threads;
 }
 
 }  // namespace dalle

@@ -1,7 +1,9 @@
 // The command-line tools, run as a user runs them: exit statuses, messages, outputs.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -9,6 +11,7 @@
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/models/clip.h"
+#include "hostile_files.h"
 #include "test_support.h"
 
 namespace dalle {
@@ -328,7 +331,7 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_TRUE(std::filesystem::exists(dir / "dvae/checkpoints"));
 
   const auto no_prompts = run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "none"));
-  EXPECT_EQ(no_prompts.status, 1);
+  EXPECT_EQ(no_prompts.status, 2) << "a bad command line";
   EXPECT_THAT(no_prompts.output, ::testing::HasSubstr("no captions"));
 
   // dalle-eval reads what dalle-generate wrote.
@@ -370,7 +373,7 @@ TEST(Tools, EvalExplainsItselfAndRefusesBadInput) {
   EXPECT_EQ(run("dalle-eval", "score --generated " + (dir / "x")).status, 2) << "--classifier is required";
 
   auto result = run("dalle-eval", "train-classifier");
-  EXPECT_EQ(result.status, 1);
+  EXPECT_EQ(result.status, 2);
   EXPECT_THAT(result.output, ::testing::HasSubstr("--out is required"));
   testing::write_text(dir / "sidecar.json", R"({"prompt": "a red bag on the left"})");
   result = run("dalle-eval", "score --generated " + (dir / "missing") + " --classifier " + dir.path().string());
@@ -516,6 +519,185 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
   EXPECT_EQ(misfit.status, 1);
   EXPECT_THAT(misfit.output, ::testing::HasSubstr("(666 ids, end of text 665) does not fit the CLIP model"));
 }
+
+
+// Hostile and careless input to the built tools (issue 23): each is refused or skipped with a
+// message naming the file, key or line, the right exit status, in bounded time, and nothing
+// already written is lost.
+namespace hostile {
+
+namespace fs = std::filesystem;
+const std::string kSource = DALLE_SOURCE_DIR;
+
+// The shipped prior names its tokenizers relative to the checkout: run from there.
+Result run_in_checkout(const std::string& tool, const std::string& arguments) {
+  return run_command("cd " + kSource + " && " + std::string(DALLE_TOOLS_DIR) + "/" + tool + " " + arguments);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::string copy_of_shipped(const std::string& model, const ScratchDir& dir, const std::string& name) {
+  fs::copy(kSource + "/models/fashion-compose/" + model, dir / name, fs::copy_options::recursive);
+  return dir / name;
+}
+
+TEST(ToolsHostile, AModelFolderWithoutSizesOrWithNanWeightsIsRefused) {
+  ScratchDir dir;
+  const auto empty = copy_of_shipped("prior", dir, "empty");
+  testing::write_text(empty + "/config.yaml", "");
+  auto start = std::chrono::steady_clock::now();
+  auto result = run("dalle-generate", "--prior " + empty + " --out " + (dir / "out") + " 'a red bag'");
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("empty/config.yaml: 'model' is missing or empty"));
+  EXPECT_LT(seconds_since(start), 30) << "refused, not built";
+  EXPECT_FALSE(fs::exists(dir / "out"));
+  result = run("dalle-export", empty + " --out " + (dir / "exported"));
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("must name its sizes"));
+  EXPECT_FALSE(fs::exists(dir / "exported"));
+
+  const auto nan = copy_of_shipped("prior", dir, "nan");
+  auto weights = io::read_safetensors(nan + "/model.safetensors").tensors;
+  const std::string damaged = weights.begin()->first;
+  weights.begin()->second.view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+  io::write_safetensors(nan + "/model.safetensors", weights);
+  result = run("dalle-generate", "--prior " + nan + " --out " + (dir / "out") + " 'a red bag'");
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("tensor '" + damaged + "' holds NaN or infinite values"));
+  EXPECT_FALSE(fs::exists(dir / "out"));
+  result = run("dalle-export", nan + " --out " + (dir / "exported"));
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr(damaged));
+  EXPECT_FALSE(fs::exists(dir / "exported"));
+
+  const auto misshapen = copy_of_shipped("prior", dir, "misshapen");
+  weights = io::read_safetensors(kSource + "/models/fashion-compose/prior/model.safetensors").tensors;
+  auto matrix = std::find_if(weights.begin(), weights.end(), [](const auto& item) { return item.second.dim() == 2; });
+  ASSERT_NE(matrix, weights.end());
+  matrix->second = matrix->second.flatten();
+  io::write_safetensors(misshapen + "/model.safetensors", weights);
+  result = run("dalle-export", misshapen + " --out " + (dir / "exported"));
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("misshapen: " + matrix->first));
+  EXPECT_FALSE(fs::exists(dir / "exported"));
+}
+
+TEST(ToolsHostile, DecompressionBombsAndEndlessCaptionsAreSkippedInDatasets) {
+  ScratchDir dir;
+  ASSERT_EQ(run("dalle-data", "compose --out " + (dir / "fc") +
+                                  " --set train_images=6 --set test_images=0 --set heldout_images=0").status, 0);
+  testing::write_text(dir / "fc/train/images/000002.png", testing::png_claiming(20000, 20000));
+  testing::write_text(dir / "fc/train/images/000003.png", testing::png_claiming(20000, 20000, 16, 6));
+  const std::string endless(5 << 20, 'x');
+  {
+    std::ofstream captions(dir / "fc/train/captions.jsonl", std::ios::app);
+    captions << nlohmann::json{{"image", "images/000004.png"}, {"caption", "a red bag " + endless}}.dump() << "\n";
+  }
+  auto start = std::chrono::steady_clock::now();
+  auto result = run("dalle-data", "inspect " + (dir / "fc/train") + " --verify --grid " + (dir / "grid.png") +
+                                      " --count 6");
+  EXPECT_EQ(result.status, 0) << result.output.substr(0, 2000);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("2 unreadable images")) << "each counted once";
+  EXPECT_THAT(result.output, ::testing::HasSubstr("000003.png: 20000x20000 pixels, over the limit of 33554432"));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("cut to 1024 (DALLE_MAX_TEXT_BYTES)"));
+  EXPECT_LT(result.output.size(), 20000u) << "no caption echoed whole";
+  EXPECT_LT(fs::file_size(dir / "grid.png"), 1u << 20);
+  EXPECT_LT(seconds_since(start), 30);
+
+  const std::string gone = std::to_string(testing::ended_process_id());
+  fs::create_directories(dir / ("tokens.tmp-" + gone + "-0/partial"));
+  const std::string shipped = kSource + "/models/fashion-compose/";
+  start = std::chrono::steady_clock::now();
+  result = run("dalle-encode-images", "--dataset " + (dir / "fc/train") + " --vqgan " + shipped + "vqgan --tokenizer " +
+                                          shipped + "tokenizer.model --out " + (dir / "tokens"));
+  EXPECT_EQ(result.status, 0) << result.output.substr(0, 2000);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("2 unreadable images skipped"));
+  EXPECT_LT(result.output.size(), 20000u) << "no caption echoed whole";
+  EXPECT_LT(seconds_since(start), 60);
+  EXPECT_TRUE(fs::exists(dir / "tokens/dataset.json"));
+  EXPECT_FALSE(fs::exists(dir / ("tokens.tmp-" + gone + "-0"))) << "a killed encode's leftover is removed";
+
+  // dalle-eval score over a folder with no readable image fails instead of reporting nothing.
+  ASSERT_EQ(run("dalle-eval", "train-classifier --out " + (dir / "classifier") +
+                                  " --set train_limit=200 --set test_limit=50 --set epochs=1").status, 0);
+  fs::create_directories(dir / "generated");
+  testing::write_text(dir / "generated/0000-00.json", R"({"prompt": "a red bag on the left"})");
+  testing::write_text(dir / "generated/0000-00.png", testing::png_claiming(20000, 20000, 16, 6));
+  result = run("dalle-eval", "score --generated " + (dir / "generated") + " --classifier " + (dir / "classifier"));
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("20000x20000 pixels"));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("none of its 1 images could be read"));
+  EXPECT_FALSE(fs::exists(dir / "generated/eval.json"));
+}
+
+TEST(ToolsHostile, GenerateChecksItsCommandLineAndPromptsBeforeAnyWork) {
+  ScratchDir dir;
+  const std::string prior = "--prior models/fashion-compose/prior --threads 1 ";
+  auto result = run_in_checkout("dalle-generate", prior + "'a red bag'");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("--out is required"));
+  for (const auto& [bad, key] : {std::pair{"-n 0", "candidates: 0 is out of range"}, std::pair{"-n many", "candidates"},
+                                 std::pair{"--top-p 2", "sampling.top_p"}}) {
+    result = run_in_checkout("dalle-generate", prior + bad + " --out " + (dir / "out") + " 'a red bag'");
+    EXPECT_EQ(result.status, 2) << bad << ": " << result.output;
+    EXPECT_THAT(result.output, ::testing::HasSubstr(key)) << bad;
+  }
+  result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " 'a red bag' '  '");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("prompt 2: the prompt is blank"));
+  result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " \"$(printf 'a red caf\\351')\"");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("prompt 1: the prompt is not valid UTF-8"));
+
+  testing::write_text(dir / "long.txt", "a red bag\n" + std::string(2'000'000, 'x') + "\n");
+  result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " --prompts-file " + (dir / "long.txt"));
+  EXPECT_EQ(result.status, 1) << result.output.substr(0, 2000);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("long.txt:2: the prompt is 2000000 bytes long, over the limit of 1024"));
+  EXPECT_LT(result.output.size(), 2000u);
+  testing::write_text(dir / "latin1.txt", "a red bag\na blue caf\xe9\n");
+  result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " --prompts-file " + (dir / "latin1.txt"));
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("latin1.txt:2: the prompt is not valid UTF-8"));
+
+  testing::write_text(dir / "file", "");
+  auto start = std::chrono::steady_clock::now();
+  result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "file/out") + " 'a red bag'");
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("file/out: cannot write the output folder"));
+  EXPECT_LT(seconds_since(start), 5) << "refused before the models are loaded";
+  EXPECT_FALSE(fs::exists(dir / "out")) << "nothing was generated";
+}
+
+TEST(ToolsHostile, GenerateReplacesOnlyItsOwnEarlierOutputAndWhole) {
+  ScratchDir dir;
+  const std::string prior = "--prior models/fashion-compose/prior --threads 1 -n 1 --out " + (dir / "out");
+  testing::write_text(dir / "prompts.txt", "a red bag on the left\n   \n\t\na white trouser on the right\n");
+  const std::string gone = std::to_string(testing::ended_process_id());
+  fs::create_directories(dir / ("out.tmp-" + gone + "-1"));
+  auto result = run_in_checkout("dalle-generate", prior + " --prompts-file " + (dir / "prompts.txt"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_TRUE(fs::exists(dir / "out/0001-00.json")) << "two prompts: blank lines are not prompts";
+  EXPECT_FALSE(fs::exists(dir / "out/0002-00.json"));
+  EXPECT_FALSE(fs::exists(dir / ("out.tmp-" + gone + "-1"))) << "a killed run's staging folder is removed";
+  testing::write_text(dir / "out/eval.json", "{}");
+
+  result = run_in_checkout("dalle-generate", prior + " 'a blue bag at the top'");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_EQ(nlohmann::json::parse(testing::read_text(dir / "out/0000-00.json"))["prompt"], "a blue bag at the top");
+  EXPECT_FALSE(fs::exists(dir / "out/0001-00.json")) << "no stale sidecar of the earlier output";
+  EXPECT_FALSE(fs::exists(dir / "out/eval.json")) << "nor its stale report";
+
+  testing::write_text(dir / "out/notes.txt", "mine");
+  result = run_in_checkout("dalle-generate", prior + " 'a green bag at the top'");
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("not an earlier dalle-generate output (it holds 'notes.txt')"));
+  EXPECT_EQ(testing::read_text(dir / "out/notes.txt"), "mine");
+  EXPECT_EQ(nlohmann::json::parse(testing::read_text(dir / "out/0000-00.json"))["prompt"], "a blue bag at the top");
+}
+
+}  // namespace hostile
 
 }  // namespace
 }  // namespace dalle

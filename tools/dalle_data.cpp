@@ -55,15 +55,20 @@ int main(int argc, char** argv) {
     } else if (*compose_command) {
       auto config = load_config<data::FashionComposeConfig>(compose_config.source());
       if (compose_config.print_requested(visit_of(config))) return;
-      if (compose_out.empty()) throw Error("compose: --out is required");
+      if (compose_out.empty()) throw tools::UsageError("compose: --out is required");
       data::build_fashion_compose(config, compose_out);
       log::info("fashion-compose written to ", compose_out, "; sample grid ",
                 (std::filesystem::path(compose_out) / "sample_grid.png").string());
     } else if (*inspect_command) {
       auto dataset = data::ImageCaptionDataset::open(inspect_root);
       if (verify) data::verify_images(*dataset);
-      if (!grid_path.empty()) data::write_sample_grid(*dataset, grid_path, grid_count, grid_seed);
-      std::cout << inspect_root << ": " << dataset->report().summary() << "\n";
+      // After --verify, the grid reads images that were already counted: each unreadable one once.
+      auto report = dataset->report();
+      if (!grid_path.empty()) {
+        data::write_sample_grid(*dataset, grid_path, grid_count, grid_seed);
+        if (!verify) report = dataset->report();
+      }
+      std::cout << inspect_root << ": " << report.summary() << "\n";
       if (!grid_path.empty()) std::cout << "sample grid: " << grid_path << "\n";
     }
   });

@@ -2,6 +2,7 @@
 // tokens of every image, tokenizer ids of every caption), so that stage 2 trains without
 // the encoder.
 #include "dalle/generate/encode_images.h"
+#include "dalle/runtime.h"
 #include "tool_support.h"
 
 using namespace dalle;
@@ -23,5 +24,8 @@ int main(int argc, char** argv) {
   app.add_option("--workers", options.workers, "image loading threads")->check(CLI::Range(0, 64));
   app.add_option("--images-per-shard", options.images_per_shard, "images per shard file")
       ->check(CLI::Range(1, 1 << 24));
-  return tools::run_tool(app, argc, argv, [&] { generate::encode_images(options); });
+  return tools::run_tool(app, argc, argv, [&] {
+    set_torch_threads(0);
+    generate::encode_images(options);
+  });
 }

@@ -39,7 +39,7 @@ struct ScoreCommand {
                        "a pixel belongs to an item when its brightest channel exceeds this")
         ->check(CLI::Range(0.0, 1.0))
         ->capture_default_str();
-    command.add_option("--threads", options.threads, "torch intra-op threads (0: torch's default)")
+    command.add_option("--threads", options.threads, "torch intra-op threads (0: one per idle core)")
         ->check(CLI::NonNegativeNumber);
   }
 
@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
     if (*train_command) {
       auto config = load_config<train::ClassifierTrainConfig>(classifier_config.source());
       if (classifier_config.print_requested(visit_of(config))) return;
-      if (classifier_out.empty()) throw Error("train-classifier: --out is required");
+      if (classifier_out.empty()) throw tools::UsageError("train-classifier: --out is required");
       const auto result = train::train_item_classifier(config, classifier_out);
       const nlohmann::json summary = {{"classifier", classifier_out},     {"test_accuracy", result.test_accuracy},
                                       {"test_items", result.test_items},   {"train_items", result.train_items},

@@ -1,7 +1,7 @@
 // dalle-export: a trained run's weights for inference only (the EMA, config.yaml, no
 // optimizer state), for shipping or for dalle-generate.
 #include "dalle/log.h"
-#include "dalle/io/export_weights.h"
+#include "dalle/models/export_weights.h"
 #include "tool_support.h"
 
 using namespace dalle;
@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
                  "key.path=value: rewrite a key of the exported config.yaml, such as a prior's `tokenizer` "
                  "and `image_tokenizer` paths once shipped beside it (repeatable; the key must exist and keep its kind: a number, a flag, a list, text)");
   return tools::run_tool(app, argc, argv, [&] {
-    const auto exported = io::export_weights(run, out, overrides);
+    const auto exported = models::export_weights(run, out, overrides);
     log::info("export: ", exported.tensors, " tensors (", exported.moving_average ? "moving average" : "weights",
               ") of ", exported.checkpoint, " -> ", out);
   });

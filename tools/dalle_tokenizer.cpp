@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
     if (*train) {
       auto config = load_config<text::TokenizerConfig>(train_config.source());
       if (train_config.print_requested(visit_of(config))) return;
-      if (captions.empty() || model.empty()) throw Error("train: --captions and --out are required");
+      if (captions.empty() || model.empty()) throw tools::UsageError("train: --captions and --out are required");
       const auto all = read_captions(captions);
       text::Tokenizer::train(all, config, model, seed);
       log::info("trained a ", config.vocab_size, "-token BPE model on ", all.size(), " captions: ", model);

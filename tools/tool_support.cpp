@@ -1,5 +1,7 @@
 #include "tool_support.h"
 
+#include <c10/util/Exception.h>
+
 #include <iostream>
 
 #include "dalle/log.h"
@@ -82,6 +84,13 @@ int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& 
     return 0;
   } catch (const StoppedBySignal& stopped) {
     return 128 + stopped.signal;
+  } catch (const UsageError& error) {
+    std::cerr << app.get_name() << ": error: " << error.what() << "\nRun with --help for more information.\n";
+    return kExitUsage;
+  } catch (const c10::Error& error) {
+    // torch's own message, without the C++ backtrace that means nothing to a user.
+    std::cerr << app.get_name() << ": error: " << error.what_without_backtrace() << "\n";
+    return kExitFailure;
   } catch (const std::exception& error) {
     std::cerr << app.get_name() << ": error: " << error.what() << "\n";
     return kExitFailure;

@@ -17,6 +17,13 @@ namespace dalle::tools {
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 
+// A bad command line found after parsing (a missing option, no prompts, a bad value for a
+// config shorthand): run_tool prints it and exits with kExitUsage.
+class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Adds --log-level and --version to `app`.
 void add_common_options(CLI::App& app);
 
@@ -66,7 +73,7 @@ template <class Config, class Trainer>
 void train_recipe(const ConfigOptions& options, const ConfigSource& source, const std::string& run) {
   auto config = load_config<Config>(source);
   if (options.print_requested(visit_of(config))) return;
-  if (run.empty()) throw Error("--out is required");
+  if (run.empty()) throw UsageError("--out is required");
   start_run_log(run);
   Trainer trainer(config, run);
   run_stoppable([&] {

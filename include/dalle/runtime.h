@@ -1,4 +1,5 @@
 #pragma once
+#include <cstdint>
 #include <string>
 
 namespace dalle {
@@ -12,5 +13,12 @@ bool built_with_cuda();
 int cuda_runtime_version();
 // One line describing the build and the devices torch can use: for logs and --version.
 std::string runtime_summary();
+
+// Sets torch's intra-op threads: `threads` when positive; else one per core idle when it is
+// called (the 1-minute load average and the processes running now, whichever is busier), at
+// least 1 and at most torch's own default. Threads that outnumber the idle cores spin in
+// OpenMP barriers against the other work and can run ten or twenty times slower.
+// OMP_NUM_THREADS, when set, is taken as the default. Returns the count set.
+int64_t set_torch_threads(int64_t threads);
 
 }  // namespace dalle

@@ -9,6 +9,7 @@
 #include "dalle/data/image.h"
 #include "dalle/data/sampler.h"
 #include "dalle/error.h"
+#include "dalle/input_limits.h"
 #include "dalle/log.h"
 
 namespace dalle::data {
@@ -32,9 +33,10 @@ struct Collector {
   std::map<std::string, size_t> position;
   DatasetReport report;
   int64_t warnings = 0;
+  size_t caption_bytes = static_cast<size_t>(max_text_bytes());
 
-  void warn(const std::string& where, const std::string& why) {
-    if (warnings++ < 10) log::warn(where, ": ", why, "; skipped");
+  void warn(const std::string& where, const std::string& why, const std::string& outcome = "skipped") {
+    if (warnings++ < 10) log::warn(where, ": ", why, "; ", outcome);
   }
 
   void add(const std::string& image, const std::string& caption, const std::string& where) {
@@ -43,9 +45,22 @@ struct Collector {
       warn(where, "empty caption");
       return;
     }
+    if (!is_valid_utf8(caption)) {
+      ++report.skipped_malformed_lines;
+      warn(where, "the caption is not valid UTF-8");
+      return;
+    }
+    // A caption beyond any text length a model reads would only cost time and memory
+    // downstream (tokenizing, grid labels).
+    std::string kept = trim(caption);
+    if (kept.size() > caption_bytes) {
+      warn(where, "caption of " + std::to_string(kept.size()) + " bytes",
+           "cut to " + std::to_string(caption_bytes) + " (DALLE_MAX_TEXT_BYTES)");
+      kept = std::string(utf8_prefix(kept, caption_bytes));
+    }
     auto [it, inserted] = position.try_emplace(image, records.size());
     if (inserted) records.push_back({image, {}});
-    records[it->second].captions.push_back(trim(caption));
+    records[it->second].captions.push_back(std::move(kept));
   }
 };
 
@@ -127,9 +142,10 @@ std::shared_ptr<ImageCaptionDataset> ImageCaptionDataset::open(const std::string
   dataset->options_ = options;
   dataset->index_report_ = collector.report;
   for (auto& record : collector.records) {
-    if (!fs::is_regular_file(record.image_path)) {
+    std::error_code unreachable;  // a name too long for the file system is a missing image too
+    if (!fs::is_regular_file(record.image_path, unreachable)) {
       ++dataset->index_report_.skipped_missing_images;
-      collector.warn(captions_file, "image '" + record.image_path + "' does not exist");
+      collector.warn(captions_file, "image " + excerpt(record.image_path, 200) + " does not exist");
       continue;
     }
     dataset->index_report_.captions += static_cast<int64_t>(record.captions.size());

@@ -5,10 +5,13 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
 #include <sstream>
+#include <vector>
 
+#include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 
 namespace dalle::data {
@@ -54,10 +57,141 @@ cv::Mat to_mat(const torch::Tensor& image) {
   return bgr;
 }
 
+struct PixelSize {
+  int64_t width = 0, height = 0;
+};
+
+uint32_t big_endian(std::string_view bytes, size_t at, size_t count) {
+  uint32_t value = 0;
+  for (size_t i = 0; i < count; ++i) value = (value << 8) | static_cast<unsigned char>(bytes[at + i]);
+  return value;
+}
+
+uint32_t little_endian(std::string_view bytes, size_t at, size_t count) {
+  uint32_t value = 0;
+  for (size_t i = count; i-- > 0;) value = (value << 8) | static_cast<unsigned char>(bytes[at + i]);
+  return value;
+}
+
+// JPEG: the frame header (SOF0-SOF15 but DHT, JPG and DAC) follows the segments before it.
+std::optional<PixelSize> jpeg_size(std::string_view bytes) {
+  size_t at = 2;
+  while (at + 4 <= bytes.size()) {
+    if (static_cast<unsigned char>(bytes[at]) != 0xFF) return std::nullopt;
+    const auto marker = static_cast<unsigned char>(bytes[at + 1]);
+    if (marker == 0xFF) {  // fill byte
+      ++at;
+      continue;
+    }
+    if (marker == 0x01 || (marker >= 0xD0 && marker <= 0xD7)) {  // no length field
+      at += 2;
+      continue;
+    }
+    const size_t length = big_endian(bytes, at + 2, 2);
+    const bool frame = marker >= 0xC0 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC;
+    if (frame) {
+      if (at + 9 > bytes.size()) return std::nullopt;
+      return PixelSize{big_endian(bytes, at + 7, 2), big_endian(bytes, at + 5, 2)};
+    }
+    if (length < 2) return std::nullopt;
+    at += 2 + length;
+  }
+  return std::nullopt;
+}
+
+// TIFF: ImageWidth (256) and ImageLength (257) in the first image file directory.
+std::optional<PixelSize> tiff_size(std::string_view bytes) {
+  const bool little = bytes[0] == 'I';
+  const auto read = [&](size_t at, size_t count) {
+    return little ? little_endian(bytes, at, count) : big_endian(bytes, at, count);
+  };
+  const size_t directory = read(4, 4);
+  if (directory + 2 > bytes.size()) return std::nullopt;
+  PixelSize size{-1, -1};
+  for (size_t i = 0, entries = read(directory, 2); i < entries; ++i) {
+    const size_t at = directory + 2 + 12 * i;
+    if (at + 12 > bytes.size()) break;
+    const uint32_t tag = read(at, 2), type = read(at + 2, 2);
+    if (tag != 256 && tag != 257) continue;
+    const int64_t value = type == 3 ? read(at + 8, 2) : read(at + 8, 4);  // SHORT or LONG
+    (tag == 256 ? size.width : size.height) = value;
+  }
+  if (size.width < 0 || size.height < 0) return std::nullopt;
+  return size;
+}
+
+// PNM (P1-P6): width and height are the first two numbers after the magic, comments aside.
+std::optional<PixelSize> pnm_size(std::string_view bytes) {
+  std::vector<int64_t> numbers;
+  size_t at = 2;
+  while (numbers.size() < 2 && at < bytes.size() && at < 4096) {
+    const char c = bytes[at];
+    if (c == '#') {
+      while (at < bytes.size() && bytes[at] != '\n') ++at;
+    } else if (c >= '0' && c <= '9') {
+      int64_t value = 0;
+      for (; at < bytes.size() && bytes[at] >= '0' && bytes[at] <= '9' && value < (int64_t{1} << 40); ++at) {
+        value = value * 10 + (bytes[at] - '0');
+      }
+      numbers.push_back(value);
+    } else {
+      ++at;
+    }
+  }
+  if (numbers.size() < 2) return std::nullopt;
+  return PixelSize{numbers[0], numbers[1]};
+}
+
+// The size an image's header claims, for the formats whose header says it plainly (PNG,
+// JPEG, BMP, WebP, TIFF, PNM); nullopt for others, which OpenCV bounds with its own limit.
+std::optional<PixelSize> header_size(std::string_view bytes) {
+  const auto starts_with = [&](std::string_view prefix, size_t at = 0) {
+    return bytes.size() >= at + prefix.size() && bytes.substr(at, prefix.size()) == prefix;
+  };
+  if (starts_with("\x89PNG\r\n\x1a\n") && starts_with("IHDR", 12) && bytes.size() >= 24) {
+    return PixelSize{big_endian(bytes, 16, 4), big_endian(bytes, 20, 4)};
+  }
+  if (starts_with("\xFF\xD8")) return jpeg_size(bytes);
+  if (starts_with("BM") && bytes.size() >= 26) {
+    if (little_endian(bytes, 14, 4) == 12) return PixelSize{little_endian(bytes, 18, 2), little_endian(bytes, 20, 2)};
+    const auto height = static_cast<int32_t>(little_endian(bytes, 22, 4));  // negative: top-down rows
+    return PixelSize{static_cast<int32_t>(little_endian(bytes, 18, 4)), std::abs(static_cast<int64_t>(height))};
+  }
+  if (starts_with("RIFF") && starts_with("WEBP", 8) && bytes.size() >= 30) {
+    if (starts_with("VP8 ", 12)) {
+      return PixelSize{little_endian(bytes, 26, 2) & 0x3FFF, little_endian(bytes, 28, 2) & 0x3FFF};
+    }
+    if (starts_with("VP8L", 12)) {
+      const uint32_t bits = little_endian(bytes, 21, 4);
+      return PixelSize{(bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1};
+    }
+    if (starts_with("VP8X", 12)) return PixelSize{little_endian(bytes, 24, 3) + 1, little_endian(bytes, 27, 3) + 1};
+  }
+  if ((starts_with(std::string_view("II*\0", 4)) || starts_with(std::string_view("MM\0*", 4))) && bytes.size() >= 8) {
+    return tiff_size(bytes);
+  }
+  if (bytes.size() >= 3 && bytes[0] == 'P' && bytes[1] >= '1' && bytes[1] <= '6') return pnm_size(bytes);
+  return std::nullopt;
+}
+
+// Refuses, before decoding, an image whose header claims more pixels than the limit: a
+// small file can claim gigapixels (a decompression bomb).
+void check_pixel_count(std::string_view bytes, const std::string& name) {
+  const auto size = header_size(bytes);
+  if (!size) return;
+  const int64_t limit = max_image_pixels();
+  if (size->width < 0 || size->height < 0 || (size->width > 0 && size->height > limit / size->width)) {
+    throw ImageError(name + ": " + std::to_string(size->width) + "x" + std::to_string(size->height) +
+                     " pixels, over the limit of " + std::to_string(limit) +
+                     " (DALLE_MAX_IMAGE_PIXELS); not decoded");
+  }
+}
+
 }  // namespace
 
 torch::Tensor decode_image(std::string_view bytes, const std::string& name) {
   if (bytes.empty()) throw ImageError(name + ": empty file");
+  check_pixel_count(bytes, name);
   cv::Mat buffer(1, static_cast<int>(bytes.size()), CV_8U, const_cast<char*>(bytes.data()));
   cv::Mat decoded;
   try {
@@ -141,9 +275,13 @@ constexpr int kFont = cv::FONT_HERSHEY_SIMPLEX;
 constexpr double kFontScale = 0.35;
 constexpr int kLineHeight = 12;
 
+// A label shows what a tile is, not the whole of a long caption: it is cut to a few lines.
+constexpr size_t kLabelBytes = 200;
+constexpr size_t kLabelLines = 3;
+
 std::vector<std::string> wrap_words(const std::string& text, int width) {
   std::vector<std::string> lines;
-  std::istringstream words(text);
+  std::istringstream words(std::string(utf8_prefix(text, kLabelBytes)));
   std::string line;
   for (std::string word; words >> word;) {
     const std::string candidate = line.empty() ? word : line + " " + word;
@@ -156,6 +294,10 @@ std::vector<std::string> wrap_words(const std::string& text, int width) {
     }
   }
   if (!line.empty()) lines.push_back(line);
+  if (lines.size() > kLabelLines || text.size() > kLabelBytes) {
+    lines.resize(std::min(lines.size(), kLabelLines));
+    if (!lines.empty()) lines.back() += "...";
+  }
   return lines;
 }
 

@@ -12,6 +12,7 @@
 
 #include "dalle/error.h"
 #include "dalle/io/atomic_file.h"
+#include "dalle/io/stale_temporaries.h"
 #include "dalle/io/safetensors.h"
 
 namespace dalle::data {
@@ -41,6 +42,7 @@ TokenDatasetWriter::TokenDatasetWriter(std::string directory, TokenDatasetInfo i
   if (fs::exists(target_) && !fs::exists(fs::path(target_) / "dataset.json")) {
     throw Error(target_ + " exists and is not a token dataset; refusing to replace it");
   }
+  io::remove_stale_temporaries(target_);
   fs::create_directories(directory_);
   info_.images = info_.captions = info_.shards = 0;
 }

@@ -13,10 +13,12 @@
 #include "dalle/data/image.h"
 #include "dalle/error.h"
 #include "dalle/eval/frechet_distance.h"
-#include "dalle/models/item_classifier.h"
+#include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
+#include "dalle/models/item_classifier.h"
 #include "dalle/models/trained.h"
+#include "dalle/runtime.h"
 
 namespace dalle::eval {
 namespace fs = std::filesystem;
@@ -76,7 +78,7 @@ std::vector<RealImage> read_real_split(const std::string& split, int64_t limit) 
 class Scorer {
  public:
   Scorer(const ScoreOptions& options, const std::string& split_near) : options_(options), measure_(options.measure) {
-    if (options.threads > 0) torch::set_num_threads(static_cast<int>(options.threads));
+    set_torch_threads(options.threads);
     if (options.classifier.empty()) {
       throw Error("score: a classifier is required (dalle-eval train-classifier makes one)");
     }
@@ -96,7 +98,7 @@ class Scorer {
     const auto caption = data::parse_fashion_compose_caption(prompt);
     if (!caption) {
       ++report.unparsed;
-      log::warn("score: ", name, ": prompt '", prompt, "' is not a fashion-compose caption; not scored");
+      log::warn("score: ", name, ": prompt ", excerpt(prompt), " is not a fashion-compose caption; not scored");
       return;
     }
     auto objects = find_objects(image, measure_);
@@ -282,6 +284,10 @@ ScoreReport score_generated(const std::string& directory, const ScoreOptions& op
     scorer.score(image, s.prompt, s.prompt_index, s.rank, fs::path(s.image).filename().string());
   }
   progress.finish();
+  if (per_prompt.empty()) {
+    throw Error(directory + ": none of its " + std::to_string(sidecars.size()) +
+                " images could be read; nothing to score");
+  }
   report.prompts = static_cast<int64_t>(per_prompt.size());
   for (const auto& [prompt, count] : per_prompt) report.images_per_prompt = std::max(report.images_per_prompt, count);
   scorer.finish();
@@ -314,6 +320,9 @@ ScoreReport score_real(const std::string& split, const ScoreOptions& options) {
     scorer.score(picture, image.caption, report.images, 0, fs::path(image.path).filename().string());
   }
   progress.finish();
+  if (report.unreadable == static_cast<int64_t>(images.size())) {
+    throw Error(split + ": none of its " + std::to_string(images.size()) + " images could be read; nothing to score");
+  }
   report.prompts = report.images;
   report.images_per_prompt = 1;
   scorer.finish();

@@ -10,11 +10,13 @@
 #include "dalle/data/image.h"
 #include "dalle/device.h"
 #include "dalle/error.h"
+#include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/tiled_upscale.h"
 #include "dalle/models/trained.h"
+#include "dalle/runtime.h"
 #include "dalle/text/clip_tokenizer.h"
 #include "dalle/text/tokenizer.h"
 
@@ -42,7 +44,7 @@ void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("tile", tile, "super-resolution tile side in input pixels (0: whole images at once)", {.min = 0});
   v.field("tile_overlap", tile_overlap, "pixels each super-resolution tile overlaps its neighbours by", {.min = 0});
   v.field("device", device, "where the models run", {.choices = {"auto", "cpu", "cuda"}});
-  v.field("threads", threads, "torch intra-op threads (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("threads", threads, "torch intra-op threads (0: one per idle core)", {.min = 0, .max = 1024});
 }
 
 namespace {
@@ -112,7 +114,7 @@ struct Pipeline::Stages {
 
 Pipeline::Pipeline(PipelineConfig config) {
   check(config);
-  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  set_torch_threads(config.threads);
   auto prior = models::load_trained_prior(config.prior);
   if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
   if (config.decoder.empty()) config.decoder = prior.image_tokenizer;
@@ -219,6 +221,10 @@ void Pipeline::Stages::upscale(std::vector<GeneratedImage>& images) {
 std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& prompts) {
   auto& s = *stages_;
   if (prompts.empty()) throw Error("pipeline: no prompts");
+  // Before any sampling: a prompt the sidecars cannot hold must not cost a run.
+  for (size_t index = 0; index < prompts.size(); ++index) {
+    check_prompt(prompts[index], "pipeline: prompt " + std::to_string(index));
+  }
   std::vector<torch::Tensor> captions, clip_captions;
   for (size_t index = 0; index < prompts.size(); ++index) {
     const auto encoding = s.tokenizer.encode(prompts[index]);

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "dalle/io/atomic_file.h"
+#include "dalle/io/stale_temporaries.h"
 #include "dalle/log.h"
 
 namespace dalle::io {
@@ -40,6 +41,7 @@ std::optional<int64_t> step_of(const fs::path& directory) {
 void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint) {
   const fs::path target(directory);
   if (target.has_parent_path()) fs::create_directories(target.parent_path());
+  remove_stale_temporaries(directory);
   const fs::path staging(temporary_sibling(directory));
   try {
     fs::create_directory(staging);
@@ -91,6 +93,7 @@ std::string CheckpointStore::directory_for(int64_t step) const {
 
 std::string CheckpointStore::save(int64_t step, const Checkpoint& checkpoint) {
   const std::string directory = directory_for(step);
+  remove_stale_temporaries_in(root_);  // the steps a killed run was writing
   save_checkpoint(directory, checkpoint);
   write_file_atomic((fs::path(root_) / "latest").string(), fs::path(directory).filename().string() + "\n");
   prune();

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 
 namespace dalle::io {
@@ -66,15 +67,22 @@ void check_nesting(std::string_view header, const std::string& name) {
 
 uint64_t checked_product(const std::vector<int64_t>& shape, uint64_t element_bytes,
                          const std::string& name, const std::string& tensor) {
-  uint64_t total = element_bytes;
+  // Every dimension counts, zeros aside: torch refuses a shape whose element count
+  // overflows even when another dimension is 0.
+  uint64_t nonzero = element_bytes;
+  bool empty = false;
   for (int64_t dim : shape) {
-    if (dim < 0) refuse(name, "tensor '" + tensor + "' has a negative dimension");
-    if (dim != 0 && total > UINT64_MAX / static_cast<uint64_t>(dim)) {
-      refuse(name, "tensor '" + tensor + "' has a shape too large to address");
+    if (dim < 0) refuse(name, "tensor " + excerpt(tensor, 200) + " has a negative dimension");
+    if (dim == 0) {
+      empty = true;
+      continue;
     }
-    total *= static_cast<uint64_t>(dim);
+    if (nonzero > static_cast<uint64_t>(INT64_MAX) / static_cast<uint64_t>(dim)) {
+      refuse(name, "tensor " + excerpt(tensor, 200) + " has a shape too large to address");
+    }
+    nonzero *= static_cast<uint64_t>(dim);
   }
-  return total;
+  return empty ? 0 : nonzero;
 }
 
 struct Entry {
@@ -85,10 +93,10 @@ struct Entry {
 };
 
 std::vector<int64_t> read_shape(const json& value, const std::string& name, const std::string& tensor) {
-  if (!value.is_array()) refuse(name, "tensor '" + tensor + "': 'shape' must be a list of integers");
+  if (!value.is_array()) refuse(name, "tensor " + excerpt(tensor, 200) + ": 'shape' must be a list of integers");
   std::vector<int64_t> shape;
   for (const auto& dim : value) {
-    if (!dim.is_number_integer()) refuse(name, "tensor '" + tensor + "': 'shape' must be a list of integers");
+    if (!dim.is_number_integer()) refuse(name, "tensor " + excerpt(tensor, 200) + ": 'shape' must be a list of integers");
     shape.push_back(dim.get<int64_t>());
   }
   return shape;
@@ -96,34 +104,34 @@ std::vector<int64_t> read_shape(const json& value, const std::string& name, cons
 
 Entry read_entry(const std::string& tensor, const json& value, const std::string& name,
                  uint64_t data_bytes) {
-  if (!value.is_object()) refuse(name, "tensor '" + tensor + "' is not described by an object");
+  if (!value.is_object()) refuse(name, "tensor " + excerpt(tensor, 200) + " is not described by an object");
   for (const auto& [key, unused] : value.items()) {
     if (key != "dtype" && key != "shape" && key != "data_offsets") {
-      refuse(name, "tensor '" + tensor + "' has an unknown field '" + key + "'");
+      refuse(name, "tensor " + excerpt(tensor, 200) + " has an unknown field " + excerpt(key));
     }
   }
   if (!value.contains("dtype") || !value["dtype"].is_string()) {
-    refuse(name, "tensor '" + tensor + "' has no dtype");
+    refuse(name, "tensor " + excerpt(tensor, 200) + " has no dtype");
   }
   const auto dtype_name = value["dtype"].get<std::string>();
   const DtypeInfo* dtype = find_dtype(dtype_name);
-  if (!dtype) refuse(name, "tensor '" + tensor + "' has an unsupported dtype '" + dtype_name + "'");
-  if (!value.contains("shape")) refuse(name, "tensor '" + tensor + "' has no shape");
+  if (!dtype) refuse(name, "tensor " + excerpt(tensor, 200) + " has an unsupported dtype " + excerpt(dtype_name));
+  if (!value.contains("shape")) refuse(name, "tensor " + excerpt(tensor, 200) + " has no shape");
   auto shape = read_shape(value["shape"], name, tensor);
   const json& offsets = value.contains("data_offsets") ? value["data_offsets"] : json();
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
       !offsets[1].is_number_unsigned()) {
-    refuse(name, "tensor '" + tensor + "': 'data_offsets' must be two non-negative integers");
+    refuse(name, "tensor " + excerpt(tensor, 200) + ": 'data_offsets' must be two non-negative integers");
   }
   const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
   if (begin > end || end > data_bytes) {
-    refuse(name, "tensor '" + tensor + "' has byte range [" + std::to_string(begin) + ", " +
+    refuse(name, "tensor " + excerpt(tensor, 200) + " has byte range [" + std::to_string(begin) + ", " +
                      std::to_string(end) + ") outside the " + std::to_string(data_bytes) +
                      " data bytes (truncated file?)");
   }
   const uint64_t expected = checked_product(shape, dtype->bytes, name, tensor);
   if (end - begin != expected) {
-    refuse(name, "tensor '" + tensor + "' holds " + std::to_string(end - begin) +
+    refuse(name, "tensor " + excerpt(tensor, 200) + " holds " + std::to_string(end - begin) +
                      " bytes but its dtype and shape need " + std::to_string(expected));
   }
   return {tensor, dtype, std::move(shape), begin, end};
@@ -134,8 +142,8 @@ void check_layout(std::vector<Entry>& entries, uint64_t data_bytes, const std::s
             [](const Entry& a, const Entry& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
   uint64_t covered = 0;
   for (const auto& entry : entries) {
-    if (entry.begin < covered) refuse(name, "tensor '" + entry.name + "' overlaps another tensor");
-    if (entry.begin > covered) refuse(name, "bytes before tensor '" + entry.name + "' belong to no tensor");
+    if (entry.begin < covered) refuse(name, "tensor " + excerpt(entry.name, 200) + " overlaps another tensor");
+    if (entry.begin > covered) refuse(name, "bytes before tensor " + excerpt(entry.name, 200) + " belong to no tensor");
     covered = entry.end;
   }
   if (covered != data_bytes) {
@@ -147,7 +155,7 @@ Metadata read_metadata(const json& value, const std::string& name) {
   if (!value.is_object()) refuse(name, "'__metadata__' must map strings to strings");
   Metadata metadata;
   for (const auto& [key, item] : value.items()) {
-    if (!item.is_string()) refuse(name, "'__metadata__' value of '" + key + "' is not a string");
+    if (!item.is_string()) refuse(name, "'__metadata__' value of " + excerpt(key) + " is not a string");
     metadata[key] = item.get<std::string>();
   }
   return metadata;
@@ -189,7 +197,12 @@ Safetensors parse_safetensors(std::string_view bytes, const std::string& name) {
   }
   check_layout(entries, data.size(), name);
   for (const auto& entry : entries) {
-    auto tensor = torch::empty(entry.shape, torch::TensorOptions().dtype(entry.dtype->type));
+    torch::Tensor tensor;
+    try {
+      tensor = torch::empty(entry.shape, torch::TensorOptions().dtype(entry.dtype->type));
+    } catch (const c10::Error& error) {
+      refuse(name, "tensor " + excerpt(entry.name, 200) + ": " + error.what_without_backtrace());
+    }
     std::memcpy(tensor.data_ptr(), data.data() + entry.begin, entry.end - entry.begin);
     result.tensors.emplace(entry.name, std::move(tensor));
   }

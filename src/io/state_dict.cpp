@@ -49,6 +49,14 @@ void load_state_dict(torch::nn::Module& module, const TensorMap& tensors, const 
   if (!unexpected.empty()) problems += "\n  unexpected: " + first_names(unexpected);
   if (!misshapen.empty()) problems += "\n  misshapen: " + first_names(misshapen);
   if (!problems.empty()) throw Error(source + " do not fit the model:" + problems);
+  // A NaN or infinite weight makes every output NaN (black images) without an error; one
+  // pass over the weights is cheap next to reading them.
+  for (const auto& [name, target] : targets) {
+    const auto& tensor = tensors.at(name);
+    if (tensor.is_floating_point() && !torch::isfinite(tensor).all().item<bool>()) {
+      throw Error(source + ": tensor '" + name + "' holds NaN or infinite values; refusing to load it");
+    }
+  }
 
   torch::NoGradGuard no_grad;
   for (auto& [name, target] : targets) target.copy_(tensors.at(name));

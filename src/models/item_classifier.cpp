@@ -9,6 +9,7 @@
 #include "dalle/config.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/model_config.h"
 
 namespace dalle::models {
 
@@ -45,8 +46,9 @@ TrainedClassifier load_item_classifier(const std::string& directory) {
                 (checkpoint.state_metadata.count("kind") ? checkpoint.state_metadata.at("kind") : "") + "')");
   }
   ItemClassifierConfig config;
-  bind_config_parts(ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml"),
-                    [&config](ConfigVisitor& v) { v.section("model", "", config); }, {"model"});
+  const auto source = ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml");
+  bind_config_parts(source, [&config](ConfigVisitor& v) { v.section("model", "", config); }, {"model"});
+  require_model_sizes<ItemClassifierConfig>(source);
   TrainedClassifier trained{ItemClassifier(config), config, 0.0};
   io::load_state_dict(*trained.model, checkpoint.weights, directory + "/model.safetensors");
   trained.model->eval();

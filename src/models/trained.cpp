@@ -9,6 +9,7 @@
 #include "dalle/error.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/model_config.h"
 
 namespace dalle::models {
 
@@ -42,6 +43,7 @@ ModelConfig read_model_config(const ConfigSource& source, const std::string& kin
         if (extra) extra(v);
       },
       {"model"});
+  require_model_sizes<ModelConfig>(source);
   model.validate();
   return model;
 }

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
 
@@ -117,7 +118,7 @@ Tokenizer::Encoding Tokenizer::finish(std::vector<int> pieces, std::string_view 
   if (pieces.size() > room) {
     encoding.truncated = true;
     if (truncation_warnings.fetch_add(1) < 5) {
-      log::warn("caption of ", pieces.size(), " tokens truncated to ", room, ": '", caption, "'");
+      log::warn("caption of ", pieces.size(), " tokens truncated to ", room, ": ", excerpt(caption));
     }
     pieces.resize(room);
   }

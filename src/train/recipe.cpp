@@ -19,7 +19,7 @@ void RunConfig::visit(ConfigVisitor& v) {
   v.field("checkpoint_every", checkpoint_every, "updates between checkpoints", {.min = 1});
   v.field("keep_checkpoints", keep_checkpoints, "checkpoints kept (0: all)", {.min = 0});
   v.field("seed", seed, "seed of the initialisation, the data order and every random draw of training", {.min = 0});
-  v.field("threads", threads, "CPU threads for torch (0: torch's default)", {.min = 0, .max = 1024});
+  v.field("threads", threads, "CPU threads for torch (0: one per idle core)", {.min = 0, .max = 1024});
   v.field("device", device, "where training runs: auto (a GPU when torch sees one), cpu or cuda",
           {.choices = {"auto", "cpu", "cuda"}});
 }

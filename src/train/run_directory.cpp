@@ -19,6 +19,7 @@
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
 #include "dalle/train/optimizer_state.h"
+#include "dalle/runtime.h"
 #include "train/trainers/trainer_support.h"
 
 namespace dalle::train {
@@ -57,7 +58,7 @@ void MetricsLog::drop_after(int64_t step) const {
 }
 
 void prepare_torch(int64_t threads, int64_t seed) {
-  if (threads > 0) torch::set_num_threads(static_cast<int>(threads));
+  set_torch_threads(threads);
   torch::manual_seed(static_cast<uint64_t>(seed));
 }
 

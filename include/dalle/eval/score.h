@@ -28,7 +28,7 @@ struct ScoreOptions {
   std::string details;         // when set, one JSON line per scored image is written here
   int64_t limit = 0;           // score at most this many images (0: all)
   int64_t real_limit = 0;      // at most this many real images for FID (0: all)
-  int64_t threads = 0;         // torch intra-op threads (0: torch's default)
+  int64_t threads = 0;         // torch intra-op threads (0: one per idle core)
   MeasureOptions measure;      // canvas_size and item_size come from the dataset config
 };
 

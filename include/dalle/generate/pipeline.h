@@ -31,7 +31,7 @@ struct PipelineConfig {
   int64_t tile = 192;      // super-resolution tile side in input pixels (0: whole images)
   int64_t tile_overlap = 24;
   std::string device = "auto";  // auto: cuda when available, else cpu
-  int64_t threads = 0;          // torch intra-op threads (0: torch's default)
+  int64_t threads = 0;          // torch intra-op threads (0: one per idle core)
 
   void visit(ConfigVisitor& v);
   // K as used: `keep`, or N when 0.

@@ -14,6 +14,7 @@
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
+#include "dalle/runtime.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/update_step.h"
 
@@ -68,7 +69,7 @@ void check_output(const fs::path& out) {
 ClassifierTrainResult train_item_classifier(const ClassifierTrainConfig& config, const std::string& out) {
   const auto start = std::chrono::steady_clock::now();
   check_output(out);
-  if (config.threads > 0) torch::set_num_threads(static_cast<int>(config.threads));
+  set_torch_threads(config.threads);
   const auto train = first(data::load_fashion_mnist("train", config.source), config.train_limit);
   const auto test = first(data::load_fashion_mnist("test", config.source), config.test_limit);
   const auto seed = static_cast<uint64_t>(config.seed);

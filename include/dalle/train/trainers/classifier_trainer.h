@@ -38,7 +38,7 @@ struct ClassifierTrainConfig {
             {.min = 0});
     v.field("test_limit", test_limit, "measure accuracy on the first N test items (0: all 10,000)", {.min = 0});
     v.field("seed", seed, "random seed: initialisation, order and shifts", {.min = 0});
-    v.field("threads", threads, "torch intra-op threads (0: torch's default)", {.min = 0, .max = 1024});
+    v.field("threads", threads, "torch intra-op threads (0: one per idle core)", {.min = 0, .max = 1024});
     v.field("source", source, "folder of the Fashion-MNIST idx files");
   }
 };

@@ -1,12 +1,14 @@
 #pragma once
 // A trained run's weights for inference only: the checkpoint's moving average of the
 // weights (or its weights when it keeps none) as model.safetensors, beside its config.yaml
-// and an empty state.safetensors. A third to a quarter of a training checkpoint's size, and
-// loadable wherever a run or checkpoint is (dalle-generate, dalle-encode-images, ...).
+// and an empty state.safetensors: a third to a quarter of a training checkpoint's size, and
+// loadable wherever a run or checkpoint is (dalle-generate, dalle-encode-images, ...). The
+// checkpoint is loaded as its kind of model first, so that weights no tool could load are
+// refused rather than shipped.
 #include <string>
 #include <vector>
 
-namespace dalle::io {
+namespace dalle::models {
 
 struct ExportedWeights {
   std::string checkpoint;  // the checkpoint directory that was read
@@ -22,4 +24,4 @@ struct ExportedWeights {
 ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
                                const std::vector<std::string>& config_overrides = {});
 
-}  // namespace dalle::io
+}  // namespace dalle::models
