@@ -198,29 +198,28 @@ class YamlReader final : public ConfigVisitor {
 
   template <class Parse>
   void read_scalar(std::string_view key, const std::string& expected, Parse parse) {
-    known_.insert(std::string(key));
-    const auto child = lookup(key);
-    if (!child) return;
-    const std::string path = join_path(prefix_, key);
-    if (!child->IsScalar()) fail(*child, path, path + ": expected " + expected);
-    try {
-      parse(*child);
-    } catch (const YAML::BadConversion&) {
-      fail(*child, path, path + ": expected " + expected + ", got " + excerpt(child->Scalar()));
-    }
+    read_node(key, expected, YAML::NodeType::Scalar, parse);
   }
 
   template <class Parse>
   void read_sequence(std::string_view key, const std::string& expected, Parse parse) {
+    read_node(key, expected, YAML::NodeType::Sequence, parse);
+  }
+
+  // Reads `key` when present: a node of another type than `type`, or one `parse` cannot
+  // convert, is refused as not what was `expected` (a scalar is quoted in the message).
+  template <class Parse>
+  void read_node(std::string_view key, const std::string& expected, YAML::NodeType::value type, Parse parse) {
     known_.insert(std::string(key));
     const auto child = lookup(key);
     if (!child) return;
     const std::string path = join_path(prefix_, key);
-    if (!child->IsSequence()) fail(*child, path, path + ": expected " + expected);
+    if (child->Type() != type) fail(*child, path, path + ": expected " + expected);
     try {
       parse(*child);
     } catch (const YAML::BadConversion&) {
-      fail(*child, path, path + ": expected " + expected);
+      const std::string got = child->IsScalar() ? ", got " + excerpt(child->Scalar()) : "";
+      fail(*child, path, path + ": expected " + expected + got);
     }
   }
 

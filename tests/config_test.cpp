@@ -109,9 +109,9 @@ TEST(Config, PartsOfALargerDocumentBindAndAnEmptyRequiredSectionIsRefused) {
                                       read_optimizer, {"optimizer"}),
                     ConfigError, "unknown key 'optimizer.learning_rat'");
   for (const char* empty : {"", "other: 1\n", "optimizer:\n", "optimizer: {}\n"}) {
+    SCOPED_TRACE(empty);
     EXPECT_THROW_WITH(bind_config_parts(ConfigSource::from_string(empty, "run.yaml"), read_optimizer, {"optimizer"}),
-                      ConfigError, "run.yaml: 'optimizer' is missing or empty")
-        << empty;
+                      ConfigError, "run.yaml: 'optimizer' is missing or empty");
   }
   const auto source = ConfigSource::from_string("data: {image_size: 64, train: x}\n", "run.yaml");
   EXPECT_EQ(peek_integer(source, "data.image_size", 256, {.min = 8}), 64);
