@@ -18,9 +18,8 @@
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
-#include "dalle/train/optimizer_state.h"
 #include "dalle/runtime.h"
-#include "train/trainers/trainer_support.h"
+#include "dalle/train/optimizer_state.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -143,6 +142,7 @@ io::Checkpoint make_checkpoint(std::string config_yaml, const torch::nn::Module&
   for (const auto& [name, tensor] : adamw_state(optimizer, model)) checkpoint.state.emplace("adamw." + name, tensor);
   checkpoint.state.emplace("rng.torch", at::detail::getDefaultCPUGenerator().get_state());
   checkpoint.state_metadata = {{"step", std::to_string(step)},
+                               {"torch_threads", std::to_string(at::get_num_threads())},
                                {"loader_epoch", std::to_string(position.epoch)},
                                {"loader_batch", std::to_string(position.batch)}};
   return checkpoint;

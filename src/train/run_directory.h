@@ -92,8 +92,8 @@ void check_resumable(const Config& now, const std::string& checkpoint_yaml, cons
 }
 
 // What every trainer's checkpoint holds: the config, the weights, their moving average
-// ("ema."), the AdamW moments ("adamw."), torch's generator, the update count and the
-// loader's position. Trainers add their own extras to the result.
+// ("ema."), the AdamW moments ("adamw."), torch's generator, the update count, the loader's
+// position and torch's CPU threads (whose count changes the last bits of CPU results). Trainers add their own extras to the result.
 io::Checkpoint make_checkpoint(std::string config_yaml, const torch::nn::Module& model, const Ema& ema,
                                torch::optim::AdamW& optimizer, int64_t step, data::LoaderPosition position);
 

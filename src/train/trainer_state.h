@@ -19,6 +19,7 @@
 #include "dalle/data/loader.h"
 #include "dalle/device.h"
 #include "dalle/error.h"
+#include "dalle/log.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
@@ -131,10 +132,24 @@ struct TrainerState : RunRecord {
     check_resumable<Config>(config, checkpoint.config_yaml, directory + "/config.yaml",
                             [this](const std::string& key) { return may_change_on_resume(key); });
     const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
+    keep_threads_of(checkpoint);
     precision->load_state(checkpoint.state, "gradient_scaler.");
     restore_extra(checkpoint, directory);
     seek_loader(progress.position);
     resumed(directory, progress.step);
+  }
+
+  // With run.threads 0, a resumed run computes with the thread count its checkpoint was
+  // written with, not with what the machine's load suggests now: CPU results depend on it
+  // in their last bits, and a resume must continue exactly.
+  void keep_threads_of(const io::Checkpoint& checkpoint) const {
+    const auto saved = checkpoint.state_metadata.find("torch_threads");
+    if (config.run.threads != 0 || saved == checkpoint.state_metadata.end()) return;
+    const int threads = std::stoi(saved->second);
+    if (threads != at::get_num_threads()) {
+      log::info(what, ": ", threads, " torch threads, as when the checkpoint was written (run.threads sets others)");
+      at::set_num_threads(threads);
+    }
   }
 
   // A metrics line with the fp16 scales added: the one scale, or the spread of the

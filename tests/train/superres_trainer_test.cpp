@@ -130,6 +130,26 @@ TEST_F(SuperResTrainerTest, ResumedRunContinuesWithTheSameLossesAndWeights) {
   testing::expect_exact_resume<SuperResTrainer>(tiny(8));
 }
 
+// CPU results depend on the thread count in their last bits, so a resume does not take
+// whatever the machine's load suggests at restart.
+TEST_F(SuperResTrainerTest, AResumedRunComputesWithTheThreadsItsCheckpointWasWrittenWith) {
+  ScratchDir runs;
+  auto started = tiny(3);
+  started.run.threads = 2;
+  SuperResTrainer(started, runs / "run").run();
+  EXPECT_EQ(io::load_checkpoint(runs / "run/checkpoints/step-000000003").state_metadata.at("torch_threads"), "2");
+  at::set_num_threads(1);
+  {
+    SuperResTrainer resumed(tiny(4), runs / "run");  // run.threads 0: the checkpoint's count
+    EXPECT_EQ(resumed.step(), 3);
+    EXPECT_EQ(at::get_num_threads(), 2);
+  }
+  auto chosen = tiny(4);
+  chosen.run.threads = 1;
+  SuperResTrainer resumed(chosen, runs / "run");
+  EXPECT_EQ(at::get_num_threads(), 1) << "a count the recipe names wins";
+}
+
 TEST_F(SuperResTrainerTest, ResumedBf16RunContinuesWithTheSameLossesAndWeights) {
   auto config = tiny(8);
   config.precision.mode = "bf16";
