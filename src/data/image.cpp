@@ -275,9 +275,10 @@ constexpr int kFont = cv::FONT_HERSHEY_SIMPLEX;
 constexpr double kFontScale = 0.35;
 constexpr int kLineHeight = 12;
 
-// A label shows what a tile is, not the whole of a long caption: it is cut to a few lines.
+// A label shows what a tile is, not the whole of a long caption: it is cut to a few lines,
+// enough for a two-item caption and its CLIP score under a 128-pixel tile.
 constexpr size_t kLabelBytes = 200;
-constexpr size_t kLabelLines = 3;
+constexpr size_t kLabelLines = 6;
 
 std::vector<std::string> wrap_words(const std::string& text, int width) {
   std::vector<std::string> lines;
