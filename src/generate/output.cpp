@@ -1,0 +1,115 @@
+#include "dalle/generate/output.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <regex>
+
+#include "dalle/error.h"
+#include "dalle/input_limits.h"
+#include "dalle/io/atomic_file.h"
+#include "dalle/io/stale_temporaries.h"
+
+namespace dalle::generate {
+namespace fs = std::filesystem;
+
+namespace {
+
+// One line of at most `limit` bytes (the rest of a longer line is skipped, counted in
+// `length`); false at the end of the file.
+bool read_bounded_line(std::istream& in, size_t limit, std::string& line, size_t& length) {
+  line.clear();
+  length = 0;
+  int c;
+  while ((c = in.get()) != EOF && c != '\n') {
+    if (length++ < limit) line += static_cast<char>(c);
+  }
+  return c != EOF || length > 0;
+}
+
+// What dalle-generate writes into its folder, and dalle-eval's report of it.
+bool written_by_generate(const fs::path& entry) {
+  static const std::regex own(R"(\d{4,}-\d{2,}\.(png|json)|grid\.png|eval\.json)");
+  return std::regex_match(entry.filename().string(), own);
+}
+
+// "out/" and "out" are one folder, and its temporaries are siblings, never inside it.
+std::string without_trailing_slash(const std::string& path) {
+  auto normal = fs::path(path).lexically_normal();
+  return (normal.has_filename() ? normal : normal.parent_path()).string();
+}
+
+}  // namespace
+
+std::vector<std::string> read_prompts_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(path + ": cannot read the prompts file");
+  const auto limit = static_cast<size_t>(max_text_bytes());
+  std::vector<std::string> prompts;
+  std::string line;
+  size_t length = 0;
+  for (int64_t number = 1; read_bounded_line(in, limit + 1, line, length); ++number) {
+    const bool whole = length == line.size();
+    if (whole && !line.empty() && line.back() == '\r') {
+      line.pop_back();
+      --length;
+    }
+    if (whole && line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(number);
+    check_prompt(line, where, length);
+    prompts.push_back(line);
+  }
+  return prompts;
+}
+
+OutputFolder::OutputFolder(const std::string& target) : target_(without_trailing_slash(target)) {
+  if (fs::exists(target_)) {
+    if (!fs::is_directory(target_)) throw Error(target_ + ": exists and is not a folder");
+    for (const auto& entry : fs::directory_iterator(target_)) {
+      if (!written_by_generate(entry.path())) {
+        throw Error(target_ + ": not empty and not an earlier dalle-generate output (it holds " +
+                    excerpt(entry.path().filename().string()) + "); choose another folder");
+      }
+    }
+    if (::access(target_.c_str(), W_OK) != 0) {
+      throw Error(target_ + ": cannot be replaced: " + std::strerror(errno));
+    }
+  }
+  io::remove_stale_temporaries(target_);
+  // Created now, so that a folder that cannot be written is refused before any work.
+  staging_ = io::temporary_sibling(target_);
+  try {
+    const auto parent = fs::path(staging_).parent_path();
+    if (!parent.empty()) fs::create_directories(parent);
+    fs::create_directory(staging_);
+  } catch (const fs::filesystem_error& error) {
+    throw Error(target_ + ": cannot write the output folder: " + error.code().message());
+  }
+}
+
+OutputFolder::~OutputFolder() {
+  std::error_code ignored;
+  if (!committed_) fs::remove_all(staging_, ignored);
+}
+
+void OutputFolder::commit() {
+  std::optional<std::string> previous;
+  if (fs::exists(target_)) {
+    previous = io::temporary_sibling(target_);
+    fs::rename(target_, *previous);
+  }
+  try {
+    fs::rename(staging_, target_);
+  } catch (...) {
+    if (previous) fs::rename(*previous, target_);
+    throw;
+  }
+  committed_ = true;
+  if (previous) fs::remove_all(*previous);
+}
+
+}  // namespace dalle::generate
