@@ -5,6 +5,11 @@ if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST})
   set(ENV{TORCH_CUDA_ARCH_LIST} "9.0")
 endif()
 find_package(Torch 2.11 REQUIRED)
+# third_party/gloo holds the gloo headers of this wheel's gloo: another torch may carry
+# another gloo, whose objects' layout the headers would misdescribe.
+if(NOT Torch_VERSION VERSION_EQUAL 2.11.0)
+  message(FATAL_ERROR "third_party/gloo matches the gloo of torch 2.11.0; found torch ${Torch_VERSION}")
+endif()
 find_package(OpenCV 4 REQUIRED COMPONENTS core imgproc imgcodecs)
 find_package(yaml-cpp REQUIRED)
 find_package(spdlog REQUIRED)

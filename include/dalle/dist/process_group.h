@@ -1,0 +1,48 @@
+#pragma once
+// A group of processes that train one model together, on c10d, the engine PyTorch itself
+// uses: a TCPStore for the rendezvous (rank 0 serves it, or a launcher's agent does), a
+// PrefixStore per group, and ProcessGroupGloo for CPU tensors. The collectives block until
+// every rank has taken part, and throw Error after the group's timeout instead of hanging.
+#include <torch/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dalle::dist {
+
+struct ProcessGroupOptions {
+  std::string address = "127.0.0.1";  // the store's host; gloo binds to it too, never to every interface
+  int64_t port = 29500;
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  bool serve_store = true;  // rank 0 serves the store, unless a launcher's agent already does
+  std::string prefix = "default";  // the group's keys in the store
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+enum class ReduceOp { sum, average, max, min };
+
+class ProcessGroup {
+ public:
+  explicit ProcessGroup(const ProcessGroupOptions& options);
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int64_t rank() const;
+  int64_t size() const;
+  // In place, on every rank's `tensor` (CPU, contiguous).
+  void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::sum);
+  // Every rank's `tensor`, in rank order, into `gathered` ([size * n] for n elements).
+  void all_gather(const torch::Tensor& tensor, torch::Tensor& gathered);
+  void barrier();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dalle::dist

@@ -1,0 +1,74 @@
+#include "dalle/dist/process_group.h"
+
+#include <torch/torch.h>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <future>
+
+#include "test_support.h"
+
+namespace dalle::dist {
+namespace {
+
+// Runs `body(group)` on `world` ranks, one thread each, over one store on 127.0.0.1 that
+// listens on a port the kernel chose (no races between tests run side by side).
+template <class Body>
+void on_ranks(int64_t world, Body body) {
+  c10d::TCPStoreOptions options;
+  options.port = 0;
+  options.isServer = true;
+  options.waitWorkers = false;
+  const auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
+  const int64_t port = store->getPort();
+  std::vector<std::future<void>> ranks;
+  for (int64_t rank = 0; rank < world; ++rank) {
+    ranks.push_back(std::async(std::launch::async, [=] {
+      ProcessGroup group({.port = port,
+                          .rank = rank,
+                          .world_size = world,
+                          .serve_store = false,
+                          .timeout = std::chrono::seconds(30)});
+      body(group);
+    }));
+  }
+  for (auto& rank : ranks) rank.get();
+}
+
+class ProcessGroupAtWorldSize : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(ProcessGroupAtWorldSize, AllReduceAndAllGatherOverGlooOnLoopback) {
+  const int64_t world = GetParam();
+  on_ranks(world, [world](ProcessGroup& group) {
+    EXPECT_EQ(group.size(), world);
+    const double sum = static_cast<double>(world * (world + 1) / 2);  // ranks contribute 1 .. world
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+      auto tensor = torch::full({3}, static_cast<double>(group.rank() + 1), torch::TensorOptions().dtype(dtype));
+      group.all_reduce(tensor);
+      EXPECT_TRUE(torch::equal(tensor, torch::full({3}, sum, tensor.options()))) << dtype;
+      auto mean = torch::full({2}, static_cast<double>(2 * group.rank()), tensor.options());
+      group.all_reduce(mean, ReduceOp::average);
+      EXPECT_EQ(mean[0].item<double>(), static_cast<double>(world - 1)) << dtype;
+      auto largest = torch::full({1}, static_cast<double>(group.rank()), tensor.options());
+      group.all_reduce(largest, ReduceOp::max);
+      EXPECT_EQ(largest.item<double>(), static_cast<double>(world - 1));
+    }
+    auto gathered = torch::empty({2 * world});
+    group.all_gather(torch::full({2}, static_cast<double>(group.rank())), gathered);
+    EXPECT_TRUE(torch::equal(gathered, torch::arange(world).to(torch::kFloat32).repeat_interleave(2)));
+    EXPECT_THROW_WITH(group.all_gather(torch::ones({3}), gathered), Error, "all_gather:");
+    group.barrier();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ProcessGroupAtWorldSize, ::testing::Values(2, 4));
+
+TEST(ProcessGroup, ARankThatNeverJoinsEndsTheOthersWithinTheTimeout) {
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW_WITH(ProcessGroup({.port = 0, .rank = 0, .world_size = 2, .timeout = std::chrono::seconds(2)}),
+                    Error, "process group at 127.0.0.1:", "rank 0 of 2");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
+}  // namespace
+}  // namespace dalle::dist
