@@ -560,26 +560,48 @@ void bind_config_parts(const ConfigSource& source, const ConfigVisit& visit, con
   visit(reader);
 }
 
-int64_t peek_integer(const ConfigSource& source, std::string_view path, int64_t fallback, const Limits& limits) {
-  const auto& impl = source.impl();
-  // reset(), not assignment: assigning a yaml-cpp node writes into the document.
-  YAML::Node parent;
-  parent.reset(impl.root);
+namespace {
+
+// The section that holds the last key of a dotted path, with the section's own path and
+// that key; nothing when a section on the way is missing or not a mapping.
+struct PathEnd {
+  YAML::Node section;
   std::string prefix;
-  std::string_view rest = path;
-  for (auto dot = rest.find('.'); dot != std::string_view::npos; dot = rest.find('.')) {
-    const std::string key(rest.substr(0, dot));
-    if (!parent.IsMap()) return fallback;
-    const YAML::Node child = std::as_const(parent)[key];
-    if (!child || !child.IsMap()) return fallback;
-    parent.reset(child);
-    prefix = join_path(prefix, key);
-    rest.remove_prefix(dot + 1);
+  std::string key;
+};
+std::optional<PathEnd> path_end(const YAML::Node& root, std::string_view path) {
+  PathEnd end;
+  // reset(), not assignment: assigning a yaml-cpp node writes into the document.
+  end.section.reset(root);
+  for (auto dot = path.find('.'); dot != std::string_view::npos; dot = path.find('.')) {
+    const std::string key(path.substr(0, dot));
+    if (!end.section.IsMap()) return std::nullopt;
+    const YAML::Node child = std::as_const(end.section)[key];
+    if (!child || !child.IsMap()) return std::nullopt;
+    end.section.reset(child);
+    end.prefix = join_path(end.prefix, key);
+    path.remove_prefix(dot + 1);
   }
-  YamlReader reader(impl, parent, prefix);
+  end.key = std::string(path);
+  return end;
+}
+
+}  // namespace
+
+int64_t peek_integer(const ConfigSource& source, std::string_view path, int64_t fallback, const Limits& limits) {
+  const auto end = path_end(source.impl().root, path);
+  if (!end) return fallback;
+  YamlReader reader(source.impl(), end->section, end->prefix);
   int64_t value = fallback;
-  reader.field(rest, value, "", limits);
+  reader.field(end->key, value, "", limits);
   return value;
+}
+
+bool names_key(const ConfigSource& source, std::string_view path) {
+  const auto end = path_end(source.impl().root, path);
+  if (!end || !end->section.IsMap()) return false;
+  const YAML::Node value = std::as_const(end->section)[end->key];
+  return value && !value.IsNull();
 }
 
 std::string config_to_yaml(const ConfigVisit& visit) {

@@ -1,7 +1,5 @@
 #include "dalle/model_config.h"
 
-#include <yaml-cpp/yaml.h>
-
 #include <string_view>
 #include <vector>
 
@@ -34,32 +32,13 @@ class ModelSizes final : public ConfigVisitor {
   std::string path_;
 };
 
-// Whether the dotted `path` is a non-null key under `node`. Recursion with fresh nodes:
-// assigning to a YAML::Node would overwrite the node it refers to.
-bool names(const YAML::Node& node, std::string_view path) {
-  const auto dot = path.find('.');
-  if (!node.IsMap()) return false;
-  const YAML::Node child = node[std::string(path.substr(0, dot))];
-  if (!child) return false;
-  return dot == std::string_view::npos ? !child.IsNull() : names(child, path.substr(dot + 1));
-}
-
 }  // namespace
 
 void require_model_sizes(const ConfigSource& source, const ConfigVisit& defaults) {
   ModelSizes sizes;
   defaults(sizes);
-  YAML::Node root;
-  try {
-    root = YAML::Load(source.yaml());
-  } catch (const YAML::Exception& error) {  // bind_config has read it already; kept as a message
-    throw ConfigError(source.name() + ": " + error.what());
-  }
-  if (!root.IsMap() || !root["model"] || !root["model"].IsMap() || root["model"].size() == 0) {
-    throw ConfigError(source.name() + ": no `model` section; a model's config must name its sizes");
-  }
   for (const auto& [key, fallback] : sizes.sizes) {
-    if (fallback > kLargestOptionalModelSize && !names(root, key)) {
+    if (fallback > kLargestOptionalModelSize && !names_key(source, key)) {
       throw ConfigError(source.name() + ": " + key + " is missing; a model's config must name its sizes (the default, " +
                         std::to_string(fallback) + ", is no fallback)");
     }

@@ -117,6 +117,10 @@ TEST(Config, PartsOfALargerDocumentBindAndAnEmptyRequiredSectionIsRefused) {
   EXPECT_EQ(peek_integer(source, "data.image_size", 256, {.min = 8}), 64);
   EXPECT_EQ(peek_integer(source, "data.batch_size", 8), 8);
   EXPECT_EQ(peek_integer(source, "model.side", 3), 3);
+  EXPECT_TRUE(names_key(source, "data.image_size"));
+  EXPECT_FALSE(names_key(source, "data.batch_size"));
+  EXPECT_FALSE(names_key(source, "model.side"));
+  EXPECT_FALSE(names_key(ConfigSource::from_string("model:\n", "run.yaml"), "model"));
   EXPECT_THROW_WITH(peek_integer(source, "data.image_size", 256, {.max = 32}), ConfigError, "data.image_size");
 }
 

@@ -104,6 +104,9 @@ void bind_config_parts(const ConfigSource& source, const ConfigVisit& visit,
 // checks against `limits`; `fallback` when absent. Other keys are ignored.
 int64_t peek_integer(const ConfigSource& source, std::string_view path, int64_t fallback, const Limits& limits = {});
 
+// Whether the document (with its overrides) gives a value at the dotted `path`.
+bool names_key(const ConfigSource& source, std::string_view path);
+
 // The config as YAML, every key with its current value.
 std::string config_to_yaml(const ConfigVisit& visit);
 // Markdown table of every key: path, type, default, limits, help.

@@ -12,9 +12,9 @@ namespace dalle {
 // ratios, ids, block counts); larger ones are widths, depths, vocabularies or lengths.
 inline constexpr int64_t kLargestOptionalModelSize = 16;
 
-// Throws ConfigError naming the file and the key unless `source` has a `model` section that
-// names every integer key of it whose default exceeds kLargestOptionalModelSize. `defaults`
-// visits a default-constructed config.
+// Throws ConfigError naming the file and the key unless `source` names every integer key of
+// `model` whose default exceeds kLargestOptionalModelSize. `defaults` visits a
+// default-constructed config. (bind_config_parts refuses a missing or empty section first.)
 void require_model_sizes(const ConfigSource& source, const ConfigVisit& defaults);
 
 // The same for a `model` section of type ModelConfig.

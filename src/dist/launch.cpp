@@ -42,31 +42,42 @@ void read_master(const Variables& v, LaunchEnvironment& job) {
   job.master_port = v.count_or("MASTER_PORT", job.master_port);
 }
 
-LaunchEnvironment from_torchrun(const Variables& v) {
+// The variables a launcher names a process's place with, where it gives the processes of a
+// machine by their count (torchrun, mpirun), so that the machines are world / local.
+struct PlaceVariables {
+  const char* launcher;
+  const char *rank, *world_size, *local_rank, *local_world_size, *node_rank;
+};
+constexpr PlaceVariables kTorchrun{"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"};
+constexpr PlaceVariables kMpirun{"mpirun",
+                                 "OMPI_COMM_WORLD_RANK",
+                                 "OMPI_COMM_WORLD_SIZE",
+                                 "OMPI_COMM_WORLD_LOCAL_RANK",
+                                 "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                 "OMPI_COMM_WORLD_NODE_RANK"};
+
+LaunchEnvironment read_place(const Variables& v, const PlaceVariables& names) {
   LaunchEnvironment job;
-  job.launcher = "torchrun";
-  job.rank = v.count("RANK");
-  job.world_size = v.count("WORLD_SIZE");
-  job.local_rank = v.count("LOCAL_RANK");
-  job.local_world_size = v.count("LOCAL_WORLD_SIZE");
-  job.node_rank = v.count_or("GROUP_RANK", 0);
+  job.launcher = names.launcher;
+  job.rank = v.count(names.rank);
+  job.world_size = v.count(names.world_size);
+  job.local_rank = v.count(names.local_rank);
+  job.local_world_size = v.count(names.local_world_size);
+  job.node_rank = v.count_or(names.node_rank, 0);
   job.nodes = job.local_world_size > 0 ? job.world_size / job.local_world_size : 0;
   read_master(v, job);
+  return job;
+}
+
+LaunchEnvironment from_torchrun(const Variables& v) {
+  auto job = read_place(v, kTorchrun);
   job.agent_store = v.text("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
   job.restart_count = v.count_or("TORCHELASTIC_RESTART_COUNT", 0);
   return job;
 }
 
 LaunchEnvironment from_mpirun(const Variables& v) {
-  LaunchEnvironment job;
-  job.launcher = "mpirun";
-  job.rank = v.count("OMPI_COMM_WORLD_RANK");
-  job.world_size = v.count("OMPI_COMM_WORLD_SIZE");
-  job.local_rank = v.count("OMPI_COMM_WORLD_LOCAL_RANK");
-  job.local_world_size = v.count("OMPI_COMM_WORLD_LOCAL_SIZE");
-  job.node_rank = v.count_or("OMPI_COMM_WORLD_NODE_RANK", 0);
-  job.nodes = job.local_world_size > 0 ? job.world_size / job.local_world_size : 0;
-  read_master(v, job);
+  auto job = read_place(v, kMpirun);
   if (job.nodes > 1 && !v.has("MASTER_ADDR")) {
     throw Error("mpirun across " + std::to_string(job.nodes) +
                 " machines: set MASTER_ADDR to rank 0's host (mpirun -x MASTER_ADDR=host -x MASTER_PORT=port)");
@@ -132,9 +143,9 @@ std::optional<std::string> process_environment(const std::string& name) {
 LaunchEnvironment read_launch_environment(const Environment& environment) {
   const Variables v(environment);
   LaunchEnvironment job;
-  if (v.has("RANK") && v.has("WORLD_SIZE")) {
+  if (v.has(kTorchrun.rank) && v.has(kTorchrun.world_size)) {
     job = from_torchrun(v);
-  } else if (v.has("OMPI_COMM_WORLD_RANK")) {
+  } else if (v.has(kMpirun.rank)) {
     job = from_mpirun(v);
   } else if (v.has("SLURM_PROCID") && v.has("SLURM_STEP_ID")) {
     // Only in a job step (srun): a batch script's own process is not one of the ranks.

@@ -1,8 +1,7 @@
 #include "dalle/dist/process_group.h"
 
-#include <torch/torch.h>
-
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/torch.h>
 
 #include <future>
 

@@ -20,7 +20,7 @@
 namespace dalle::train {
 
 struct UpdateOptions {
-  std::string what;        // names the trainer in the warning of a skipped update
+  std::string what = {};   // names the trainer in the warning of a skipped update
   double grad_clip = 0;    // clip the global gradient norm to this; 0: no clipping
   bool measure_norm = false;  // measure the norm even when not clipping
   // Constraints on the weights after each step, before they are averaged (CLIP's bound
