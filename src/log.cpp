@@ -28,6 +28,9 @@ spdlog::logger& logger() {
   return *instance;
 }
 
+bool console_shows_info = true;
+std::string tag_prefix;  // "[rank 1] " or empty
+
 spdlog::level::level_enum to_spdlog(Level level) {
   switch (level) {
     case Level::debug: return spdlog::level::debug;
@@ -70,10 +73,17 @@ void add_file_sink(const std::string& path) {
   logger().sinks().push_back(std::move(sink));
 }
 
+void set_console_level(Level level) {
+  logger().sinks().front()->set_level(to_spdlog(level));  // the first sink is the terminal's
+  console_shows_info = level <= Level::info;
+}
+
+void set_tag(const std::string& tag) { tag_prefix = tag.empty() ? "" : "[" + tag + "] "; }
+
 void write(Level level, const std::string& message) {
   std::lock_guard lock(terminal_mutex);
   clear_progress_line();
-  logger().log(to_spdlog(level), message);
+  logger().log(to_spdlog(level), tag_prefix + message);
 }
 
 Progress::Progress(std::string label, int64_t total, std::chrono::seconds log_interval)
@@ -91,7 +101,7 @@ Progress::~Progress() {
 void Progress::advance(int64_t n) {
   done_ += n;
   auto now = std::chrono::steady_clock::now();
-  auto interval = on_terminal_ ? std::chrono::milliseconds(200)
+  auto interval = on_terminal_ && console_shows_info ? std::chrono::milliseconds(200)
                                : std::chrono::duration_cast<std::chrono::milliseconds>(log_interval_);
   if (now - last_report_ >= interval) {
     last_report_ = now;
@@ -138,7 +148,7 @@ std::string Progress::status_line() const {
 }
 
 void Progress::report(bool final_line) {
-  if (on_terminal_) {
+  if (on_terminal_ && console_shows_info) {
     std::lock_guard lock(terminal_mutex);
     std::fprintf(stderr, "\r\033[K%s", status_line().c_str());
     progress_line_open = !final_line;

@@ -1,5 +1,6 @@
 #include "dalle/runtime.h"
 
+#include <dlfcn.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -71,6 +72,25 @@ int64_t set_torch_threads(int64_t threads) {
   }
   torch::set_num_threads(static_cast<int>(threads));
   return threads;
+}
+
+uint64_t fingerprint_of(std::string_view bytes) {
+  uint64_t hash = 14695981039346656037ull;
+  for (const unsigned char c : bytes) {
+    hash ^= c;
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+uint64_t build_fingerprint() {
+  Dl_info library{};
+  if (::dladdr(reinterpret_cast<void*>(&build_fingerprint), &library) == 0 || library.dli_fname == nullptr) {
+    return fingerprint_of(version());
+  }
+  std::ifstream in(library.dli_fname, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return fingerprint_of(bytes.empty() ? version() : bytes);
 }
 
 }  // namespace dalle

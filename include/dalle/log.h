@@ -17,6 +17,12 @@ void set_level(Level level);
 Level level_from_string(std::string_view name);  // "debug", "info", "warn", "error", "off"
 // Also write every line to `path` (appended), e.g. a run's log beside its outputs.
 void add_file_sink(const std::string& path);
+// The lowest level the terminal shows (files keep every level set_level lets through), and
+// whether progress lines are drawn there: the ranks after the first of a job show warnings
+// and errors only, while each keeps a whole log file.
+void set_console_level(Level level);
+// A tag written before every line ("rank 1"), to tell the ranks of a job apart.
+void set_tag(const std::string& tag);
 
 void write(Level level, const std::string& message);
 

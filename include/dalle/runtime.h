@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace dalle {
 
@@ -20,5 +21,11 @@ std::string runtime_summary();
 // OpenMP barriers against the other work and can run ten or twenty times slower.
 // OMP_NUM_THREADS, when set, is taken as the default. Returns the count set.
 int64_t set_torch_threads(int64_t threads);
+
+// A 64-bit FNV-1a hash of `bytes`.
+uint64_t fingerprint_of(std::string_view bytes);
+// A hash of this build of the library (the bytes of its shared object): the ranks of a job
+// compare theirs, so that none runs other code.
+uint64_t build_fingerprint();
 
 }  // namespace dalle

@@ -73,6 +73,8 @@ LaunchEnvironment from_torchrun(const Variables& v) {
   auto job = read_place(v, kTorchrun);
   job.agent_store = v.text("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
   job.restart_count = v.count_or("TORCHELASTIC_RESTART_COUNT", 0);
+  if (auto launcher = v.text("DALLE_LAUNCHER")) job.launcher = *launcher;
+  job.store_listen_fd = static_cast<int>(v.count_or("DALLE_STORE_FD", -1));
   return job;
 }
 

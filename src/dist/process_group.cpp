@@ -31,9 +31,16 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
   try {
     work->wait();
+  } catch (const c10::Error& error) {
+    throw Error(what + " failed, another rank ended or stopped answering: " + error.what_without_backtrace());
   } catch (const std::exception& error) {
-    throw Error(what + " failed: " + error.what());
+    throw Error(what + " failed, another rank ended or stopped answering: " + error.what());
   }
+}
+
+std::string place(const ProcessGroupOptions& options) {
+  return "process group at " + options.address + ":" + std::to_string(options.port) + " (rank " +
+         std::to_string(options.rank) + " of " + std::to_string(options.world_size) + "): ";
 }
 
 }  // namespace
@@ -54,6 +61,7 @@ ProcessGroup::ProcessGroup(const ProcessGroupOptions& options) : impl_(std::make
   store_options.numWorkers = static_cast<std::size_t>(options.world_size);
   store_options.waitWorkers = false;
   store_options.timeout = options.timeout;
+  if (options.listen_fd >= 0 && store_options.isServer) store_options.masterListenFd = options.listen_fd;
   try {
     auto tcp = c10::make_intrusive<c10d::TCPStore>(options.address, store_options);
     impl_->store = c10::make_intrusive<c10d::PrefixStore>(options.prefix, tcp);
@@ -61,10 +69,10 @@ ProcessGroup::ProcessGroup(const ProcessGroupOptions& options) : impl_(std::make
     gloo_options->devices = {c10d::ProcessGroupGloo::createDeviceForHostname(options.address)};
     impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, static_cast<int>(options.rank),
                                                              static_cast<int>(options.world_size), gloo_options);
+  } catch (const c10::Error& error) {
+    throw Error(place(options) + error.what_without_backtrace());
   } catch (const std::exception& error) {
-    throw Error("process group at " + options.address + ":" + std::to_string(options.port) + " (rank " +
-                std::to_string(options.rank) + " of " + std::to_string(options.world_size) +
-                "): " + error.what());
+    throw Error(place(options) + error.what());
   }
 }
 

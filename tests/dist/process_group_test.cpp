@@ -1,37 +1,24 @@
 #include "dalle/dist/process_group.h"
 
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
-#include <future>
-
+#include "dist/on_ranks.h"
 #include "test_support.h"
 
 namespace dalle::dist {
 namespace {
 
-// Runs `body(group)` on `world` ranks, one thread each, over one store on 127.0.0.1 that
-// listens on a port the kernel chose (no races between tests run side by side).
+// Runs `body(group)` on `world` ranks, one thread each.
 template <class Body>
 void on_ranks(int64_t world, Body body) {
-  c10d::TCPStoreOptions options;
-  options.port = 0;
-  options.isServer = true;
-  options.waitWorkers = false;
-  const auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
-  const int64_t port = store->getPort();
-  std::vector<std::future<void>> ranks;
-  for (int64_t rank = 0; rank < world; ++rank) {
-    ranks.push_back(std::async(std::launch::async, [=] {
-      ProcessGroup group({.port = port,
-                          .rank = rank,
-                          .world_size = world,
-                          .serve_store = false,
-                          .timeout = std::chrono::seconds(30)});
-      body(group);
-    }));
-  }
-  for (auto& rank : ranks) rank.get();
+  testing::on_ranks(world, [&body](const LaunchEnvironment& place) {
+    ProcessGroup group({.port = place.master_port,
+                        .rank = place.rank,
+                        .world_size = place.world_size,
+                        .serve_store = false,
+                        .timeout = std::chrono::seconds(30)});
+    body(group);
+  });
 }
 
 class ProcessGroupAtWorldSize : public ::testing::TestWithParam<int64_t> {};

@@ -22,6 +22,9 @@ struct LaunchEnvironment {
   // job prefixes the store's keys with its restart count.
   bool agent_store = false;
   int64_t restart_count = 0;
+  // dalle's own --nproc-per-node (dist/local_ranks.h) sets torchrun's variables, names
+  // itself in DALLE_LAUNCHER and hands rank 0 the store's bound socket in DALLE_STORE_FD.
+  int store_listen_fd = -1;
 };
 
 // A variable's value, or nothing when it is unset.

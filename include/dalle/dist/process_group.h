@@ -19,6 +19,9 @@ struct ProcessGroupOptions {
   int64_t rank = 0;
   int64_t world_size = 1;
   bool serve_store = true;  // rank 0 serves the store, unless a launcher's agent already does
+  // A socket rank 0's store listens on, bound and handed over by a launcher (dalle's
+  // --nproc-per-node) so that no other process can take the port in between; -1: none.
+  int listen_fd = -1;
   std::string prefix = "default";  // the group's keys in the store
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
 };

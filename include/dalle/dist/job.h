@@ -1,0 +1,66 @@
+#pragma once
+// The processes that train one model together, as this process sees them: where it stands
+// (dist/launch.h), the process group it joined, and what every rank must agree on beyond
+// gradients: that they run the same config and the same build, whether to stop, and the
+// metrics they report. A process no launcher started is a job of one, with no group.
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dalle/dist/gradient_reducer.h"
+#include "dalle/dist/launch.h"
+#include "dalle/dist/process_group.h"
+
+namespace dalle::dist {
+
+struct JobOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // of the rendezvous and of every collective
+  int64_t bucket_bytes = 25 << 20;                              // of the gradient all-reduces
+};
+
+// What the ranks of a job must share: hashes of their config and of their code.
+struct Fingerprint {
+  uint64_t config = 0;
+  uint64_t code = 0;
+};
+
+class Job {
+ public:
+  // Joins the job `place` describes: the process group, then a check that every rank has
+  // rank 0's fingerprint (throws Error naming the ranks that differ, on every rank).
+  Job(const LaunchEnvironment& place, const JobOptions& options, const Fingerprint& fingerprint);
+  ~Job();
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+
+  const LaunchEnvironment& place() const { return place_; }
+  int64_t rank() const { return place_.rank; }
+  int64_t size() const { return place_.world_size; }
+  // Rank 0, the one that writes the run's files.
+  bool is_main() const { return place_.rank == 0; }
+
+  // Whether any rank says `yes` (a stop request).
+  bool any(bool yes);
+  // Throws Error unless every rank has the same `value`; `what` names it in the message.
+  void check_same(int64_t value, const std::string& what);
+  // The mean over the ranks of each of `values`, in place.
+  void average(std::vector<double>& values);
+  void barrier();
+
+  // How the update step averages gradients here: a LocalReducer for a job of one, else a
+  // data-parallel reducer over the group.
+  std::shared_ptr<GradientReducer> reducer() const { return reducer_; }
+  // The group, or null for a job of one.
+  const std::shared_ptr<ProcessGroup>& group() const { return group_; }
+
+ private:
+  std::vector<int64_t> gather(int64_t value);
+
+  LaunchEnvironment place_;
+  std::shared_ptr<ProcessGroup> group_;
+  std::shared_ptr<GradientReducer> reducer_;
+};
+
+}  // namespace dalle::dist

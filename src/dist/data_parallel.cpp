@@ -1,0 +1,72 @@
+#include "dalle/dist/data_parallel.h"
+
+#include <torch/torch.h>
+
+#include "dalle/error.h"
+
+namespace dalle::dist {
+
+DataParallelReducer::DataParallelReducer(std::shared_ptr<ProcessGroup> group, int64_t bucket_bytes)
+    : group_(std::move(group)), bucket_bytes_(bucket_bytes) {
+  if (!group_) throw Error("data parallel: no process group");
+  if (bucket_bytes_ < 1) throw Error("data parallel: buckets of " + std::to_string(bucket_bytes_) + " bytes");
+}
+
+void DataParallelReducer::reduce(const std::vector<torch::Tensor>& parameters) {
+  torch::NoGradGuard no_grad;
+  // Which gradients some rank has: one small collective, so that every rank then makes the
+  // same buckets in the same order.
+  auto defined = torch::empty({static_cast<int64_t>(parameters.size())}, torch::kFloat32);
+  auto* flag = defined.data_ptr<float>();
+  for (size_t i = 0; i < parameters.size(); ++i) flag[i] = parameters[i].grad().defined() ? 1.0f : 0.0f;
+  group_->all_reduce(defined, ReduceOp::max);
+  ++collectives_;
+
+  std::vector<torch::Tensor> bucket;
+  int64_t bucket_bytes = 0;
+  const auto flush = [&] {
+    if (!bucket.empty()) reduce_bucket(bucket);
+    bucket.clear();
+    bucket_bytes = 0;
+  };
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (flag[i] == 0.0f) continue;
+    auto parameter = parameters[i];
+    if (!parameter.grad().defined()) parameter.mutable_grad() = torch::zeros_like(parameter);
+    const auto& gradient = parameter.grad();
+    // One bucket holds one dtype and one device, as one flat tensor does.
+    if (!bucket.empty() && (bucket.front().scalar_type() != gradient.scalar_type() ||
+                            bucket.front().device() != gradient.device())) {
+      flush();
+    }
+    bucket.push_back(gradient);
+    bucket_bytes += gradient.numel() * static_cast<int64_t>(gradient.element_size());
+    if (bucket_bytes >= bucket_bytes_) flush();
+  }
+  flush();
+}
+
+void DataParallelReducer::reduce_bucket(const std::vector<torch::Tensor>& gradients) {
+  std::vector<torch::Tensor> flat_parts;
+  flat_parts.reserve(gradients.size());
+  for (const auto& gradient : gradients) flat_parts.push_back(gradient.reshape({-1}));
+  auto flat = torch::cat(flat_parts);
+  group_->all_reduce(flat, ReduceOp::average);
+  bytes_reduced_ += flat.numel() * static_cast<int64_t>(flat.element_size());
+  ++collectives_;
+  int64_t offset = 0;
+  for (const auto& gradient : gradients) {
+    const int64_t count = gradient.numel();
+    gradient.copy_(flat.narrow(0, offset, count).view_as(gradient));
+    offset += count;
+  }
+}
+
+torch::Tensor DataParallelReducer::agree(const torch::Tensor& flags) {
+  auto agreed = flags.to(torch::kCPU, torch::kFloat32).contiguous();
+  group_->all_reduce(agreed, ReduceOp::min);
+  ++collectives_;
+  return agreed.to(flags.device()).to(torch::kBool);
+}
+
+}  // namespace dalle::dist

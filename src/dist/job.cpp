@@ -1,0 +1,99 @@
+#include "dalle/dist/job.h"
+
+#include <torch/torch.h>
+
+#include <exception>
+
+#include "dalle/dist/data_parallel.h"
+#include "dalle/error.h"
+#include "dalle/log.h"
+
+namespace dalle::dist {
+
+namespace {
+
+// The ranks whose value differs from rank 0's, as "1, 3".
+std::string ranks_differing(const std::vector<int64_t>& values) {
+  std::string ranks;
+  for (size_t r = 1; r < values.size(); ++r) {
+    if (values[r] != values[0]) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return ranks;
+}
+
+}  // namespace
+
+Job::Job(const LaunchEnvironment& place, const JobOptions& options, const Fingerprint& fingerprint)
+    : place_(place) {
+  if (place_.world_size == 1) {
+    reducer_ = std::make_shared<LocalReducer>();
+    return;
+  }
+  // torchrun prefixes a restarted job's keys, so that a restart never reads its
+  // predecessor's rendezvous.
+  group_ = std::make_shared<ProcessGroup>(ProcessGroupOptions{
+      .address = place_.master_addr,
+      .port = place_.master_port,
+      .rank = place_.rank,
+      .world_size = place_.world_size,
+      .serve_store = !place_.agent_store,
+      .listen_fd = place_.store_listen_fd,
+      .prefix = "dalle/" + std::to_string(place_.restart_count),
+      .timeout = options.timeout});
+  reducer_ = std::make_shared<DataParallelReducer>(group_, options.bucket_bytes);
+  const auto configs = ranks_differing(gather(static_cast<int64_t>(fingerprint.config)));
+  const auto builds = ranks_differing(gather(static_cast<int64_t>(fingerprint.code)));
+  if (!configs.empty() || !builds.empty()) {
+    throw Error("the ranks of this job differ from rank 0 in their " +
+                (configs.empty() ? "" : "config (rank " + configs + ")") +
+                (!configs.empty() && !builds.empty() ? " and their " : "") +
+                (builds.empty() ? "" : "build of dalle (rank " + builds + ")") +
+                "; start every rank with the same command, config and installation");
+  }
+  log::info("joined a job of ", place_.world_size, " ranks as rank ", place_.rank, " (", place_.launcher,
+            ", store at ", place_.master_addr, ":", place_.master_port, ")");
+}
+
+Job::~Job() {
+  // Leaving because of an error (a lost rank, a mismatch): tearing the group down would
+  // wait on peers that may never answer, so its threads and sockets go with the process.
+  if (group_ && std::uncaught_exceptions() > 0) {
+    new std::shared_ptr<ProcessGroup>(std::move(group_));  // deliberately never freed
+  }
+}
+
+std::vector<int64_t> Job::gather(int64_t value) {
+  if (!group_) return {value};
+  auto gathered = torch::empty({size()}, torch::kInt64);
+  group_->all_gather(torch::tensor({value}, torch::kInt64), gathered);
+  return {gathered.data_ptr<int64_t>(), gathered.data_ptr<int64_t>() + size()};
+}
+
+bool Job::any(bool yes) {
+  if (!group_) return yes;
+  auto flag = torch::tensor({yes ? 1.0f : 0.0f});
+  group_->all_reduce(flag, ReduceOp::max);
+  return flag.item<float>() > 0;
+}
+
+void Job::check_same(int64_t value, const std::string& what) {
+  const auto values = gather(value);
+  const auto ranks = ranks_differing(values);
+  if (ranks.empty()) return;
+  std::string seen;
+  for (size_t r = 0; r < values.size(); ++r) seen += " rank " + std::to_string(r) + ": " + std::to_string(values[r]) + ";";
+  throw Error("the ranks disagree on " + what + " (" + seen.substr(1, seen.size() - 2) + ")");
+}
+
+void Job::average(std::vector<double>& values) {
+  if (!group_ || values.empty()) return;
+  auto tensor = torch::tensor(values, torch::kFloat64);
+  group_->all_reduce(tensor, ReduceOp::average);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = tensor[static_cast<int64_t>(i)].item<double>();
+}
+
+void Job::barrier() {
+  if (group_) group_->barrier();
+}
+
+}  // namespace dalle::dist

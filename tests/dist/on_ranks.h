@@ -1,0 +1,36 @@
+#pragma once
+// Several ranks in one test process: one thread each, over one store on 127.0.0.1 that the
+// test serves on a port the kernel chose (no races between tests run side by side).
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdint>
+#include <future>
+#include <vector>
+
+#include "dalle/dist/launch.h"
+
+namespace dalle::testing {
+
+// Runs `body(place)` for every rank of a world of `world`, where `place` says where the rank
+// stands as a launcher's agent store would (every rank a client of the test's store).
+template <class Body>
+void on_ranks(int64_t world, Body body) {
+  c10d::TCPStoreOptions options;
+  options.port = 0;
+  options.isServer = true;
+  options.waitWorkers = false;
+  const auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
+  std::vector<std::future<void>> ranks;
+  for (int64_t rank = 0; rank < world; ++rank) {
+    dist::LaunchEnvironment place;
+    place.launcher = "test";
+    place.rank = place.local_rank = rank;
+    place.world_size = place.local_world_size = world;
+    place.master_port = store->getPort();
+    place.agent_store = true;
+    ranks.push_back(std::async(std::launch::async, [place, &body] { body(place); }));
+  }
+  for (auto& rank : ranks) rank.get();
+}
+
+}  // namespace dalle::testing
