@@ -13,30 +13,16 @@
 #include "dalle/models/clip.h"
 #include "hostile_files.h"
 #include "test_support.h"
+#include "tool_runner.h"
 
 namespace dalle {
 namespace {
 
 using testing::ScratchDir;
 
-struct Result {
-  int status;
-  std::string output;  // stdout and stderr together
-};
-
-Result run_command(const std::string& command_line) {
-  const std::string command = command_line + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  std::array<char, 4096> buffer;
-  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
-
-Result run(const std::string& tool, const std::string& arguments) {
-  return run_command(std::string(DALLE_TOOLS_DIR) + "/" + tool + " " + arguments);
-}
+using testing::Result;
+using testing::run;
+using testing::run_command;
 
 TEST(Tools, HelpDescribesEverySubcommand) {
   const auto data = run("dalle-data", "--help");

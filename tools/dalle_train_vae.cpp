@@ -11,11 +11,11 @@ int main(int argc, char** argv) {
   return tools::training_main(
       argc, argv,
       {"dalle-train-vae", "Trains the image tokenizer (kind: dvae or vqgan)", "configs/dvae/*.yaml, configs/vqgan/*.yaml"},
-      [](const tools::ConfigOptions& options, const ConfigSource& source, const std::string& run) {
-        if (peek_choice(source, "kind", "dvae", {"dvae", "vqgan"}) == "vqgan") {
-          tools::train_recipe<train::VqganTrainConfig, train::VqganTrainer>(options, source, run);
+      [](const tools::TrainRequest& request) {
+        if (peek_choice(request.source, "kind", "dvae", {"dvae", "vqgan"}) == "vqgan") {
+          tools::train_recipe<train::VqganTrainConfig, train::VqganTrainer>(request);
         } else {
-          tools::train_recipe<train::DvaeTrainConfig, train::DvaeTrainer>(options, source, run);
+          tools::train_recipe<train::DvaeTrainConfig, train::DvaeTrainer>(request);
         }
       });
 }

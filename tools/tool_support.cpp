@@ -2,8 +2,13 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <csignal>
 #include <iostream>
+#include <thread>
 
+#include "dalle/dist/local_ranks.h"
+#include "dalle/io/checkpoint.h"
 #include "dalle/log.h"
 #include "dalle/runtime.h"
 #include "dalle/train/stop_request.h"
@@ -41,10 +46,8 @@ bool ConfigOptions::print_requested(const ConfigVisit& visit) const {
 
 namespace {
 
-// Thrown by run_stoppable for run_tool, which turns it into the exit status.
-struct StoppedBySignal {
-  int signal;
-};
+// "rank 1: " in a job of several processes, so that their errors can be told apart.
+std::string error_prefix;
 
 }  // namespace
 
@@ -55,11 +58,44 @@ void run_stoppable(const std::function<bool()>& train) {
     train::StopOnSignals stop_on_signals;
     finished = train();
   }
-  // A signal after the last update stops nothing.
-  if (!finished && train::stop_requested()) throw StoppedBySignal{train::stop_signal()};
+  // A signal after the last update stops nothing; a rank that stopped because another was
+  // asked to exits as if it had been asked itself.
+  if (!finished) throw ExitStatus{128 + (train::stop_requested() ? train::stop_signal() : SIGTERM)};
 }
 
-void start_run_log(const std::string& run) { log::add_file_sink(run + ".log"); }
+void start_run_log(const std::string& run, const dist::LaunchEnvironment& place) {
+  if (place.world_size == 1) {
+    log::add_file_sink(run + ".log");
+    return;
+  }
+  const auto tag = "rank " + std::to_string(place.rank);
+  error_prefix = tag + ": ";
+  log::set_tag(tag);
+  // A peer that vanished must fail a collective with an error, not end this rank silently.
+  std::signal(SIGPIPE, SIG_IGN);
+  if (place.rank == 0) {
+    log::add_file_sink(run + ".log");
+  } else {
+    log::add_file_sink(run + ".rank" + std::to_string(place.rank) + ".log");
+    log::set_console_level(log::Level::warn);
+  }
+}
+
+void launch_local_ranks(const std::vector<std::string>& arguments, int64_t ranks, const std::string& run) {
+  const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  const auto outcome = dist::run_local_ranks(
+      {.ranks = ranks, .arguments = arguments, .threads_per_rank = std::max<int64_t>(1, cores / ranks)});
+  if (outcome.failed_rank < 0) {
+    if (outcome.exit_status != 0) throw ExitStatus{outcome.exit_status};
+    return;
+  }
+  const auto latest = io::CheckpointStore(run + "/checkpoints").latest();
+  throw Error("rank " + std::to_string(outcome.failed_rank) + " " + outcome.failure + ", so the other " +
+              std::to_string(ranks - 1) + " were ended; " +
+              (latest ? "the last complete checkpoint is " + *latest + ": rerun the same command to resume from it"
+                      : std::string("no checkpoint was written yet")) +
+              " (each rank's log: " + run + ".log, " + run + ".rank<N>.log)");
+}
 
 int training_main(int argc, char** argv, const TrainingTool& tool, const TrainRecipe& train) {
   CLI::App app{tool.description + "; rerun the same command to resume."};
@@ -70,7 +106,16 @@ int training_main(int argc, char** argv, const TrainingTool& tool, const TrainRe
   app.add_option("--out", run_directory,
                  "run directory (config.yaml, metrics.jsonl, checkpoints/, sample grids); created, or resumed");
   config_options.add_to(app, "training run (" + tool.recipes + ")");
-  return run_tool(app, argc, argv, [&] { train(config_options, config_options.source(), run_directory); });
+  int64_t nproc_per_node = 0;
+  app.add_option("--nproc-per-node", nproc_per_node,
+                 "train with N processes on this machine, as torchrun would start them "
+                 "(the same as --set distributed.nproc_per_node=N; docs/distributed.md)")
+      ->check(CLI::Range(1, 1024));
+  return run_tool(app, argc, argv, [&] {
+    auto source = config_options.source();
+    if (nproc_per_node > 0) source.set_all({"distributed.nproc_per_node=" + std::to_string(nproc_per_node)});
+    train({config_options, std::move(source), run_directory, std::vector<std::string>(argv, argv + argc)});
+  });
 }
 
 int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& body) {
@@ -82,17 +127,17 @@ int run_tool(CLI::App& app, int argc, char** argv, const std::function<void()>& 
   try {
     body();
     return 0;
-  } catch (const StoppedBySignal& stopped) {
-    return 128 + stopped.signal;
+  } catch (const ExitStatus& status) {
+    return status.code;
   } catch (const UsageError& error) {
     std::cerr << app.get_name() << ": error: " << error.what() << "\nRun with --help for more information.\n";
     return kExitUsage;
   } catch (const c10::Error& error) {
     // torch's own message, without the C++ backtrace that means nothing to a user.
-    std::cerr << app.get_name() << ": error: " << error.what_without_backtrace() << "\n";
+    std::cerr << app.get_name() << ": error: " << error_prefix << error.what_without_backtrace() << "\n";
     return kExitFailure;
   } catch (const std::exception& error) {
-    std::cerr << app.get_name() << ": error: " << error.what() << "\n";
+    std::cerr << app.get_name() << ": error: " << error_prefix << error.what() << "\n";
     return kExitFailure;
   }
 }

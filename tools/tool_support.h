@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "dalle/config.h"
+#include "dalle/dist/launch.h"
 
 namespace dalle::tools {
 
@@ -41,8 +42,19 @@ struct ConfigOptions {
   bool print_requested(const ConfigVisit& visit) const;
 };
 
-// Copies the log into `run`.log from now on.
-void start_run_log(const std::string& run);
+// Copies the log into `run`.log from now on; in a job of several processes, rank r > 0
+// writes `run`.rank<r>.log and shows only warnings and errors on the terminal.
+void start_run_log(const std::string& run, const dist::LaunchEnvironment& place);
+
+// --nproc-per-node without a launcher: runs `ranks` copies of this tool's command line
+// (dist/local_ranks.h) and ends as they do. When a rank fails, throws Error naming it, how it
+// ended and the run's last complete checkpoint.
+void launch_local_ranks(const std::vector<std::string>& arguments, int64_t ranks, const std::string& run);
+
+// Ends the tool with `code`, its reason already reported (a stop signal, a launcher's ranks).
+struct ExitStatus {
+  int code;
+};
 
 // Runs `train` (a trainer's run(), then whether it did all its updates) with SIGINT and
 // SIGTERM turned into a stop request (dalle/train/stop_request.h): the trainer checkpoints
@@ -60,22 +72,35 @@ struct TrainingTool {
   std::string recipes;      // where its recipes are, "configs/prior/*.yaml"
 };
 
-// Trains what a recipe describes: the options, the recipe with its overrides, and --out.
-using TrainRecipe = std::function<void(const ConfigOptions&, const ConfigSource&, const std::string& run)>;
+// What a training tool was asked to do: the config options, the recipe with its overrides,
+// --out, and the whole command line (which --nproc-per-node runs again for every rank).
+struct TrainRequest {
+  const ConfigOptions& options;
+  ConfigSource source;
+  std::string run;
+  std::vector<std::string> arguments;
+};
+using TrainRecipe = std::function<void(const TrainRequest&)>;
 
 // The main of every training tool: --out and the config options, the run's log file beside
 // it, and `train` stoppable by SIGINT or SIGTERM; rerunning the same command resumes.
 int training_main(int argc, char** argv, const TrainingTool& tool, const TrainRecipe& train);
 
 // The TrainRecipe of one trainer: Config bound strictly from the recipe, --print-config and
-// --print-reference answered, else Trainer run into `run` until its last update or a stop.
+// --print-reference answered, else Trainer run into `run` until its last update or a stop,
+// by this process or, given distributed.nproc_per_node > 1 and no launcher, by that many.
 template <class Config, class Trainer>
-void train_recipe(const ConfigOptions& options, const ConfigSource& source, const std::string& run) {
-  auto config = load_config<Config>(source);
-  if (options.print_requested(visit_of(config))) return;
-  if (run.empty()) throw UsageError("--out is required");
-  start_run_log(run);
-  Trainer trainer(config, run);
+void train_recipe(const TrainRequest& request) {
+  auto config = load_config<Config>(request.source);
+  if (request.options.print_requested(visit_of(config))) return;
+  if (request.run.empty()) throw UsageError("--out is required");
+  const auto place = dist::read_launch_environment();
+  if (place.launcher == "none" && config.distributed.nproc_per_node > 1) {
+    launch_local_ranks(request.arguments, config.distributed.nproc_per_node, request.run);
+    return;
+  }
+  start_run_log(request.run, place);
+  Trainer trainer(config, request.run);
   run_stoppable([&] {
     trainer.run();
     return trainer.step() >= config.run.steps;

@@ -24,10 +24,24 @@ void RunConfig::visit(ConfigVisitor& v) {
           {.choices = {"auto", "cpu", "cuda"}});
 }
 
-void visit_shared_sections(ConfigVisitor& v, OptimizerConfig& optimizer, RunConfig& run, PrecisionConfig& precision) {
-  v.section("optimizer", "AdamW, gradient clipping and the moving average of the weights", optimizer);
-  v.section("run", "how long, how often and where the run trains", run);
-  v.section("precision", "fp32, bf16, or fp16 with dynamic gradient scales (per resblock in the prior)", precision);
+void DistributedConfig::visit(ConfigVisitor& v) {
+  v.field("nproc_per_node", nproc_per_node,
+          "ranks to fork on this machine (127.0.0.1) when no launcher (torchrun, mpirun, srun) started the tool; "
+          "data.batch_size is the global batch, split evenly between them",
+          {.min = 1, .max = 1024});
+  v.field("timeout_seconds", timeout_seconds,
+          "how long a rank waits for the others (to join, in a collective) before the job fails naming the wait",
+          {.min = 1.0, .max = 86400.0});
+  v.field("bucket_megabytes", bucket_megabytes, "gradient bytes per all-reduce of data parallelism",
+          {.min = 0.001, .max = 4096.0});
+}
+
+void visit_shared_sections(ConfigVisitor& v, const SharedSections& sections) {
+  v.section("optimizer", "AdamW, gradient clipping and the moving average of the weights", sections.optimizer);
+  v.section("run", "how long, how often and where the run trains", sections.run);
+  v.section("precision", "fp32, bf16, or fp16 with dynamic gradient scales (per resblock in the prior)",
+            sections.precision);
+  v.section("distributed", "training across processes and machines (docs/distributed.md)", sections.distributed);
   for (const char* key : {"beta1", "beta2", "epsilon", "weight_decay", "grad_clip", "ema_decay"}) {
     v.moved(key, std::string("optimizer.") + key);
   }
@@ -40,7 +54,7 @@ void visit_shared_sections(ConfigVisitor& v, OptimizerConfig& optimizer, RunConf
 bool is_run_control_key(const std::string& key) {
   return key == "run.steps" || key == "run.log_every" || key == "run.validate_every" ||
          key == "run.checkpoint_every" || key == "run.keep_checkpoints" || key == "run.threads" ||
-         key == "data.workers" || key == "run.device";
+         key == "data.workers" || key == "run.device" || key.starts_with("distributed.");
 }
 
 }  // namespace dalle::train

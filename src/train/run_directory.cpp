@@ -20,6 +20,7 @@
 #include "dalle/log.h"
 #include "dalle/runtime.h"
 #include "dalle/train/optimizer_state.h"
+#include "dalle/train/stop_request.h"
 
 namespace dalle::train {
 namespace fs = std::filesystem;
@@ -41,12 +42,13 @@ void check_run_directory(const fs::path& run, const std::string& what) {
 }
 
 void MetricsLog::append(const nlohmann::json& line) const {
+  if (path_.empty()) return;
   std::ofstream out(path_, std::ios::app);
   out << line.dump() << '\n';
 }
 
 void MetricsLog::drop_after(int64_t step) const {
-  if (!fs::exists(path_)) return;
+  if (path_.empty() || !fs::exists(path_)) return;
   std::ifstream in(path_);
   std::string kept;
   for (std::string line; std::getline(in, line);) {
@@ -98,9 +100,19 @@ RunRecord::RunRecord(std::string what, fs::path run, int64_t keep_checkpoints)
     : what(std::move(what)),
       run(std::move(run)),
       checkpoints((this->run / "checkpoints").string(), static_cast<int>(keep_checkpoints)),
-      metrics_log(this->run / "metrics.jsonl") {}
+      metrics_log(this->run / "metrics.jsonl"),
+      should_stop([] { return stop_requested(); }) {}
+
+void RunRecord::leave_files_to_another() {
+  writes_files = false;
+  metrics_log.disable();
+}
 
 void RunRecord::open(const ConfigVisit& config, bool samples, const std::function<void(const std::string&)>& resume) {
+  if (!writes_files) {
+    if (auto latest = checkpoints.latest()) resume(*latest);
+    return;
+  }
   fs::create_directories(run);
   lock = RunLock(run, what);
   if (auto latest = checkpoints.latest()) resume(*latest);
@@ -109,6 +121,7 @@ void RunRecord::open(const ConfigVisit& config, bool samples, const std::functio
 }
 
 void RunRecord::save(const io::Checkpoint& checkpoint) {
+  if (!writes_files) return;
   log::info(what, ": checkpoint ", checkpoints.save(step, checkpoint));
 }
 

@@ -24,6 +24,8 @@ void check_run_directory(const std::filesystem::path& run, const std::string& wh
 class MetricsLog {
  public:
   explicit MetricsLog(std::filesystem::path path) : path_(std::move(path)) {}
+  // From now on, appends and drops nothing (a rank that is not the job's first).
+  void disable() { path_.clear(); }
   void append(const nlohmann::json& line) const;
   // Drops the lines of updates after `step`: a resumed run rewrites them.
   void drop_after(int64_t step) const;
@@ -54,17 +56,20 @@ class RunLock {
 };
 
 // What every trainer keeps of its run: the folder, its checkpoints and metrics log, and the
-// updates made so far. `what` names the trainer in the log.
+// updates made so far. `what` names the trainer in the log. In a job of several processes
+// every rank keeps one, and only the first writes into the folder.
 struct RunRecord {
   RunRecord(std::string what, std::filesystem::path run, int64_t keep_checkpoints);
 
   // Locks the run's folder (creating it when new), resumes with `resume` from the latest
   // checkpoint, if there is one; then writes the run's config.yaml (and samples/ when
   // `samples`). In that order, so that a refused resume leaves the run as it was, but for
-  // its lock file.
+  // its lock file. A process that writes no files only resumes.
   void open(const ConfigVisit& config, bool samples, const std::function<void(const std::string&)>& resume);
   // Saves `checkpoint` as the current update's.
   void save(const io::Checkpoint& checkpoint);
+  // This process leaves the folder to another: no lock, checkpoints, metrics or samples.
+  void leave_files_to_another();
   // The end of a resume from `directory` at update `resumed_step`: the metrics of later
   // updates are dropped, since the run redoes them.
   void resumed(const std::string& directory, int64_t resumed_step);
@@ -75,6 +80,10 @@ struct RunRecord {
   MetricsLog metrics_log;
   int64_t step = 0;
   RunLock lock;  // from open() on
+  bool writes_files = true;
+  // Whether to stop before the next update: this process's stop request (train/stop_request.h)
+  // or, in a job, any rank's, so that every rank stops after the same update.
+  std::function<bool()> should_stop;
 };
 
 // Throws unless `now` equals the config a checkpoint was written with, except for the keys

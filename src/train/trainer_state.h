@@ -18,10 +18,13 @@
 
 #include "dalle/data/loader.h"
 #include "dalle/device.h"
+#include "dalle/dist/job.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
 #include "dalle/io/checkpoint.h"
+#include "dalle/runtime.h"
 #include "dalle/train/adamw.h"
+#include "dalle/train/stop_request.h"
 #include "dalle/train/ema.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/recipe.h"
@@ -40,9 +43,29 @@ std::unique_ptr<State> start_trainer(Config config, const std::string& run, cons
   return std::make_unique<State>(std::move(config), std::filesystem::path(run));
 }
 
+// Joins the job the launcher started (a job of one without a launcher) before any model is
+// built, so that ranks started with another config or build are refused at once.
+template <class Config>
+std::shared_ptr<dist::Job> join_job(Config config) {
+  const auto& d = config.distributed;
+  return std::make_shared<dist::Job>(
+      dist::read_launch_environment(),
+      dist::JobOptions{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
+                       .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20))},
+      dist::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))), .code = build_fingerprint()});
+}
+
+// `device` for one rank of `job`: a GPU job gives each rank of a machine its own GPU.
+inline torch::Device rank_device(torch::Device device, const dist::Job& job) {
+  if (!device.is_cuda() || job.size() == 1) return device;
+  const auto gpus = static_cast<int64_t>(torch::cuda::device_count());
+  return {torch::kCUDA, static_cast<c10::DeviceIndex>(job.place().local_rank % std::max<int64_t>(gpus, 1))};
+}
+
 template <class Config, class Model>
 struct TrainerState : RunRecord {
   Config config;
+  std::shared_ptr<dist::Job> job;
   torch::Device device;
   Model model{nullptr}, ema_model{nullptr};
   std::unique_ptr<Ema> ema;
@@ -54,8 +77,28 @@ struct TrainerState : RunRecord {
   TrainerState(const std::string& what, Config c, std::filesystem::path run)
       : RunRecord(what, std::move(run), c.run.keep_checkpoints),
         config(std::move(c)),
-        device(resolve_device(config.run.device, what + " training")) {}
+        job(join_job(config)),
+        device(rank_device(resolve_device(config.run.device, what + " training"), *job)) {
+    if (job->size() == 1) return;
+    if (!job->is_main()) leave_files_to_another();
+    should_stop = [this] { return job->any(stop_requested()); };
+  }
   virtual ~TrainerState() = default;
+
+  // This rank's examples: its shard of every epoch's order...
+  data::SamplerOptions shard() const {
+    return {.seed = static_cast<uint64_t>(config.run.seed), .rank = job->rank(), .world_size = job->size()};
+  }
+  // ...and its part of each global batch of `global` examples.
+  int64_t rank_batch(int64_t global) const {
+    if (global % job->size() != 0) {
+      throw Error(what + ": data.batch_size " + std::to_string(global) + " does not divide between " +
+                  std::to_string(job->size()) + " ranks; make it a multiple of the ranks");
+    }
+    return global / job->size();
+  }
+  // The data-parallel replicas, which multiply the fp16 gradient scales.
+  int64_t replicas() const { return job->size(); }
 
   // Once `model` is built: moves it to the device and starts its moving average.
   void place_model() {
@@ -91,12 +134,13 @@ struct TrainerState : RunRecord {
     options.what = what;
     options.grad_clip = config.optimizer.grad_clip;
     update = std::make_unique<UpdateStep>(*optimizer, *precision, std::move(options), ema.get(), model.get());
+    update->set_reducer(job->reducer());
   }
   // The usual case: every learned tensor in one group with the config's weight decay, one
   // fp16 scale on the loss.
   void build_update(const std::vector<torch::Tensor>& learned, double first_learning_rate, UpdateOptions options = {}) {
     build_update({torch::optim::OptimizerParamGroup(learned)}, first_learning_rate,
-                 std::make_unique<ModelPrecision>(config.precision, learned), std::move(options));
+                 std::make_unique<ModelPrecision>(config.precision, learned, replicas()), std::move(options));
   }
 
   // Sets every parameter group's learning rate for the coming update.
@@ -117,6 +161,8 @@ struct TrainerState : RunRecord {
   // Locks the run directory and resumes from its latest checkpoint, if any.
   void open_run(bool samples) {
     open(visit_of(config), samples, [this](const std::string& latest) { resume(latest); });
+    job->check_same(step, "the update to start from (every rank must see the run directory " + run.string() +
+                              ", on a file system they share)");
   }
 
   void save_checkpoint() {
@@ -153,8 +199,18 @@ struct TrainerState : RunRecord {
   }
 
   // A metrics line with the fp16 scales added: the one scale, or the spread of the
-  // per-resblock ones, and the updates skipped so far.
+  // per-resblock ones, and the updates skipped so far. In a job, every rank calls it after
+  // the same update: its fractional values (losses, ...) become the mean over the ranks.
   void append_metrics(nlohmann::json line) const {
+    std::vector<double> values;
+    for (const auto& item : line.items()) {
+      if (item.value().is_number_float()) values.push_back(item.value().get<double>());
+    }
+    job->average(values);
+    auto next = values.begin();
+    for (auto& item : line.items()) {
+      if (item.value().is_number_float()) item.value() = *next++;
+    }
     if (const auto* scaler = precision->scaler()) {
       if (precision->scales_loss()) {
         line["grad_scale"] = scaler->scale(0);

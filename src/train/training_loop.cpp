@@ -34,7 +34,7 @@ void run_training_loop(const RunRecord& record, const LoopIntervals& intervals, 
   log::Progress progress(record.what, intervals.steps - step);
   const int64_t first = step;
   int64_t checkpointed = step;
-  while (step < intervals.steps && !stop_requested()) {
+  while (step < intervals.steps && !record.should_stop()) {
     const double loss = actions.update();
     progress.advance();
     progress.set_loss(loss);

@@ -1,7 +1,7 @@
 #pragma once
 // The sections every training recipe shares, declared once and read under the same keys by
 // every trainer: `optimizer` (AdamW, clipping, the moving average of the weights), `run`
-// (how long, how often, where) and `precision` (train/precision.h). Each trainer gives its
+// (how long, how often, where), `precision` (train/precision.h) and `distributed`. Each trainer gives its
 // own defaults (the paper's or the reference's), not its own keys.
 #include <cstdint>
 #include <string>
@@ -35,12 +35,29 @@ struct RunConfig {
   void visit(ConfigVisitor& v);
 };
 
-// Visits the three shared sections, and refuses a recipe that still has their keys at the
-// top level (as recipes had them before the sections), naming the key's new place.
-void visit_shared_sections(ConfigVisitor& v, OptimizerConfig& optimizer, RunConfig& run, PrecisionConfig& precision);
+// How the processes of a job (dist/job.h) train together. Every key may change on resume.
+struct DistributedConfig {
+  int64_t nproc_per_node = 1;  // >1: fork this many ranks on 127.0.0.1 when no launcher started the process
+  double timeout_seconds = 300;
+  double bucket_megabytes = 25;
+
+  void visit(ConfigVisitor& v);
+};
+
+// What every recipe holds beyond its model and data, in these sections.
+struct SharedSections {
+  OptimizerConfig& optimizer;
+  RunConfig& run;
+  PrecisionConfig& precision;
+  DistributedConfig& distributed;
+};
+
+// Visits the shared sections, and refuses a recipe that still has their keys at the top
+// level (as recipes had them before the sections), naming the key's new place.
+void visit_shared_sections(ConfigVisitor& v, const SharedSections& sections);
 
 // The keys a resume may change in every recipe: how long and how often, the threads, the
-// loader's workers and the device, not what is trained.
+// loader's workers, the device and the distributed settings, not what is trained.
 bool is_run_control_key(const std::string& key);
 
 }  // namespace dalle::train

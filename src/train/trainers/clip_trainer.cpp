@@ -46,7 +46,7 @@ void ClipTrainConfig::visit(ConfigVisitor& v) {
           "a random batch seldom holds (0: random batches, as CLIP)",
           {.min = 0.0, .max = 0.5});
   v.section("learning_rate", "cosine learning-rate schedule after the warmup (CLIP: 5e-4 -> 0)", learning_rate);
-  visit_shared_sections(v, optimizer, run, precision);
+  visit_shared_sections(v, {optimizer, run, precision, distributed});
   v.field("max_logit_scale", max_logit_scale,
           "logit_scale is clamped to [0, this] after every update: the logits' scale at most e^this "
           "(CLIP: ln 100)",
@@ -167,7 +167,7 @@ ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
   s.model = models::Clip(s.config.model);
   s.place_model();
   s.build_update(parameter_groups(*s.model, s.config), s.config.learning_rate_at(0),
-                 std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters()),
+                 std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(), s.replicas()),
                  {.after_step = [&s] { s.bound_logit_scale(); }});
 
   if (!s.config.through_tokenizer.empty()) s.image_tokenizer = open_through_tokenizer(s.config, s.device);

@@ -39,7 +39,7 @@ void DvaeTrainConfig::visit(ConfigVisitor& v) {
           "decode the one-hot argmax of the gumbel-softmax sample and pass the gradient through its soft "
           "relaxation, so that training decodes the one-hot codes tokenizing decodes (DALL-E: false, it anneals "
           "the temperature long enough for the soft codes to become nearly one-hot)");
-  visit_shared_sections(v, optimizer, run, precision);
+  visit_shared_sections(v, {optimizer, run, precision, distributed});
   v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
   v.field("reconstruction_loss", reconstruction_loss,
           "logit_laplace: DALL-E's likelihood, which also learns a per-pixel scale; mse: squared error of the "
@@ -158,7 +158,7 @@ DvaeValidation DvaeTrainer::validate() {
   s.ema->copy_to(*s.ema_model);
   s.ema_model->eval();
   return detail::validate_tokenizer(*s.ema_model, *s.images.validation, s.config.data.batch_size, s.config.grid_images,
-                                    s.step, s.run, s.metrics_log, "dvae");
+                                    s);
 }
 
 }  // namespace dalle::train

@@ -59,7 +59,7 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
   v.section("model", "transformer sizes and options", model);
   v.section("data", "token datasets and batching", data);
   v.section("learning_rate", "warmup, then cosine or plateau decay", learning_rate);
-  visit_shared_sections(v, optimizer, run, precision);
+  visit_shared_sections(v, {optimizer, run, precision, distributed});
   v.field("checkpoint_activations_every", checkpoint_activations_every,
           "recompute the activations of resblocks 0, k, 2k, ... in backward instead of keeping them "
           "(1: every resblock; 0: none)",
@@ -157,13 +157,13 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   s.place_model();
   s.build_update(parameter_groups(*s.model, s.config.optimizer.weight_decay), s.config.learning_rate.peak,
                  std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
-                                                  resblock_parameter_groups(s.model->resblocks())),
+                                                  resblock_parameter_groups(s.model->resblocks()), s.replicas()),
                  {.measure_norm = true});
   s.install_resblock_runner();
   s.loader = std::make_unique<data::DataLoader<data::TokenDataset>>(
-      s.train_set, data::LoaderOptions{.batch_size = s.config.data.batch_size,
+      s.train_set, data::LoaderOptions{.batch_size = s.rank_batch(s.config.data.batch_size),
                                        .workers = s.config.data.workers,
-                                       .sampler = {.seed = static_cast<uint64_t>(s.config.run.seed)}});
+                                       .sampler = s.shard()});
   s.open_run(/*samples=*/true);
 }
 
@@ -184,14 +184,18 @@ void PriorTrainer::State::install_resblock_runner() {
 
 torch::Tensor PriorTrainer::State::batch_tokens(const std::vector<data::TokenExample>& examples,
                                                 bool drop_captions) {
+  // One draw per example of the global batch, of which this rank's examples take theirs (the
+  // sampler deals the batch's positions out in turn): any number of ranks drops the captions
+  // one process would.
+  const auto draws = drop_captions ? torch::rand({config.data.batch_size}, caption_dropout) : torch::Tensor();
   std::vector<torch::Tensor> rows;
-  for (const auto& example : examples) {
-    auto text = example.text_tokens;
-    if (drop_captions &&
-        torch::rand({1}, caption_dropout).item<double>() < config.data.caption_dropout) {
+  for (size_t i = 0; i < examples.size(); ++i) {
+    auto text = examples[i].text_tokens;
+    const int64_t position = static_cast<int64_t>(i) * job->size() + job->rank();
+    if (drop_captions && position < draws.size(0) && draws[position].item<double>() < config.data.caption_dropout) {
       text = models::empty_caption(config.model.text_length)[0];
     }
-    rows.push_back(torch::cat({text, example.image_tokens.flatten()}));
+    rows.push_back(torch::cat({text, examples[i].image_tokens.flatten()}));
   }
   return torch::stack(rows).to(device);
 }
@@ -309,7 +313,8 @@ PriorValidation PriorTrainer::validate() {
                       {"validation_image_loss", result.image_loss}});
     if (s.config.learning_rate.decay == "plateau") s.update_plateau(result.loss);
   }
-  if (!s.config.sample_captions.empty() && !s.config.tokenizer.empty() && !s.config.image_tokenizer.empty()) {
+  if (s.writes_files && !s.config.sample_captions.empty() && !s.config.tokenizer.empty() &&
+      !s.config.image_tokenizer.empty()) {
     char name[48];
     std::snprintf(name, sizeof name, "samples/step-%09lld.png", static_cast<long long>(s.step));
     write_sample_grid(s.ema_model, s.config, s.run / name);

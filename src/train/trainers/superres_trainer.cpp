@@ -35,7 +35,7 @@ void SuperResTrainConfig::visit(ConfigVisitor& v) {
             "degradation: blur, downscale by model.scale, noise, JPEG)",
             degradation);
   v.section("learning_rate", "cosine learning-rate schedule (Real-ESRNet: 2e-4)", learning_rate);
-  visit_shared_sections(v, optimizer, run, precision);
+  visit_shared_sections(v, {optimizer, run, precision, distributed});
   v.field("validation_images", validation_images, "held-out images each validation scores (PSNR against bicubic)",
           {.min = 1, .max = 100000});
   v.field("grid_images", grid_images, "validation images in each sample grid", {.min = 1, .max = 256});
@@ -108,10 +108,10 @@ void write_grid(const torch::Tensor& low, const torch::Tensor& ours, const torch
 }  // namespace
 
 torch::Tensor SuperResTrainer::degrade_batch(const torch::Tensor& high, const SuperResTrainConfig& config,
-                                             int64_t step) {
+                                             int64_t step, BatchShare share) {
   std::vector<torch::Tensor> low;
   for (int64_t i = 0; i < high.size(0); ++i) {
-    auto rng = degradation_rng(config.run.seed, step, i, kTrainSalt);
+    auto rng = degradation_rng(config.run.seed, step, i * share.ranks + share.rank, kTrainSalt);
     low.push_back(data::degrade(high[i], config.model.scale, config.degradation, rng));
   }
   return torch::stack(low);
@@ -138,7 +138,8 @@ SuperResStepMetrics SuperResTrainer::State::train_step(const torch::Tensor& imag
   metrics.learning_rate = config.learning_rate.at(step);
   set_learning_rate(metrics.learning_rate);
   // Degraded on the CPU: the degradation draws from std:: generators, the same everywhere.
-  const auto low = degrade_batch(images, config, step).to(device), high = images.to(device);
+  const auto low = degrade_batch(images, config, step, {job->rank(), job->size()}).to(device);
+  const auto high = images.to(device);
   auto output = [&] {
     AutocastGuard autocast(low.device().type(), precision->autocast_dtype());
     return model->forward(low);
@@ -200,7 +201,9 @@ SuperResValidation SuperResTrainer::validate() {
   }
   if (scored == 0) throw Error("super-resolution: no readable validation image in " + s.images.validation->root());
   SuperResValidation result{psnr_sum / scored, bicubic_sum / scored, scored};
-  write_grid(torch::cat(lows), torch::cat(outputs), torch::cat(originals), s.config.grid_images, s.step, s.run);
+  if (s.writes_files) {
+    write_grid(torch::cat(lows), torch::cat(outputs), torch::cat(originals), s.config.grid_images, s.step, s.run);
+  }
   s.metrics_log.append({{"step", s.step},
                         {"validation_psnr", result.psnr},
                         {"bicubic_psnr", result.bicubic_psnr},

@@ -15,15 +15,13 @@
 namespace dalle::train::detail {
 namespace fs = std::filesystem;
 
-ImageData open_image_data(const data::ImageDataConfig& config, int64_t seed) {
+ImageData open_image_data(const data::ImageDataConfig& config, int64_t rank_batch, data::SamplerOptions shard) {
   ImageData images;
   images.train = data::ImageCaptionDataset::open(
       config.train, {.image_size = config.image_size, .random_crop = config.random_crop});
   images.validation = data::ImageCaptionDataset::open(config.validation, {.image_size = config.image_size});
   images.loader = std::make_unique<data::DataLoader<data::ImageCaptionDataset>>(
-      images.train, data::LoaderOptions{.batch_size = config.batch_size,
-                                        .workers = config.workers,
-                                        .sampler = {.seed = static_cast<uint64_t>(seed)}});
+      images.train, data::LoaderOptions{.batch_size = rank_batch, .workers = config.workers, .sampler = shard});
   return images;
 }
 
@@ -65,8 +63,9 @@ void write_grid(const torch::Tensor& original, const torch::Tensor& reconstructi
 }  // namespace
 
 TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const data::ImageCaptionDataset& images,
-                                       int64_t batch_size, int64_t grid_images, int64_t step, const fs::path& run,
-                                       const MetricsLog& metrics, const std::string& what) {
+                                       int64_t batch_size, int64_t grid_images, const RunRecord& record) {
+  const auto& what = record.what;
+  const int64_t step = record.step;
   torch::NoGradGuard no_grad;
   const auto device = tokenizer.module().parameters().front().device();
   const int64_t count = std::min<int64_t>(static_cast<int64_t>(images.size()), 256);
@@ -92,8 +91,8 @@ TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const 
                              all_tokens.size(0) < 2 ? std::nan("")
                                                     : decoder_sensitivity(tokenizer, all_tokens.slice(
                                                                                          0, 0, std::max<int64_t>(batch_size, 2)))};
-  write_grid(original, reconstruction, grid_images, step, run);
-  metrics.append({{"step", step}, {"validation_psnr", result.psnr}, {"perplexity", result.perplexity},
+  if (record.writes_files) write_grid(original, reconstruction, grid_images, step, record.run);
+  record.metrics_log.append({{"step", step}, {"validation_psnr", result.psnr}, {"perplexity", result.perplexity},
                   {"codes_used", result.codes_used}, {"decoder_sensitivity", result.decoder_sensitivity}});
   return result;
 }

@@ -27,7 +27,7 @@ struct ImageData {
   std::shared_ptr<data::ImageCaptionDataset> train, validation;
   std::unique_ptr<data::DataLoader<data::ImageCaptionDataset>> loader;
 };
-ImageData open_image_data(const data::ImageDataConfig& config, int64_t seed);
+ImageData open_image_data(const data::ImageDataConfig& config, int64_t rank_batch, data::SamplerOptions shard);
 
 torch::Tensor stack_images(const std::vector<data::ImageCaptionExample>& examples);
 
@@ -43,7 +43,9 @@ struct ImageTrainerState : TrainerState<Config, Model> {
   using TrainerState<Config, Model>::TrainerState;
   ImageData images;
 
-  void open_images() { images = open_image_data(this->config.data, this->config.run.seed); }
+  void open_images() {
+    images = open_image_data(this->config.data, this->rank_batch(this->config.data.batch_size), this->shard());
+  }
   data::LoaderPosition loader_position() const override { return images.loader->position(); }
   void seek_loader(const data::LoaderPosition& position) override { images.loader->seek(position); }
   bool may_change_on_resume(const std::string& key) const override {
@@ -69,11 +71,10 @@ void run_image_training_loop(State& s, const std::function<void(const Metrics&)>
 }
 
 // PSNR of decode(encode(x)) and codebook usage over the first 256 validation images; writes
-// original | reconstruction pairs to run/samples/step-N.png and a line to the metrics log.
+// original | reconstruction pairs to run/samples/step-N.png and a line to the metrics log,
+// where `record` writes files.
 TokenizerValidation validate_tokenizer(models::ImageTokenizer& tokenizer, const data::ImageCaptionDataset& images,
-                                       int64_t batch_size, int64_t grid_images, int64_t step,
-                                       const std::filesystem::path& run, const MetricsLog& metrics,
-                                       const std::string& what);
+                                       int64_t batch_size, int64_t grid_images, const RunRecord& record);
 
 // The log line of a tokenizer validation after update `step`, whose training loss was `loss`.
 void log_tokenizer_validation(const std::string& what, int64_t step, double loss,

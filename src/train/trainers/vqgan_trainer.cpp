@@ -55,7 +55,7 @@ void VqganTrainConfig::visit(ConfigVisitor& v) {
           {.min = 0});
   v.section("discriminator", "PatchGAN discriminator with hinge losses (taming's VQGAN loss without LPIPS)",
             discriminator);
-  visit_shared_sections(v, optimizer, run, precision);
+  visit_shared_sections(v, {optimizer, run, precision, distributed});
   v.field("grid_images", grid_images, "validation images in each reconstruction grid", {.min = 1, .max = 256});
 }
 
@@ -140,10 +140,12 @@ void VqganTrainer::State::build_discriminator() {
   discriminator->to(device);
   discriminator_optimizer = make_adamw({torch::optim::OptimizerParamGroup(discriminator->parameters())},
                                        config.learning_rate.at(0));
-  discriminator_precision = std::make_unique<ModelPrecision>(config.precision, discriminator->parameters());
+  discriminator_precision =
+      std::make_unique<ModelPrecision>(config.precision, discriminator->parameters(), replicas());
   discriminator_update = std::make_unique<UpdateStep>(
       *discriminator_optimizer, *discriminator_precision,
       UpdateOptions{.what = "vqgan discriminator", .grad_clip = config.optimizer.grad_clip});
+  discriminator_update->set_reducer(job->reducer());
 }
 
 VqganTrainer::~VqganTrainer() = default;
@@ -287,7 +289,7 @@ TokenizerValidation VqganTrainer::validate() {
   s.ema->copy_to(*s.ema_model);
   s.ema_model->eval();
   return detail::validate_tokenizer(*s.ema_model, *s.images.validation, s.config.data.batch_size, s.config.grid_images,
-                                    s.step, s.run, s.metrics_log, "vqgan");
+                                    s);
 }
 
 void VqganTrainer::State::save_extra(io::Checkpoint& checkpoint) const {

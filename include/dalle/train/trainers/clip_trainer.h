@@ -43,6 +43,7 @@ struct ClipTrainConfig {
   OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.98, .epsilon = 1e-6, .weight_decay = 0.2, .ema_decay = 0.0};
   RunConfig run{.steps = 10'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
+  DistributedConfig distributed;
   double max_logit_scale = 4.605170185988092;  // ln 100
   int64_t validation_images = 256;
 

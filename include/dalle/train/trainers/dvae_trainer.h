@@ -32,6 +32,7 @@ struct DvaeTrainConfig {
   OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.999, .epsilon = 1e-8, .weight_decay = 1e-4, .ema_decay = 0.999};
   RunConfig run{.steps = 1'200'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
+  DistributedConfig distributed;
   int64_t grid_images = 8;
   std::string reconstruction_loss = "logit_laplace";
 

@@ -64,6 +64,7 @@ struct PriorTrainConfig {
       .beta1 = 0.9, .beta2 = 0.96, .epsilon = 1e-8, .weight_decay = 4.5e-2, .grad_clip = 4.0, .ema_decay = 0.99};
   RunConfig run{.steps = 430'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
+  DistributedConfig distributed;
   int64_t checkpoint_activations_every = 0;  // resblocks 0, k, 2k, ... recompute in backward; 0: none
   std::string tokenizer;        // caption tokenizer model, for the sample grids
   std::string image_tokenizer;  // dVAE or VQGAN run that made the tokens, for the sample grids

@@ -31,6 +31,7 @@ struct SuperResTrainConfig {
   OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.99, .epsilon = 1e-8, .weight_decay = 0.0, .ema_decay = 0.999};
   RunConfig run{.steps = 1'000'000, .log_every = 100, .validate_every = 5000, .checkpoint_every = 5000};
   PrecisionConfig precision;
+  DistributedConfig distributed;
   int64_t validation_images = 64;
   int64_t grid_images = 8;
 
@@ -52,6 +53,11 @@ struct SuperResValidation {
   int64_t images = 0;
 };
 
+// Which examples of a global batch a rank holds: every ranks-th, from its rank on.
+struct BatchShare {
+  int64_t rank = 0, ranks = 1;
+};
+
 class SuperResTrainer {
  public:
   // Creates `run_directory` or resumes the run in it.
@@ -68,8 +74,10 @@ class SuperResTrainer {
   models::RrdbNet& model();
 
   // The (low-res, high-res) pair of high-res images [B, C, S, S] for update `step`: each
-  // image degraded with a generator seeded by (seed, step, index in batch).
-  static torch::Tensor degrade_batch(const torch::Tensor& high, const SuperResTrainConfig& config, int64_t step);
+  // image degraded with a generator seeded by (seed, step, index in the global batch), so
+  // that any number of ranks degrades an image as one process does.
+  static torch::Tensor degrade_batch(const torch::Tensor& high, const SuperResTrainConfig& config, int64_t step,
+                                     BatchShare share = {});
 
  private:
   struct State;

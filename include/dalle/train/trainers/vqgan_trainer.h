@@ -61,6 +61,7 @@ struct VqganTrainConfig {
   OptimizerConfig optimizer{.beta1 = 0.5, .beta2 = 0.9, .epsilon = 1e-8, .weight_decay = 0.0, .ema_decay = 0.999};
   RunConfig run{.steps = 500'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
+  DistributedConfig distributed;
   int64_t grid_images = 8;
 
   void visit(ConfigVisitor& v);

@@ -1,0 +1,213 @@
+// Training jobs of several processes on 127.0.0.1, run as a user runs them: the tools under
+// dalle's own --nproc-per-node launcher, against one process, with ranks killed, stopped and
+// started wrongly. Small models, and a timeout on every wait.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "dalle/io/safetensors.h"
+#include "test_support.h"
+#include "tool_runner.h"
+
+namespace dalle {
+namespace {
+
+using testing::run;
+using testing::run_command;
+using testing::ScratchDir;
+
+// Token datasets for a tiny prior, and the images they came from, made once for the suite.
+class TrainingJob : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    data_ = new ScratchDir;
+    const auto& d = *data_;
+    const auto check = [](const testing::Result& result) { ASSERT_EQ(result.status, 0) << result.output; };
+    check(run("dalle-data", "compose --out " + (d / "fc") +
+                                " --set train_images=32 --set test_images=8 --set heldout_images=0"));
+    check(run("dalle-tokenizer", "train --captions " + (d / "fc/train") + " --out " + (d / "tok.model") +
+                                     " --set vocab_size=60 --set text_length=12"));
+    check(run("dalle-train-vae", "--out " + (d / "dvae") + " --set data.train=" + (d / "fc/train") +
+                                     " --set data.validation=" + (d / "fc/test") +
+                                     " --set data.image_size=16 --set data.batch_size=8 --set model.hidden=8"
+                                     " --set model.decoder_init=8 --set model.groups=2 --set model.downsamplings=1"
+                                     " --set model.blocks_per_group=1 --set model.vocab_size=32 --set run.steps=1"));
+    for (const char* split : {"train", "test"}) {
+      check(run("dalle-encode-images", "--dataset " + (d / "fc/" + split) + " --dvae " + (d / "dvae") +
+                                           " --tokenizer " + (d / "tok.model") + " --out " + (d / "tokens-" + split)));
+    }
+    testing::write_text(d / "prior.yaml",
+                        "model: {text_length: 12, text_vocab_size: 60, grid_size: 8, image_vocab_size: 32,\n"
+                        "        layers: 2, width: 32, heads: 2, conv_kernel: 3}\n"
+                        "data: {train: " + (d / "tokens-train") + ", validation: " + (d / "tokens-test") +
+                        ", batch_size: 8, caption_dropout: 0.2}\n"
+                        "learning_rate: {peak: 1.0e-3, warmup_steps: 2, decay: cosine}\n"
+                        "run: {steps: 10, log_every: 1, validate_every: 1000000, checkpoint_every: 5, threads: 1}\n"
+                        "distributed: {timeout_seconds: 20}\n");
+  }
+  static void TearDownTestSuite() {
+    delete data_;
+    data_ = nullptr;
+  }
+
+  // dalle-train on the suite's prior recipe into `run`, with `arguments` added.
+  static std::string train_prior(const std::string& run, const std::string& arguments = "") {
+    return testing::tool_path("dalle-train") + " --config " + (*data_ / "prior.yaml") + " --out " + run + " " +
+           arguments;
+  }
+
+  static ScratchDir* data_;
+};
+
+ScratchDir* TrainingJob::data_ = nullptr;
+
+io::TensorMap weights_at(const std::string& run, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%09lld", static_cast<long long>(step));
+  return io::read_safetensors(run + "/checkpoints/" + name + "/model.safetensors").tensors;
+}
+
+double largest_difference(const io::TensorMap& a, const io::TensorMap& b) {
+  double largest = 0;
+  EXPECT_EQ(a.size(), b.size());
+  for (const auto& [name, tensor] : a) {
+    largest = std::max(largest, (tensor - b.at(name)).abs().max().item<double>());
+  }
+  return largest;
+}
+
+// The metrics line of update `step` that has a "loss".
+nlohmann::json metrics_at(const std::string& run, int64_t step) {
+  std::ifstream in(run + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto entry = nlohmann::json::parse(line);
+    if (entry["step"] == step && entry.contains("loss")) return entry;
+  }
+  ADD_FAILURE() << "no metrics line with a loss for update " << step << " in " << run;
+  return {};
+}
+
+// A shell snippet that waits (at most 60 s) for `path`, then sets $rank to the pid of the
+// launcher $pid's child whose RANK is `rank`.
+std::string find_rank_when(const std::string& path, int64_t rank) {
+  return "for i in $(seq 3000); do [ -e " + path + " ] && break; sleep 0.02; done; rank=; "
+         "for p in $(pgrep -P $pid); do tr '\\0' '\\n' < /proc/$p/environ | grep -qx RANK=" +
+         std::to_string(rank) + " && rank=$p; done; ";
+}
+
+// Ends the launcher $pid if it outlives 60 s, then waits for it.
+const char* const kWatchdog =
+    "(for i in $(seq 600); do kill -0 $pid || exit; sleep 0.1; done; kill -KILL $pid) >/dev/null 2>&1 & wait $pid";
+
+class TrainingJobAtWorldSize : public TrainingJob, public ::testing::WithParamInterface<int64_t> {};
+
+// Each rank takes every ranks-th example of the global batch and their gradients are
+// averaged: the same updates as one process, but for the order of the sums.
+TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
+  const int64_t ranks = GetParam();
+  ScratchDir dir;
+  auto one = run_command(train_prior(dir / "one"));
+  ASSERT_EQ(one.status, 0) << one.output;
+  auto job = run_command(train_prior(dir / "job", "--nproc-per-node " + std::to_string(ranks)));
+  ASSERT_EQ(job.status, 0) << job.output;
+  EXPECT_THAT(job.output, ::testing::HasSubstr("joined a job of " + std::to_string(ranks) + " ranks"));
+  EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
+  // The logged loss is the mean of the ranks' losses, which is the global batch's.
+  EXPECT_NEAR(metrics_at(dir / "job", 10)["loss"].get<double>(), metrics_at(dir / "one", 10)["loss"].get<double>(),
+              1e-5);
+  // Rank 0 alone writes the run; every other rank writes its own log.
+  EXPECT_TRUE(std::filesystem::exists(dir / ("job.rank" + std::to_string(ranks - 1) + ".log")));
+  EXPECT_THAT(testing::read_text(dir / "job.rank1.log"), ::testing::HasSubstr("[rank 1] prior: training from"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, TrainingJobAtWorldSize, ::testing::Values(2, 4));
+
+TEST_F(TrainingJob, TwoRanksTrainSuperResolutionAsOneProcessDoes) {
+  ScratchDir dir;
+  const std::string train_sr = testing::tool_path("dalle-train-sr") + " --config " + DALLE_SOURCE_DIR +
+                               "/configs/superres/fashion-compose-x2-tiny.yaml --set data.train=" +
+                               (*data_ / "fc/train") + " --set data.validation=" + (*data_ / "fc/test") +
+                               " --set model.num_feat=8 --set model.num_block=1 --set model.num_grow_ch=4" +
+                               " --set data.batch_size=4 --set run.threads=1 --set run.steps=10" +
+                               " --set run.validate_every=1000000 --set run.checkpoint_every=10 --out ";
+  auto one = run_command(train_sr + (dir / "one"));
+  ASSERT_EQ(one.status, 0) << one.output;
+  auto job = run_command(train_sr + (dir / "job") + " --nproc-per-node 2");
+  ASSERT_EQ(job.status, 0) << job.output;
+  EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
+}
+
+TEST_F(TrainingJob, AKilledRankEndsTheJobNamingItAndTheRerunResumesAsIfUninterrupted) {
+  ScratchDir dir;
+  const auto job = train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=2");
+  auto killed = run_command(job + " --set run.steps=1000000 & pid=$!; " +
+                            find_rank_when(dir / "job/checkpoints/step-000000002", 1) + "kill -KILL $rank; " +
+                            kWatchdog);
+  EXPECT_EQ(killed.status, 1) << killed.output;
+  EXPECT_THAT(killed.output, ::testing::HasSubstr("rank 1 was killed by signal 9"));
+  EXPECT_THAT(killed.output, ::testing::HasSubstr("the last complete checkpoint is " + (dir / "job/checkpoints/")));
+  EXPECT_THAT(killed.output, ::testing::Not(::testing::HasSubstr("terminate called")));
+
+  auto resumed = run_command(job + " --set run.steps=60");
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, ::testing::HasSubstr("resumed from"));
+  auto one = run_command(train_prior(dir / "one", "--set run.steps=60 --set run.checkpoint_every=2"));
+  ASSERT_EQ(one.status, 0) << one.output;
+  EXPECT_LT(largest_difference(weights_at(dir / "one", 60), weights_at(dir / "job", 60)), 1e-5);
+}
+
+TEST_F(TrainingJob, SigtermToOneRankStopsEveryRankAfterTheSameUpdateWithOneCheckpoint) {
+  ScratchDir dir;
+  const auto job = train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=1000000");
+  auto stopped = run_command(job + " --set run.steps=1000000 & pid=$!; " +
+                             find_rank_when(dir / "job/metrics.jsonl", 1) + "kill -TERM $rank; " + kWatchdog);
+  EXPECT_EQ(stopped.status, 143) << stopped.output;
+  EXPECT_THAT(stopped.output, ::testing::Not(::testing::HasSubstr("error")));
+  std::vector<std::string> checkpoints;
+  for (const auto& entry : std::filesystem::directory_iterator(dir / "job/checkpoints")) {
+    if (entry.is_directory()) checkpoints.push_back(entry.path().filename().string());
+  }
+  ASSERT_EQ(checkpoints.size(), 1u);
+  const int64_t at = std::stoll(checkpoints[0].substr(5));
+  const auto said = "stopped after update " + std::to_string(at) + " of";
+  EXPECT_THAT(testing::read_text(dir / "job.log"), ::testing::HasSubstr(said));
+  EXPECT_THAT(testing::read_text(dir / "job.rank1.log"),
+              ::testing::HasSubstr("stopped by SIGTERM after update " + std::to_string(at) + " of"));
+  auto resumed = run_command(job + " --set run.steps=" + std::to_string(at + 2));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, ::testing::HasSubstr("at update " + std::to_string(at)));
+}
+
+// A port nobody listens on now, for ranks started by hand.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// Ranks started as torchrun starts them (its variables), one with another recipe.
+TEST_F(TrainingJob, RanksStartedWithDifferentConfigsRefuseToStart) {
+  ScratchDir dir;
+  const std::string env = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                          std::to_string(free_port());
+  auto result = run_command(env + " RANK=0 LOCAL_RANK=0 " + train_prior(dir / "job") + " > " + (dir / "rank0.txt") +
+                            " 2>&1 & " + env + " RANK=1 LOCAL_RANK=1 " +
+                            train_prior(dir / "job", "--set optimizer.beta1=0.8") + "; status=$?; wait; exit $status");
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("rank 1: the ranks of this job differ from rank 0 in their config (rank 1)"));
+  EXPECT_THAT(testing::read_text(dir / "rank0.txt"), ::testing::HasSubstr("differ from rank 0 in their config"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "job/checkpoints/step-000000005"));
+}
+
+}  // namespace
+}  // namespace dalle
