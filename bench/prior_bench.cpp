@@ -4,7 +4,9 @@
 //   generation: image tokens per second with and without the KV cache;
 //   training: tokens per second and peak resident memory of full training steps, in a
 //             chosen precision (fp32, bf16, fp16 with per-resblock gradient scales), with
-//             or without activation checkpointing.
+//             or without activation checkpointing;
+//   data-parallel: the same steps on N processes of this machine, with the bytes each rank
+//             hands to all-reduce.
 // Ratios are taken within one run, on one machine.
 #include <sys/resource.h>
 #include <torch/torch.h>
@@ -15,6 +17,11 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "dalle/dist/data_parallel.h"
+#include "dalle/dist/job.h"
+#include "dalle/dist/local_ranks.h"
+#include "dalle/error.h"
+#include "dalle/log.h"
 #include "dalle/models/prior.h"
 #include "dalle/models/prior_sampling.h"
 #include "dalle/train/adamw.h"
@@ -140,6 +147,52 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
   std::fflush(stdout);
 }
 
+// Data-parallel training steps of `config` on `ranks` processes of this machine (this
+// program again, through dalle's --nproc-per-node launcher), with a global batch of
+// `batch`: step time, and what each rank hands to all-reduce against what a ring
+// all-reduce of the parameters must send.
+void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name,
+                   const std::vector<std::string>& arguments, int64_t ranks) {
+  const auto place = dist::read_launch_environment();
+  if (place.launcher == "none" && ranks > 1) {
+    const auto outcome = dist::run_local_ranks({.ranks = ranks, .arguments = arguments, .threads_per_rank = 1});
+    if (outcome.failed_rank >= 0) throw Error("rank " + std::to_string(outcome.failed_rank) + " " + outcome.failure);
+    return;
+  }
+  if (place.rank > 0) log::set_console_level(log::Level::warn);
+  dist::Job job(place, {.timeout = std::chrono::minutes(10), .bucket_bytes = 25 << 20}, {});
+  torch::manual_seed(0);
+  models::Prior prior(config);
+  train::ModelPrecision precision(train::PrecisionConfig{}, prior->parameters(), job.size());
+  train::AdamW optimizer({torch::optim::OptimizerParamGroup(prior->parameters())}, torch::optim::AdamWOptions(1e-4));
+  train::UpdateStep update(optimizer, precision, {.what = "bench"});
+  update.set_reducer(job.reducer());
+  const auto tokens = random_tokens(config, batch / job.size());
+  int64_t calls = 0;
+  auto step = [&] {
+    update.apply(models::prior_loss(prior->forward(tokens), tokens, config).total, 1);
+    ++calls;
+  };
+  const double seconds = time_per_call(steps, step);
+  const auto* reducer = dynamic_cast<const dist::DataParallelReducer*>(job.reducer().get());
+  std::vector<double> rss{peak_rss_mib()};
+  job.average(rss);
+  if (!job.is_main()) return;
+  int64_t parameters = 0;
+  for (const auto& p : prior->parameters()) parameters += p.numel();
+  const double n = static_cast<double>(job.size());
+  const nlohmann::json line = {
+      {"benchmark", "data_parallel"}, {"model", name}, {"ranks", job.size()}, {"parameters", parameters},
+      {"global_batch", batch}, {"step_s", seconds}, {"tokens_per_s", batch * config.length() / seconds},
+      {"allreduce_payload_bytes_per_step", reducer ? reducer->bytes_reduced() / calls : 0},
+      {"collectives_per_step", reducer ? reducer->collectives() / calls : 0},
+      // A ring all-reduce sends 2 (N - 1) / N of the payload from each rank.
+      {"ring_bytes_sent_per_rank_per_step", 2.0 * (n - 1.0) / n * static_cast<double>(parameters) * 4.0},
+      {"mean_peak_rss_mib_per_rank", rss[0]}};
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
 models::PriorConfig tiny() {
   models::PriorConfig config;
   config.text_length = 24;
@@ -194,14 +247,19 @@ int main(int argc, char** argv) {
     generation(config, 4, "tiny, 32x32 grid");
   } else if (which == "training-tiny") {
     training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", options);
+  } else if (which == "data-parallel") {
+    const int64_t ranks = std::stoll(option(argc, argv, "ranks", "1"));
+    data_parallel(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", std::vector<std::string>(argv, argv + argc),
+                  ranks);
   } else if (which == "training-xl-slice") {
     auto slice = rudalle_xl_slice(2);
     slice.attention_path = option(argc, argv, "path", "sparse");
     training(slice, 1, quick ? 1 : 2, "ruDALL-E XL layout, 2-layer slice", options);
   } else {
     std::fprintf(stderr,
-                 "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice [--quick] "
-                 "[--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K]\n");
+                 "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice|data-parallel "
+                 "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
+                 "[--ranks=N]\n");
     return 2;
   }
   return 0;

@@ -1,5 +1,6 @@
 #include "dalle/dist/launch.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "dalle/error.h"
@@ -54,7 +55,10 @@ constexpr PlaceVariables kMpirun{"mpirun",
                                  "OMPI_COMM_WORLD_SIZE",
                                  "OMPI_COMM_WORLD_LOCAL_RANK",
                                  "OMPI_COMM_WORLD_LOCAL_SIZE",
-                                 "OMPI_COMM_WORLD_NODE_RANK"};
+                                 // Open MPI's NODE_RANK is a rank within the machine, not the
+                                 // machine's index: that follows from mpirun's default mapping,
+                                 // which fills each machine's slots in rank order.
+                                 nullptr};
 
 LaunchEnvironment read_place(const Variables& v, const PlaceVariables& names) {
   LaunchEnvironment job;
@@ -63,7 +67,8 @@ LaunchEnvironment read_place(const Variables& v, const PlaceVariables& names) {
   job.world_size = v.count(names.world_size);
   job.local_rank = v.count(names.local_rank);
   job.local_world_size = v.count(names.local_world_size);
-  job.node_rank = v.count_or(names.node_rank, 0);
+  job.node_rank = names.node_rank ? v.count_or(names.node_rank, 0)
+                                  : job.rank / std::max<int64_t>(job.local_world_size, 1);
   job.nodes = job.local_world_size > 0 ? job.world_size / job.local_world_size : 0;
   read_master(v, job);
   return job;

@@ -62,6 +62,11 @@ TEST(LaunchEnvironment, MpirunIsReadAsALauncherAndNeedsAMasterAcrossMachines) {
   EXPECT_THROW_WITH(read_launch_environment(only(two_machines)), Error, "across 2 machines", "MASTER_ADDR");
   two_machines["MASTER_ADDR"] = "host0";
   EXPECT_EQ(read_launch_environment(only(two_machines)).master_addr, "host0");
+  // NODE_RANK is Open MPI's rank within the machine; the machine follows from the mapping.
+  two_machines["OMPI_COMM_WORLD_RANK"] = "6";
+  two_machines["OMPI_COMM_WORLD_LOCAL_RANK"] = "2";
+  two_machines["OMPI_COMM_WORLD_NODE_RANK"] = "2";
+  EXPECT_EQ(read_launch_environment(only(two_machines)).node_rank, 1);
 }
 
 TEST(LaunchEnvironment, SrunTakesTheMasterFromTheNodeList) {
