@@ -141,6 +141,25 @@ TEST_F(TrainingJob, TwoRanksTrainSuperResolutionAsOneProcessDoes) {
   EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
 }
 
+// Every rank contrasts its images and captions with the whole global batch's.
+TEST_F(TrainingJob, TwoRanksTrainClipAsOneProcessDoes) {
+  ScratchDir dir;
+  testing::write_text(dir / "clip.yaml",
+                      "model: {embed_dim: 16, image_size: 16, patch_size: 8, vision_width: 16, vision_layers: 1,\n"
+                      "        vision_heads: 2, context_length: 12, vocab_size: 60, text_width: 16, text_layers: 1,\n"
+                      "        text_heads: 2}\n"
+                      "data: {train: " + (*data_ / "fc/train") + ", validation: " + (*data_ / "fc/test") +
+                      ", image_size: 16, batch_size: 8}\n"
+                      "tokenizer: " + (*data_ / "tok.model") +
+                      "\nrun: {steps: 10, validate_every: 1000000, checkpoint_every: 10, threads: 1}\n");
+  const auto train_clip = testing::tool_path("dalle-train-clip") + " --config " + (dir / "clip.yaml") + " --out ";
+  auto one = run_command(train_clip + (dir / "one"));
+  ASSERT_EQ(one.status, 0) << one.output;
+  auto job = run_command(train_clip + (dir / "job") + " --nproc-per-node 2");
+  ASSERT_EQ(job.status, 0) << job.output;
+  EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
+}
+
 TEST_F(TrainingJob, AKilledRankEndsTheJobNamingItAndTheRerunResumesAsIfUninterrupted) {
   ScratchDir dir;
   const auto job = train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=2");

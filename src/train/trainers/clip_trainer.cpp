@@ -83,6 +83,7 @@ struct ClipTrainer::State : detail::ImageTrainerState<ClipTrainConfig, models::C
 
   torch::Tensor tokenize(const std::vector<std::string>& captions) const;
   torch::Tensor pixels(const torch::Tensor& images);
+  torch::Tensor global_batch(const torch::Tensor& local);
   data::Batch<data::ImageCaptionExample> next_batch();
   ClipStepMetrics train_step(const torch::Tensor& images, const std::vector<std::string>& captions);
   // open_clip's bound on the logit scale, kept after every step.
@@ -169,6 +170,9 @@ ClipTrainer::ClipTrainer(ClipTrainConfig config, std::string run_directory) {
   s.build_update(parameter_groups(*s.model, s.config), s.config.learning_rate_at(0),
                  std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(), s.replicas()),
                  {.after_step = [&s] { s.bound_logit_scale(); }});
+  if (const double ranks = static_cast<double>(s.job->size()); ranks > 1) {
+    s.model->logit_scale.register_hook([ranks](const torch::Tensor& gradient) { return gradient / ranks; });
+  }
 
   if (!s.config.through_tokenizer.empty()) s.image_tokenizer = open_through_tokenizer(s.config, s.device);
   s.open_images();
@@ -216,6 +220,19 @@ torch::Tensor ClipTrainer::State::pixels(const torch::Tensor& images) {
   return models::clip_preprocess(seen, config.model.image_size);
 }
 
+// The features of the whole global batch, this rank's `local` rows (which keep their
+// gradient) among the other ranks' (gathered as values), so that the contrastive loss sees
+// every negative one process would see.
+torch::Tensor ClipTrainer::State::global_batch(const torch::Tensor& local) {
+  if (job->size() == 1) return local;
+  const auto values = local.detach().to(torch::kCPU).contiguous();
+  auto gathered = torch::empty({job->size() * values.size(0), values.size(1)}, values.options());
+  job->group()->all_gather(values, gathered);
+  auto parts = gathered.to(local.device()).chunk(job->size());
+  parts[static_cast<size_t>(job->rank())] = local;
+  return torch::cat(parts);
+}
+
 ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, const std::vector<std::string>& captions) {
   ClipStepMetrics metrics;
   metrics.learning_rate = config.learning_rate_at(step);
@@ -229,10 +246,15 @@ ClipStepMetrics ClipTrainer::State::train_step(const torch::Tensor& images, cons
     image_features = model->encode_image(input);
     text_features = model->encode_text(tokens);
   }
-  const auto logits =
-      model->logits_from_features(image_features.to(torch::kFloat32), text_features.to(torch::kFloat32)).per_image;
+  const auto logits = model
+                          ->logits_from_features(global_batch(image_features.to(torch::kFloat32)),
+                                                 global_batch(text_features.to(torch::kFloat32)))
+                          .per_image;
   const auto loss = clip_contrastive_loss(logits);
-  metrics.skipped = apply_update(loss).skipped;
+  // Every rank computes the global batch's loss, but backpropagates through its own features
+  // only: the ranks' gradients sum to the global loss's, which the reducer's mean divides by
+  // the ranks (the logit scale's gradient, whole on every rank, is divided by a hook).
+  metrics.skipped = apply_update(loss * static_cast<double>(job->size())).skipped;
   ++step;
   metrics.step = step;
   metrics.loss = loss.item<double>();
