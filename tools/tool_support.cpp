@@ -90,8 +90,8 @@ void launch_local_ranks(const std::vector<std::string>& arguments, int64_t ranks
     return;
   }
   const auto latest = io::CheckpointStore(run + "/checkpoints").latest();
-  throw Error("rank " + std::to_string(outcome.failed_rank) + " " + outcome.failure + ", so the other " +
-              std::to_string(ranks - 1) + " were ended; " +
+  throw Error("the job has ended: rank " + std::to_string(outcome.failed_rank) + " " + outcome.failure +
+              " and the other ranks were stopped; " +
               (latest ? "the last complete checkpoint is " + *latest + ": rerun the same command to resume from it"
                       : std::string("no checkpoint was written yet")) +
               " (each rank's log: " + run + ".log, " + run + ".rank<N>.log)");

@@ -7,6 +7,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
 #include "dalle/error.h"
 
 // The headers must describe the gloo compiled into the wheel: inline gloo code reads its
@@ -27,30 +31,100 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   throw Error("unknown reduce op");
 }
 
-// Waits for `work`, turning c10d's errors (a lost or late rank) into Error with `what`.
-void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
-  try {
-    work->wait();
-  } catch (const c10::Error& error) {
-    throw Error(what + " failed, another rank ended or stopped answering: " + error.what_without_backtrace());
-  } catch (const std::exception& error) {
-    throw Error(what + " failed, another rank ended or stopped answering: " + error.what());
-  }
-}
-
 std::string place(const ProcessGroupOptions& options) {
   return "process group at " + options.address + ":" + std::to_string(options.port) + " (rank " +
          std::to_string(options.rank) + " of " + std::to_string(options.world_size) + "): ";
 }
+
+std::string message_of(const std::exception& error) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
+  return torch_error ? torch_error->what_without_backtrace() : error.what();
+}
+
+constexpr auto kHeartbeat = std::chrono::seconds(1);
+
+std::string heartbeat_key(int64_t rank) { return "heartbeat/" + std::to_string(rank); }
 
 }  // namespace
 
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  int64_t rank = 0, size = 1;
+  // Every rank counts up its key in the store each second, so that when a collective fails
+  // the others can tell which rank fell silent: gloo says only that a peer went away.
+  std::thread heartbeat;
+  std::mutex mutex;
+  std::condition_variable stopping;
+  bool stop = false;
+
+  void start_heartbeat() {
+    heartbeat = std::thread([this] {
+      std::unique_lock lock(mutex);
+      while (!stopping.wait_for(lock, kHeartbeat, [this] { return stop; })) {
+        try {
+          store->add(heartbeat_key(rank), 1);
+        } catch (const std::exception&) {
+          return;  // the store is gone; the next collective says so
+        }
+      }
+    });
+  }
+
+  ~Impl() {
+    if (!heartbeat.joinable()) return;
+    {
+      std::lock_guard lock(mutex);
+      stop = true;
+    }
+    stopping.notify_all();
+    heartbeat.join();
+  }
+
+  std::vector<int64_t> heartbeats() {
+    std::vector<int64_t> counts;
+    for (int64_t r = 0; r < size; ++r) counts.push_back(store->add(heartbeat_key(r), 0));
+    return counts;
+  }
+
+  // The ranks whose heartbeat stopped, as "rank 1 stopped answering (its process ended or
+  // hangs)"; empty when all still beat.
+  std::string silent_ranks() {
+    try {
+      const auto before = heartbeats();
+      std::this_thread::sleep_for(kHeartbeat * 5 / 2);
+      const auto after = heartbeats();
+      std::string silent;
+      for (int64_t r = 0; r < size; ++r) {
+        if (r != rank && after[static_cast<size_t>(r)] == before[static_cast<size_t>(r)]) {
+          silent += (silent.empty() ? "" : ", ") + std::to_string(r);
+        }
+      }
+      if (silent.empty()) return "";
+      return (silent.find(',') == std::string::npos ? "rank " : "ranks ") + silent +
+             " stopped answering (ended or hanging)";
+    } catch (const std::exception&) {
+      return "the rendezvous store is unreachable (the rank serving it, rank 0 unless a launcher's agent does, "
+             "has ended)";
+    }
+  }
+
+  // Waits for `work`. A lost or late rank becomes an Error naming `what` and the ranks that
+  // fell silent.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+    try {
+      work->wait();
+    } catch (const std::exception& error) {
+      const auto silent = silent_ranks();
+      throw Error(what + " failed: " + (silent.empty() ? "another rank ended or stopped answering" : silent) +
+                  " (" + message_of(error) + ")");
+    }
+  }
 };
 
 ProcessGroup::ProcessGroup(const ProcessGroupOptions& options) : impl_(std::make_unique<Impl>()) {
+  impl_->rank = options.rank;
+  impl_->size = options.world_size;
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
     throw Error("process group: rank " + std::to_string(options.rank) + " of a world of " +
                 std::to_string(options.world_size));
@@ -69,10 +143,9 @@ ProcessGroup::ProcessGroup(const ProcessGroupOptions& options) : impl_(std::make
     gloo_options->devices = {c10d::ProcessGroupGloo::createDeviceForHostname(options.address)};
     impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, static_cast<int>(options.rank),
                                                              static_cast<int>(options.world_size), gloo_options);
-  } catch (const c10::Error& error) {
-    throw Error(place(options) + error.what_without_backtrace());
+    impl_->start_heartbeat();
   } catch (const std::exception& error) {
-    throw Error(place(options) + error.what());
+    throw Error(place(options) + message_of(error));
   }
 }
 
@@ -85,7 +158,7 @@ void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = to_c10d(op);
-  wait(impl_->gloo->allreduce(tensors, options), "all_reduce");
+  impl_->wait(impl_->gloo->allreduce(tensors, options), "all_reduce");
 }
 
 void ProcessGroup::all_gather(const torch::Tensor& tensor, torch::Tensor& gathered) {
@@ -94,9 +167,9 @@ void ProcessGroup::all_gather(const torch::Tensor& tensor, torch::Tensor& gather
                 " ranks of " + std::to_string(tensor.numel()));
   }
   auto input = tensor.contiguous();
-  wait(impl_->gloo->_allgather_base(gathered, input), "all_gather");
+  impl_->wait(impl_->gloo->_allgather_base(gathered, input), "all_gather");
 }
 
-void ProcessGroup::barrier() { wait(impl_->gloo->barrier(), "barrier"); }
+void ProcessGroup::barrier() { impl_->wait(impl_->gloo->barrier(), "barrier"); }
 
 }  // namespace dalle::dist

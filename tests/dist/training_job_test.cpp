@@ -179,6 +179,21 @@ TEST_F(TrainingJob, AKilledRankEndsTheJobNamingItAndTheRerunResumesAsIfUninterru
   EXPECT_LT(largest_difference(weights_at(dir / "one", 60), weights_at(dir / "job", 60)), 1e-5);
 }
 
+// A rank that stops answering (SIGSTOP) is found by its silent heartbeat once the others'
+// collective times out (3 s here).
+TEST_F(TrainingJob, AHangingRankIsNamedWhenTheOthersTimeOut) {
+  ScratchDir dir;
+  const auto start = std::chrono::steady_clock::now();
+  auto hung = run_command(train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=2") +
+                          " --set run.steps=1000000 --set distributed.timeout_seconds=3 & pid=$!; " +
+                          find_rank_when(dir / "job/checkpoints/step-000000002", 1) + "kill -STOP $rank; " +
+                          kWatchdog);
+  EXPECT_EQ(hung.status, 1) << hung.output;
+  EXPECT_THAT(hung.output, ::testing::HasSubstr("rank 0: all_reduce failed: rank 1 stopped answering"));
+  EXPECT_THAT(hung.output, ::testing::HasSubstr("the last complete checkpoint is"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(40));
+}
+
 TEST_F(TrainingJob, SigtermToOneRankStopsEveryRankAfterTheSameUpdateWithOneCheckpoint) {
   ScratchDir dir;
   const auto job = train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=1000000");
