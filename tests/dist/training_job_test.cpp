@@ -126,6 +126,21 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, TrainingJobAtWorldSize, ::testing::Values(2, 4));
 
+// A data-parallel checkpoint is the usual single-file one: 2 ranks continue what 4 began
+// as one process continues what it began (run.steps, which the learning rate's schedule
+// reads, is 5 and then 10 in both).
+TEST_F(TrainingJob, TwoRanksResumeWhatFourCheckpointedAsOneProcessWouldHaveTrained) {
+  ScratchDir dir;
+  for (const auto& [run, first, then] : {std::tuple{std::string("job"), 4, 2}, std::tuple{std::string("one"), 1, 1}}) {
+    auto begun = run_command(train_prior(dir / run, "--nproc-per-node " + std::to_string(first) + " --set run.steps=5"));
+    ASSERT_EQ(begun.status, 0) << begun.output;
+    auto continued = run_command(train_prior(dir / run, "--nproc-per-node " + std::to_string(then)));
+    ASSERT_EQ(continued.status, 0) << continued.output;
+    EXPECT_THAT(continued.output, ::testing::HasSubstr("at update 5"));
+  }
+  EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
+}
+
 TEST_F(TrainingJob, TwoRanksTrainSuperResolutionAsOneProcessDoes) {
   ScratchDir dir;
   const std::string train_sr = testing::tool_path("dalle-train-sr") + " --config " + DALLE_SOURCE_DIR +
@@ -162,21 +177,22 @@ TEST_F(TrainingJob, TwoRanksTrainClipAsOneProcessDoes) {
 
 TEST_F(TrainingJob, AKilledRankEndsTheJobNamingItAndTheRerunResumesAsIfUninterrupted) {
   ScratchDir dir;
-  const auto job = train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=2");
-  auto killed = run_command(job + " --set run.steps=1000000 & pid=$!; " +
-                            find_rank_when(dir / "job/checkpoints/step-000000002", 1) + "kill -KILL $rank; " +
-                            kWatchdog);
+  // 200 updates (about 2 s): the kill lands long before the last.
+  const auto job = train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=2 --set run.steps=200");
+  auto killed = run_command(job + " & pid=$!; " + find_rank_when(dir / "job/checkpoints/step-000000002", 1) +
+                            "kill -KILL $rank; " + kWatchdog);
   EXPECT_EQ(killed.status, 1) << killed.output;
   EXPECT_THAT(killed.output, ::testing::HasSubstr("rank 1 was killed by signal 9"));
   EXPECT_THAT(killed.output, ::testing::HasSubstr("the last complete checkpoint is " + (dir / "job/checkpoints/")));
   EXPECT_THAT(killed.output, ::testing::Not(::testing::HasSubstr("terminate called")));
 
-  auto resumed = run_command(job + " --set run.steps=60");
+  auto resumed = run_command(job);
   ASSERT_EQ(resumed.status, 0) << resumed.output;
   EXPECT_THAT(resumed.output, ::testing::HasSubstr("resumed from"));
-  auto one = run_command(train_prior(dir / "one", "--set run.steps=60 --set run.checkpoint_every=2"));
-  ASSERT_EQ(one.status, 0) << one.output;
-  EXPECT_LT(largest_difference(weights_at(dir / "one", 60), weights_at(dir / "job", 60)), 1e-5);
+  auto uninterrupted = run_command(
+      train_prior(dir / "uninterrupted", "--nproc-per-node 2 --set run.steps=200 --set run.checkpoint_every=200"));
+  ASSERT_EQ(uninterrupted.status, 0) << uninterrupted.output;
+  EXPECT_EQ(largest_difference(weights_at(dir / "uninterrupted", 200), weights_at(dir / "job", 200)), 0.0);
 }
 
 // A rank that stops answering (SIGSTOP) is found by its silent heartbeat once the others'
