@@ -170,6 +170,17 @@ void ProcessGroup::all_gather(const torch::Tensor& tensor, torch::Tensor& gather
   impl_->wait(impl_->gloo->_allgather_base(gathered, input), "all_gather");
 }
 
+void ProcessGroup::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op) {
+  if (input.numel() != output.numel() * size()) {
+    throw Error("reduce_scatter: " + std::to_string(input.numel()) + " elements for " + std::to_string(size()) +
+                " ranks of " + std::to_string(output.numel()));
+  }
+  auto contiguous = input.contiguous();
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = to_c10d(op);
+  impl_->wait(impl_->gloo->_reduce_scatter_base(output, contiguous, options), "reduce_scatter");
+}
+
 void ProcessGroup::barrier() { impl_->wait(impl_->gloo->barrier(), "barrier"); }
 
 }  // namespace dalle::dist

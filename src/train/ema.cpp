@@ -14,7 +14,7 @@ Ema::Ema(const torch::nn::Module& module, double decay) : decay_(decay) {
 void Ema::update(const torch::nn::Module& module) {
   torch::NoGradGuard no_grad;
   for (const auto& item : module.named_parameters()) {
-    shadow_.at(item.key()).lerp_(item.value().detach(), 1.0 - decay_);
+    if (forgotten_.count(item.key()) == 0) shadow_.at(item.key()).lerp_(item.value().detach(), 1.0 - decay_);
   }
   for (const auto& item : module.named_buffers()) shadow_.at(item.key()).copy_(item.value());
 }
@@ -27,6 +27,13 @@ void Ema::overwrite_rows(const std::string& name, const torch::Tensor& index, co
 }
 
 void Ema::copy_to(torch::nn::Module& module) const { io::load_state_dict(module, shadow_, "EMA weights"); }
+
+void Ema::forget(const std::vector<std::string>& names) {
+  for (const auto& name : names) {
+    shadow_.erase(name);
+    forgotten_.insert(name);
+  }
+}
 
 void Ema::load(const io::TensorMap& weights) {
   for (auto& [name, tensor] : shadow_) {

@@ -34,6 +34,11 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           {.min = 1.0, .max = 86400.0});
   v.field("bucket_megabytes", bucket_megabytes, "gradient bytes per all-reduce of data parallelism",
           {.min = 0.001, .max = 4096.0});
+  v.field("sharding", sharding,
+          "none: every rank holds the whole model; within_node (the prior): each rank of a machine holds 1/N of "
+          "every resblock's weights, gradients and AdamW moments, gathered per block (ZeRO-3, DALL-E's layout; "
+          "implies per-resblock activation checkpointing)",
+          {.choices = {"none", "within_node"}});
 }
 
 void visit_shared_sections(ConfigVisitor& v, const SharedSections& sections) {

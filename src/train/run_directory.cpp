@@ -148,11 +148,17 @@ void check_same_config(const std::vector<std::pair<std::string, std::string>>& b
 
 io::Checkpoint make_checkpoint(std::string config_yaml, const torch::nn::Module& model, const Ema& ema,
                                torch::optim::AdamW& optimizer, int64_t step, data::LoaderPosition position) {
+  return make_checkpoint(std::move(config_yaml), io::state_dict(model), ema.weights(), adamw_state(optimizer, model),
+                         step, position);
+}
+
+io::Checkpoint make_checkpoint(std::string config_yaml, io::TensorMap weights, const io::TensorMap& ema_weights,
+                               const io::TensorMap& adamw, int64_t step, data::LoaderPosition position) {
   io::Checkpoint checkpoint;
   checkpoint.config_yaml = std::move(config_yaml);
-  checkpoint.weights = io::state_dict(model);
-  for (const auto& [name, tensor] : ema.weights()) checkpoint.state.emplace("ema." + name, tensor);
-  for (const auto& [name, tensor] : adamw_state(optimizer, model)) checkpoint.state.emplace("adamw." + name, tensor);
+  checkpoint.weights = std::move(weights);
+  for (const auto& [name, tensor] : ema_weights) checkpoint.state.emplace("ema." + name, tensor);
+  for (const auto& [name, tensor] : adamw) checkpoint.state.emplace("adamw." + name, tensor);
   checkpoint.state.emplace("rng.torch", at::detail::getDefaultCPUGenerator().get_state());
   checkpoint.state_metadata = {{"step", std::to_string(step)},
                                {"torch_threads", std::to_string(at::get_num_threads())},

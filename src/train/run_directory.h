@@ -105,6 +105,9 @@ void check_resumable(const Config& now, const std::string& checkpoint_yaml, cons
 // position and torch's CPU threads (whose count changes the last bits of CPU results). Trainers add their own extras to the result.
 io::Checkpoint make_checkpoint(std::string config_yaml, const torch::nn::Module& model, const Ema& ema,
                                torch::optim::AdamW& optimizer, int64_t step, data::LoaderPosition position);
+// The same from the named tensors themselves (a sharded model's, gathered whole).
+io::Checkpoint make_checkpoint(std::string config_yaml, io::TensorMap weights, const io::TensorMap& ema_weights,
+                               const io::TensorMap& adamw, int64_t step, data::LoaderPosition position);
 
 struct RestoredProgress {
   int64_t step = 0;

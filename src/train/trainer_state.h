@@ -73,12 +73,17 @@ struct TrainerState : RunRecord {
   std::unique_ptr<ModelPrecision> precision;
   std::unique_ptr<UpdateStep> update;
 
-  // `what` names the trainer in logs and errors ("prior").
-  TrainerState(const std::string& what, Config c, std::filesystem::path run)
+  // `what` names the trainer in logs and errors ("prior"); only a trainer that `can_shard`
+  // accepts distributed.sharding other than none.
+  TrainerState(const std::string& what, Config c, std::filesystem::path run, bool can_shard = false)
       : RunRecord(what, std::move(run), c.run.keep_checkpoints),
         config(std::move(c)),
         job(join_job(config)),
         device(rank_device(resolve_device(config.run.device, what + " training"), *job)) {
+    if (config.distributed.sharding != "none" && !can_shard) {
+      throw Error(what + " training: distributed.sharding " + config.distributed.sharding +
+                  " is for the prior; train this model data-parallel (sharding: none)");
+    }
     if (job->size() == 1) return;
     if (!job->is_main()) leave_files_to_another();
     should_stop = [this] { return job->any(stop_requested()); };
@@ -165,7 +170,7 @@ struct TrainerState : RunRecord {
                               ", on a file system they share)");
   }
 
-  void save_checkpoint() {
+  virtual void save_checkpoint() {
     auto checkpoint =
         make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader_position());
     precision->save_state(checkpoint.state, "gradient_scaler.");

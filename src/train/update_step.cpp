@@ -28,10 +28,19 @@ void UpdateStep::set_reducer(std::shared_ptr<dist::GradientReducer> reducer) {
   reducer_ = std::move(reducer);
 }
 
+// As torch's clip_grad_norm_, with the norm of the whole model as the reducer measures it.
 double UpdateStep::clip_gradients() {
   if (options_.grad_clip <= 0 && !options_.measure_norm) return 0;
-  const double clip = options_.grad_clip > 0 ? options_.grad_clip : std::numeric_limits<double>::infinity();
-  return torch::nn::utils::clip_grad_norm_(precision_.parameters(), clip);
+  const auto& parameters = precision_.parameters();
+  const double norm = reducer_->gradient_norm(parameters);
+  if (options_.grad_clip > 0 && std::isfinite(norm)) {
+    const double factor = std::min(1.0, options_.grad_clip / (norm + 1e-6));
+    torch::NoGradGuard no_grad;
+    for (const auto& parameter : parameters) {
+      if (parameter.grad().defined()) parameter.grad().mul_(factor);
+    }
+  }
+  return norm;
 }
 
 UpdateResult UpdateStep::apply(const torch::Tensor& loss, int64_t update) {

@@ -122,21 +122,46 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
   // Rank 0 alone writes the run; every other rank writes its own log.
   EXPECT_TRUE(std::filesystem::exists(dir / ("job.rank" + std::to_string(ranks - 1) + ".log")));
   EXPECT_THAT(testing::read_text(dir / "job.rank1.log"), ::testing::HasSubstr("[rank 1] prior: training from"));
+
+  // ZeRO-3: each rank holds 1/N of every resblock, and trains as data parallelism does.
+  auto sharded = run_command(train_prior(dir / "sharded", "--nproc-per-node " + std::to_string(ranks) +
+                                                              " --set distributed.sharding=within_node"));
+  ASSERT_EQ(sharded.status, 0) << sharded.output;
+  EXPECT_THAT(sharded.output, ::testing::HasSubstr("each holds 1/" + std::to_string(ranks)));
+  EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "sharded", 10)), 1e-5);
+}
+
+// fp16 with per-resblock scales under sharding: the scales (M x 2^13 at the start), the
+// skipped updates and the weights follow data parallelism's.
+TEST_F(TrainingJob, ShardedFp16ScalesAndSkipsAsDataParallelDoes) {
+  ScratchDir dir;
+  const std::string fp16 = " --nproc-per-node 2 --set precision.mode=fp16";
+  auto data_parallel = run_command(train_prior(dir / "job", fp16));
+  ASSERT_EQ(data_parallel.status, 0) << data_parallel.output;
+  auto sharded = run_command(train_prior(dir / "sharded", fp16 + " --set distributed.sharding=within_node"));
+  ASSERT_EQ(sharded.status, 0) << sharded.output;
+  EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "sharded", 10)), 1e-5);
+  for (const char* key : {"grad_scale_min", "grad_scale_max", "skipped_updates"}) {
+    EXPECT_EQ(metrics_at(dir / "job", 10)[key], metrics_at(dir / "sharded", 10)[key]) << key;
+  }
+  EXPECT_GE(metrics_at(dir / "sharded", 1)["grad_scale_min"].get<double>(), 2 * 8192.0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, TrainingJobAtWorldSize, ::testing::Values(2, 4));
 
-// A data-parallel checkpoint is the usual single-file one: 2 ranks continue what 4 began
-// as one process continues what it began (run.steps, which the learning rate's schedule
-// reads, is 5 and then 10 in both).
-TEST_F(TrainingJob, TwoRanksResumeWhatFourCheckpointedAsOneProcessWouldHaveTrained) {
+// Checkpoints are the usual single-file ones, sharded or not: 4 sharded ranks begin, 2
+// data-parallel ranks go on, 2 sharded ranks finish, as one process does in three runs
+// (run.steps, which the learning rate's schedule reads, is 5, 8 and 10 in both).
+TEST_F(TrainingJob, ShardedAndDataParallelRanksResumeEachOthersCheckpointsOnOtherWorldSizes) {
   ScratchDir dir;
-  for (const auto& [run, first, then] : {std::tuple{std::string("job"), 4, 2}, std::tuple{std::string("one"), 1, 1}}) {
-    auto begun = run_command(train_prior(dir / run, "--nproc-per-node " + std::to_string(first) + " --set run.steps=5"));
-    ASSERT_EQ(begun.status, 0) << begun.output;
-    auto continued = run_command(train_prior(dir / run, "--nproc-per-node " + std::to_string(then)));
-    ASSERT_EQ(continued.status, 0) << continued.output;
-    EXPECT_THAT(continued.output, ::testing::HasSubstr("at update 5"));
+  const std::string sharded = " --set distributed.sharding=within_node";
+  const std::vector<std::pair<int64_t, std::string>> legs{
+      {5, "--nproc-per-node 4" + sharded}, {8, "--nproc-per-node 2"}, {10, "--nproc-per-node 2" + sharded}};
+  for (const auto& [steps, job_ranks] : legs) {
+    for (const auto& [run, ranks] : {std::pair{std::string("job"), job_ranks}, std::pair{std::string("one"), std::string()}}) {
+      auto leg = run_command(train_prior(dir / run, ranks + " --set run.steps=" + std::to_string(steps)));
+      ASSERT_EQ(leg.status, 0) << leg.output;
+    }
   }
   EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
 }

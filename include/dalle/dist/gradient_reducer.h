@@ -23,6 +23,9 @@ class GradientReducer {
   virtual torch::Tensor agree(const torch::Tensor& flags) = 0;
   // The data-parallel replicas M, which multiply DALL-E's fp16 gradient scales.
   virtual int64_t replicas() const = 0;
+  // The 2-norm of the gradients of `parameters` (as torch's clip_grad_norm_ measures it),
+  // over the whole model: a reducer that leaves each replica a shard adds the others' parts.
+  virtual double gradient_norm(const std::vector<torch::Tensor>& parameters);
 };
 
 // One process: its gradients and flags are already every replica's.

@@ -41,6 +41,9 @@ class ProcessGroup {
   void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::sum);
   // Every rank's `tensor`, in rank order, into `gathered` ([size * n] for n elements).
   void all_gather(const torch::Tensor& tensor, torch::Tensor& gathered);
+  // `input` ([size * n]) reduced over the ranks with `op`; rank r receives part r into
+  // `output` ([n]). gloo makes it an all-reduce and a copy: right, but all-reduce-sized.
+  void reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op = ReduceOp::sum);
   void barrier();
 
  private:

@@ -3,6 +3,10 @@
 // shadow = decay * shadow + (1 - decay) * weight after each update. Buffers are copied.
 #include <torch/nn/module.h>
 
+#include <set>
+#include <string>
+#include <vector>
+
 #include "dalle/io/safetensors.h"
 
 namespace dalle::train {
@@ -21,10 +25,13 @@ class Ema {
   void overwrite_rows(const std::string& name, const torch::Tensor& index, const torch::Tensor& values);
   // Restores from a checkpoint; names and shapes must be the module's.
   void load(const io::TensorMap& weights);
+  // Stops averaging the parameters `names`, which are averaged elsewhere (in shards).
+  void forget(const std::vector<std::string>& names);
 
  private:
   double decay_;
   io::TensorMap shadow_;
+  std::set<std::string> forgotten_;
 };
 
 }  // namespace dalle::train

@@ -40,6 +40,7 @@ struct DistributedConfig {
   int64_t nproc_per_node = 1;  // >1: fork this many ranks on 127.0.0.1 when no launcher started the process
   double timeout_seconds = 300;
   double bucket_megabytes = 25;
+  std::string sharding = "none";  // "within_node": ZeRO-3 resblocks (the prior only)
 
   void visit(ConfigVisitor& v);
 };

@@ -8,10 +8,13 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <unordered_set>
 
 #include "dalle/data/image.h"
 #include "dalle/data/loader.h"
 #include "dalle/data/token_dataset.h"
+#include "dalle/dist/sharded_parameters.h"
+#include "dalle/io/state_dict.h"
 #include "dalle/device.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/io/checkpoint.h"
@@ -25,6 +28,7 @@
 #include "dalle/train/optimizer_state.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
+#include "dalle/train/sharded_resblocks.h"
 #include "dalle/train/update_step.h"
 #include "train/run_directory.h"
 #include "train/trainers/trainer_support.h"
@@ -81,7 +85,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   PriorStepMetrics last;
 
   State(PriorTrainConfig c, fs::path r)
-      : TrainerState("prior", std::move(c), std::move(r)),
+      : TrainerState("prior", std::move(c), std::move(r), /*can_shard=*/true),
         caption_dropout(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(config.run.seed) + 1)) {}
 
   torch::Tensor batch_tokens(const std::vector<data::TokenExample>& examples, bool drop_captions);
@@ -99,6 +103,16 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   }
   void save_extra(io::Checkpoint& checkpoint) const override;
   void restore_extra(const io::Checkpoint& checkpoint, const std::string& directory) override;
+
+  // distributed.sharding within_node: the resblocks' shards and their moving averages.
+  std::unique_ptr<ShardedResblocks> shards;
+  std::vector<torch::Tensor> shard_averages;
+
+  void shard_resblocks();
+  void save_checkpoint() override;
+  // The moving average of the weights, whole, into `target`.
+  void copy_average_to(models::Prior& target);
+  io::TensorMap whole_average() const;
 };
 
 namespace {
@@ -124,20 +138,32 @@ void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig
 }
 
 // Weight decay for the matrices only: DALL-E keeps gains, biases and embeddings undecayed.
-std::vector<torch::optim::OptimizerParamGroup> parameter_groups(models::PriorImpl& model, double weight_decay) {
-  std::vector<torch::Tensor> decayed, undecayed;
-  for (const auto& item : model.named_parameters()) {
-    const bool matrix = item.value().dim() == 2 && item.key().find("embedding") == std::string::npos;
-    (matrix ? decayed : undecayed).push_back(item.value());
-  }
+bool decayed_by_adamw(const std::string& name, const torch::Tensor& parameter) {
+  return parameter.dim() == 2 && name.find("embedding") == std::string::npos;
+}
+
+std::vector<torch::optim::OptimizerParamGroup> decay_groups(std::vector<torch::Tensor> decayed,
+                                                            std::vector<torch::Tensor> undecayed,
+                                                            double weight_decay) {
   auto decay_options = std::make_unique<torch::optim::AdamWOptions>();
   decay_options->weight_decay(weight_decay);
   auto plain_options = std::make_unique<torch::optim::AdamWOptions>();
   plain_options->weight_decay(0.0);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decayed, std::move(decay_options));
-  groups.emplace_back(undecayed, std::move(plain_options));
+  groups.emplace_back(std::move(decayed), std::move(decay_options));
+  groups.emplace_back(std::move(undecayed), std::move(plain_options));
   return groups;
+}
+
+// The parameters for which `keep` is true, in AdamW's two groups.
+std::vector<torch::optim::OptimizerParamGroup> parameter_groups(
+    models::PriorImpl& model, double weight_decay,
+    const std::function<bool(const torch::Tensor&)>& keep = [](const torch::Tensor&) { return true; }) {
+  std::vector<torch::Tensor> decayed, undecayed;
+  for (const auto& item : model.named_parameters()) {
+    if (keep(item.value())) (decayed_by_adamw(item.key(), item.value()) ? decayed : undecayed).push_back(item.value());
+  }
+  return decay_groups(std::move(decayed), std::move(undecayed), weight_decay);
 }
 
 }  // namespace
@@ -159,12 +185,14 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
                  std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
                                                   resblock_parameter_groups(s.model->resblocks()), s.replicas()),
                  {.measure_norm = true});
-  s.install_resblock_runner();
   s.loader = std::make_unique<data::DataLoader<data::TokenDataset>>(
       s.train_set, data::LoaderOptions{.batch_size = s.rank_batch(s.config.data.batch_size),
                                        .workers = s.config.data.workers,
                                        .sampler = s.shard()});
   s.open_run(/*samples=*/true);
+  // After a resume: the checkpoint is whole, and each rank keeps its shard of it.
+  s.shard_resblocks();
+  s.install_resblock_runner();
 }
 
 PriorTrainer::~PriorTrainer() = default;
@@ -175,11 +203,130 @@ const GradientScaler* PriorTrainer::gradient_scaler() const { return state_->pre
 
 void PriorTrainer::State::install_resblock_runner() {
   const auto mode = config.precision.precision();
-  if (mode == Precision::fp32 && config.checkpoint_activations_every == 0) return;
-  model->set_resblock_runner(make_training_runner(model->resblocks(),
-                                                  {.precision = mode,
-                                                   .scaler = precision->scaler(),
-                                                   .checkpoint_every = config.checkpoint_activations_every}));
+  // Sharded blocks recompute their forward in backward anyway.
+  const int64_t checkpoint_every = shards ? 0 : config.checkpoint_activations_every;
+  models::ResblockRunner runner;
+  if (mode != Precision::fp32 || checkpoint_every > 0) {
+    runner = make_training_runner(model->resblocks(),
+                                  {.precision = mode, .scaler = precision->scaler(), .checkpoint_every = checkpoint_every});
+  }
+  if (shards) {
+    if (!runner) {
+      runner = [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
+        return x + block.branch(x, context);
+      };
+    }
+    runner = shards->runner(std::move(runner));
+  }
+  if (runner) model->set_resblock_runner(std::move(runner));
+}
+
+void PriorTrainer::State::shard_resblocks() {
+  if (config.distributed.sharding != "within_node" || job->size() == 1) return;
+  if (job->place().nodes > 1) {
+    throw Error("prior training: distributed.sharding within_node across " + std::to_string(job->place().nodes) +
+                " machines (shards within, replicas across: hybrid sharding) is not built yet; "
+                "use distributed.sharding none");
+  }
+  // What the update held whole: the moments by parameter, the fp16 scales, the average.
+  const auto moments = adamw_state(*optimizer, *model);
+  io::TensorMap scales;
+  precision->save_state(scales, "");
+  const auto averages = ema->weights();
+  std::unordered_set<const torch::TensorImpl*> in_blocks;
+  for (const auto& block : model->resblocks()) {
+    for (const auto& parameter : block->parameters()) in_blocks.insert(parameter.unsafeGetTensorImpl());
+  }
+  auto groups = parameter_groups(*model, config.optimizer.weight_decay, [&](const torch::Tensor& parameter) {
+    return in_blocks.count(parameter.unsafeGetTensorImpl()) == 0;
+  });
+
+  shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->group());
+  const auto& sharded = *shards->parameters();
+  for (size_t g = 0; g < sharded.groups(); ++g) {
+    ema->forget(shards->names(g));
+    shard_averages.push_back(shards->shard_of(g, averages).to(sharded.shard(g).device()));
+  }
+  for (const auto& shard : shards->decayed_shards()) groups[0].params().push_back(shard);
+  for (const auto& shard : shards->undecayed_shards()) groups[1].params().push_back(shard);
+  optimizer = make_adamw(std::move(groups), config.learning_rate.peak);
+  io::TensorMap replicated_moments;
+  for (const auto& [name, tensor] : moments) {
+    if (!in_blocks.count(model->named_parameters()[name.substr(0, name.rfind('.'))].unsafeGetTensorImpl())) {
+      replicated_moments.emplace(name, tensor);
+    }
+  }
+  load_adamw_state(*optimizer, *model, replicated_moments);
+  for (size_t g = 0; g < sharded.groups(); ++g) {
+    if (shards->names(g).empty() || !moments.count(shards->names(g).front() + ".step")) continue;
+    auto adam = std::make_unique<torch::optim::AdamWParamState>();
+    adam->step(moments.at(shards->names(g).front() + ".step").item<int64_t>());
+    const auto options = sharded.shard(g).options().dtype(optimizer->moments());
+    adam->exp_avg(shards->shard_of(g, moments, ".exp_avg").to(options));
+    adam->exp_avg_sq(shards->shard_of(g, moments, ".exp_avg_sq").to(options));
+    optimizer->state()[sharded.shard(g).unsafeGetTensorImpl()] = std::move(adam);
+  }
+
+  std::vector<torch::Tensor> learned;
+  for (const auto& group : optimizer->param_groups()) learned.insert(learned.end(), group.params().begin(), group.params().end());
+  precision = std::make_unique<ModelPrecision>(config.precision, learned, shards->scale_groups(), replicas());
+  precision->load_state(scales, "");
+  update = std::make_unique<UpdateStep>(*optimizer, *precision,
+                                        UpdateOptions{.what = what,
+                                                      .grad_clip = config.optimizer.grad_clip,
+                                                      .measure_norm = true,
+                                                      .after_step =
+                                                          [this] {
+                                                            torch::NoGradGuard no_grad;
+                                                            const double weight = 1.0 - config.optimizer.ema_decay;
+                                                            for (size_t g = 0; g < shard_averages.size(); ++g) {
+                                                              shard_averages[g].lerp_(
+                                                                  shards->parameters()->shard(g).detach(), weight);
+                                                            }
+                                                          }},
+                                        ema.get(), model.get());
+  update->set_reducer(std::make_shared<dist::ShardedReducer>(
+      shards->parameters(), job->group(), std::llround(config.distributed.bucket_megabytes * (1 << 20))));
+  log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between ", job->size(),
+            " ranks; each holds 1/", job->size(), " of their weights, gradients and moments");
+}
+
+io::TensorMap PriorTrainer::State::whole_average() const {
+  auto averages = ema->weights();
+  averages.merge(shards->whole(shard_averages));
+  return averages;
+}
+
+void PriorTrainer::State::copy_average_to(models::Prior& target) {
+  if (!shards) return ema->copy_to(*target);
+  io::load_state_dict(*target, whole_average(), "EMA weights");
+}
+
+void PriorTrainer::State::save_checkpoint() {
+  if (!shards) return TrainerState::save_checkpoint();
+  // Gathered whole, as an unsharded run writes it: any number of ranks, sharded or not,
+  // resumes from it, and dalle-export reads it.
+  const auto& sharded = *shards->parameters();
+  auto weights = io::state_dict(*model);
+  for (auto& [name, tensor] : shards->whole(sharded.shards())) weights[name] = tensor;
+  auto moments = adamw_state(*optimizer, *model);
+  if (optimizer->state().count(sharded.shard(0).unsafeGetTensorImpl())) {
+    std::vector<torch::Tensor> exp_avg, exp_avg_sq;
+    for (size_t g = 0; g < sharded.groups(); ++g) {
+      const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
+          *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
+      exp_avg.push_back(adam.exp_avg());
+      exp_avg_sq.push_back(adam.exp_avg_sq());
+      for (const auto& name : shards->names(g)) moments.emplace(name + ".step", torch::tensor(adam.step(), torch::kInt64));
+    }
+    moments.merge(shards->whole(exp_avg, ".exp_avg"));
+    moments.merge(shards->whole(exp_avg_sq, ".exp_avg_sq"));
+  }
+  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), whole_average(), moments,
+                                    step, loader_position());
+  precision->save_state(checkpoint.state, "gradient_scaler.");
+  save_extra(checkpoint);
+  save(checkpoint);
 }
 
 torch::Tensor PriorTrainer::State::batch_tokens(const std::vector<data::TokenExample>& examples,
@@ -288,7 +435,7 @@ void write_sample_grid(models::Prior& model, const PriorTrainConfig& config,
 PriorValidation PriorTrainer::validate() {
   auto& s = *state_;
   torch::NoGradGuard no_grad;
-  s.ema->copy_to(*s.ema_model);
+  s.copy_average_to(s.ema_model);
   s.ema_model->eval();
   PriorValidation result{std::nan(""), std::nan(""), std::nan("")};
   if (s.validation_set) {

@@ -1,0 +1,80 @@
+#pragma once
+// ZeRO-3 storage of parameter groups (DALL-E's layout: one group per resblock, sharded
+// across the GPUs of a machine). Each group is one flat fp32 vector, padded to a multiple of
+// the ranks, of which every rank keeps a 1/N shard: a leaf the optimizer steps. The group's
+// own tensors stay the module's parameters, but hold values only between gather() and
+// release(); their gradients become the shard's by a reduce-scatter.
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dalle/dist/data_parallel.h"
+#include "dalle/dist/gradient_reducer.h"
+#include "dalle/dist/process_group.h"
+
+namespace dalle::dist {
+
+class ShardedParameters {
+ public:
+  // Takes this rank's shard of each group's current values (the same on every rank) and
+  // empties the tensors.
+  ShardedParameters(std::vector<std::vector<torch::Tensor>> groups, std::shared_ptr<ProcessGroup> group);
+
+  size_t groups() const { return groups_.size(); }
+  const torch::Tensor& shard(size_t g) const { return shards_[g]; }
+  std::vector<torch::Tensor> shards() const { return shards_; }
+  bool holds(const torch::Tensor& tensor) const;
+
+  // Group g's tensors hold their full values (all-gathered from the shards) ...
+  void gather(size_t g);
+  // ... and then none again.
+  void release(size_t g);
+  // The mean over the ranks of group g's tensors' gradients, this rank's part of it added to
+  // its shard's gradient; the tensors' gradients are dropped.
+  void reduce_gradients(size_t g);
+
+  // This rank's part of full values shaped as group g's tensors (the moments or moving
+  // average of a model that was not sharded yet)...
+  torch::Tensor shard_of(size_t g, const std::vector<torch::Tensor>& full) const;
+  // ... and the full values again, from every rank's `shard_like` (a shard-shaped tensor).
+  std::vector<torch::Tensor> unshard(size_t g, const torch::Tensor& shard_like) const;
+
+ private:
+  torch::Tensor flatten(size_t g, const std::vector<torch::Tensor>& tensors) const;
+  torch::Tensor all_gather(const torch::Tensor& shard) const;
+
+  // What each tensor of each group is when whole.
+  struct Layout {
+    std::vector<int64_t> shape;
+    int64_t numel;
+    torch::TensorOptions options;
+  };
+
+  std::vector<std::vector<torch::Tensor>> groups_;
+  std::vector<std::vector<Layout>> layouts_;
+  std::vector<torch::Tensor> shards_;
+  std::vector<int64_t> shard_numel_;
+  std::shared_ptr<ProcessGroup> group_;
+};
+
+// The reducer of a model whose sharded groups' gradients are already reduce-scattered (by
+// ShardedParameters::reduce_gradients, in backward): it averages the other, replicated
+// parameters as data parallelism does and measures the norm over the shards of every rank.
+class ShardedReducer final : public GradientReducer {
+ public:
+  ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> group,
+                 int64_t bucket_bytes);
+  void reduce(const std::vector<torch::Tensor>& parameters) override;
+  torch::Tensor agree(const torch::Tensor& flags) override { return replicated_.agree(flags); }
+  int64_t replicas() const override { return replicated_.replicas(); }
+  double gradient_norm(const std::vector<torch::Tensor>& parameters) override;
+
+ private:
+  std::shared_ptr<ShardedParameters> sharded_;
+  std::shared_ptr<ProcessGroup> group_;
+  DataParallelReducer replicated_;
+};
+
+}  // namespace dalle::dist

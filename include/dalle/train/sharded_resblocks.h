@@ -1,0 +1,58 @@
+#pragma once
+// ZeRO-3 for a prior's resblocks, applied from outside the model as the training runner is
+// (train/resblock_runner.h), DALL-E's layout within a machine: each resblock's parameters
+// are two sharded groups (dist/sharded_parameters.h), its matrices, which AdamW decays, and
+// the rest. A block is gathered before its forward, which keeps no activations, and
+// released after it; its backward gathers it again, reruns the forward with the random and
+// autocast state of the first run (activation checkpointing: DALL-E checkpointed every
+// resblock), backpropagates, reduce-scatters the block's gradients into its shards and
+// releases it. Embeddings and the final layers stay whole on every rank.
+#include <torch/types.h>
+
+#include <functional>
+#include <memory>
+#include <unordered_map>
+#include <string>
+#include <vector>
+
+#include "dalle/dist/process_group.h"
+#include "dalle/dist/sharded_parameters.h"
+#include "dalle/io/safetensors.h"
+#include "dalle/models/prior.h"
+#include "dalle/train/resblock_runner.h"
+
+namespace dalle::train {
+
+class ShardedResblocks {
+ public:
+  // Whether AdamW decays a parameter, by its name in the prior's state dict.
+  using DecayRule = std::function<bool(const std::string& name, const torch::Tensor& parameter)>;
+  // Shards the blocks' current values (the same on every rank of `group`), named as in
+  // `prior`'s state dict.
+  ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed, std::shared_ptr<dist::ProcessGroup> group);
+
+  const std::shared_ptr<dist::ShardedParameters>& parameters() const { return sharded_; }
+  // The shards AdamW decays (the blocks' matrices) and those it does not.
+  std::vector<torch::Tensor> decayed_shards() const;
+  std::vector<torch::Tensor> undecayed_shards() const;
+  // One fp16 scale group per resblock: its two shards.
+  std::vector<std::vector<torch::Tensor>> scale_groups() const;
+
+  // A runner that runs `inner` (x + branch, in the training precision) on gathered blocks,
+  // as above. Without grad mode it gathers, runs and releases.
+  models::ResblockRunner runner(models::ResblockRunner inner) const;
+
+  // Full values named by parameter, from a shard-shaped counterpart per group (the shards
+  // themselves, their moving averages, a moment), in group order; `suffix` ends the names.
+  io::TensorMap whole(const std::vector<torch::Tensor>& shard_like, const std::string& suffix = "") const;
+  // The shard counterpart of full values named by parameter (a checkpoint's moments).
+  torch::Tensor shard_of(size_t group, const io::TensorMap& named, const std::string& suffix = "") const;
+  const std::vector<std::string>& names(size_t group) const { return names_[group]; }
+
+ private:
+  std::shared_ptr<dist::ShardedParameters> sharded_;
+  std::vector<std::vector<std::string>> names_;  // of each group's tensors
+  std::unordered_map<const models::ResblockImpl*, size_t> block_index_;
+};
+
+}  // namespace dalle::train

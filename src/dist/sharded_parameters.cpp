@@ -1,0 +1,132 @@
+#include "dalle/dist/sharded_parameters.h"
+
+#include <torch/torch.h>
+
+#include "dalle/error.h"
+
+namespace dalle::dist {
+
+ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> groups,
+                                     std::shared_ptr<ProcessGroup> group)
+    : groups_(std::move(groups)), group_(std::move(group)) {
+  if (!group_) throw Error("sharded parameters: no process group");
+  torch::NoGradGuard no_grad;
+  const int64_t ranks = group_->size();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    std::vector<Layout> layouts;
+    int64_t total = 0;
+    for (const auto& tensor : groups_[g]) {
+      layouts.push_back({tensor.sizes().vec(), tensor.numel(), tensor.options()});
+      total += tensor.numel();
+    }
+    layouts_.push_back(std::move(layouts));
+    shard_numel_.push_back((total + ranks - 1) / ranks);
+    shards_.push_back(shard_of(g, groups_[g]).to(groups_[g].empty() ? torch::kCPU : groups_[g][0].device())
+                          .requires_grad_(true));
+    release(g);
+  }
+}
+
+bool ShardedParameters::holds(const torch::Tensor& tensor) const {
+  for (const auto& shard : shards_) {
+    if (shard.unsafeGetTensorImpl() == tensor.unsafeGetTensorImpl()) return true;
+  }
+  return false;
+}
+
+torch::Tensor ShardedParameters::flatten(size_t g, const std::vector<torch::Tensor>& tensors) const {
+  std::vector<torch::Tensor> parts{torch::zeros({0})};
+  for (const auto& tensor : tensors) parts.push_back(tensor.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32));
+  auto flat = torch::cat(parts);
+  const int64_t padded = shard_numel_[g] * group_->size();
+  if (flat.numel() > padded) throw Error("sharded parameters: more values than group " + std::to_string(g) + " holds");
+  return torch::constant_pad_nd(flat, {0, padded - flat.numel()});
+}
+
+torch::Tensor ShardedParameters::shard_of(size_t g, const std::vector<torch::Tensor>& full) const {
+  return flatten(g, full).narrow(0, group_->rank() * shard_numel_[g], shard_numel_[g]).clone();
+}
+
+torch::Tensor ShardedParameters::all_gather(const torch::Tensor& shard) const {
+  const auto values = shard.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  auto gathered = torch::empty({values.numel() * group_->size()}, values.options());
+  group_->all_gather(values, gathered);
+  return gathered;
+}
+
+std::vector<torch::Tensor> ShardedParameters::unshard(size_t g, const torch::Tensor& shard_like) const {
+  const auto flat = all_gather(shard_like);
+  std::vector<torch::Tensor> full;
+  int64_t offset = 0;
+  for (const auto& layout : layouts_[g]) {
+    full.push_back(flat.narrow(0, offset, layout.numel).view(layout.shape));
+    offset += layout.numel;
+  }
+  return full;
+}
+
+void ShardedParameters::gather(size_t g) {
+  torch::NoGradGuard no_grad;
+  const auto full = unshard(g, shards_[g]);
+  for (size_t i = 0; i < full.size(); ++i) {
+    groups_[g][i].set_data(full[i].to(layouts_[g][i].options.device(), layouts_[g][i].options.dtype().toScalarType(),
+                                      /*non_blocking=*/false, /*copy=*/true));
+  }
+}
+
+void ShardedParameters::release(size_t g) {
+  for (size_t i = 0; i < groups_[g].size(); ++i) {
+    groups_[g][i].set_data(torch::empty({0}, layouts_[g][i].options.requires_grad(false)));
+  }
+}
+
+void ShardedParameters::reduce_gradients(size_t g) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> gradients;
+  for (size_t i = 0; i < groups_[g].size(); ++i) {
+    auto& tensor = groups_[g][i];
+    gradients.push_back(tensor.grad().defined() ? tensor.grad() : torch::zeros(layouts_[g][i].shape));
+    tensor.mutable_grad() = torch::Tensor();
+  }
+  auto mine = torch::empty({shard_numel_[g]}, torch::kFloat32);
+  group_->reduce_scatter(flatten(g, gradients), mine, ReduceOp::average);
+  auto& shard = shards_[g];
+  mine = mine.to(shard.device());
+  if (shard.grad().defined()) {
+    shard.mutable_grad().add_(mine);
+  } else {
+    shard.mutable_grad() = mine;
+  }
+}
+
+ShardedReducer::ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> group,
+                               int64_t bucket_bytes)
+    : sharded_(std::move(sharded)), group_(group), replicated_(std::move(group), bucket_bytes) {}
+
+void ShardedReducer::reduce(const std::vector<torch::Tensor>& parameters) {
+  std::vector<torch::Tensor> replicated;
+  for (const auto& parameter : parameters) {
+    if (!sharded_->holds(parameter)) replicated.push_back(parameter);
+  }
+  replicated_.reduce(replicated);
+}
+
+double ShardedReducer::gradient_norm(const std::vector<torch::Tensor>& parameters) {
+  // Squares: the replicated gradients' once (every rank has them whole), the shards' summed
+  // over the ranks.
+  double replicated = 0;
+  auto sharded = torch::zeros({1}, torch::kFloat64);
+  for (const auto& parameter : parameters) {
+    if (!parameter.grad().defined()) continue;
+    const auto square = torch::linalg_vector_norm(parameter.grad(), 2).to(torch::kFloat64).square();
+    if (sharded_->holds(parameter)) {
+      sharded += square.cpu();
+    } else {
+      replicated += square.item<double>();
+    }
+  }
+  group_->all_reduce(sharded, ReduceOp::sum);
+  return std::sqrt(replicated + sharded.item<double>());
+}
+
+}  // namespace dalle::dist

@@ -1,0 +1,160 @@
+#include "dalle/train/sharded_resblocks.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+
+#include "dalle/error.h"
+#include "dalle/train/precision.h"
+
+namespace dalle::train {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// What a sharded block's backward needs, carried through the autograd context.
+struct ShardedRun : torch::CustomClassHolder {
+  std::function<torch::Tensor(const torch::Tensor&)> fn;
+  std::shared_ptr<dist::ShardedParameters> sharded;
+  std::vector<size_t> groups;
+  at::Generator generator;
+  torch::Tensor generator_state;
+  std::optional<torch::ScalarType> autocast;
+
+  void gather() const {
+    for (const size_t g : groups) sharded->gather(g);
+  }
+  void release() const {
+    for (const size_t g : groups) sharded->release(g);
+  }
+};
+
+torch::Tensor generator_state(at::Generator& generator) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void set_generator_state(at::Generator& generator, const torch::Tensor& state) {
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, c10::intrusive_ptr<ShardedRun> run) {
+    const auto device = x.device().type();
+    run->generator = at::globalContext().defaultGenerator(x.device());
+    run->generator_state = generator_state(run->generator);
+    if (at::autocast::is_autocast_enabled(device)) run->autocast = at::autocast::get_autocast_dtype(device);
+    ctx->save_for_backward({x});
+    ctx->saved_data["run"] = c10::IValue::make_capsule(run);
+    torch::NoGradGuard no_grad;
+    run->gather();
+    auto y = run->fn(x);
+    run->release();
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
+    const auto input = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    run->gather();
+    {
+      const auto after_forward = generator_state(run->generator);
+      set_generator_state(run->generator, run->generator_state);
+      torch::Tensor output;
+      {
+        torch::AutoGradMode grad_mode(true);
+        AutocastGuard autocast(input.device().type(), run->autocast);
+        output = run->fn(input);
+      }
+      set_generator_state(run->generator, after_forward);
+      torch::autograd::backward({output}, {grads[0]});
+    }
+    for (const size_t g : run->groups) run->sharded->reduce_gradients(g);
+    run->release();
+    return {input.grad(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+ShardedResblocks::ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
+                                   std::shared_ptr<dist::ProcessGroup> group) {
+  std::unordered_map<const torch::TensorImpl*, std::string> name_of;
+  for (const auto& item : prior.named_parameters()) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  std::vector<std::vector<torch::Tensor>> groups;
+  for (size_t b = 0; b < prior.resblocks().size(); ++b) {
+    block_index_.emplace(prior.resblocks()[b].get(), b);
+    std::vector<torch::Tensor> matrices, rest;
+    std::vector<std::string> matrix_names, rest_names;
+    for (const auto& parameter : prior.resblocks()[b]->parameters()) {
+      const auto& name = name_of.at(parameter.unsafeGetTensorImpl());
+      const bool decay = decayed(name, parameter);
+      (decay ? matrices : rest).push_back(parameter);
+      (decay ? matrix_names : rest_names).push_back(name);
+    }
+    groups.push_back(std::move(matrices));
+    groups.push_back(std::move(rest));
+    names_.push_back(std::move(matrix_names));
+    names_.push_back(std::move(rest_names));
+  }
+  sharded_ = std::make_shared<dist::ShardedParameters>(std::move(groups), std::move(group));
+}
+
+std::vector<torch::Tensor> ShardedResblocks::decayed_shards() const {
+  std::vector<torch::Tensor> shards;
+  for (size_t g = 0; g < sharded_->groups(); g += 2) shards.push_back(sharded_->shard(g));
+  return shards;
+}
+
+std::vector<torch::Tensor> ShardedResblocks::undecayed_shards() const {
+  std::vector<torch::Tensor> shards;
+  for (size_t g = 1; g < sharded_->groups(); g += 2) shards.push_back(sharded_->shard(g));
+  return shards;
+}
+
+std::vector<std::vector<torch::Tensor>> ShardedResblocks::scale_groups() const {
+  std::vector<std::vector<torch::Tensor>> groups;
+  for (size_t g = 0; g < sharded_->groups(); g += 2) groups.push_back({sharded_->shard(g), sharded_->shard(g + 1)});
+  return groups;
+}
+
+models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner) const {
+  return [inner = std::move(inner), sharded = sharded_, index = block_index_](
+             models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
+    const size_t b = index.at(&block);
+    auto run = c10::make_intrusive<ShardedRun>();
+    run->fn = [inner, &block, context](const torch::Tensor& input) { return inner(block, input, context); };
+    run->sharded = sharded;
+    run->groups = {2 * b, 2 * b + 1};
+    if (!torch::GradMode::is_enabled() || !x.requires_grad()) {
+      run->gather();
+      auto y = run->fn(x);
+      run->release();
+      return y;
+    }
+    return ShardedBlock::apply(x, run);
+  };
+}
+
+io::TensorMap ShardedResblocks::whole(const std::vector<torch::Tensor>& shard_like, const std::string& suffix) const {
+  io::TensorMap named;
+  for (size_t g = 0; g < sharded_->groups(); ++g) {
+    const auto full = sharded_->unshard(g, shard_like.at(g));
+    for (size_t i = 0; i < full.size(); ++i) named.emplace(names_[g][i] + suffix, full[i]);
+  }
+  return named;
+}
+
+torch::Tensor ShardedResblocks::shard_of(size_t group, const io::TensorMap& named, const std::string& suffix) const {
+  std::vector<torch::Tensor> full;
+  for (const auto& name : names_[group]) {
+    const auto found = named.find(name + suffix);
+    if (found == named.end()) throw Error("sharded resblocks: no '" + name + suffix + "' to shard");
+    full.push_back(found->second);
+  }
+  return sharded_->shard_of(group, full);
+}
+
+}  // namespace dalle::train

@@ -1,0 +1,92 @@
+#include "dalle/dist/sharded_parameters.h"
+
+#include <torch/torch.h>
+
+#include "dist/on_ranks.h"
+#include "test_support.h"
+
+namespace dalle::dist {
+namespace {
+
+std::shared_ptr<ProcessGroup> group_at(const LaunchEnvironment& place) {
+  return std::make_shared<ProcessGroup>(ProcessGroupOptions{.port = place.master_port,
+                                                            .rank = place.rank,
+                                                            .world_size = place.world_size,
+                                                            .serve_store = false,
+                                                            .timeout = std::chrono::seconds(30)});
+}
+
+// Two groups whose sizes (7 + 3, 5) do not divide by the ranks: the shards are padded.
+std::vector<std::vector<torch::Tensor>> model() {
+  return {{torch::arange(7.0).requires_grad_(), torch::arange(3.0).reshape({3, 1}).requires_grad_()},
+          {torch::arange(5.0).mul(-1).requires_grad_()}};
+}
+
+class ShardedParametersAtWorldSize : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(ShardedParametersAtWorldSize, EachRankKeepsItsShardAndGathersTheWholeBlockOnDemand) {
+  const int64_t world = GetParam();
+  testing::on_ranks(world, [world](const LaunchEnvironment& place) {
+    const auto original = model();
+    auto tensors = model();
+    ShardedParameters sharded(tensors, group_at(place));
+    EXPECT_EQ(sharded.shard(0).numel(), (10 + world - 1) / world);
+    EXPECT_TRUE(sharded.shard(0).requires_grad());
+    EXPECT_EQ(tensors[0][0].numel(), 0) << "released until gathered";
+    sharded.gather(0);
+    EXPECT_TRUE(torch::equal(tensors[0][0], original[0][0]));
+    EXPECT_TRUE(torch::equal(tensors[0][1], original[0][1]));
+    EXPECT_TRUE(tensors[0][1].requires_grad());
+    EXPECT_EQ(tensors[1][0].numel(), 0) << "only the group asked for";
+    sharded.release(0);
+    EXPECT_EQ(tensors[0][1].numel(), 0);
+    // A moment of a model not sharded yet becomes its shard and comes back whole.
+    const auto moment = sharded.shard_of(1, {torch::full({5}, 2.0)});
+    const auto whole = sharded.unshard(1, moment);
+    EXPECT_TRUE(torch::equal(whole[0], torch::full({5}, 2.0)));
+  });
+}
+
+TEST_P(ShardedParametersAtWorldSize, GradientsBecomeTheShardOfTheirMeanOverTheRanks) {
+  const int64_t world = GetParam();
+  testing::on_ranks(world, [world](const LaunchEnvironment& place) {
+    auto tensors = model();
+    ShardedParameters sharded(tensors, group_at(place));
+    for (int pass = 0; pass < 2; ++pass) {  // a second backward adds to the shard's gradient
+      sharded.gather(0);
+      tensors[0][0].mutable_grad() = torch::full({7}, static_cast<double>(place.rank));
+      tensors[0][1].mutable_grad() = torch::full({3, 1}, 1.0);
+      sharded.reduce_gradients(0);
+      EXPECT_FALSE(tensors[0][0].grad().defined());
+      sharded.release(0);
+    }
+    const double mean_rank = static_cast<double>(world - 1) / 2.0;
+    auto expected = torch::cat({torch::full({7}, 2 * mean_rank), torch::full({3}, 2.0)});
+    expected = torch::constant_pad_nd(expected, {0, sharded.shard(0).numel() * world - 10});
+    const auto mine = expected.narrow(0, place.rank * sharded.shard(0).numel(), sharded.shard(0).numel());
+    EXPECT_TRUE(torch::allclose(sharded.shard(0).grad(), mine));
+    EXPECT_FALSE(sharded.shard(1).grad().defined());
+  });
+}
+
+TEST(ShardedReducer, AveragesTheReplicatedGradientsAndMeasuresTheNormOfEveryShard) {
+  testing::on_ranks(2, [](const LaunchEnvironment& place) {
+    auto group = group_at(place);
+    auto tensors = model();
+    auto sharded = std::make_shared<ShardedParameters>(tensors, group);
+    ShardedReducer reducer(sharded, group, 1 << 20);
+    auto replicated = torch::zeros({2}).requires_grad_();
+    replicated.mutable_grad() = torch::full({2}, static_cast<double>(2 * place.rank));  // mean 1
+    sharded->shard(0).mutable_grad() = torch::full({5}, 1.0);  // 10 ones across the two ranks
+    const std::vector<torch::Tensor> parameters{replicated, sharded->shard(0)};
+    reducer.reduce(parameters);
+    EXPECT_TRUE(torch::equal(replicated.grad(), torch::ones({2})));
+    EXPECT_TRUE(torch::equal(sharded->shard(0).grad(), torch::ones({5}))) << "already the shard of the mean";
+    EXPECT_NEAR(reducer.gradient_norm(parameters), std::sqrt(2.0 + 10.0), 1e-6);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ShardedParametersAtWorldSize, ::testing::Values(2, 4));
+
+}  // namespace
+}  // namespace dalle::dist
