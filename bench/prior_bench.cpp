@@ -16,6 +16,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <unordered_set>
 
 #include "dalle/dist/data_parallel.h"
 #include "dalle/dist/job.h"
@@ -27,6 +28,7 @@
 #include "dalle/train/adamw.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
+#include "dalle/train/sharded_resblocks.h"
 #include "dalle/train/update_step.h"
 
 using namespace dalle;
@@ -152,7 +154,7 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
 // `batch`: step time, and what each rank hands to all-reduce against what a ring
 // all-reduce of the parameters must send.
 void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name,
-                   const std::vector<std::string>& arguments, int64_t ranks) {
+                   const std::vector<std::string>& arguments, int64_t ranks, bool sharded) {
   const auto place = dist::read_launch_environment();
   if (place.launcher == "none" && ranks > 1) {
     const auto outcome = dist::run_local_ranks({.ranks = ranks, .arguments = arguments, .threads_per_rank = 1});
@@ -163,10 +165,39 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   dist::Job job(place, {.timeout = std::chrono::minutes(10), .bucket_bytes = 25 << 20}, {});
   torch::manual_seed(0);
   models::Prior prior(config);
-  train::ModelPrecision precision(train::PrecisionConfig{}, prior->parameters(), job.size());
-  train::AdamW optimizer({torch::optim::OptimizerParamGroup(prior->parameters())}, torch::optim::AdamWOptions(1e-4));
+  int64_t parameters = 0;
+  for (const auto& p : prior->parameters()) parameters += p.numel();
+  // Sharded: the resblocks' shards and the replicated rest are what AdamW steps.
+  std::unique_ptr<train::ShardedResblocks> shards;
+  std::vector<torch::Tensor> learned;
+  if (sharded && job.size() > 1) {
+    std::unordered_set<const torch::TensorImpl*> in_blocks;
+    for (const auto& block : prior->resblocks()) {
+      for (const auto& p : block->parameters()) in_blocks.insert(p.unsafeGetTensorImpl());
+    }
+    for (const auto& p : prior->parameters()) {
+      if (!in_blocks.count(p.unsafeGetTensorImpl())) learned.push_back(p);
+    }
+    shards = std::make_unique<train::ShardedResblocks>(
+        *prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, job.group());
+    for (const auto& shard : shards->parameters()->shards()) learned.push_back(shard);
+    prior->set_resblock_runner(shards->runner(
+        [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
+          return x + block.branch(x, context);
+        }));
+  } else {
+    learned = prior->parameters();
+  }
+  train::ModelPrecision precision(train::PrecisionConfig{}, learned, job.size());
+  train::AdamW optimizer({torch::optim::OptimizerParamGroup(learned)}, torch::optim::AdamWOptions(1e-4));
   train::UpdateStep update(optimizer, precision, {.what = "bench"});
-  update.set_reducer(job.reducer());
+  std::shared_ptr<dist::ShardedReducer> sharded_reducer;
+  if (shards) {
+    sharded_reducer = std::make_shared<dist::ShardedReducer>(shards->parameters(), job.group(), 25 << 20);
+    update.set_reducer(sharded_reducer);
+  } else {
+    update.set_reducer(job.reducer());
+  }
   const auto tokens = random_tokens(config, batch / job.size());
   int64_t calls = 0;
   auto step = [&] {
@@ -175,19 +206,23 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   };
   const double seconds = time_per_call(steps, step);
   const auto* reducer = dynamic_cast<const dist::DataParallelReducer*>(job.reducer().get());
+  // Weights, gradients and the two fp32 moments this rank keeps between steps.
+  int64_t state_bytes = 0;
+  for (const auto& p : learned) state_bytes += p.numel() * 16;
   std::vector<double> rss{peak_rss_mib()};
   job.average(rss);
   if (!job.is_main()) return;
-  int64_t parameters = 0;
-  for (const auto& p : prior->parameters()) parameters += p.numel();
-  const double n = static_cast<double>(job.size());
   const nlohmann::json line = {
       {"benchmark", "data_parallel"}, {"model", name}, {"ranks", job.size()}, {"parameters", parameters},
+      {"sharding", shards ? "within_node" : "none"}, {"state_mib_per_rank", state_bytes / 1048576.0},
       {"global_batch", batch}, {"step_s", seconds}, {"tokens_per_s", batch * config.length() / seconds},
-      {"allreduce_payload_bytes_per_step", reducer ? reducer->bytes_reduced() / calls : 0},
-      {"collectives_per_step", reducer ? reducer->collectives() / calls : 0},
-      // A ring all-reduce sends 2 (N - 1) / N of the payload from each rank.
-      {"ring_bytes_sent_per_rank_per_step", 2.0 * (n - 1.0) / n * static_cast<double>(parameters) * 4.0},
+      // What this rank handed to collectives: the data-parallel all-reduce of the gradients,
+      // or, sharded, the blocks gathered twice and reduce-scattered once plus the
+      // all-reduce of the replicated rest.
+      {"collective_payload_bytes_per_step",
+       shards ? (shards->parameters()->bytes_moved() + sharded_reducer->bytes_reduced()) / calls
+              : (reducer ? reducer->bytes_reduced() / calls : 0)},
+      {"parameter_bytes", parameters * 4},
       {"mean_peak_rss_mib_per_rank", rss[0]}};
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
@@ -249,8 +284,15 @@ int main(int argc, char** argv) {
     training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", options);
   } else if (which == "data-parallel") {
     const int64_t ranks = std::stoll(option(argc, argv, "ranks", "1"));
-    data_parallel(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", std::vector<std::string>(argv, argv + argc),
-                  ranks);
+    const bool sharded = option(argc, argv, "sharding", "none") == "within_node";
+    const std::vector<std::string> arguments(argv, argv + argc);
+    if (option(argc, argv, "model", "tiny") == "xl-slice") {
+      const int64_t layers = std::stoll(option(argc, argv, "layers", "4"));
+      data_parallel(rudalle_xl_slice(layers), 2, 1, "ruDALL-E XL layout, " + std::to_string(layers) + "-layer slice",
+                    arguments, ranks, sharded);
+    } else {
+      data_parallel(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", arguments, ranks, sharded);
+    }
   } else if (which == "training-xl-slice") {
     auto slice = rudalle_xl_slice(2);
     slice.attention_path = option(argc, argv, "path", "sparse");
@@ -259,7 +301,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice|data-parallel "
                  "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
-                 "[--ranks=N]\n");
+                 "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice] [--layers=L]\n");
     return 2;
   }
   return 0;

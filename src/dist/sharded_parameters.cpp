@@ -51,6 +51,7 @@ torch::Tensor ShardedParameters::all_gather(const torch::Tensor& shard) const {
   const auto values = shard.detach().to(torch::kCPU, torch::kFloat32).contiguous();
   auto gathered = torch::empty({values.numel() * group_->size()}, values.options());
   group_->all_gather(values, gathered);
+  bytes_moved_ += gathered.numel() * static_cast<int64_t>(gathered.element_size());
   return gathered;
 }
 
@@ -89,7 +90,9 @@ void ShardedParameters::reduce_gradients(size_t g) {
     tensor.mutable_grad() = torch::Tensor();
   }
   auto mine = torch::empty({shard_numel_[g]}, torch::kFloat32);
-  group_->reduce_scatter(flatten(g, gradients), mine, ReduceOp::average);
+  const auto flat = flatten(g, gradients);
+  group_->reduce_scatter(flat, mine, ReduceOp::average);
+  bytes_moved_ += flat.numel() * static_cast<int64_t>(flat.element_size());
   auto& shard = shards_[g];
   mine = mine.to(shard.device());
   if (shard.grad().defined()) {

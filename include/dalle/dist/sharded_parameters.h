@@ -41,6 +41,9 @@ class ShardedParameters {
   // ... and the full values again, from every rank's `shard_like` (a shard-shaped tensor).
   std::vector<torch::Tensor> unshard(size_t g, const torch::Tensor& shard_like) const;
 
+  // The bytes of whole groups gathered and reduce-scattered so far (the collectives' payload).
+  int64_t bytes_moved() const { return bytes_moved_; }
+
  private:
   torch::Tensor flatten(size_t g, const std::vector<torch::Tensor>& tensors) const;
   torch::Tensor all_gather(const torch::Tensor& shard) const;
@@ -57,6 +60,7 @@ class ShardedParameters {
   std::vector<torch::Tensor> shards_;
   std::vector<int64_t> shard_numel_;
   std::shared_ptr<ProcessGroup> group_;
+  mutable int64_t bytes_moved_ = 0;
 };
 
 // The reducer of a model whose sharded groups' gradients are already reduce-scattered (by
@@ -70,6 +74,8 @@ class ShardedReducer final : public GradientReducer {
   torch::Tensor agree(const torch::Tensor& flags) override { return replicated_.agree(flags); }
   int64_t replicas() const override { return replicated_.replicas(); }
   double gradient_norm(const std::vector<torch::Tensor>& parameters) override;
+  // The replicated parameters' all-reduce payload so far.
+  int64_t bytes_reduced() const { return replicated_.bytes_reduced(); }
 
  private:
   std::shared_ptr<ShardedParameters> sharded_;
