@@ -179,7 +179,7 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
       if (!in_blocks.count(p.unsafeGetTensorImpl())) learned.push_back(p);
     }
     shards = std::make_unique<train::ShardedResblocks>(
-        *prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, job.group());
+        *prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, job.within_node());
     for (const auto& shard : shards->parameters()->shards()) learned.push_back(shard);
     prior->set_resblock_runner(shards->runner(
         [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
@@ -193,7 +193,8 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   train::UpdateStep update(optimizer, precision, {.what = "bench"});
   std::shared_ptr<dist::ShardedReducer> sharded_reducer;
   if (shards) {
-    sharded_reducer = std::make_shared<dist::ShardedReducer>(shards->parameters(), job.group(), 25 << 20);
+    sharded_reducer = std::make_shared<dist::ShardedReducer>(shards->parameters(), job.group(), job.within_node(),
+                                                              job.across_nodes(), 25 << 20);
     update.set_reducer(sharded_reducer);
   } else {
     update.set_reducer(job.reducer());

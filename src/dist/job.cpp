@@ -24,7 +24,7 @@ std::string ranks_differing(const std::vector<int64_t>& values) {
 }  // namespace
 
 Job::Job(const LaunchEnvironment& place, const JobOptions& options, const Fingerprint& fingerprint)
-    : place_(place) {
+    : place_(place), options_(options) {
   if (place_.world_size == 1) {
     reducer_ = std::make_shared<LocalReducer>();
     return;
@@ -38,7 +38,7 @@ Job::Job(const LaunchEnvironment& place, const JobOptions& options, const Finger
       .world_size = place_.world_size,
       .serve_store = !place_.agent_store,
       .listen_fd = place_.store_listen_fd,
-      .prefix = "dalle/" + std::to_string(place_.restart_count),
+      .prefix = "dalle/" + std::to_string(place_.restart_count) + "/world",
       .timeout = options.timeout});
   reducer_ = std::make_shared<DataParallelReducer>(group_, options.bucket_bytes);
   const auto configs = ranks_differing(gather(static_cast<int64_t>(fingerprint.config)));
@@ -55,11 +55,41 @@ Job::Job(const LaunchEnvironment& place, const JobOptions& options, const Finger
 }
 
 Job::~Job() {
-  // Leaving because of an error (a lost rank, a mismatch): tearing the group down would
-  // wait on peers that may never answer, so its threads and sockets go with the process.
-  if (group_ && std::uncaught_exceptions() > 0) {
-    new std::shared_ptr<ProcessGroup>(std::move(group_));  // deliberately never freed
+  // Leaving because of an error (a lost rank, a mismatch): tearing the groups down would
+  // wait on peers that may never answer, so their threads and sockets go with the process.
+  if (std::uncaught_exceptions() > 0) {
+    for (auto* group : {&group_, &within_node_, &across_nodes_}) {
+      if (*group) new std::shared_ptr<ProcessGroup>(std::move(*group));  // deliberately never freed
+    }
   }
+}
+
+// Subgroups are groups of their own over the same store, under prefixes of their own.
+std::shared_ptr<ProcessGroup> Job::subgroup(const std::string& name, int64_t rank, int64_t size) {
+  return std::make_shared<ProcessGroup>(ProcessGroupOptions{
+      .address = place_.master_addr,
+      .port = place_.master_port,
+      .rank = rank,
+      .world_size = size,
+      .serve_store = false,
+      .prefix = "dalle/" + std::to_string(place_.restart_count) + "/" + name,
+      .timeout = options_.timeout});
+}
+
+std::shared_ptr<ProcessGroup> Job::within_node() {
+  if (place_.nodes == 1) return group_;
+  if (!within_node_) {
+    within_node_ = subgroup("node" + std::to_string(place_.node_rank), place_.local_rank, place_.local_world_size);
+  }
+  return within_node_;
+}
+
+std::shared_ptr<ProcessGroup> Job::across_nodes() {
+  if (place_.nodes == 1) return nullptr;
+  if (!across_nodes_) {
+    across_nodes_ = subgroup("local" + std::to_string(place_.local_rank), place_.node_rank, place_.nodes);
+  }
+  return across_nodes_;
 }
 
 std::vector<int64_t> Job::gather(int64_t value) {

@@ -102,21 +102,23 @@ void ShardedParameters::reduce_gradients(size_t g) {
   }
 }
 
-ShardedReducer::ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> group,
+ShardedReducer::ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> world,
+                               std::shared_ptr<ProcessGroup> within_node, std::shared_ptr<ProcessGroup> across_nodes,
                                int64_t bucket_bytes)
-    : sharded_(std::move(sharded)), group_(group), replicated_(std::move(group), bucket_bytes) {}
+    : sharded_(std::move(sharded)), within_node_(std::move(within_node)), replicated_(std::move(world), bucket_bytes) {
+  if (across_nodes) across_nodes_ = std::make_unique<DataParallelReducer>(std::move(across_nodes), bucket_bytes);
+}
 
 void ShardedReducer::reduce(const std::vector<torch::Tensor>& parameters) {
-  std::vector<torch::Tensor> replicated;
-  for (const auto& parameter : parameters) {
-    if (!sharded_->holds(parameter)) replicated.push_back(parameter);
-  }
+  std::vector<torch::Tensor> replicated, shards;
+  for (const auto& parameter : parameters) (sharded_->holds(parameter) ? shards : replicated).push_back(parameter);
   replicated_.reduce(replicated);
+  if (across_nodes_) across_nodes_->reduce(shards);
 }
 
 double ShardedReducer::gradient_norm(const std::vector<torch::Tensor>& parameters) {
   // Squares: the replicated gradients' once (every rank has them whole), the shards' summed
-  // over the ranks.
+  // over the machine's ranks (every machine holds the same shards, averaged).
   double replicated = 0;
   auto sharded = torch::zeros({1}, torch::kFloat64);
   for (const auto& parameter : parameters) {
@@ -128,7 +130,7 @@ double ShardedReducer::gradient_norm(const std::vector<torch::Tensor>& parameter
       replicated += square.item<double>();
     }
   }
-  group_->all_reduce(sharded, ReduceOp::sum);
+  within_node_->all_reduce(sharded, ReduceOp::sum);
   return std::sqrt(replicated + sharded.item<double>());
 }
 

@@ -74,7 +74,7 @@ TEST(ShardedReducer, AveragesTheReplicatedGradientsAndMeasuresTheNormOfEveryShar
     auto group = group_at(place);
     auto tensors = model();
     auto sharded = std::make_shared<ShardedParameters>(tensors, group);
-    ShardedReducer reducer(sharded, group, 1 << 20);
+    ShardedReducer reducer(sharded, group, group, nullptr, 1 << 20);
     auto replicated = torch::zeros({2}).requires_grad_();
     replicated.mutable_grad() = torch::full({2}, static_cast<double>(2 * place.rank));  // mean 1
     sharded->shard(0).mutable_grad() = torch::full({5}, 1.0);  // 10 ones across the two ranks

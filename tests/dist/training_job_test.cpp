@@ -270,6 +270,28 @@ int free_port() {
   return ntohs(address.sin_port);
 }
 
+// Two "machines" of two ranks, started as torchrun starts them on each: every resblock is
+// sharded between the ranks of a machine and replicated across the machines (DALL-E's
+// hybrid layout), and the job trains as 4 data-parallel ranks do.
+TEST_F(TrainingJob, TwoMachinesOfTwoRanksShardWithinAndReplicateAcross) {
+  ScratchDir dir;
+  auto data_parallel = run_command(train_prior(dir / "job", "--nproc-per-node 4"));
+  ASSERT_EQ(data_parallel.status, 0) << data_parallel.output;
+  const std::string env = "WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                          std::to_string(free_port());
+  std::string ranks = "pids=; ";
+  for (int rank = 0; rank < 4; ++rank) {
+    ranks += env + " RANK=" + std::to_string(rank) + " LOCAL_RANK=" + std::to_string(rank % 2) + " GROUP_RANK=" +
+             std::to_string(rank / 2) + " " + train_prior(dir / "hybrid", "--set distributed.sharding=within_node") +
+             " & pids=\"$pids $!\"; ";
+  }
+  auto hybrid = run_command(ranks + "status=0; for p in $pids; do wait $p || status=1; done; exit $status");
+  ASSERT_EQ(hybrid.status, 0) << hybrid.output;
+  EXPECT_THAT(hybrid.output, ::testing::HasSubstr("each holds 1/2 of their weights, gradients and moments, "
+                                                  "replicated on the 2 machines"));
+  EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "hybrid", 10)), 1e-5);
+}
+
 // Ranks started as torchrun starts them (its variables), one with another recipe.
 TEST_F(TrainingJob, RanksStartedWithDifferentConfigsRefuseToStart) {
   ScratchDir dir;

@@ -54,12 +54,19 @@ class Job {
   std::shared_ptr<GradientReducer> reducer() const { return reducer_; }
   // The group, or null for a job of one.
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
+  // The ranks of this machine (the whole group on one machine), and this rank's peers on the
+  // other machines, those of the same local rank (null on one machine). Made at the first
+  // call, which every rank must make.
+  std::shared_ptr<ProcessGroup> within_node();
+  std::shared_ptr<ProcessGroup> across_nodes();
 
  private:
   std::vector<int64_t> gather(int64_t value);
+  std::shared_ptr<ProcessGroup> subgroup(const std::string& name, int64_t rank, int64_t size);
 
   LaunchEnvironment place_;
-  std::shared_ptr<ProcessGroup> group_;
+  JobOptions options_;
+  std::shared_ptr<ProcessGroup> group_, within_node_, across_nodes_;
   std::shared_ptr<GradientReducer> reducer_;
 };
 

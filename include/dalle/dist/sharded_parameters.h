@@ -63,24 +63,31 @@ class ShardedParameters {
   mutable int64_t bytes_moved_ = 0;
 };
 
-// The reducer of a model whose sharded groups' gradients are already reduce-scattered (by
-// ShardedParameters::reduce_gradients, in backward): it averages the other, replicated
-// parameters as data parallelism does and measures the norm over the shards of every rank.
+// The reducer of a model whose sharded groups' gradients are already reduce-scattered
+// within the machine (by ShardedParameters::reduce_gradients, in backward): it averages the
+// shards with their replicas on the other machines (hybrid sharding: DALL-E's layout), the
+// replicated parameters over the whole job, and measures the norm over every shard.
 class ShardedReducer final : public GradientReducer {
  public:
-  ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> group,
+  // `within_node`: the group the parameters are sharded over; `across_nodes`: the replicas
+  // of this rank's shards (null on one machine); `world`: every rank.
+  ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> world,
+                 std::shared_ptr<ProcessGroup> within_node, std::shared_ptr<ProcessGroup> across_nodes,
                  int64_t bucket_bytes);
   void reduce(const std::vector<torch::Tensor>& parameters) override;
   torch::Tensor agree(const torch::Tensor& flags) override { return replicated_.agree(flags); }
   int64_t replicas() const override { return replicated_.replicas(); }
   double gradient_norm(const std::vector<torch::Tensor>& parameters) override;
-  // The replicated parameters' all-reduce payload so far.
-  int64_t bytes_reduced() const { return replicated_.bytes_reduced(); }
+  // The all-reduce payload so far: the replicated parameters' and, across machines, the shards'.
+  int64_t bytes_reduced() const {
+    return replicated_.bytes_reduced() + (across_nodes_ ? across_nodes_->bytes_reduced() : 0);
+  }
 
  private:
   std::shared_ptr<ShardedParameters> sharded_;
-  std::shared_ptr<ProcessGroup> group_;
+  std::shared_ptr<ProcessGroup> within_node_;
   DataParallelReducer replicated_;
+  std::unique_ptr<DataParallelReducer> across_nodes_;
 };
 
 }  // namespace dalle::dist

@@ -222,12 +222,7 @@ void PriorTrainer::State::install_resblock_runner() {
 }
 
 void PriorTrainer::State::shard_resblocks() {
-  if (config.distributed.sharding != "within_node" || job->size() == 1) return;
-  if (job->place().nodes > 1) {
-    throw Error("prior training: distributed.sharding within_node across " + std::to_string(job->place().nodes) +
-                " machines (shards within, replicas across: hybrid sharding) is not built yet; "
-                "use distributed.sharding none");
-  }
+  if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
   // What the update held whole: the moments by parameter, the fp16 scales, the average.
   const auto moments = adamw_state(*optimizer, *model);
   io::TensorMap scales;
@@ -241,7 +236,7 @@ void PriorTrainer::State::shard_resblocks() {
     return in_blocks.count(parameter.unsafeGetTensorImpl()) == 0;
   });
 
-  shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->group());
+  shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node());
   const auto& sharded = *shards->parameters();
   for (size_t g = 0; g < sharded.groups(); ++g) {
     ema->forget(shards->names(g));
@@ -286,9 +281,12 @@ void PriorTrainer::State::shard_resblocks() {
                                                           }},
                                         ema.get(), model.get());
   update->set_reducer(std::make_shared<dist::ShardedReducer>(
-      shards->parameters(), job->group(), std::llround(config.distributed.bucket_megabytes * (1 << 20))));
-  log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between ", job->size(),
-            " ranks; each holds 1/", job->size(), " of their weights, gradients and moments");
+      shards->parameters(), job->group(), job->within_node(), job->across_nodes(),
+      std::llround(config.distributed.bucket_megabytes * (1 << 20))));
+  const int64_t ranks = job->place().local_world_size;
+  log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
+            " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
+            job->place().nodes > 1 ? ", replicated on the " + std::to_string(job->place().nodes) + " machines" : "");
 }
 
 io::TensorMap PriorTrainer::State::whole_average() const {
