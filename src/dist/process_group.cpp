@@ -161,13 +161,35 @@ void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
   impl_->wait(impl_->gloo->allreduce(tensors, options), "all_reduce");
 }
 
+namespace {
+
+class PendingWork final : public PendingCollective {
+ public:
+  PendingWork(ProcessGroup::Impl& group, c10::intrusive_ptr<c10d::Work> work, std::string what)
+      : group_(group), work_(std::move(work)), what_(std::move(what)) {}
+  void wait() override { group_.wait(work_, what_); }
+
+ private:
+  ProcessGroup::Impl& group_;
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;
+};
+
+}  // namespace
+
 void ProcessGroup::all_gather(const torch::Tensor& tensor, torch::Tensor& gathered) {
+  start_all_gather(tensor.contiguous(), gathered)->wait();
+}
+
+std::unique_ptr<PendingCollective> ProcessGroup::start_all_gather(const torch::Tensor& tensor,
+                                                                  torch::Tensor& gathered) {
   if (gathered.numel() != tensor.numel() * size()) {
     throw Error("all_gather: " + std::to_string(gathered.numel()) + " elements for " + std::to_string(size()) +
                 " ranks of " + std::to_string(tensor.numel()));
   }
-  auto input = tensor.contiguous();
-  impl_->wait(impl_->gloo->_allgather_base(gathered, input), "all_gather");
+  if (!tensor.is_contiguous()) throw Error("all_gather: a tensor that is not contiguous");
+  auto input = tensor;
+  return std::make_unique<PendingWork>(*impl_, impl_->gloo->_allgather_base(gathered, input), "all_gather");
 }
 
 void ProcessGroup::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op) {

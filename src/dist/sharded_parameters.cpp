@@ -66,9 +66,30 @@ std::vector<torch::Tensor> ShardedParameters::unshard(size_t g, const torch::Ten
   return full;
 }
 
+void ShardedParameters::prefetch(size_t g) {
+  if (g >= groups_.size() || prefetched_.count(g)) return;
+  Prefetch prefetch;
+  prefetch.input = shards_[g].detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  prefetch.output = torch::empty({prefetch.input.numel() * group_->size()}, prefetch.input.options());
+  prefetch.pending = group_->start_all_gather(prefetch.input, prefetch.output);
+  bytes_moved_ += prefetch.output.numel() * static_cast<int64_t>(prefetch.output.element_size());
+  prefetched_.emplace(g, std::move(prefetch));
+}
+
 void ShardedParameters::gather(size_t g) {
   torch::NoGradGuard no_grad;
-  const auto full = unshard(g, shards_[g]);
+  std::vector<torch::Tensor> full;
+  if (auto found = prefetched_.find(g); found != prefetched_.end()) {
+    found->second.pending->wait();
+    int64_t offset = 0;
+    for (const auto& layout : layouts_[g]) {
+      full.push_back(found->second.output.narrow(0, offset, layout.numel).view(layout.shape));
+      offset += layout.numel;
+    }
+    prefetched_.erase(found);
+  } else {
+    full = unshard(g, shards_[g]);
+  }
   for (size_t i = 0; i < full.size(); ++i) {
     groups_[g][i].set_data(full[i].to(layouts_[g][i].options.device(), layouts_[g][i].options.dtype().toScalarType(),
                                       /*non_blocking=*/false, /*copy=*/true));

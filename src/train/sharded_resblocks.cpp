@@ -16,6 +16,7 @@ using torch::autograd::variable_list;
 struct ShardedRun : torch::CustomClassHolder {
   std::function<torch::Tensor(const torch::Tensor&)> fn;
   std::shared_ptr<dist::ShardedParameters> sharded;
+  size_t block = 0, blocks = 0;
   std::vector<size_t> groups;
   at::Generator generator;
   torch::Tensor generator_state;
@@ -23,6 +24,13 @@ struct ShardedRun : torch::CustomClassHolder {
 
   void gather() const {
     for (const size_t g : groups) sharded->gather(g);
+  }
+  // The groups of the block that runs next: the following one in forward, the one before
+  // in backward.
+  void prefetch(size_t next_block) const {
+    if (next_block >= blocks) return;
+    sharded->prefetch(2 * next_block);
+    sharded->prefetch(2 * next_block + 1);
   }
   void release() const {
     for (const size_t g : groups) sharded->release(g);
@@ -50,6 +58,7 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
     ctx->saved_data["run"] = c10::IValue::make_capsule(run);
     torch::NoGradGuard no_grad;
     run->gather();
+    run->prefetch(run->block + 1);
     auto y = run->fn(x);
     run->release();
     return y;
@@ -59,6 +68,7 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
     auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
     const auto input = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     run->gather();
+    if (run->block > 0) run->prefetch(run->block - 1);
     {
       const auto after_forward = generator_state(run->generator);
       set_generator_state(run->generator, run->generator_state);
@@ -127,6 +137,8 @@ models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner) co
     auto run = c10::make_intrusive<ShardedRun>();
     run->fn = [inner, &block, context](const torch::Tensor& input) { return inner(block, input, context); };
     run->sharded = sharded;
+    run->block = b;
+    run->blocks = index.size();
     run->groups = {2 * b, 2 * b + 1};
     if (!torch::GradMode::is_enabled() || !x.requires_grad()) {
       run->gather();

@@ -40,6 +40,11 @@ TEST_P(ShardedParametersAtWorldSize, EachRankKeepsItsShardAndGathersTheWholeBloc
     EXPECT_EQ(tensors[1][0].numel(), 0) << "only the group asked for";
     sharded.release(0);
     EXPECT_EQ(tensors[0][1].numel(), 0);
+    // Prefetched, the gather finds the values the all-gather started before brought.
+    sharded.prefetch(1);
+    sharded.gather(1);
+    EXPECT_TRUE(torch::equal(tensors[1][0], original[1][0]));
+    sharded.release(1);
     // A moment of a model not sharded yet becomes its shard and comes back whole.
     const auto moment = sharded.shard_of(1, {torch::full({5}, 2.0)});
     const auto whole = sharded.unshard(1, moment);

@@ -28,6 +28,13 @@ struct ProcessGroupOptions {
 
 enum class ReduceOp { sum, average, max, min };
 
+// A collective under way: wait() returns once it is done, or throws as the blocking call would.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  virtual void wait() = 0;
+};
+
 class ProcessGroup {
  public:
   explicit ProcessGroup(const ProcessGroupOptions& options);
@@ -41,13 +48,16 @@ class ProcessGroup {
   void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::sum);
   // Every rank's `tensor`, in rank order, into `gathered` ([size * n] for n elements).
   void all_gather(const torch::Tensor& tensor, torch::Tensor& gathered);
+  // The same, started: `tensor` and `gathered` must stay alive and untouched until wait().
+  std::unique_ptr<PendingCollective> start_all_gather(const torch::Tensor& tensor, torch::Tensor& gathered);
   // `input` ([size * n]) reduced over the ranks with `op`; rank r receives part r into
   // `output` ([n]). gloo makes it an all-reduce and a copy: right, but all-reduce-sized.
   void reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op = ReduceOp::sum);
   void barrier();
 
+  struct Impl;  // c10d's objects, seen only by src/dist/process_group.cpp
+
  private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

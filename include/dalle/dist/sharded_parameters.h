@@ -7,6 +7,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -27,6 +28,10 @@ class ShardedParameters {
   std::vector<torch::Tensor> shards() const { return shards_; }
   bool holds(const torch::Tensor& tensor) const;
 
+  // Starts all-gathering group g, so that its gather() finds the values there (issued a
+  // block ahead, the gather overlaps the computation). Call it only for a gather() that
+  // follows before the shards change.
+  void prefetch(size_t g);
   // Group g's tensors hold their full values (all-gathered from the shards) ...
   void gather(size_t g);
   // ... and then none again.
@@ -59,6 +64,12 @@ class ShardedParameters {
   std::vector<std::vector<Layout>> layouts_;
   std::vector<torch::Tensor> shards_;
   std::vector<int64_t> shard_numel_;
+  // Prefetched groups: the all-gather under way, its input and its output.
+  struct Prefetch {
+    std::unique_ptr<PendingCollective> pending;
+    torch::Tensor input, output;
+  };
+  std::map<size_t, Prefetch> prefetched_;
   std::shared_ptr<ProcessGroup> group_;
   mutable int64_t bytes_moved_ = 0;
 };
