@@ -16,11 +16,13 @@ void DataParallelReducer::reduce(const std::vector<torch::Tensor>& parameters) {
   torch::NoGradGuard no_grad;
   // Which gradients some rank has: one small collective, so that every rank then makes the
   // same buckets in the same order.
-  auto defined = torch::empty({static_cast<int64_t>(parameters.size())}, torch::kFloat32);
-  auto* flag = defined.data_ptr<float>();
-  for (size_t i = 0; i < parameters.size(); ++i) flag[i] = parameters[i].grad().defined() ? 1.0f : 0.0f;
-  group_->all_reduce(defined, ReduceOp::max);
+  auto local = torch::empty({static_cast<int64_t>(parameters.size())}, torch::kFloat32);
+  for (size_t i = 0; i < parameters.size(); ++i) local.data_ptr<float>()[i] = parameters[i].grad().defined() ? 1.0f : 0.0f;
+  auto any = local.to(group_->device());
+  group_->all_reduce(any, ReduceOp::max);
   ++collectives_;
+  const auto defined = any.cpu();
+  const auto* flag = defined.data_ptr<float>();
 
   std::vector<torch::Tensor> bucket;
   int64_t bucket_bytes = 0;
@@ -50,7 +52,7 @@ void DataParallelReducer::reduce_bucket(const std::vector<torch::Tensor>& gradie
   std::vector<torch::Tensor> flat_parts;
   flat_parts.reserve(gradients.size());
   for (const auto& gradient : gradients) flat_parts.push_back(gradient.reshape({-1}));
-  auto flat = torch::cat(flat_parts);
+  auto flat = torch::cat(flat_parts).to(group_->device());
   group_->all_reduce(flat, ReduceOp::average);
   bytes_reduced_ += flat.numel() * static_cast<int64_t>(flat.element_size());
   ++collectives_;
@@ -63,7 +65,7 @@ void DataParallelReducer::reduce_bucket(const std::vector<torch::Tensor>& gradie
 }
 
 torch::Tensor DataParallelReducer::agree(const torch::Tensor& flags) {
-  auto agreed = flags.to(torch::kCPU, torch::kFloat32).contiguous();
+  auto agreed = flags.to(group_->device(), torch::kFloat32).contiguous();
   group_->all_reduce(agreed, ReduceOp::min);
   ++collectives_;
   return agreed.to(flags.device()).to(torch::kBool);

@@ -39,7 +39,9 @@ Job::Job(const LaunchEnvironment& place, const JobOptions& options, const Finger
       .serve_store = !place_.agent_store,
       .listen_fd = place_.store_listen_fd,
       .prefix = "dalle/" + std::to_string(place_.restart_count) + "/world",
-      .timeout = options.timeout});
+      .timeout = options.timeout,
+      .backend = options.backend,
+      .cuda_device = options.cuda_device});
   reducer_ = std::make_shared<DataParallelReducer>(group_, options.bucket_bytes);
   const auto configs = ranks_differing(gather(static_cast<int64_t>(fingerprint.config)));
   const auto builds = ranks_differing(gather(static_cast<int64_t>(fingerprint.code)));
@@ -73,7 +75,9 @@ std::shared_ptr<ProcessGroup> Job::subgroup(const std::string& name, int64_t ran
       .world_size = size,
       .serve_store = false,
       .prefix = "dalle/" + std::to_string(place_.restart_count) + "/" + name,
-      .timeout = options_.timeout});
+      .timeout = options_.timeout,
+      .backend = options_.backend,
+      .cuda_device = options_.cuda_device});
 }
 
 std::shared_ptr<ProcessGroup> Job::within_node() {
@@ -94,14 +98,16 @@ std::shared_ptr<ProcessGroup> Job::across_nodes() {
 
 std::vector<int64_t> Job::gather(int64_t value) {
   if (!group_) return {value};
-  auto gathered = torch::empty({size()}, torch::kInt64);
-  group_->all_gather(torch::tensor({value}, torch::kInt64), gathered);
+  const auto on = torch::TensorOptions().dtype(torch::kInt64).device(group_->device());
+  auto gathered = torch::empty({size()}, on);
+  group_->all_gather(torch::tensor({value}, on), gathered);
+  gathered = gathered.cpu();
   return {gathered.data_ptr<int64_t>(), gathered.data_ptr<int64_t>() + size()};
 }
 
 bool Job::any(bool yes) {
   if (!group_) return yes;
-  auto flag = torch::tensor({yes ? 1.0f : 0.0f});
+  auto flag = torch::tensor({yes ? 1.0f : 0.0f}).to(group_->device());
   group_->all_reduce(flag, ReduceOp::max);
   return flag.item<float>() > 0;
 }
@@ -117,8 +123,9 @@ void Job::check_same(int64_t value, const std::string& what) {
 
 void Job::average(std::vector<double>& values) {
   if (!group_ || values.empty()) return;
-  auto tensor = torch::tensor(values, torch::kFloat64);
+  auto tensor = torch::tensor(values, torch::kFloat64).to(group_->device());
   group_->all_reduce(tensor, ReduceOp::average);
+  tensor = tensor.cpu();
   for (size_t i = 0; i < values.size(); ++i) values[i] = tensor[static_cast<int64_t>(i)].item<double>();
 }
 

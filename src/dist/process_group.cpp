@@ -1,5 +1,6 @@
 // The one translation unit that sees c10d's gloo backend and gloo's headers
-// (third_party/gloo: the wheel ships gloo's library but not its headers).
+// (third_party/gloo: the wheel ships gloo's library but not its headers); NCCL's backend is
+// made in dist/nccl_backend.cpp.
 #include "dalle/dist/process_group.h"
 
 #include <gloo/context.h>
@@ -12,6 +13,7 @@
 #include <thread>
 
 #include "dalle/error.h"
+#include "dist/nccl_backend.h"
 
 // The headers must describe the gloo compiled into the wheel: inline gloo code reads its
 // objects' layout (Debian's libgloo-dev, 2022, has a 72-byte Context).
@@ -49,7 +51,8 @@ std::string heartbeat_key(int64_t rank) { return "heartbeat/" + std::to_string(r
 
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  c10::intrusive_ptr<c10d::Backend> backend;  // gloo or NCCL
+  torch::Device device{torch::kCPU};
   int64_t rank = 0, size = 1;
   // Every rank counts up its key in the store each second, so that when a collective fails
   // the others can tell which rank fell silent: gloo says only that a peer went away.
@@ -139,10 +142,15 @@ ProcessGroup::ProcessGroup(const ProcessGroupOptions& options) : impl_(std::make
   try {
     auto tcp = c10::make_intrusive<c10d::TCPStore>(options.address, store_options);
     impl_->store = c10::make_intrusive<c10d::PrefixStore>(options.prefix, tcp);
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-    gloo_options->devices = {c10d::ProcessGroupGloo::createDeviceForHostname(options.address)};
-    impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, static_cast<int>(options.rank),
-                                                             static_cast<int>(options.world_size), gloo_options);
+    const int rank = static_cast<int>(options.rank), size = static_cast<int>(options.world_size);
+    if (options.backend == Backend::nccl) {
+      impl_->backend = detail::make_nccl_backend(impl_->store, rank, size, options.timeout, options.cuda_device);
+      impl_->device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(options.cuda_device));
+    } else {
+      auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+      gloo_options->devices = {c10d::ProcessGroupGloo::createDeviceForHostname(options.address)};
+      impl_->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank, size, gloo_options);
+    }
     impl_->start_heartbeat();
   } catch (const std::exception& error) {
     throw Error(place(options) + message_of(error));
@@ -151,14 +159,15 @@ ProcessGroup::ProcessGroup(const ProcessGroupOptions& options) : impl_(std::make
 
 ProcessGroup::~ProcessGroup() = default;
 
-int64_t ProcessGroup::rank() const { return impl_->gloo->getRank(); }
-int64_t ProcessGroup::size() const { return impl_->gloo->getSize(); }
+int64_t ProcessGroup::rank() const { return impl_->backend->getRank(); }
+int64_t ProcessGroup::size() const { return impl_->backend->getSize(); }
+torch::Device ProcessGroup::device() const { return impl_->device; }
 
 void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = to_c10d(op);
-  impl_->wait(impl_->gloo->allreduce(tensors, options), "all_reduce");
+  impl_->wait(impl_->backend->allreduce(tensors, options), "all_reduce");
 }
 
 namespace {
@@ -189,7 +198,7 @@ std::unique_ptr<PendingCollective> ProcessGroup::start_all_gather(const torch::T
   }
   if (!tensor.is_contiguous()) throw Error("all_gather: a tensor that is not contiguous");
   auto input = tensor;
-  return std::make_unique<PendingWork>(*impl_, impl_->gloo->_allgather_base(gathered, input), "all_gather");
+  return std::make_unique<PendingWork>(*impl_, impl_->backend->_allgather_base(gathered, input), "all_gather");
 }
 
 void ProcessGroup::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op) {
@@ -200,9 +209,9 @@ void ProcessGroup::reduce_scatter(const torch::Tensor& input, torch::Tensor& out
   auto contiguous = input.contiguous();
   c10d::ReduceScatterOptions options;
   options.reduceOp = to_c10d(op);
-  impl_->wait(impl_->gloo->_reduce_scatter_base(output, contiguous, options), "reduce_scatter");
+  impl_->wait(impl_->backend->_reduce_scatter_base(output, contiguous, options), "reduce_scatter");
 }
 
-void ProcessGroup::barrier() { impl_->wait(impl_->gloo->barrier(), "barrier"); }
+void ProcessGroup::barrier() { impl_->wait(impl_->backend->barrier(), "barrier"); }
 
 }  // namespace dalle::dist

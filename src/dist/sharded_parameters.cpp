@@ -35,8 +35,9 @@ bool ShardedParameters::holds(const torch::Tensor& tensor) const {
 }
 
 torch::Tensor ShardedParameters::flatten(size_t g, const std::vector<torch::Tensor>& tensors) const {
-  std::vector<torch::Tensor> parts{torch::zeros({0})};
-  for (const auto& tensor : tensors) parts.push_back(tensor.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32));
+  const auto device = group_->device();
+  std::vector<torch::Tensor> parts{torch::zeros({0}, device)};
+  for (const auto& tensor : tensors) parts.push_back(tensor.detach().reshape({-1}).to(device, torch::kFloat32));
   auto flat = torch::cat(parts);
   const int64_t padded = shard_numel_[g] * group_->size();
   if (flat.numel() > padded) throw Error("sharded parameters: more values than group " + std::to_string(g) + " holds");
@@ -48,7 +49,7 @@ torch::Tensor ShardedParameters::shard_of(size_t g, const std::vector<torch::Ten
 }
 
 torch::Tensor ShardedParameters::all_gather(const torch::Tensor& shard) const {
-  const auto values = shard.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  const auto values = shard.detach().to(group_->device(), torch::kFloat32).contiguous();
   auto gathered = torch::empty({values.numel() * group_->size()}, values.options());
   group_->all_gather(values, gathered);
   bytes_moved_ += gathered.numel() * static_cast<int64_t>(gathered.element_size());
@@ -69,7 +70,7 @@ std::vector<torch::Tensor> ShardedParameters::unshard(size_t g, const torch::Ten
 void ShardedParameters::prefetch(size_t g) {
   if (g >= groups_.size() || prefetched_.count(g)) return;
   Prefetch prefetch;
-  prefetch.input = shards_[g].detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  prefetch.input = shards_[g].detach().to(group_->device(), torch::kFloat32).contiguous();
   prefetch.output = torch::empty({prefetch.input.numel() * group_->size()}, prefetch.input.options());
   prefetch.pending = group_->start_all_gather(prefetch.input, prefetch.output);
   bytes_moved_ += prefetch.output.numel() * static_cast<int64_t>(prefetch.output.element_size());
@@ -110,7 +111,7 @@ void ShardedParameters::reduce_gradients(size_t g) {
     gradients.push_back(tensor.grad().defined() ? tensor.grad() : torch::zeros(layouts_[g][i].shape));
     tensor.mutable_grad() = torch::Tensor();
   }
-  auto mine = torch::empty({shard_numel_[g]}, torch::kFloat32);
+  auto mine = torch::empty({shard_numel_[g]}, torch::TensorOptions().device(group_->device()));
   const auto flat = flatten(g, gradients);
   group_->reduce_scatter(flat, mine, ReduceOp::average);
   bytes_moved_ += flat.numel() * static_cast<int64_t>(flat.element_size());
@@ -141,12 +142,12 @@ double ShardedReducer::gradient_norm(const std::vector<torch::Tensor>& parameter
   // Squares: the replicated gradients' once (every rank has them whole), the shards' summed
   // over the machine's ranks (every machine holds the same shards, averaged).
   double replicated = 0;
-  auto sharded = torch::zeros({1}, torch::kFloat64);
+  auto sharded = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(within_node_->device()));
   for (const auto& parameter : parameters) {
     if (!parameter.grad().defined()) continue;
     const auto square = torch::linalg_vector_norm(parameter.grad(), 2).to(torch::kFloat64).square();
     if (sharded_->holds(parameter)) {
-      sharded += square.cpu();
+      sharded += square.to(sharded.device());
     } else {
       replicated += square.item<double>();
     }

@@ -45,28 +45,31 @@ std::unique_ptr<State> start_trainer(Config config, const std::string& run, cons
 
 // Joins the job the launcher started (a job of one without a launcher) before any model is
 // built, so that ranks started with another config or build are refused at once.
+// The ranks train on `device`: NCCL carries the collectives of a job on GPUs, gloo the others.
 template <class Config>
-std::shared_ptr<dist::Job> join_job(Config config) {
+std::shared_ptr<dist::Job> join_job(Config config, const dist::LaunchEnvironment& place, torch::Device device) {
   const auto& d = config.distributed;
   return std::make_shared<dist::Job>(
-      dist::read_launch_environment(),
+      place,
       dist::JobOptions{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
-                       .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20))},
+                       .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20)),
+                       .backend = device.is_cuda() ? dist::Backend::nccl : dist::Backend::gloo,
+                       .cuda_device = device.is_cuda() ? device.index() : 0},
       dist::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))), .code = build_fingerprint()});
 }
 
-// `device` for one rank of `job`: a GPU job gives each rank of a machine its own GPU.
-inline torch::Device rank_device(torch::Device device, const dist::Job& job) {
-  if (!device.is_cuda() || job.size() == 1) return device;
-  const auto gpus = static_cast<int64_t>(torch::cuda::device_count());
-  return {torch::kCUDA, static_cast<c10::DeviceIndex>(job.place().local_rank % std::max<int64_t>(gpus, 1))};
+// `device` for the rank at `place`: a GPU job gives each rank of a machine its own GPU.
+inline torch::Device rank_device(torch::Device device, const dist::LaunchEnvironment& place) {
+  if (!device.is_cuda() || place.world_size == 1) return device;
+  const auto gpus = std::max<int64_t>(static_cast<int64_t>(torch::cuda::device_count()), 1);
+  return {torch::kCUDA, static_cast<c10::DeviceIndex>(place.local_rank % gpus)};
 }
 
 template <class Config, class Model>
 struct TrainerState : RunRecord {
   Config config;
-  std::shared_ptr<dist::Job> job;
   torch::Device device;
+  std::shared_ptr<dist::Job> job;
   Model model{nullptr}, ema_model{nullptr};
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
@@ -78,8 +81,8 @@ struct TrainerState : RunRecord {
   TrainerState(const std::string& what, Config c, std::filesystem::path run, bool can_shard = false)
       : RunRecord(what, std::move(run), c.run.keep_checkpoints),
         config(std::move(c)),
-        job(join_job(config)),
-        device(rank_device(resolve_device(config.run.device, what + " training"), *job)) {
+        device(rank_device(resolve_device(config.run.device, what + " training"), dist::read_launch_environment())),
+        job(join_job(config, dist::read_launch_environment(), device)) {
     if (config.distributed.sharding != "none" && !can_shard) {
       throw Error(what + " training: distributed.sharding " + config.distributed.sharding +
                   " is for the prior; train this model data-parallel (sharding: none)");

@@ -18,6 +18,8 @@ namespace dalle::dist {
 struct JobOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // of the rendezvous and of every collective
   int64_t bucket_bytes = 25 << 20;                              // of the gradient all-reduces
+  Backend backend = Backend::gloo;                              // NCCL for a job on GPUs
+  int cuda_device = 0;                                          // NCCL: this rank's GPU
 };
 
 // What the ranks of a job must share: hashes of their config and of their code.

@@ -1,8 +1,9 @@
 #pragma once
 // A group of processes that train one model together, on c10d, the engine PyTorch itself
 // uses: a TCPStore for the rendezvous (rank 0 serves it, or a launcher's agent does), a
-// PrefixStore per group, and ProcessGroupGloo for CPU tensors. The collectives block until
-// every rank has taken part, and throw Error after the group's timeout instead of hanging.
+// PrefixStore per group, and ProcessGroupGloo for CPU tensors or ProcessGroupNCCL for GPUs.
+// The collectives block until every rank has taken part, and throw Error after the group's
+// timeout instead of hanging.
 #include <torch/types.h>
 
 #include <chrono>
@@ -12,6 +13,10 @@
 #include <vector>
 
 namespace dalle::dist {
+
+// gloo carries CPU tensors (and CUDA ones, through the host); NCCL carries CUDA tensors
+// between GPUs, one GPU per rank.
+enum class Backend { gloo, nccl };
 
 struct ProcessGroupOptions {
   std::string address = "127.0.0.1";  // the store's host; gloo binds to it too, never to every interface
@@ -24,6 +29,8 @@ struct ProcessGroupOptions {
   int listen_fd = -1;
   std::string prefix = "default";  // the group's keys in the store
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  Backend backend = Backend::gloo;
+  int cuda_device = 0;  // NCCL: this rank's GPU
 };
 
 enum class ReduceOp { sum, average, max, min };
@@ -44,6 +51,8 @@ class ProcessGroup {
 
   int64_t rank() const;
   int64_t size() const;
+  // Where the tensors of this group's collectives live: the CPU for gloo, the rank's GPU for NCCL.
+  torch::Device device() const;
   // In place, on every rank's `tensor` (CPU, contiguous).
   void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::sum);
   // Every rank's `tensor`, in rank order, into `gathered` ([size * n] for n elements).

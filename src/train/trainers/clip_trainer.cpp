@@ -225,7 +225,7 @@ torch::Tensor ClipTrainer::State::pixels(const torch::Tensor& images) {
 // every negative one process would see.
 torch::Tensor ClipTrainer::State::global_batch(const torch::Tensor& local) {
   if (job->size() == 1) return local;
-  const auto values = local.detach().to(torch::kCPU).contiguous();
+  const auto values = local.detach().to(job->group()->device()).contiguous();
   auto gathered = torch::empty({job->size() * values.size(0), values.size(1)}, values.options());
   job->group()->all_gather(values, gathered);
   auto parts = gathered.to(local.device()).chunk(job->size());
