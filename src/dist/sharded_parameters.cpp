@@ -27,6 +27,12 @@ ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> gro
   }
 }
 
+std::vector<std::vector<int64_t>> ShardedParameters::shapes(size_t g) const {
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& layout : layouts_[g]) shapes.push_back(layout.shape);
+  return shapes;
+}
+
 bool ShardedParameters::holds(const torch::Tensor& tensor) const {
   for (const auto& shard : shards_) {
     if (shard.unsafeGetTensorImpl() == tensor.unsafeGetTensorImpl()) return true;

@@ -6,6 +6,9 @@
 #include <fstream>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
 #include "dalle/io/atomic_file.h"
 #include "dalle/io/stale_temporaries.h"
 #include "dalle/log.h"
@@ -68,6 +71,73 @@ void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint)
   }
 }
 
+namespace {
+
+constexpr const char* kLayoutKey = "shard_layout";
+
+std::string shard_file(int64_t rank, int64_t ranks) {
+  char name[64];
+  std::snprintf(name, sizeof name, "shard-%05lld-of-%05lld.safetensors", static_cast<long long>(rank),
+                static_cast<long long>(ranks));
+  return name;
+}
+
+std::string layout_json(const ShardLayout& layout) {
+  nlohmann::json json;
+  json["ranks"] = layout.ranks;
+  json["groups"] = nlohmann::json::array();
+  for (const auto& group : layout.groups) {
+    auto parameters = nlohmann::json::array();
+    for (const auto& parameter : group) parameters.push_back({{"name", parameter.name}, {"shape", parameter.shape}});
+    json["groups"].push_back(parameters);
+  }
+  for (const auto& [kind, where] : layout.kinds) {
+    json["kinds"][kind] = {{"into", where.into_weights ? "weights" : "state"}, {"prefix", where.prefix},
+                           {"suffix", where.suffix}};
+  }
+  return json.dump();
+}
+
+// Joins the shards of `directory` into `checkpoint`, as `layout_text` lays them out.
+void join_shards(const fs::path& directory, const std::string& layout_text, Checkpoint& checkpoint) {
+  const auto layout = nlohmann::json::parse(layout_text, nullptr, false);
+  if (layout.is_discarded() || !layout.contains("ranks") || !layout.contains("groups") || !layout.contains("kinds")) {
+    throw Error(directory.string() + ": the checkpoint's shard layout is unreadable");
+  }
+  const int64_t ranks = layout["ranks"].get<int64_t>();
+  std::vector<TensorMap> shards;
+  for (int64_t rank = 0; rank < ranks; ++rank) {
+    const auto path = directory / shard_file(rank, ranks);
+    if (!fs::exists(path)) throw Error(directory.string() + ": incomplete checkpoint, " + path.filename().string() + " is missing");
+    shards.push_back(read_safetensors(path.string()).tensors);
+  }
+  for (const auto& [kind, where] : layout["kinds"].items()) {
+    auto& target = where["into"] == "weights" ? checkpoint.weights : checkpoint.state;
+    for (size_t g = 0; g < layout["groups"].size(); ++g) {
+      const std::string key = kind + "." + std::to_string(g);
+      std::vector<torch::Tensor> parts;
+      for (const auto& shard : shards) {
+        const auto found = shard.find(key);
+        if (found == shard.end()) throw Error(directory.string() + ": a shard lacks '" + key + "'");
+        parts.push_back(found->second.reshape({-1}));
+      }
+      const auto flat = torch::cat(parts);
+      int64_t offset = 0;
+      for (const auto& parameter : layout["groups"][g]) {
+        const auto shape = parameter["shape"].get<std::vector<int64_t>>();
+        int64_t numel = 1;
+        for (const auto size : shape) numel *= size;
+        if (offset + numel > flat.numel()) throw Error(directory.string() + ": the shards of '" + key + "' are short");
+        target[where["prefix"].get<std::string>() + parameter["name"].get<std::string>() +
+               where["suffix"].get<std::string>()] = flat.narrow(0, offset, numel).view(shape).clone();
+        offset += numel;
+      }
+    }
+  }
+}
+
+}  // namespace
+
 Checkpoint load_checkpoint(const std::string& directory) {
   const fs::path root(directory);
   if (!fs::is_directory(root)) throw Error(directory + ": no checkpoint directory here");
@@ -80,7 +150,23 @@ Checkpoint load_checkpoint(const std::string& directory) {
   auto state = read_safetensors((root / kStateFile).string());
   checkpoint.state = std::move(state.tensors);
   checkpoint.state_metadata = std::move(state.metadata);
+  if (const auto layout = checkpoint.state_metadata.find(kLayoutKey); layout != checkpoint.state_metadata.end()) {
+    join_shards(root, layout->second, checkpoint);
+    checkpoint.state_metadata.erase(layout);
+  }
   return checkpoint;
+}
+
+void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout) {
+  const fs::path folder(staging);
+  checkpoint.state_metadata[kLayoutKey] = layout_json(layout);
+  write_file_atomic((folder / kConfigFile).string(), checkpoint.config_yaml);
+  write_safetensors((folder / kWeightsFile).string(), checkpoint.weights);
+  write_safetensors((folder / kStateFile).string(), checkpoint.state, checkpoint.state_metadata);
+}
+
+void write_checkpoint_shard(const std::string& staging, int64_t rank, int64_t ranks, const TensorMap& shard) {
+  write_safetensors((fs::path(staging) / shard_file(rank, ranks)).string(), shard);
 }
 
 CheckpointStore::CheckpointStore(std::string root, int keep) : root_(std::move(root)), keep_(keep) {}
@@ -95,6 +181,34 @@ std::string CheckpointStore::save(int64_t step, const Checkpoint& checkpoint) {
   const std::string directory = directory_for(step);
   remove_stale_temporaries_in(root_);  // the steps a killed run was writing
   save_checkpoint(directory, checkpoint);
+  write_file_atomic((fs::path(root_) / "latest").string(), fs::path(directory).filename().string() + "\n");
+  prune();
+  return directory;
+}
+
+std::string CheckpointStore::staging_for(int64_t step) const { return directory_for(step) + ".staging"; }
+
+void CheckpointStore::stage(int64_t step) const {
+  // Any staging folder is a leftover of a job killed while writing: only rank 0 stages, and
+  // it publishes before it stages again.
+  if (fs::is_directory(root_)) {
+    for (const auto& entry : fs::directory_iterator(root_)) {
+      if (entry.is_directory() && entry.path().extension() == ".staging") fs::remove_all(entry.path());
+    }
+  }
+  fs::create_directories(staging_for(step));
+}
+
+std::string CheckpointStore::publish(int64_t step) {
+  const std::string directory = directory_for(step);
+  // A checkpoint of the same update, from an earlier attempt, goes aside until this one is in.
+  std::optional<fs::path> previous;
+  if (fs::exists(directory)) {
+    previous = temporary_sibling(directory);
+    fs::rename(directory, *previous);
+  }
+  fs::rename(staging_for(step), directory);
+  if (previous) fs::remove_all(*previous);
   write_file_atomic((fs::path(root_) / "latest").string(), fs::path(directory).filename().string() + "\n");
   prune();
   return directory;

@@ -9,7 +9,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
+#include "dalle/io/state_dict.h"
 #include "test_support.h"
 #include "tool_runner.h"
 
@@ -68,7 +70,7 @@ ScratchDir* TrainingJob::data_ = nullptr;
 io::TensorMap weights_at(const std::string& run, int64_t step) {
   char name[32];
   std::snprintf(name, sizeof name, "step-%09lld", static_cast<long long>(step));
-  return io::read_safetensors(run + "/checkpoints/" + name + "/model.safetensors").tensors;
+  return io::load_checkpoint(run + "/checkpoints/" + name).weights;  // sharded ones joined
 }
 
 double largest_difference(const io::TensorMap& a, const io::TensorMap& b) {
@@ -129,6 +131,15 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
   ASSERT_EQ(sharded.status, 0) << sharded.output;
   EXPECT_THAT(sharded.output, ::testing::HasSubstr("each holds 1/" + std::to_string(ranks)));
   EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "sharded", 10)), 1e-5);
+  // Every rank wrote its shard of the resblocks; dalle-export joins them, as load_checkpoint does.
+  EXPECT_TRUE(std::filesystem::exists(dir / "sharded/checkpoints/step-000000010/shard-00000-of-0000" +
+                                      std::to_string(ranks) + ".safetensors"));
+  auto exported = run("dalle-export", (dir / "sharded") + " --out " + (dir / "exported"));
+  ASSERT_EQ(exported.status, 0) << exported.output;
+  const auto model = io::read_safetensors(dir / "exported/model.safetensors").tensors;
+  const auto average = io::with_prefix_removed(
+      io::read_safetensors(dir / "job/checkpoints/step-000000010/state.safetensors").tensors, "ema.");
+  EXPECT_LT(largest_difference(average, model), 1e-5) << "the moving average of data parallelism's run";
 }
 
 // fp16 with per-resblock scales under sharding: the scales (M x 2^13 at the start), the

@@ -43,6 +43,39 @@ TEST(Checkpoint, IncompleteDirectoryIsRefused) {
   EXPECT_THROW_WITH(load_checkpoint(dir / "nothing"), Error, "no checkpoint directory");
 }
 
+// Two ranks' shards of one group (a 2x2 matrix and a vector of 3: 7 values, 4 per rank with
+// one of padding), published from the staging folder, come back whole under their names.
+TEST(CheckpointStore, AShardedCheckpointIsStagedPublishedAndReadWhole) {
+  ScratchDir dir;
+  CheckpointStore store(dir / "checkpoints");
+  store.stage(5);
+  const auto staging = store.staging_for(5);
+  const ShardLayout layout{.ranks = 2,
+                           .groups = {{{"block.weight", {2, 2}}, {"block.bias", {3}}}},
+                           .kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}}};
+  write_checkpoint_files(staging, make_checkpoint(3), layout);
+  const auto values = torch::arange(8.0f);
+  write_checkpoint_shard(staging, 0, 2, {{"weights.0", values.slice(0, 0, 4)}, {"ema.0", -values.slice(0, 0, 4)}});
+  EXPECT_FALSE(store.latest()) << "nothing is published before every rank has written";
+  EXPECT_THROW_WITH(load_checkpoint(staging), Error, "shard-00001-of-00002.safetensors is missing");
+  write_checkpoint_shard(staging, 1, 2, {{"weights.0", values.slice(0, 4, 8)}, {"ema.0", -values.slice(0, 4, 8)}});
+  EXPECT_EQ(store.publish(5), dir / "checkpoints/step-000000005");
+  EXPECT_FALSE(fs::exists(staging));
+
+  const auto loaded = load_checkpoint(*store.latest());
+  EXPECT_TRUE(torch::equal(loaded.weights.at("layer.weight"), torch::full({2, 2}, 3.0f))) << "rank 0's own";
+  EXPECT_TRUE(torch::equal(loaded.weights.at("block.weight"), torch::arange(4.0f).view({2, 2})));
+  EXPECT_TRUE(torch::equal(loaded.weights.at("block.bias"), torch::arange(4.0f, 7.0f)));
+  EXPECT_TRUE(torch::equal(loaded.state.at("ema.block.bias"), -torch::arange(4.0f, 7.0f)));
+  EXPECT_EQ(loaded.state_metadata.count("shard_layout"), 0u);
+
+  // A job killed while staging leaves a folder the next staging removes.
+  store.stage(6);
+  store.stage(7);
+  EXPECT_FALSE(fs::exists(store.staging_for(6)));
+  EXPECT_EQ(store.steps(), std::vector<int64_t>{5});
+}
+
 TEST(CheckpointStore, TracksLatestAndPrunesOldSteps) {
   ScratchDir dir;
   CheckpointStore store(dir / "checkpoints", /*keep=*/2);

@@ -46,6 +46,9 @@ class ShardedParameters {
   // ... and the full values again, from every rank's `shard_like` (a shard-shaped tensor).
   std::vector<torch::Tensor> unshard(size_t g, const torch::Tensor& shard_like) const;
 
+  // The shapes of group g's tensors, whole.
+  std::vector<std::vector<int64_t>> shapes(size_t g) const;
+
   // The bytes of whole groups gathered and reduce-scattered so far (the collectives' payload).
   int64_t bytes_moved() const { return bytes_moved_; }
 

@@ -5,6 +5,7 @@
 // name and renamed into place, so a run killed at any moment leaves only complete
 // checkpoints behind.
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -21,7 +22,31 @@ struct Checkpoint {
 };
 
 void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint);
+// A checkpoint, whole: one written in shards (below) comes back as if written by one process.
 Checkpoint load_checkpoint(const std::string& directory);
+
+// A checkpoint that the ranks of a job write together (a model whose parameters are sharded
+// between them). Rank 0 writes the checkpoint's own files, with the shard layout in its state
+// metadata; every rank writes its shard (flat tensors "<kind>.<group>", this rank's part of
+// each group's values, in the layout's order). load_checkpoint joins the shards and puts
+// each kind's values where the layout says, under their parameters' names.
+struct ShardLayout {
+  struct Parameter {
+    std::string name;
+    std::vector<int64_t> shape;
+  };
+  struct Kind {
+    bool into_weights = false;  // else into the state
+    std::string prefix, suffix;  // of the names there ("ema." + name, "adamw." + name + ".exp_avg")
+  };
+  int64_t ranks = 1;
+  std::vector<std::vector<Parameter>> groups;
+  std::map<std::string, Kind> kinds;
+};
+// Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata.
+void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout);
+// Rank `rank`'s shard into `staging`.
+void write_checkpoint_shard(const std::string& staging, int64_t rank, int64_t ranks, const TensorMap& shard);
 
 // The checkpoints of one run: <root>/step-<N>/ directories, a `latest` file naming the
 // newest complete one, and pruning to the newest `keep` (0 keeps all).
@@ -31,6 +56,13 @@ class CheckpointStore {
 
   // Saves the checkpoint of `step` and returns its directory.
   std::string save(int64_t step, const Checkpoint& checkpoint);
+  // A checkpoint written by several ranks: the folder they write the checkpoint of `step`
+  // into, made empty by rank 0 (staging) before they write; once all have written, rank 0
+  // renames it into place (publish) and returns its directory. A job killed in between
+  // leaves only the staging folder, which the next staging removes.
+  std::string staging_for(int64_t step) const;
+  void stage(int64_t step) const;
+  std::string publish(int64_t step);
   // The newest complete checkpoint's directory, if any.
   std::optional<std::string> latest() const;
   std::vector<int64_t> steps() const;

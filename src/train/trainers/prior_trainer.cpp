@@ -302,29 +302,61 @@ void PriorTrainer::State::copy_average_to(models::Prior& target) {
 
 void PriorTrainer::State::save_checkpoint() {
   if (!shards) return TrainerState::save_checkpoint();
-  // Gathered whole, as an unsharded run writes it: any number of ranks, sharded or not,
-  // resumes from it, and dalle-export reads it.
+  // Sharded: each rank of the first machine writes its shards of the resblocks, rank 0 the
+  // rest (the replicated parameters, the state) and the shards' layout, into a staging folder
+  // that rank 0 renames into place once every rank has written. load_checkpoint reads it whole,
+  // so any number of ranks, sharded or not, resumes from it and dalle-export reads it.
+  if (writes_files) checkpoints.stage(step);
+  job->barrier();
+  const auto staging = checkpoints.staging_for(step);
   const auto& sharded = *shards->parameters();
-  auto weights = io::state_dict(*model);
-  for (auto& [name, tensor] : shards->whole(sharded.shards())) weights[name] = tensor;
-  auto moments = adamw_state(*optimizer, *model);
-  if (optimizer->state().count(sharded.shard(0).unsafeGetTensorImpl())) {
-    std::vector<torch::Tensor> exp_avg, exp_avg_sq;
+  const bool moments = optimizer->state().count(sharded.shard(0).unsafeGetTensorImpl()) > 0;
+  if (job->place().node_rank == 0) {
+    io::TensorMap mine;
     for (size_t g = 0; g < sharded.groups(); ++g) {
+      const auto index = "." + std::to_string(g);
+      mine.emplace("weights" + index, sharded.shard(g).detach().cpu());
+      mine.emplace("ema" + index, shard_averages[g].cpu());
+      if (!moments) continue;
       const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
           *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
-      exp_avg.push_back(adam.exp_avg());
-      exp_avg_sq.push_back(adam.exp_avg_sq());
-      for (const auto& name : shards->names(g)) moments.emplace(name + ".step", torch::tensor(adam.step(), torch::kInt64));
+      mine.emplace("exp_avg" + index, adam.exp_avg().cpu());
+      mine.emplace("exp_avg_sq" + index, adam.exp_avg_sq().cpu());
     }
-    moments.merge(shards->whole(exp_avg, ".exp_avg"));
-    moments.merge(shards->whole(exp_avg_sq, ".exp_avg_sq"));
+    io::write_checkpoint_shard(staging, job->place().local_rank, job->place().local_world_size, mine);
   }
-  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), whole_average(), moments,
-                                    step, loader_position());
-  precision->save_state(checkpoint.state, "gradient_scaler.");
-  save_extra(checkpoint);
-  save(checkpoint);
+  if (writes_files) {
+    io::ShardLayout layout{.ranks = job->place().local_world_size};
+    layout.kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}};
+    if (moments) {
+      layout.kinds.insert({{"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}},
+                           {"exp_avg_sq", {.prefix = "adamw.", .suffix = ".exp_avg_sq"}}});
+    }
+    auto weights = io::state_dict(*model);
+    auto replicated_moments = adamw_state(*optimizer, *model);
+    for (size_t g = 0; g < sharded.groups(); ++g) {
+      const auto shapes = sharded.shapes(g);
+      std::vector<io::ShardLayout::Parameter> parameters;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        const auto& name = shards->names(g)[i];
+        parameters.push_back({name, shapes[i]});
+        weights.erase(name);
+        if (moments) {
+          const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
+              *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
+          replicated_moments.emplace(name + ".step", torch::tensor(adam.step(), torch::kInt64));
+        }
+      }
+      layout.groups.push_back(std::move(parameters));
+    }
+    auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), ema->weights(),
+                                      replicated_moments, step, loader_position());
+    precision->save_state(checkpoint.state, "gradient_scaler.");
+    save_extra(checkpoint);
+    io::write_checkpoint_files(staging, std::move(checkpoint), layout);
+  }
+  job->barrier();
+  if (writes_files) log::info(what, ": checkpoint ", checkpoints.publish(step));
 }
 
 torch::Tensor PriorTrainer::State::batch_tokens(const std::vector<data::TokenExample>& examples,
