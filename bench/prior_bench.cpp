@@ -199,6 +199,10 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   } else {
     update.set_reducer(job.reducer());
   }
+  if (batch % job.size() != 0) {
+    throw Error("a global batch of " + std::to_string(batch) + " does not split between " +
+                std::to_string(job.size()) + " ranks");
+  }
   const auto tokens = random_tokens(config, batch / job.size());
   int64_t calls = 0;
   auto step = [&] {

@@ -9,6 +9,7 @@
 
 #include "dalle/config.h"
 #include "dalle/dist/launch.h"
+#include "dalle/log.h"
 
 namespace dalle::tools {
 
@@ -95,9 +96,14 @@ void train_recipe(const TrainRequest& request) {
   if (request.options.print_requested(visit_of(config))) return;
   if (request.run.empty()) throw UsageError("--out is required");
   const auto place = dist::read_launch_environment();
-  if (place.launcher == "none" && config.distributed.nproc_per_node > 1) {
-    launch_local_ranks(request.arguments, config.distributed.nproc_per_node, request.run);
+  const int64_t nproc = config.distributed.nproc_per_node;
+  if (place.launcher == "none" && nproc > 1) {
+    launch_local_ranks(request.arguments, nproc, request.run);
     return;
+  }
+  if (nproc > 1 && nproc != place.local_world_size && place.rank == 0) {
+    log::warn("distributed.nproc_per_node ", nproc, " is ignored: ", place.launcher, " started ",
+              place.local_world_size, " ranks per machine");
   }
   start_run_log(request.run, place);
   Trainer trainer(config, request.run);

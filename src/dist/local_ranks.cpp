@@ -148,7 +148,7 @@ LocalRanksOutcome run_local_ranks(const LocalRanksOptions& options) {
     if (signals_received > signals_passed_on) {
       // The first ^C or SIGTERM asks the ranks to checkpoint and stop; a second ends them.
       signals_passed_on = signals_received;
-      signal_all(signals_passed_on == 1 ? SIGTERM : SIGKILL);
+      signal_all(signals_passed_on == 1 ? static_cast<int>(last_signal) : SIGKILL);
       stop_status = 128 + last_signal;
     }
     int status = 0;

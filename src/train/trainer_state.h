@@ -44,8 +44,8 @@ std::unique_ptr<State> start_trainer(Config config, const std::string& run, cons
 }
 
 // Joins the job the launcher started (a job of one without a launcher) before any model is
-// built, so that ranks started with another config or build are refused at once.
-// The ranks train on `device`: NCCL carries the collectives of a job on GPUs, gloo the others.
+// built, so that ranks started with another config or build are refused at once. NCCL
+// carries the collectives of a job on GPUs (`device`), gloo the others.
 template <class Config>
 std::shared_ptr<dist::Job> join_job(Config config, const dist::LaunchEnvironment& place, torch::Device device) {
   const auto& d = config.distributed;

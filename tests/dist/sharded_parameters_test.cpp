@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include "dalle/train/model_precision.h"
+#include "dalle/train/update_step.h"
 #include "dist/on_ranks.h"
 #include "test_support.h"
 
@@ -88,6 +90,32 @@ TEST(ShardedReducer, AveragesTheReplicatedGradientsAndMeasuresTheNormOfEveryShar
     EXPECT_TRUE(torch::equal(replicated.grad(), torch::ones({2})));
     EXPECT_TRUE(torch::equal(sharded->shard(0).grad(), torch::ones({5}))) << "already the shard of the mean";
     EXPECT_NEAR(reducer.gradient_norm(parameters), std::sqrt(2.0 + 10.0), 1e-6);
+  });
+}
+
+// fp16 with one scale per sharded group: an inf in one rank's gradient of group 0 skips the
+// update on both ranks, leaves every shard as it was, and backs off group 0's scale alone,
+// the same on both ranks, as one process does (PriorTrainerTest.InfInOneResblock...).
+TEST(ShardedReducer, AnInfOnOneRankSkipsTheUpdateEverywhereAndBacksOffOnlyItsGroup) {
+  testing::on_ranks(2, [](const LaunchEnvironment& place) {
+    auto group = group_at(place);
+    auto tensors = model();
+    auto sharded = std::make_shared<ShardedParameters>(tensors, group);
+    train::PrecisionConfig config;
+    config.mode = "fp16";
+    train::ModelPrecision precision(config, sharded->shards(), {{sharded->shard(0)}, {sharded->shard(1)}},
+                                    /*replicas=*/2);
+    torch::optim::SGD sgd(sharded->shards(), torch::optim::SGDOptions(0.1));
+    train::UpdateStep update(sgd, precision, {.what = "test"});
+    update.set_reducer(std::make_shared<ShardedReducer>(sharded, group, group, nullptr, 1 << 20));
+    const auto before = sharded->shard(0).detach().clone();
+    const double poison = place.rank == 1 ? INFINITY : 1.0;
+    const auto loss = (sharded->shard(0) * poison).sum() + sharded->shard(1).sum();
+    EXPECT_TRUE(update.apply(loss, 1).skipped);
+    EXPECT_TRUE(torch::equal(sharded->shard(0), before));
+    const auto* scaler = precision.scaler();
+    EXPECT_LT(scaler->scale(0), scaler->scale(1));
+    EXPECT_DOUBLE_EQ(scaler->scale(1), 2 * std::exp2(13.001)) << "M x 2^13, grown as after a good update";
   });
 }
 

@@ -109,7 +109,13 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   std::vector<torch::Tensor> shard_averages;
 
   void shard_resblocks();
+  void shard_optimizer(std::vector<torch::optim::OptimizerParamGroup> groups, const io::TensorMap& replicated_moments,
+                       const io::TensorMap& moments);
+  void shard_update(const io::TensorMap& scales);
+  void average_shards();
   void save_checkpoint() override;
+  void write_own_shards(const std::string& staging, bool moments) const;
+  void write_checkpoint_files(const std::string& staging, bool moments);
   // The moving average of the weights, whole, into `target`.
   void copy_average_to(models::Prior& target);
   io::TensorMap whole_average() const;
@@ -232,7 +238,7 @@ void PriorTrainer::State::shard_resblocks() {
   for (const auto& block : model->resblocks()) {
     for (const auto& parameter : block->parameters()) in_blocks.insert(parameter.unsafeGetTensorImpl());
   }
-  auto groups = parameter_groups(*model, config.optimizer.weight_decay, [&](const torch::Tensor& parameter) {
+  auto replicated = parameter_groups(*model, config.optimizer.weight_decay, [&](const torch::Tensor& parameter) {
     return in_blocks.count(parameter.unsafeGetTensorImpl()) == 0;
   });
 
@@ -242,15 +248,27 @@ void PriorTrainer::State::shard_resblocks() {
     ema->forget(shards->names(g));
     shard_averages.push_back(shards->shard_of(g, averages).to(sharded.shard(g).device()));
   }
-  for (const auto& shard : shards->decayed_shards()) groups[0].params().push_back(shard);
-  for (const auto& shard : shards->undecayed_shards()) groups[1].params().push_back(shard);
-  optimizer = make_adamw(std::move(groups), config.learning_rate.peak);
   io::TensorMap replicated_moments;
   for (const auto& [name, tensor] : moments) {
     if (!in_blocks.count(model->named_parameters()[name.substr(0, name.rfind('.'))].unsafeGetTensorImpl())) {
       replicated_moments.emplace(name, tensor);
     }
   }
+  shard_optimizer(std::move(replicated), replicated_moments, moments);
+  shard_update(scales);
+  const int64_t ranks = job->place().local_world_size;
+  log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
+            " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
+            job->place().nodes > 1 ? ", replicated on the " + std::to_string(job->place().nodes) + " machines" : "");
+}
+
+// AdamW over the replicated parameters and the shards, with the moments it had whole.
+void PriorTrainer::State::shard_optimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
+                                          const io::TensorMap& replicated_moments, const io::TensorMap& moments) {
+  const auto& sharded = *shards->parameters();
+  for (const auto& shard : shards->decayed_shards()) groups[0].params().push_back(shard);
+  for (const auto& shard : shards->undecayed_shards()) groups[1].params().push_back(shard);
+  optimizer = make_adamw(std::move(groups), config.learning_rate.peak);
   load_adamw_state(*optimizer, *model, replicated_moments);
   for (size_t g = 0; g < sharded.groups(); ++g) {
     if (shards->names(g).empty() || !moments.count(shards->names(g).front() + ".step")) continue;
@@ -261,32 +279,34 @@ void PriorTrainer::State::shard_resblocks() {
     adam->exp_avg_sq(shards->shard_of(g, moments, ".exp_avg_sq").to(options));
     optimizer->state()[sharded.shard(g).unsafeGetTensorImpl()] = std::move(adam);
   }
+}
 
+// The precision (per-resblock fp16 scales over each block's shards, as `scales` left them)
+// and the update step of the shards.
+void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
   std::vector<torch::Tensor> learned;
-  for (const auto& group : optimizer->param_groups()) learned.insert(learned.end(), group.params().begin(), group.params().end());
+  for (const auto& group : optimizer->param_groups()) {
+    learned.insert(learned.end(), group.params().begin(), group.params().end());
+  }
   precision = std::make_unique<ModelPrecision>(config.precision, learned, shards->scale_groups(), replicas());
   precision->load_state(scales, "");
   update = std::make_unique<UpdateStep>(*optimizer, *precision,
                                         UpdateOptions{.what = what,
                                                       .grad_clip = config.optimizer.grad_clip,
                                                       .measure_norm = true,
-                                                      .after_step =
-                                                          [this] {
-                                                            torch::NoGradGuard no_grad;
-                                                            const double weight = 1.0 - config.optimizer.ema_decay;
-                                                            for (size_t g = 0; g < shard_averages.size(); ++g) {
-                                                              shard_averages[g].lerp_(
-                                                                  shards->parameters()->shard(g).detach(), weight);
-                                                            }
-                                                          }},
+                                                      .after_step = [this] { average_shards(); }},
                                         ema.get(), model.get());
   update->set_reducer(std::make_shared<dist::ShardedReducer>(
       shards->parameters(), job->group(), job->within_node(), job->across_nodes(),
       std::llround(config.distributed.bucket_megabytes * (1 << 20))));
-  const int64_t ranks = job->place().local_world_size;
-  log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
-            " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
-            job->place().nodes > 1 ? ", replicated on the " + std::to_string(job->place().nodes) + " machines" : "");
+}
+
+void PriorTrainer::State::average_shards() {
+  torch::NoGradGuard no_grad;
+  const double weight = 1.0 - config.optimizer.ema_decay;
+  for (size_t g = 0; g < shard_averages.size(); ++g) {
+    shard_averages[g].lerp_(shards->parameters()->shard(g).detach(), weight);
+  }
 }
 
 io::TensorMap PriorTrainer::State::whole_average() const {
@@ -309,54 +329,58 @@ void PriorTrainer::State::save_checkpoint() {
   if (writes_files) checkpoints.stage(step);
   job->barrier();
   const auto staging = checkpoints.staging_for(step);
+  const bool moments = optimizer->state().count(shards->parameters()->shard(0).unsafeGetTensorImpl()) > 0;
+  if (job->place().node_rank == 0) write_own_shards(staging, moments);
+  if (writes_files) write_checkpoint_files(staging, moments);
+  job->barrier();
+  if (writes_files) log::info(what, ": checkpoint ", checkpoints.publish(step));
+}
+
+void PriorTrainer::State::write_own_shards(const std::string& staging, bool moments) const {
   const auto& sharded = *shards->parameters();
-  const bool moments = optimizer->state().count(sharded.shard(0).unsafeGetTensorImpl()) > 0;
-  if (job->place().node_rank == 0) {
-    io::TensorMap mine;
-    for (size_t g = 0; g < sharded.groups(); ++g) {
-      const auto index = "." + std::to_string(g);
-      mine.emplace("weights" + index, sharded.shard(g).detach().cpu());
-      mine.emplace("ema" + index, shard_averages[g].cpu());
+  io::TensorMap mine;
+  for (size_t g = 0; g < sharded.groups(); ++g) {
+    const auto index = "." + std::to_string(g);
+    mine.emplace("weights" + index, sharded.shard(g).detach().cpu());
+    mine.emplace("ema" + index, shard_averages[g].cpu());
+    if (!moments) continue;
+    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
+        *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
+    mine.emplace("exp_avg" + index, adam.exp_avg().cpu());
+    mine.emplace("exp_avg_sq" + index, adam.exp_avg_sq().cpu());
+  }
+  io::write_checkpoint_shard(staging, job->place().local_rank, job->place().local_world_size, mine);
+}
+
+void PriorTrainer::State::write_checkpoint_files(const std::string& staging, bool moments) {
+  const auto& sharded = *shards->parameters();
+  io::ShardLayout layout{.ranks = job->place().local_world_size};
+  layout.kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}};
+  if (moments) {
+    layout.kinds.insert({{"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}},
+                         {"exp_avg_sq", {.prefix = "adamw.", .suffix = ".exp_avg_sq"}}});
+  }
+  auto weights = io::state_dict(*model);
+  auto replicated_moments = adamw_state(*optimizer, *model);
+  for (size_t g = 0; g < sharded.groups(); ++g) {
+    const auto shapes = sharded.shapes(g);
+    std::vector<io::ShardLayout::Parameter> parameters;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const auto& name = shards->names(g)[i];
+      parameters.push_back({name, shapes[i]});
+      weights.erase(name);
       if (!moments) continue;
       const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
           *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
-      mine.emplace("exp_avg" + index, adam.exp_avg().cpu());
-      mine.emplace("exp_avg_sq" + index, adam.exp_avg_sq().cpu());
+      replicated_moments.emplace(name + ".step", torch::tensor(adam.step(), torch::kInt64));
     }
-    io::write_checkpoint_shard(staging, job->place().local_rank, job->place().local_world_size, mine);
+    layout.groups.push_back(std::move(parameters));
   }
-  if (writes_files) {
-    io::ShardLayout layout{.ranks = job->place().local_world_size};
-    layout.kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}};
-    if (moments) {
-      layout.kinds.insert({{"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}},
-                           {"exp_avg_sq", {.prefix = "adamw.", .suffix = ".exp_avg_sq"}}});
-    }
-    auto weights = io::state_dict(*model);
-    auto replicated_moments = adamw_state(*optimizer, *model);
-    for (size_t g = 0; g < sharded.groups(); ++g) {
-      const auto shapes = sharded.shapes(g);
-      std::vector<io::ShardLayout::Parameter> parameters;
-      for (size_t i = 0; i < shapes.size(); ++i) {
-        const auto& name = shards->names(g)[i];
-        parameters.push_back({name, shapes[i]});
-        weights.erase(name);
-        if (moments) {
-          const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
-              *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
-          replicated_moments.emplace(name + ".step", torch::tensor(adam.step(), torch::kInt64));
-        }
-      }
-      layout.groups.push_back(std::move(parameters));
-    }
-    auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), ema->weights(),
-                                      replicated_moments, step, loader_position());
-    precision->save_state(checkpoint.state, "gradient_scaler.");
-    save_extra(checkpoint);
-    io::write_checkpoint_files(staging, std::move(checkpoint), layout);
-  }
-  job->barrier();
-  if (writes_files) log::info(what, ": checkpoint ", checkpoints.publish(step));
+  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), ema->weights(),
+                                    replicated_moments, step, loader_position());
+  precision->save_state(checkpoint.state, "gradient_scaler.");
+  save_extra(checkpoint);
+  io::write_checkpoint_files(staging, std::move(checkpoint), layout);
 }
 
 torch::Tensor PriorTrainer::State::batch_tokens(const std::vector<data::TokenExample>& examples,
