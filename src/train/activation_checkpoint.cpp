@@ -15,9 +15,7 @@ using torch::autograd::variable_list;
 // What the recomputation needs, carried through the autograd context.
 struct Recompute : torch::CustomClassHolder {
   std::function<torch::Tensor(const torch::Tensor&)> fn;
-  at::Generator generator;
-  torch::Tensor generator_state;
-  std::optional<torch::ScalarType> autocast;
+  ForwardState state;
 };
 
 torch::Tensor generator_state(at::Generator& generator) {
@@ -34,10 +32,7 @@ class Checkpointed : public torch::autograd::Function<Checkpointed> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                c10::intrusive_ptr<Recompute> recompute) {
-    const auto device = x.device().type();
-    recompute->generator = at::globalContext().defaultGenerator(x.device());
-    recompute->generator_state = generator_state(recompute->generator);
-    if (at::autocast::is_autocast_enabled(device)) recompute->autocast = at::autocast::get_autocast_dtype(device);
+    recompute->state = ForwardState(x);
     ctx->save_for_backward({x});
     ctx->saved_data["recompute"] = c10::IValue::make_capsule(recompute);
     torch::NoGradGuard no_grad;
@@ -47,22 +42,32 @@ class Checkpointed : public torch::autograd::Function<Checkpointed> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
     const auto input = ctx->get_saved_variables()[0].detach().requires_grad_(true);
-    torch::Tensor output;
-    {
-      // The generator is rewound for the rerun, then put back where the first run left it.
-      const auto after_forward = generator_state(recompute->generator);
-      set_generator_state(recompute->generator, recompute->generator_state);
-      torch::AutoGradMode grad_mode(true);
-      AutocastGuard autocast(input.device().type(), recompute->autocast);
-      output = recompute->fn(input);
-      set_generator_state(recompute->generator, after_forward);
-    }
-    torch::autograd::backward({output}, {grads[0]});
+    torch::autograd::backward({recompute->state.rerun(recompute->fn, input)}, {grads[0]});
     return {input.grad(), torch::Tensor()};
   }
 };
 
 }  // namespace
+
+ForwardState::ForwardState(const torch::Tensor& x)
+    : generator_(at::globalContext().defaultGenerator(x.device())), generator_state_(generator_state(generator_)) {
+  const auto device = x.device().type();
+  if (at::autocast::is_autocast_enabled(device)) autocast_ = at::autocast::get_autocast_dtype(device);
+}
+
+torch::Tensor ForwardState::rerun(const std::function<torch::Tensor(const torch::Tensor&)>& fn,
+                                  const torch::Tensor& input) {
+  const auto after_forward = generator_state(generator_);
+  set_generator_state(generator_, generator_state_);
+  torch::Tensor output;
+  {
+    torch::AutoGradMode grad_mode(true);
+    AutocastGuard autocast(input.device().type(), autocast_);
+    output = fn(input);
+  }
+  set_generator_state(generator_, after_forward);
+  return output;
+}
 
 torch::Tensor checkpointed(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& x) {
   if (!torch::GradMode::is_enabled()) return fn(x);

@@ -1,10 +1,9 @@
 #include "dalle/train/sharded_resblocks.h"
 
-#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include "dalle/error.h"
-#include "dalle/train/precision.h"
+#include "dalle/train/activation_checkpoint.h"
 
 namespace dalle::train {
 namespace {
@@ -18,9 +17,7 @@ struct ShardedRun : torch::CustomClassHolder {
   std::shared_ptr<dist::ShardedParameters> sharded;
   size_t block = 0, blocks = 0;
   std::vector<size_t> groups;
-  at::Generator generator;
-  torch::Tensor generator_state;
-  std::optional<torch::ScalarType> autocast;
+  ForwardState state;
 
   void gather() const {
     for (const size_t g : groups) sharded->gather(g);
@@ -37,23 +34,10 @@ struct ShardedRun : torch::CustomClassHolder {
   }
 };
 
-torch::Tensor generator_state(at::Generator& generator) {
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  return generator.get_state();
-}
-
-void set_generator_state(at::Generator& generator, const torch::Tensor& state) {
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  generator.set_state(state);
-}
-
 class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, c10::intrusive_ptr<ShardedRun> run) {
-    const auto device = x.device().type();
-    run->generator = at::globalContext().defaultGenerator(x.device());
-    run->generator_state = generator_state(run->generator);
-    if (at::autocast::is_autocast_enabled(device)) run->autocast = at::autocast::get_autocast_dtype(device);
+    run->state = ForwardState(x);
     ctx->save_for_backward({x});
     ctx->saved_data["run"] = c10::IValue::make_capsule(run);
     torch::NoGradGuard no_grad;
@@ -69,18 +53,7 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
     const auto input = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     run->gather();
     if (run->block > 0) run->prefetch(run->block - 1);
-    {
-      const auto after_forward = generator_state(run->generator);
-      set_generator_state(run->generator, run->generator_state);
-      torch::Tensor output;
-      {
-        torch::AutoGradMode grad_mode(true);
-        AutocastGuard autocast(input.device().type(), run->autocast);
-        output = run->fn(input);
-      }
-      set_generator_state(run->generator, after_forward);
-      torch::autograd::backward({output}, {grads[0]});
-    }
+    torch::autograd::backward({run->state.rerun(run->fn, input)}, {grads[0]});
     for (const size_t g : run->groups) run->sharded->reduce_gradients(g);
     run->release();
     return {input.grad(), torch::Tensor()};

@@ -10,13 +10,7 @@
 namespace dalle::dist {
 namespace {
 
-std::shared_ptr<ProcessGroup> group_at(const LaunchEnvironment& place) {
-  return std::make_shared<ProcessGroup>(ProcessGroupOptions{.port = place.master_port,
-                                                            .rank = place.rank,
-                                                            .world_size = place.world_size,
-                                                            .serve_store = false,
-                                                            .timeout = std::chrono::seconds(30)});
-}
+using testing::group_at;
 
 // Parameters of several sizes and dtypes, whose gradients on rank r are seeded by r.
 // Generators of their own: the ranks are threads of one process.

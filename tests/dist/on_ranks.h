@@ -3,11 +3,14 @@
 // test serves on a port the kernel chose (no races between tests run side by side).
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <future>
+#include <memory>
 #include <vector>
 
 #include "dalle/dist/launch.h"
+#include "dalle/dist/process_group.h"
 
 namespace dalle::testing {
 
@@ -31,6 +34,15 @@ void on_ranks(int64_t world, Body body) {
     ranks.push_back(std::async(std::launch::async, [place, &body] { body(place); }));
   }
   for (auto& rank : ranks) rank.get();
+}
+
+// The process group of the rank at `place`, over the test's store.
+inline std::shared_ptr<dist::ProcessGroup> group_at(const dist::LaunchEnvironment& place) {
+  return std::make_shared<dist::ProcessGroup>(dist::ProcessGroupOptions{.port = place.master_port,
+                                                                        .rank = place.rank,
+                                                                        .world_size = place.world_size,
+                                                                        .serve_store = false,
+                                                                        .timeout = std::chrono::seconds(30)});
 }
 
 }  // namespace dalle::testing

@@ -11,14 +11,7 @@ namespace {
 // Runs `body(group)` on `world` ranks, one thread each.
 template <class Body>
 void on_ranks(int64_t world, Body body) {
-  testing::on_ranks(world, [&body](const LaunchEnvironment& place) {
-    ProcessGroup group({.port = place.master_port,
-                        .rank = place.rank,
-                        .world_size = place.world_size,
-                        .serve_store = false,
-                        .timeout = std::chrono::seconds(30)});
-    body(group);
-  });
+  testing::on_ranks(world, [&body](const LaunchEnvironment& place) { body(*testing::group_at(place)); });
 }
 
 class ProcessGroupAtWorldSize : public ::testing::TestWithParam<int64_t> {};

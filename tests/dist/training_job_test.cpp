@@ -105,6 +105,16 @@ std::string find_rank_when(const std::string& path, int64_t rank) {
 const char* const kWatchdog =
     "(for i in $(seq 600); do kill -0 $pid || exit; sleep 0.1; done; kill -KILL $pid) >/dev/null 2>&1 & wait $pid";
 
+// `train` + a run folder trains 10 updates, checkpointing the last: in one process and on
+// two ranks, to the same weights.
+void expect_two_ranks_train_as_one_process(const std::string& train, const ScratchDir& dir) {
+  auto one = run_command(train + (dir / "one"));
+  ASSERT_EQ(one.status, 0) << one.output;
+  auto job = run_command(train + (dir / "job") + " --nproc-per-node 2");
+  ASSERT_EQ(job.status, 0) << job.output;
+  EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
+}
+
 class TrainingJobAtWorldSize : public TrainingJob, public ::testing::WithParamInterface<int64_t> {};
 
 // Each rank takes every ranks-th example of the global batch and their gradients are
@@ -185,11 +195,7 @@ TEST_F(TrainingJob, TwoRanksTrainSuperResolutionAsOneProcessDoes) {
                                " --set model.num_feat=8 --set model.num_block=1 --set model.num_grow_ch=4" +
                                " --set data.batch_size=4 --set run.threads=1 --set run.steps=10" +
                                " --set run.validate_every=1000000 --set run.checkpoint_every=10 --out ";
-  auto one = run_command(train_sr + (dir / "one"));
-  ASSERT_EQ(one.status, 0) << one.output;
-  auto job = run_command(train_sr + (dir / "job") + " --nproc-per-node 2");
-  ASSERT_EQ(job.status, 0) << job.output;
-  EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
+  expect_two_ranks_train_as_one_process(train_sr, dir);
 }
 
 // Every rank contrasts its images and captions with the whole global batch's.
@@ -203,12 +209,8 @@ TEST_F(TrainingJob, TwoRanksTrainClipAsOneProcessDoes) {
                       ", image_size: 16, batch_size: 8}\n"
                       "tokenizer: " + (*data_ / "tok.model") +
                       "\nrun: {steps: 10, validate_every: 1000000, checkpoint_every: 10, threads: 1}\n");
-  const auto train_clip = testing::tool_path("dalle-train-clip") + " --config " + (dir / "clip.yaml") + " --out ";
-  auto one = run_command(train_clip + (dir / "one"));
-  ASSERT_EQ(one.status, 0) << one.output;
-  auto job = run_command(train_clip + (dir / "job") + " --nproc-per-node 2");
-  ASSERT_EQ(job.status, 0) << job.output;
-  EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
+  expect_two_ranks_train_as_one_process(
+      testing::tool_path("dalle-train-clip") + " --config " + (dir / "clip.yaml") + " --out ", dir);
 }
 
 TEST_F(TrainingJob, AKilledRankEndsTheJobNamingItAndTheRerunResumesAsIfUninterrupted) {

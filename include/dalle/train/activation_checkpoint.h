@@ -1,11 +1,30 @@
 #pragma once
 // Activation checkpointing: run a function without keeping its intermediate activations
 // and recompute them in the backward pass, trading one more forward for the memory.
+#include <ATen/core/Generator.h>
 #include <torch/types.h>
 
 #include <functional>
+#include <optional>
 
 namespace dalle::train {
+
+// The random and autocast state a forward ran in, so that backward can rerun it exactly
+// (activation checkpointing, sharded blocks).
+class ForwardState {
+ public:
+  ForwardState() = default;
+  // The state now, of a forward on `x`'s device.
+  explicit ForwardState(const torch::Tensor& x);
+  // fn(input) with grad enabled, in the captured state; the generator then goes back to
+  // where it was, so that what follows draws as if nothing had been rerun.
+  torch::Tensor rerun(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& input);
+
+ private:
+  at::Generator generator_;
+  torch::Tensor generator_state_;
+  std::optional<torch::ScalarType> autocast_;
+};
 
 // fn(x), whose backward reruns fn on the saved input with the random generator state and
 // autocast state of the first run, so that dropout masks and precisions repeat exactly.
