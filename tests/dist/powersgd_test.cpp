@@ -1,0 +1,117 @@
+#include "dalle/dist/powersgd.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include "dist/on_ranks.h"
+#include "test_support.h"
+
+namespace dalle::dist {
+namespace {
+
+using testing::group_at;
+
+// A 6x4 matrix, a 2x3x2 tensor (compressed as 2x6) and a vector, whose gradients on rank r
+// are drawn from a generator seeded by r.
+std::vector<torch::Tensor> parameters_of_rank(int64_t rank) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7 + static_cast<uint64_t>(rank));
+  std::vector<torch::Tensor> parameters{torch::zeros({6, 4}).requires_grad_(), torch::zeros({2, 3, 2}).requires_grad_(),
+                                        torch::zeros({5}).requires_grad_()};
+  for (auto& parameter : parameters) {
+    parameter.mutable_grad() = torch::randn(parameter.sizes(), generator, torch::kFloat32);
+  }
+  return parameters;
+}
+
+std::vector<torch::Tensor> mean_of_ranks(int64_t world) {
+  std::vector<torch::Tensor> mean;
+  for (int64_t rank = 0; rank < world; ++rank) {
+    const auto parameters = parameters_of_rank(rank);
+    if (mean.empty()) mean.resize(parameters.size());
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      const auto share = parameters[i].grad() / static_cast<double>(world);
+      mean[i] = mean[i].defined() ? mean[i] + share : share;
+    }
+  }
+  return mean;
+}
+
+class PowerSgdAtWorldSize : public ::testing::TestWithParam<int64_t> {};
+
+// At full rank the power iteration spans every column: the exact mean, but for the 1e-6 I.
+TEST_P(PowerSgdAtWorldSize, FullRankEqualsTheExactMean) {
+  const int64_t world = GetParam();
+  const auto mean = mean_of_ranks(world);
+  testing::on_ranks(world, [&](const LaunchEnvironment& place) {
+    PowerSgdReducer reducer(group_at(place), {.rank = 6, .start_update = 1, .min_compression_rate = 0.0});
+    auto parameters = parameters_of_rank(place.rank);
+    EXPECT_TRUE(reducer.compresses({6, 4}));
+    EXPECT_FALSE(reducer.compresses({5}));
+    reducer.reduce(parameters);
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      EXPECT_LT((parameters[i].grad() - mean[i]).abs().max().item<double>(), 1e-5) << i;
+    }
+  });
+}
+
+// At rank 1 the result is an approximation, but every replica takes the same one.
+TEST_P(PowerSgdAtWorldSize, ReplicasStayBitIdenticalAtLowRank) {
+  const int64_t world = GetParam();
+  std::vector<torch::Tensor> rank0;
+  std::mutex mutex;
+  testing::on_ranks(world, [&](const LaunchEnvironment& place) {
+    PowerSgdReducer reducer(group_at(place), {.rank = 1, .start_update = 1, .min_compression_rate = 0.0});
+    auto parameters = parameters_of_rank(place.rank);
+    for (int update = 0; update < 3; ++update) reducer.reduce(parameters);
+    std::lock_guard lock(mutex);
+    if (rank0.empty()) {
+      for (const auto& parameter : parameters) rank0.push_back(parameter.grad().clone());
+      return;
+    }
+    for (size_t i = 0; i < parameters.size(); ++i) EXPECT_TRUE(torch::equal(parameters[i].grad(), rank0[i])) << i;
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, PowerSgdAtWorldSize, ::testing::Values(2, 4));
+
+// A rank-2 matrix at rank 1: the first update passes one direction on, and the error
+// feedback passes what it dropped on with the next (zero) gradient.
+TEST(PowerSgd, ErrorFeedbackCarriesWhatOneUpdateDropsIntoTheNext) {
+  testing::on_ranks(2, [](const LaunchEnvironment& place) {
+    PowerSgdReducer reducer(group_at(place), {.rank = 1, .start_update = 1, .min_compression_rate = 0.0});
+    const auto u = torch::tensor({1.0f, 0.0f, 0.0f, 0.0f}), v = torch::tensor({0.0f, 1.0f, 0.0f});
+    const auto w = torch::tensor({0.0f, 1.0f, 0.0f, 0.0f}), x = torch::tensor({0.0f, 0.0f, 1.0f});
+    const auto matrix = 3 * torch::outer(u, v) + torch::outer(w, x);  // rank 2, singular values 3 and 1
+    auto parameter = torch::zeros({4, 3}).requires_grad_();
+    parameter.mutable_grad() = matrix.clone();
+    reducer.reduce({parameter});
+    const auto first = parameter.grad().clone();
+    EXPECT_GT((matrix - first).norm().item<double>(), 0.5) << "rank 1 drops a direction";
+    parameter.mutable_grad() = torch::zeros({4, 3});
+    reducer.reduce({parameter});
+    EXPECT_GT(parameter.grad().norm().item<double>(), 0.5) << "the dropped part comes with the next update";
+    EXPECT_LT((matrix - first - parameter.grad()).norm().item<double>(), (matrix - first).norm().item<double>());
+  });
+}
+
+// P (n x r) and Q (m x r) per compressed matrix, in fp32; the rest whole.
+TEST(PowerSgd, BytesFollowTheFormula) {
+  testing::on_ranks(2, [](const LaunchEnvironment& place) {
+    const int64_t width = 64, rank = 4;
+    PowerSgdReducer reducer(group_at(place), {.rank = rank, .start_update = 2});
+    std::vector<torch::Tensor> parameters{torch::zeros({3 * width, width}), torch::zeros({4 * width, width}),
+                                          torch::zeros({width})};
+    for (auto& parameter : parameters) {
+      parameter.requires_grad_();
+      parameter.mutable_grad() = torch::ones_like(parameter);
+    }
+    reducer.reduce(parameters);  // update 1: whole
+    const int64_t whole = (3 + 4) * width * width * 4 + width * 4;
+    EXPECT_EQ(reducer.bytes_reduced(), whole);
+    reducer.reduce(parameters);  // update 2: compressed
+    EXPECT_EQ(reducer.bytes_reduced() - whole, ((3 * width + width) + (4 * width + width)) * rank * 4 + width * 4);
+  });
+}
+
+}  // namespace
+}  // namespace dalle::dist
