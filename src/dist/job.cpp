@@ -42,7 +42,11 @@ Job::Job(const LaunchEnvironment& place, const JobOptions& options, const Finger
       .timeout = options.timeout,
       .backend = options.backend,
       .cuda_device = options.cuda_device});
-  reducer_ = std::make_shared<DataParallelReducer>(group_, options.bucket_bytes);
+  if (options.powersgd) {
+    reducer_ = std::make_shared<PowerSgdReducer>(group_, *options.powersgd);
+  } else {
+    reducer_ = std::make_shared<DataParallelReducer>(group_, options.bucket_bytes);
+  }
   const auto configs = ranks_differing(gather(static_cast<int64_t>(fingerprint.config)));
   const auto builds = ranks_differing(gather(static_cast<int64_t>(fingerprint.code)));
   if (!configs.empty() || !builds.empty()) {

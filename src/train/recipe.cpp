@@ -24,6 +24,17 @@ void RunConfig::visit(ConfigVisitor& v) {
           {.choices = {"auto", "cpu", "cuda"}});
 }
 
+void PowerSgdConfig::visit(ConfigVisitor& v) {
+  v.field("rank", rank, "r: each gradient matrix is averaged as P (n x r) Q^T (m x r) (DALL-E 12B: 896)",
+          {.min = 1, .max = 65536});
+  v.field("start_update", start_update, "updates before this one average whole gradients (PyTorch's hook: 1000)",
+          {.min = 1});
+  v.field("min_compression_rate", min_compression_rate,
+          "compress a matrix only when n m > this x (n + m) r; the others go whole", {.min = 0.0, .max = 1e6});
+  v.field("warm_start", warm_start, "false: Q stays the first seeded Gaussian (DALL-E); true: the last Q starts the "
+                                    "next power iteration (PyTorch's hook)");
+}
+
 void DistributedConfig::visit(ConfigVisitor& v) {
   v.field("nproc_per_node", nproc_per_node,
           "ranks to fork on this machine (127.0.0.1) when no launcher (torchrun, mpirun, srun) started the tool; "
@@ -39,6 +50,11 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           "every resblock's weights, gradients and AdamW moments, gathered per block (ZeRO-3, DALL-E's layout; "
           "implies per-resblock activation checkpointing)",
           {.choices = {"none", "within_node"}});
+  v.field("gradient_reduction", gradient_reduction,
+          "allreduce: the gradients averaged whole; powersgd: each matrix averaged as a low-rank product with error "
+          "feedback (data parallelism only, for now)",
+          {.choices = {"allreduce", "powersgd"}});
+  v.section("powersgd", "PowerSGD's rank and choices (distributed.gradient_reduction powersgd)", powersgd);
 }
 
 void visit_shared_sections(ConfigVisitor& v, const SharedSections& sections) {

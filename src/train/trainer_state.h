@@ -49,12 +49,24 @@ std::unique_ptr<State> start_trainer(Config config, const std::string& run, cons
 template <class Config>
 std::shared_ptr<dist::Job> join_job(Config config, const dist::LaunchEnvironment& place, torch::Device device) {
   const auto& d = config.distributed;
+  dist::JobOptions options{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
+                           .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20)),
+                           .backend = device.is_cuda() ? dist::Backend::nccl : dist::Backend::gloo,
+                           .cuda_device = device.is_cuda() ? device.index() : 0};
+  if (d.gradient_reduction == "powersgd") {
+    if (d.sharding != "none") {
+      throw Error("distributed.gradient_reduction powersgd with distributed.sharding " + d.sharding +
+                  " (DALL-E's hierarchical PowerSGD across machines) is not built yet; use one or the other");
+    }
+    options.powersgd = dist::PowerSgdOptions{.rank = d.powersgd.rank,
+                                             .start_update = d.powersgd.start_update,
+                                             .min_compression_rate = d.powersgd.min_compression_rate,
+                                             .warm_start = d.powersgd.warm_start,
+                                             .seed = static_cast<uint64_t>(config.run.seed),
+                                             .bucket_bytes = options.bucket_bytes};
+  }
   return std::make_shared<dist::Job>(
-      place,
-      dist::JobOptions{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
-                       .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20)),
-                       .backend = device.is_cuda() ? dist::Backend::nccl : dist::Backend::gloo,
-                       .cuda_device = device.is_cuda() ? device.index() : 0},
+      place, options,
       dist::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))), .code = build_fingerprint()});
 }
 

@@ -152,6 +152,30 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
   EXPECT_LT(largest_difference(average, model), 1e-5) << "the moving average of data parallelism's run";
 }
 
+// PowerSGD at a rank that spans every matrix averages as data parallelism does, to the
+// rounding of the orthogonalization (which AdamW magnifies on the rows no batch reaches, so
+// the losses are compared, not the weights); at rank 2 it trains on.
+TEST_F(TrainingJob, PowerSgdAtFullRankTrainsAsDataParallelAndAtLowRankTrainsOn) {
+  ScratchDir dir;
+  auto data_parallel = run_command(train_prior(dir / "job", "--nproc-per-node 2"));
+  ASSERT_EQ(data_parallel.status, 0) << data_parallel.output;
+  const std::string powersgd = " --nproc-per-node 2 --set distributed.gradient_reduction=powersgd"
+                               " --set distributed.powersgd.start_update=1 --set distributed.powersgd.min_compression_rate=0";
+  auto full = run_command(train_prior(dir / "full", powersgd + " --set distributed.powersgd.rank=128"));
+  ASSERT_EQ(full.status, 0) << full.output;
+  for (int64_t step : {1, 2, 5, 10}) {
+    EXPECT_NEAR(metrics_at(dir / "full", step)["loss"].get<double>(), metrics_at(dir / "job", step)["loss"].get<double>(),
+                1e-4)
+        << "update " << step;
+  }
+  auto low = run_command(train_prior(dir / "low", powersgd + " --set distributed.powersgd.rank=2"));
+  ASSERT_EQ(low.status, 0) << low.output;
+  const double low_loss = metrics_at(dir / "low", 10)["loss"].get<double>();
+  EXPECT_TRUE(std::isfinite(low_loss));
+  EXPECT_LT(low_loss, metrics_at(dir / "low", 1)["loss"].get<double>()) << "it learns";
+  EXPECT_GT(std::abs(low_loss - metrics_at(dir / "job", 10)["loss"].get<double>()), 1e-5) << "compressed";
+}
+
 // fp16 with per-resblock scales under sharding: the scales (M x 2^13 at the start), the
 // skipped updates and the weights follow data parallelism's.
 TEST_F(TrainingJob, ShardedFp16ScalesAndSkipsAsDataParallelDoes) {

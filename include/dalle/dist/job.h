@@ -6,11 +6,13 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "dalle/dist/gradient_reducer.h"
 #include "dalle/dist/launch.h"
+#include "dalle/dist/powersgd.h"
 #include "dalle/dist/process_group.h"
 
 namespace dalle::dist {
@@ -20,6 +22,7 @@ struct JobOptions {
   int64_t bucket_bytes = 25 << 20;                              // of the gradient all-reduces
   Backend backend = Backend::gloo;                              // NCCL for a job on GPUs
   int cuda_device = 0;                                          // NCCL: this rank's GPU
+  std::optional<PowerSgdOptions> powersgd;                      // the gradients' reduction, else whole
 };
 
 // What the ranks of a job must share: hashes of their config and of their code.
@@ -52,7 +55,7 @@ class Job {
   void barrier();
 
   // How the update step averages gradients here: a LocalReducer for a job of one, else a
-  // data-parallel reducer over the group.
+  // data-parallel reducer over the group (PowerSGD's, when the options ask for it).
   std::shared_ptr<GradientReducer> reducer() const { return reducer_; }
   // The group, or null for a job of one.
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
