@@ -68,6 +68,17 @@ void PowerSgdReducer::reduce(const std::vector<torch::Tensor>& parameters) {
 PowerSgdReducer::Matrix& PowerSgdReducer::state_of(const torch::Tensor& parameter, int64_t n, int64_t m) {
   auto found = matrices_.find(parameter.unsafeGetTensorImpl());
   if (found != matrices_.end()) return found->second;
+  order_.push_back(parameter.unsafeGetTensorImpl());
+  if (auto restored = restored_.find(order_.size() - 1); restored != restored_.end()) {
+    if (restored->second.error.sizes() != torch::IntArrayRef({n, m})) {
+      throw Error("the checkpoint's PowerSGD state does not fit the gradients (a " + std::to_string(n) + "x" +
+                  std::to_string(m) + " matrix)");
+    }
+    const auto device = parameter.grad().device();
+    Matrix matrix{restored->second.q.to(device), restored->second.error.to(device)};
+    restored_.erase(restored);
+    return matrices_.emplace(parameter.unsafeGetTensorImpl(), std::move(matrix)).first->second;
+  }
   // The same Q on every replica: a generator of its own, seeded by the options and by the
   // order in which the matrices first come.
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.seed + matrices_.size());
@@ -75,6 +86,29 @@ PowerSgdReducer::Matrix& PowerSgdReducer::state_of(const torch::Tensor& paramete
   Matrix matrix{torch::randn({m, options_.rank}, generator, torch::kFloat32).to(options.device()),
                 torch::zeros({n, m}, options)};
   return matrices_.emplace(parameter.unsafeGetTensorImpl(), std::move(matrix)).first->second;
+}
+
+void PowerSgdReducer::save_state(io::TensorMap& state, const std::string& prefix) {
+  state[prefix + "updates"] = torch::tensor(updates_, torch::kInt64);
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const auto& matrix = matrices_.at(order_[i]);
+    auto error = matrix.error.to(group_->device()).contiguous();
+    group_->all_reduce(error, ReduceOp::average);
+    state[prefix + "error." + std::to_string(i)] = error.cpu();
+    state[prefix + "q." + std::to_string(i)] = matrix.q.cpu();
+  }
+}
+
+void PowerSgdReducer::load_state(const io::TensorMap& state, const std::string& prefix) {
+  const auto updates = state.find(prefix + "updates");
+  if (updates == state.end()) return;  // a checkpoint of another reduction: start afresh
+  updates_ = updates->second.item<int64_t>();
+  for (size_t i = 0;; ++i) {
+    const auto error = state.find(prefix + "error." + std::to_string(i));
+    const auto q = state.find(prefix + "q." + std::to_string(i));
+    if (error == state.end() || q == state.end()) break;
+    restored_[i] = Matrix{q->second, error->second};
+  }
 }
 
 void PowerSgdReducer::compress(const std::vector<torch::Tensor>& parameters) {

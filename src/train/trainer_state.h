@@ -189,6 +189,7 @@ struct TrainerState : RunRecord {
     auto checkpoint =
         make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader_position());
     precision->save_state(checkpoint.state, "gradient_scaler.");
+    update->reducer().save_state(checkpoint.state, "reducer.");
     save_extra(checkpoint);
     save(checkpoint);
   }
@@ -200,6 +201,7 @@ struct TrainerState : RunRecord {
     const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
     keep_threads_of(checkpoint);
     precision->load_state(checkpoint.state, "gradient_scaler.");
+    update->reducer().load_state(checkpoint.state, "reducer.");
     restore_extra(checkpoint, directory);
     seek_loader(progress.position);
     resumed(directory, progress.step);

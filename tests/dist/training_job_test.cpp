@@ -176,6 +176,24 @@ TEST_F(TrainingJob, PowerSgdAtFullRankTrainsAsDataParallelAndAtLowRankTrainsOn) 
   EXPECT_GT(std::abs(low_loss - metrics_at(dir / "job", 10)["loss"].get<double>()), 1e-5) << "compressed";
 }
 
+// The error feedback comes back with a resume (as its mean over the ranks, which is what
+// the next averages see): stopped at update 5 and resumed, a rank-2 run takes the updates
+// of an uninterrupted one. Plateau decay: the learning rate does not depend on run.steps.
+TEST_F(TrainingJob, PowerSgdResumesAsIfUninterrupted) {
+  ScratchDir dir;
+  const std::string powersgd = " --nproc-per-node 2 --set distributed.gradient_reduction=powersgd"
+                               " --set distributed.powersgd.start_update=1 --set distributed.powersgd.rank=2"
+                               " --set learning_rate.decay=plateau";
+  auto uninterrupted = run_command(train_prior(dir / "whole", powersgd));
+  ASSERT_EQ(uninterrupted.status, 0) << uninterrupted.output;
+  for (const char* steps : {"5", "10"}) {
+    auto leg = run_command(train_prior(dir / "resumed", powersgd + " --set run.steps=" + steps));
+    ASSERT_EQ(leg.status, 0) << leg.output;
+  }
+  EXPECT_LT(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10)), 1e-5);
+  EXPECT_TRUE(io::load_checkpoint(dir / "resumed/checkpoints/step-000000005").state.count("reducer.error.0"));
+}
+
 // fp16 with per-resblock scales under sharding: the scales (M x 2^13 at the start), the
 // skipped updates and the weights follow data parallelism's.
 TEST_F(TrainingJob, ShardedFp16ScalesAndSkipsAsDataParallelDoes) {

@@ -7,7 +7,10 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "dalle/io/safetensors.h"
 
 namespace dalle::dist {
 
@@ -26,6 +29,10 @@ class GradientReducer {
   // The 2-norm of the gradients of `parameters` (as torch's clip_grad_norm_ measures it),
   // over the whole model: a reducer that leaves each replica a shard adds the others' parts.
   virtual double gradient_norm(const std::vector<torch::Tensor>& parameters);
+  // What the reducer carries from one update to the next (PowerSGD's error feedback), into
+  // or out of a checkpoint's state under `prefix`. Every rank calls both, at the same point.
+  virtual void save_state(io::TensorMap&, const std::string&) {}
+  virtual void load_state(const io::TensorMap&, const std::string&) {}
 };
 
 // One process: its gradients and flags are already every replica's.

@@ -35,6 +35,11 @@ class PowerSgdReducer final : public GradientReducer {
   torch::Tensor agree(const torch::Tensor& flags) override { return whole_.agree(flags); }
   int64_t replicas() const override { return whole_.replicas(); }
 
+  // The error feedback, as its mean over the replicas (what enters the next averages: a
+  // resume with it takes the same updates), Q, and the update count.
+  void save_state(io::TensorMap& state, const std::string& prefix) override;
+  void load_state(const io::TensorMap& state, const std::string& prefix) override;
+
   // Whether a gradient of `shape` is compressed.
   bool compresses(const std::vector<int64_t>& shape) const;
   // The payload this replica handed to all-reduce so far: P and Q, and the whole gradients.
@@ -52,6 +57,8 @@ class PowerSgdReducer final : public GradientReducer {
   PowerSgdOptions options_;
   DataParallelReducer whole_;
   std::map<const torch::TensorImpl*, Matrix> matrices_;
+  std::vector<const torch::TensorImpl*> order_;  // of the matrices' first updates
+  std::map<size_t, Matrix> restored_;            // from a checkpoint, until the matrix comes
   int64_t updates_ = 0, bytes_compressed_ = 0;
 };
 
