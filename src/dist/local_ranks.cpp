@@ -11,8 +11,10 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <chrono>
 #include <filesystem>
 #include <map>
+#include <thread>
 
 #include "dalle/error.h"
 #include "dalle/log.h"
@@ -103,7 +105,7 @@ class SignalsCounted {
   SignalsCounted() {
     signals_received = 0;
     struct sigaction action {};
-    action.sa_handler = count_signal;  // no SA_RESTART: waitpid returns to pass the signal on
+    action.sa_handler = count_signal;
     sigemptyset(&action.sa_mask);
     ::sigaction(SIGINT, &action, &previous_int_);
     ::sigaction(SIGTERM, &action, &previous_term_);
@@ -151,12 +153,15 @@ LocalRanksOutcome run_local_ranks(const LocalRanksOptions& options) {
       signal_all(signals_passed_on == 1 ? static_cast<int>(last_signal) : SIGKILL);
       stop_status = 128 + last_signal;
     }
+    // Polled, not blocking: a signal that lands between the check above and a blocking wait
+    // would wait for a rank to end before it was passed on.
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, 0);
-    if (pid < 0) {
-      if (errno == EINTR) continue;
-      throw Error(std::string("--nproc-per-node: waiting for the ranks: ") + std::strerror(errno));
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid == 0 || (pid < 0 && errno == EINTR)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
     }
+    if (pid < 0) throw Error(std::string("--nproc-per-node: waiting for the ranks: ") + std::strerror(errno));
     const auto found = running.find(pid);
     if (found == running.end()) continue;
     const int64_t rank = found->second;

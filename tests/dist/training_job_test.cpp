@@ -312,6 +312,19 @@ TEST_F(TrainingJob, SigtermToOneRankStopsEveryRankAfterTheSameUpdateWithOneCheck
   EXPECT_THAT(resumed.output, ::testing::HasSubstr("at update " + std::to_string(at)));
 }
 
+// ^C reaches the launcher alone (the ranks have process groups of their own): it passes
+// SIGINT on once, every rank stops after the same update, and the launcher exits 130.
+TEST_F(TrainingJob, SigintToTheLauncherStopsEveryRankOnce) {
+  ScratchDir dir;
+  const auto job = train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=1000000");
+  auto stopped = run_command(job + " --set run.steps=1000000 & pid=$!; " +
+                             find_rank_when(dir / "job/metrics.jsonl", 1) + "kill -INT $pid; " + kWatchdog);
+  EXPECT_EQ(stopped.status, 130) << stopped.output;
+  EXPECT_THAT(testing::read_text(dir / "job.log"), ::testing::HasSubstr("stopped by SIGINT after update"));
+  EXPECT_THAT(testing::read_text(dir / "job.rank1.log"), ::testing::HasSubstr("stopped by SIGINT after update"));
+  EXPECT_EQ(io::CheckpointStore(dir / "job/checkpoints").steps().size(), 1u);
+}
+
 // A port nobody listens on now, for ranks started by hand.
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
