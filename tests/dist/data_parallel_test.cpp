@@ -31,15 +31,7 @@ class DataParallelAtWorldSize : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(DataParallelAtWorldSize, EveryGradientBecomesTheMeanOverTheRanksWhateverTheBuckets) {
   const int64_t world = GetParam();
-  std::vector<torch::Tensor> expected;  // the mean of every rank's gradients
-  for (int64_t rank = 0; rank < world; ++rank) {
-    const auto parameters = parameters_of_rank(rank);
-    if (expected.empty()) expected.resize(parameters.size());
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      const auto share = parameters[i].grad() / static_cast<double>(world);
-      expected[i] = expected[i].defined() ? expected[i] + share : share;
-    }
-  }
+  const auto expected = testing::mean_gradients(world, parameters_of_rank);
   // 64 bytes: a bucket per tensor or two; 1 MB: one bucket per dtype.
   for (const int64_t bucket_bytes : {64, 1 << 20}) {
     testing::on_ranks(world, [&](const LaunchEnvironment& place) {

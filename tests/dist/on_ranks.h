@@ -2,6 +2,7 @@
 // Several ranks in one test process: one thread each, over one store on 127.0.0.1 that the
 // test serves on a port the kernel chose (no races between tests run side by side).
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/torch.h>
 
 #include <chrono>
 #include <cstdint>
@@ -34,6 +35,22 @@ void on_ranks(int64_t world, Body body) {
     ranks.push_back(std::async(std::launch::async, [place, &body] { body(place); }));
   }
   for (auto& rank : ranks) rank.get();
+}
+
+// The mean over `world` ranks of the gradients of `parameters_of_rank(rank)`, as exact
+// averaging would make them.
+template <class Parameters>
+std::vector<torch::Tensor> mean_gradients(int64_t world, Parameters parameters_of_rank) {
+  std::vector<torch::Tensor> mean;
+  for (int64_t rank = 0; rank < world; ++rank) {
+    const auto parameters = parameters_of_rank(rank);
+    if (mean.empty()) mean.resize(parameters.size());
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      const auto share = parameters[i].grad() / static_cast<double>(world);
+      mean[i] = mean[i].defined() ? mean[i] + share : share;
+    }
+  }
+  return mean;
 }
 
 // The process group of the rank at `place`, over the test's store.

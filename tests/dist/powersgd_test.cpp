@@ -23,25 +23,12 @@ std::vector<torch::Tensor> parameters_of_rank(int64_t rank) {
   return parameters;
 }
 
-std::vector<torch::Tensor> mean_of_ranks(int64_t world) {
-  std::vector<torch::Tensor> mean;
-  for (int64_t rank = 0; rank < world; ++rank) {
-    const auto parameters = parameters_of_rank(rank);
-    if (mean.empty()) mean.resize(parameters.size());
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      const auto share = parameters[i].grad() / static_cast<double>(world);
-      mean[i] = mean[i].defined() ? mean[i] + share : share;
-    }
-  }
-  return mean;
-}
-
 class PowerSgdAtWorldSize : public ::testing::TestWithParam<int64_t> {};
 
 // At full rank the power iteration spans every column: the exact mean, but for the 1e-6 I.
 TEST_P(PowerSgdAtWorldSize, FullRankEqualsTheExactMean) {
   const int64_t world = GetParam();
-  const auto mean = mean_of_ranks(world);
+  const auto mean = testing::mean_gradients(world, parameters_of_rank);
   testing::on_ranks(world, [&](const LaunchEnvironment& place) {
     PowerSgdReducer reducer(group_at(place), {.rank = 6, .start_update = 1, .min_compression_rate = 0.0});
     auto parameters = parameters_of_rank(place.rank);

@@ -24,7 +24,7 @@ using testing::ScratchDir;
 
 // Token datasets for a tiny prior, and the images they came from, made once for the suite.
 class TrainingJob : public ::testing::Test {
- protected:
+ public:
   static void SetUpTestSuite() {
     data_ = new ScratchDir;
     const auto& d = *data_;
@@ -290,11 +290,18 @@ TEST_F(TrainingJob, AHangingRankIsNamedWhenTheOthersTimeOut) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(40));
 }
 
+// A 2-rank job in `dir`/job, sent `kill` (a shell command on $pid, the launcher, or $rank,
+// rank 1) once its first metrics line is out; what the launcher printed and returned.
+testing::Result stop_a_job(const ScratchDir& dir, const std::string& kill) {
+  const auto job = TrainingJob::train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=1000000");
+  return run_command(job + " --set run.steps=1000000 & pid=$!; " + find_rank_when(dir / "job/metrics.jsonl", 1) +
+                     kill + "; " + kWatchdog);
+}
+
 TEST_F(TrainingJob, SigtermToOneRankStopsEveryRankAfterTheSameUpdateWithOneCheckpoint) {
   ScratchDir dir;
   const auto job = train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=1000000");
-  auto stopped = run_command(job + " --set run.steps=1000000 & pid=$!; " +
-                             find_rank_when(dir / "job/metrics.jsonl", 1) + "kill -TERM $rank; " + kWatchdog);
+  auto stopped = stop_a_job(dir, "kill -TERM $rank");
   EXPECT_EQ(stopped.status, 143) << stopped.output;
   EXPECT_THAT(stopped.output, ::testing::Not(::testing::HasSubstr("error")));
   std::vector<std::string> checkpoints;
@@ -316,9 +323,7 @@ TEST_F(TrainingJob, SigtermToOneRankStopsEveryRankAfterTheSameUpdateWithOneCheck
 // SIGINT on once, every rank stops after the same update, and the launcher exits 130.
 TEST_F(TrainingJob, SigintToTheLauncherStopsEveryRankOnce) {
   ScratchDir dir;
-  const auto job = train_prior(dir / "job", "--nproc-per-node 2 --set run.checkpoint_every=1000000");
-  auto stopped = run_command(job + " --set run.steps=1000000 & pid=$!; " +
-                             find_rank_when(dir / "job/metrics.jsonl", 1) + "kill -INT $pid; " + kWatchdog);
+  auto stopped = stop_a_job(dir, "kill -INT $pid");
   EXPECT_EQ(stopped.status, 130) << stopped.output;
   EXPECT_THAT(testing::read_text(dir / "job.log"), ::testing::HasSubstr("stopped by SIGINT after update"));
   EXPECT_THAT(testing::read_text(dir / "job.rank1.log"), ::testing::HasSubstr("stopped by SIGINT after update"));

@@ -22,7 +22,7 @@ struct JobOptions {
   int64_t bucket_bytes = 25 << 20;                              // of the gradient all-reduces
   Backend backend = Backend::gloo;                              // NCCL for a job on GPUs
   int cuda_device = 0;                                          // NCCL: this rank's GPU
-  std::optional<PowerSgdOptions> powersgd;                      // the gradients' reduction, else whole
+  std::optional<PowerSgdOptions> powersgd = std::nullopt;       // the gradients' reduction, else whole
 };
 
 // What the ranks of a job must share: hashes of their config and of their code.

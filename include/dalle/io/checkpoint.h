@@ -37,11 +37,11 @@ struct ShardLayout {
   };
   struct Kind {
     bool into_weights = false;  // else into the state
-    std::string prefix, suffix;  // of the names there ("ema." + name, "adamw." + name + ".exp_avg")
+    std::string prefix = {}, suffix = {};  // of the names there ("ema." + name, "adamw." + name + ".exp_avg")
   };
   int64_t ranks = 1;
-  std::vector<std::vector<Parameter>> groups;
-  std::map<std::string, Kind> kinds;
+  std::vector<std::vector<Parameter>> groups = {};
+  std::map<std::string, Kind> kinds = {};
 };
 // Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata.
 void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout);

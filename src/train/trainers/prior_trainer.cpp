@@ -340,7 +340,8 @@ void PriorTrainer::State::write_own_shards(const std::string& staging, bool mome
   const auto& sharded = *shards->parameters();
   io::TensorMap mine;
   for (size_t g = 0; g < sharded.groups(); ++g) {
-    const auto index = "." + std::to_string(g);
+    std::string index = ".";  // built up: GCC 12 misreads "." + std::to_string(g) at -O3
+    index += std::to_string(g);
     mine.emplace("weights" + index, sharded.shard(g).detach().cpu());
     mine.emplace("ema" + index, shard_averages[g].cpu());
     if (!moments) continue;
