@@ -21,6 +21,7 @@
 #include "dalle/dist/data_parallel.h"
 #include "dalle/dist/job.h"
 #include "dalle/dist/local_ranks.h"
+#include "dalle/dist/powersgd.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
 #include "dalle/models/prior.h"
@@ -233,6 +234,40 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   std::fflush(stdout);
 }
 
+// The share of gradient values PowerSGD at `rank` saves a replica of the prior `config`,
+// computed by the reducer's rule on the real parameter shapes (one layer built, its blocks
+// counted `config.layers` times; the embeddings and output layer once), flat as
+// data parallelism runs it now.
+void powersgd_compression(models::PriorConfig config, int64_t rank, const std::string& name) {
+  const int64_t layers = config.layers;
+  config.layers = 1;
+  models::Prior prior(config);
+  std::unordered_set<const torch::TensorImpl*> in_blocks;
+  for (const auto& block : prior->resblocks()) {
+    for (const auto& p : block->parameters()) in_blocks.insert(p.unsafeGetTensorImpl());
+  }
+  const dist::PowerSgdOptions options{.rank = rank};
+  double whole = 0, sent = 0, block_whole = 0, block_sent = 0;
+  for (const auto& p : prior->parameters()) {
+    const bool in_block = in_blocks.count(p.unsafeGetTensorImpl()) > 0;
+    const double times = in_block ? static_cast<double>(layers) : 1.0;
+    const double values = static_cast<double>(p.numel()) * times;
+    const double values_sent = static_cast<double>(dist::PowerSgdReducer::values_sent(p.sizes().vec(), options)) * times;
+    whole += values;
+    sent += values_sent;
+    if (in_block) {
+      block_whole += values;
+      block_sent += values_sent;
+    }
+  }
+  const nlohmann::json line = {{"benchmark", "powersgd_compression"}, {"model", name},
+                               {"width", config.width},              {"layers", layers},
+                               {"rank", rank},                       {"parameters", whole},
+                               {"saved", 1.0 - sent / whole},        {"saved_in_resblocks", 1.0 - block_sent / block_whole}};
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
 models::PriorConfig tiny() {
   models::PriorConfig config;
   config.text_length = 24;
@@ -298,13 +333,23 @@ int main(int argc, char** argv) {
     } else {
       data_parallel(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", arguments, ranks, sharded);
     }
+  } else if (which == "powersgd-compression") {
+    auto xl = rudalle_xl_slice(24);
+    for (const int64_t rank : {128, 256, 512}) powersgd_compression(xl, rank, "ruDALL-E XL (1.3B)");
+    // The paper's 12B: 64 layers, d_model 3968, 62 heads of 64, rank 896.
+    auto twelve = rudalle_xl_slice(64);
+    twelve.width = 3968;
+    twelve.heads = 62;
+    twelve.text_length = 256;
+    for (const int64_t rank : {512, 896}) powersgd_compression(twelve, rank, "DALL-E 12B");
   } else if (which == "training-xl-slice") {
     auto slice = rudalle_xl_slice(2);
     slice.attention_path = option(argc, argv, "path", "sparse");
     training(slice, 1, quick ? 1 : 2, "ruDALL-E XL layout, 2-layer slice", options);
   } else {
     std::fprintf(stderr,
-                 "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice|data-parallel "
+                 "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice|data-parallel|"
+                 "powersgd-compression "
                  "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
                  "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice] [--layers=L]\n");
     return 2;

@@ -45,11 +45,16 @@ PowerSgdReducer::PowerSgdReducer(std::shared_ptr<ProcessGroup> group, PowerSgdOp
   if (options_.rank < 1) throw Error("powersgd.rank must be at least 1");
 }
 
-bool PowerSgdReducer::compresses(const std::vector<int64_t>& shape) const {
+bool PowerSgdReducer::compresses(const std::vector<int64_t>& shape, const PowerSgdOptions& options) {
   if (shape.size() < 2) return false;
   const auto [n, m] = matrix_shape(shape);
   return static_cast<double>(n) * static_cast<double>(m) >
-         options_.min_compression_rate * static_cast<double>((n + m) * options_.rank);
+         options.min_compression_rate * static_cast<double>((n + m) * options.rank);
+}
+
+int64_t PowerSgdReducer::values_sent(const std::vector<int64_t>& shape, const PowerSgdOptions& options) {
+  const auto [n, m] = matrix_shape(shape);
+  return compresses(shape, options) ? (n + m) * options.rank : n * m;
 }
 
 void PowerSgdReducer::reduce(const std::vector<torch::Tensor>& parameters) {
@@ -57,7 +62,7 @@ void PowerSgdReducer::reduce(const std::vector<torch::Tensor>& parameters) {
   ++updates_;
   std::vector<torch::Tensor> whole, compressed;
   for (const auto& parameter : parameters) {
-    const bool compress = updates_ >= options_.start_update && compresses(parameter.sizes().vec());
+    const bool compress = updates_ >= options_.start_update && compresses(parameter.sizes().vec(), options_);
     if (compress && !parameter.grad().defined()) parameter.mutable_grad() = torch::zeros_like(parameter);
     (compress ? compressed : whole).push_back(parameter);
   }

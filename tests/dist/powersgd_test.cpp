@@ -32,8 +32,10 @@ TEST_P(PowerSgdAtWorldSize, FullRankEqualsTheExactMean) {
   testing::on_ranks(world, [&](const LaunchEnvironment& place) {
     PowerSgdReducer reducer(group_at(place), {.rank = 6, .start_update = 1, .min_compression_rate = 0.0});
     auto parameters = parameters_of_rank(place.rank);
-    EXPECT_TRUE(reducer.compresses({6, 4}));
-    EXPECT_FALSE(reducer.compresses({5}));
+    EXPECT_TRUE(PowerSgdReducer::compresses({6, 4}, {.rank = 6, .min_compression_rate = 0.0}));
+    EXPECT_FALSE(PowerSgdReducer::compresses({5}, {.rank = 6, .min_compression_rate = 0.0}));
+    EXPECT_FALSE(PowerSgdReducer::compresses({6, 4}, {.rank = 6})) << "n m <= 2 (n + m) r";
+    EXPECT_EQ(PowerSgdReducer::values_sent({6, 4}, {.rank = 1, .min_compression_rate = 0.0}), 10);
     reducer.reduce(parameters);
     for (size_t i = 0; i < parameters.size(); ++i) {
       EXPECT_LT((parameters[i].grad() - mean[i]).abs().max().item<double>(), 1e-5) << i;
@@ -78,6 +80,34 @@ TEST(PowerSgd, ErrorFeedbackCarriesWhatOneUpdateDropsIntoTheNext) {
     reducer.reduce({parameter});
     EXPECT_GT(parameter.grad().norm().item<double>(), 0.5) << "the dropped part comes with the next update";
     EXPECT_LT((matrix - first - parameter.grad()).norm().item<double>(), (matrix - first).norm().item<double>());
+  });
+}
+
+// An inf in one rank's gradient of matrix A: every replica's decompressed A is not finite,
+// so the update is skipped everywhere (the flags agree), and A's error buffers, which hold
+// it, are zeroed at the next update while B's keep what they carry.
+TEST(PowerSgd, ANonFiniteGradientSkipsEverywhereAndZeroesOnlyTheBuffersHoldingIt) {
+  testing::on_ranks(2, [](const LaunchEnvironment& place) {
+    PowerSgdReducer reducer(group_at(place), {.rank = 1, .start_update = 1, .min_compression_rate = 0.0});
+    std::vector<torch::Tensor> parameters{torch::zeros({4, 3}).requires_grad_(), torch::zeros({3, 4}).requires_grad_()};
+    parameters[0].mutable_grad() = torch::ones({4, 3});
+    parameters[1].mutable_grad() = torch::arange(12.0f).view({3, 4});
+    if (place.rank == 1) parameters[0].mutable_grad()[0][0] = INFINITY;
+    reducer.reduce(parameters);
+    const auto finite = torch::stack({torch::isfinite(parameters[0].grad()).all(), torch::isfinite(parameters[1].grad()).all()});
+    EXPECT_TRUE(torch::equal(reducer.agree(finite), torch::tensor({false, true}))) << "every rank skips";
+    io::TensorMap state;
+    reducer.save_state(state, "");
+    EXPECT_FALSE(torch::isfinite(state.at("error.0")).all().item<bool>());
+    EXPECT_TRUE(torch::isfinite(state.at("error.1")).all().item<bool>());
+    const auto kept = state.at("error.1").clone();
+    EXPECT_GT(kept.abs().max().item<double>(), 0.1) << "rank 1 drops part of a rank-2 matrix";
+
+    parameters[0].mutable_grad() = torch::ones({4, 3});
+    parameters[1].mutable_grad() = torch::zeros({3, 4});
+    reducer.reduce(parameters);
+    EXPECT_TRUE(torch::allclose(parameters[0].grad(), torch::ones({4, 3}), 1e-4, 1e-4)) << "A starts afresh: rank 1";
+    EXPECT_GT(parameters[1].grad().abs().max().item<double>(), 0.1) << "B passes on what it kept";
   });
 }
 

@@ -40,8 +40,10 @@ class PowerSgdReducer final : public GradientReducer {
   void save_state(io::TensorMap& state, const std::string& prefix) override;
   void load_state(const io::TensorMap& state, const std::string& prefix) override;
 
-  // Whether a gradient of `shape` is compressed.
-  bool compresses(const std::vector<int64_t>& shape) const;
+  // Whether a gradient of `shape` is compressed (at the options' rank and floor).
+  static bool compresses(const std::vector<int64_t>& shape, const PowerSgdOptions& options);
+  // The values a replica sends for a gradient of `shape`: (n + m) r compressed, else all.
+  static int64_t values_sent(const std::vector<int64_t>& shape, const PowerSgdOptions& options);
   // The payload this replica handed to all-reduce so far: P and Q, and the whole gradients.
   int64_t bytes_reduced() const { return bytes_compressed_ + whole_.bytes_reduced(); }
 
