@@ -268,6 +268,22 @@ void powersgd_compression(models::PriorConfig config, int64_t rank, const std::s
   std::fflush(stdout);
 }
 
+// The cost of PowerSGD's orthogonalization (Householder QR of P + 1e-6 I) at DALL-E 12B's
+// rank 896, for P of the 12B's matrix heights (d_model 3968, and 4 d_model for the MLP).
+void powersgd_qr(int repeats) {
+  for (const int64_t rows : {3968, 4 * 3968}) {
+    const auto p = torch::randn({rows, 896});
+    const double seconds = time_per_call(repeats, [&] {
+      const auto regularized = p + 1e-6 * torch::eye(rows, 896);
+      std::get<0>(torch::linalg_qr(regularized, "reduced"));
+    });
+    const nlohmann::json line = {{"benchmark", "powersgd_qr"}, {"rows", rows}, {"rank", 896},
+                                 {"threads", at::get_num_threads()}, {"seconds", seconds}};
+    std::printf("%s\n", line.dump().c_str());
+    std::fflush(stdout);
+  }
+}
+
 models::PriorConfig tiny() {
   models::PriorConfig config;
   config.text_length = 24;
@@ -342,6 +358,8 @@ int main(int argc, char** argv) {
     twelve.heads = 62;
     twelve.text_length = 256;
     for (const int64_t rank : {512, 896}) powersgd_compression(twelve, rank, "DALL-E 12B");
+  } else if (which == "powersgd-qr") {
+    powersgd_qr(quick ? 1 : 3);
   } else if (which == "training-xl-slice") {
     auto slice = rudalle_xl_slice(2);
     slice.attention_path = option(argc, argv, "path", "sparse");
@@ -349,7 +367,7 @@ int main(int argc, char** argv) {
   } else {
     std::fprintf(stderr,
                  "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice|data-parallel|"
-                 "powersgd-compression "
+                 "powersgd-compression|powersgd-qr "
                  "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
                  "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice] [--layers=L]\n");
     return 2;
