@@ -23,6 +23,7 @@ ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> gro
     shard_numel_.push_back((total + ranks - 1) / ranks);
     shards_.push_back(shard_of(g, groups_[g]).to(groups_[g].empty() ? torch::kCPU : groups_[g][0].device())
                           .requires_grad_(true));
+    shard_impls_.insert(shards_.back().unsafeGetTensorImpl());
     release(g);
   }
 }
@@ -34,10 +35,7 @@ std::vector<std::vector<int64_t>> ShardedParameters::shapes(size_t g) const {
 }
 
 bool ShardedParameters::holds(const torch::Tensor& tensor) const {
-  for (const auto& shard : shards_) {
-    if (shard.unsafeGetTensorImpl() == tensor.unsafeGetTensorImpl()) return true;
-  }
-  return false;
+  return shard_impls_.count(tensor.unsafeGetTensorImpl()) > 0;
 }
 
 torch::Tensor ShardedParameters::flatten(size_t g, const std::vector<torch::Tensor>& tensors) const {
@@ -147,19 +145,16 @@ void ShardedReducer::reduce(const std::vector<torch::Tensor>& parameters) {
 double ShardedReducer::gradient_norm(const std::vector<torch::Tensor>& parameters) {
   // Squares: the replicated gradients' once (every rank has them whole), the shards' summed
   // over the machine's ranks (every machine holds the same shards, averaged).
-  double replicated = 0;
-  auto sharded = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(within_node_->device()));
+  // Summed where the gradients live, so that a GPU is read once, not once per parameter.
+  const auto on = torch::TensorOptions().dtype(torch::kFloat64).device(within_node_->device());
+  auto replicated = torch::zeros({1}, on), sharded = torch::zeros({1}, on);
   for (const auto& parameter : parameters) {
     if (!parameter.grad().defined()) continue;
-    const auto square = torch::linalg_vector_norm(parameter.grad(), 2).to(torch::kFloat64).square();
-    if (sharded_->holds(parameter)) {
-      sharded += square.to(sharded.device());
-    } else {
-      replicated += square.item<double>();
-    }
+    const auto square = torch::linalg_vector_norm(parameter.grad(), 2).to(on).square();
+    (sharded_->holds(parameter) ? sharded : replicated) += square;
   }
   within_node_->all_reduce(sharded, ReduceOp::sum);
-  return std::sqrt(replicated + sharded.item<double>());
+  return std::sqrt((replicated + sharded).item<double>());
 }
 
 }  // namespace dalle::dist

@@ -90,11 +90,12 @@ struct TrainerState : RunRecord {
 
   // `what` names the trainer in logs and errors ("prior"); only a trainer that `can_shard`
   // accepts distributed.sharding other than none.
-  TrainerState(const std::string& what, Config c, std::filesystem::path run, bool can_shard = false)
+  TrainerState(const std::string& what, Config c, std::filesystem::path run, bool can_shard = false,
+               const dist::LaunchEnvironment& place = dist::read_launch_environment())
       : RunRecord(what, std::move(run), c.run.keep_checkpoints),
         config(std::move(c)),
-        device(rank_device(resolve_device(config.run.device, what + " training"), dist::read_launch_environment())),
-        job(join_job(config, dist::read_launch_environment(), device)) {
+        device(rank_device(resolve_device(config.run.device, what + " training"), place)),
+        job(join_job(config, place, device)) {
     if (config.distributed.sharding != "none" && !can_shard) {
       throw Error(what + " training: distributed.sharding " + config.distributed.sharding +
                   " is for the prior; train this model data-parallel (sharding: none)");

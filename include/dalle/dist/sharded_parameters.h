@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <map>
+#include <unordered_set>
 #include <memory>
 #include <vector>
 
@@ -66,6 +67,7 @@ class ShardedParameters {
   std::vector<std::vector<torch::Tensor>> groups_;
   std::vector<std::vector<Layout>> layouts_;
   std::vector<torch::Tensor> shards_;
+  std::unordered_set<const torch::TensorImpl*> shard_impls_;  // which tensors are shards, for holds()
   std::vector<int64_t> shard_numel_;
   // Prefetched groups: the all-gather under way, its input and its output.
   struct Prefetch {

@@ -248,11 +248,11 @@ void PriorTrainer::State::shard_resblocks() {
     ema->forget(shards->names(g));
     shard_averages.push_back(shards->shard_of(g, averages).to(sharded.shard(g).device()));
   }
-  io::TensorMap replicated_moments;
+  std::unordered_set<std::string> block_names;
+  for (size_t g = 0; g < sharded.groups(); ++g) block_names.insert(shards->names(g).begin(), shards->names(g).end());
+  io::TensorMap replicated_moments;  // "<parameter>.exp_avg", ... of the parameters outside the blocks
   for (const auto& [name, tensor] : moments) {
-    if (!in_blocks.count(model->named_parameters()[name.substr(0, name.rfind('.'))].unsafeGetTensorImpl())) {
-      replicated_moments.emplace(name, tensor);
-    }
+    if (!block_names.count(name.substr(0, name.rfind('.')))) replicated_moments.emplace(name, tensor);
   }
   shard_optimizer(std::move(replicated), replicated_moments, moments);
   shard_update(scales);
