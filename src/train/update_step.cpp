@@ -46,10 +46,17 @@ double UpdateStep::clip_gradients() {
 UpdateResult UpdateStep::apply(const torch::Tensor& loss, int64_t update) {
   optimizer_.zero_grad();
   precision_.scaled(loss).backward();
-  reducer_->reduce(precision_.parameters());
+  // Each replica checks and unscales its own gradients before they meet: a skipped update
+  // costs no reduction, and the reducer sees true gradients (PowerSGD's error feedback would
+  // otherwise carry one update's fp16 scale into the next).
   const auto finite = reducer_->agree(precision_.finite_flags());
   UpdateResult result;
-  result.grad_norm = precision_.unscale_and_update(finite) ? clip_gradients() : std::nan("");
+  if (precision_.unscale_and_update(finite)) {
+    reducer_->reduce(precision_.parameters());
+    result.grad_norm = clip_gradients();
+  } else {
+    result.grad_norm = std::nan("");
+  }
   // A norm that overflows is as unusable as a non-finite gradient.
   result.skipped = !std::isfinite(result.grad_norm);
   if (result.skipped) {

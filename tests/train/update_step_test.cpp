@@ -32,6 +32,7 @@ PrecisionConfig fp16() {
 class RecordingReducer final : public dist::GradientReducer {
  public:
   void reduce(const std::vector<torch::Tensor>& parameters) override {
+    agreed_before_reduce = agreed_on.defined();
     for (const auto& parameter : parameters) seen.push_back(parameter.grad().clone());
     for (const auto& parameter : parameters) parameter.grad().mul_(0.5);  // as a mean with a zero replica
   }
@@ -43,6 +44,7 @@ class RecordingReducer final : public dist::GradientReducer {
 
   std::vector<torch::Tensor> seen;
   torch::Tensor agreed_on;
+  bool agreed_before_reduce = false;
   bool veto = false;
 };
 
@@ -58,20 +60,21 @@ TEST(UpdateStep, StepsWithTheGradientAndAveragesTheWeights) {
   EXPECT_TRUE(torch::allclose(ema.weights().at("weight").flatten(), torch::tensor({0.5, 0.0, -0.5})));
 }
 
-TEST(UpdateStep, TheReducerSeesScaledGradientsBeforeUnscalingAndItsResultIsWhatSteps) {
+// The replicas agree on the finite flags first; the reducer then sees unscaled gradients
+// (PowerSGD's error feedback must not carry one update's fp16 scale into the next).
+TEST(UpdateStep, TheReducerSeesUnscaledGradientsOnceTheFlagsAgreeAndItsResultIsWhatSteps) {
   Fixture f;
   ModelPrecision precision(fp16(), f.model->parameters());
   UpdateStep update(f.optimizer, precision, {.what = "test"});
   auto reducer = std::make_shared<RecordingReducer>();
   update.set_reducer(reducer);
-  const double scale = precision.scale();
-  ASSERT_GT(scale, 1.0);
+  ASSERT_GT(precision.scale(), 1.0);
   update.apply(f.loss(torch::tensor({1.0, 2.0, 3.0})), 1);
   ASSERT_EQ(reducer->seen.size(), 1u);
-  EXPECT_TRUE(torch::allclose(reducer->seen[0].flatten(), torch::tensor({1.0, 2.0, 3.0}) * scale));
-  ASSERT_TRUE(reducer->agreed_on.defined());
+  EXPECT_TRUE(torch::allclose(reducer->seen[0].flatten(), torch::tensor({1.0, 2.0, 3.0})));
+  EXPECT_TRUE(reducer->agreed_before_reduce);
   EXPECT_EQ(reducer->agreed_on.numel(), 1);
-  // The reducer halved the gradient; unscaling divided the scale out.
+  // The reducer halved the gradient, and that is what stepped.
   EXPECT_TRUE(torch::allclose(f.weight(), torch::tensor({0.5, 0.0, -0.5})));
 }
 
@@ -86,6 +89,7 @@ TEST(UpdateStep, AVetoFromTheReplicasSkipsTheUpdateAndBacksOffTheScale) {
   const double scale = precision.scale();
   const auto result = update.apply(f.loss(torch::tensor({1.0, 2.0, 3.0})), 1);
   EXPECT_TRUE(result.skipped);
+  EXPECT_TRUE(reducer->seen.empty()) << "a skipped update reduces nothing";
   EXPECT_TRUE(torch::equal(f.weight(), torch::ones({3})));
   EXPECT_TRUE(torch::equal(ema.weights().at("weight").flatten(), torch::ones({3})));
   EXPECT_LT(precision.scale(), scale);

@@ -1,8 +1,8 @@
 #pragma once
 // One optimizer update, the same in every trainer: zero_grad, the backward pass of the
-// (scaled) loss, the gradient reduction across data-parallel replicas (the hook point the
-// distributed layer fills; nothing happens in one process), one finite flag per scale
-// group (agreed on by the replicas), unscaling, clipping of the global gradient norm, the
+// (scaled) loss, one finite flag per scale group (agreed on by the replicas), unscaling, the
+// gradient reduction across data-parallel replicas (the hook point the distributed layer
+// fills; nothing happens in one process), clipping of the global gradient norm, the
 // optimizer step and the moving average of the weights. A non-finite gradient skips the
 // update: the weights, the moments and the average are left as they were.
 #include <torch/nn/module.h>
