@@ -49,19 +49,24 @@ void DataParallelReducer::reduce(const std::vector<torch::Tensor>& parameters) {
 }
 
 void DataParallelReducer::reduce_bucket(const std::vector<torch::Tensor>& gradients) {
-  std::vector<torch::Tensor> flat_parts;
-  flat_parts.reserve(gradients.size());
-  for (const auto& gradient : gradients) flat_parts.push_back(gradient.reshape({-1}));
-  auto flat = torch::cat(flat_parts).to(group_->device());
-  group_->all_reduce(flat, ReduceOp::average);
-  bytes_reduced_ += flat.numel() * static_cast<int64_t>(flat.element_size());
+  bytes_reduced_ += average_together(*group_, gradients);
   ++collectives_;
+}
+
+int64_t average_together(ProcessGroup& group, const std::vector<torch::Tensor>& parts) {
+  if (parts.empty()) return 0;
+  std::vector<torch::Tensor> flat_parts;
+  flat_parts.reserve(parts.size());
+  for (const auto& part : parts) flat_parts.push_back(part.reshape({-1}));
+  auto flat = torch::cat(flat_parts).to(group.device());
+  group.all_reduce(flat, ReduceOp::average);
   int64_t offset = 0;
-  for (const auto& gradient : gradients) {
-    const int64_t count = gradient.numel();
-    gradient.copy_(flat.narrow(0, offset, count).view_as(gradient));
+  for (const auto& part : parts) {
+    const int64_t count = part.numel();
+    part.copy_(flat.narrow(0, offset, count).view(part.sizes()));
     offset += count;
   }
+  return flat.numel() * static_cast<int64_t>(flat.element_size());
 }
 
 torch::Tensor DataParallelReducer::agree(const torch::Tensor& flags) {

@@ -1,7 +1,11 @@
 #include "dalle/dist/powersgd.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Half.h>
 #include <torch/torch.h>
+
+#include <cmath>
+#include <unordered_set>
 
 #include "dalle/error.h"
 
@@ -23,81 +27,153 @@ torch::Tensor orthogonalized(const torch::Tensor& p) {
   return std::get<0>(torch::linalg_qr(regularized, "reduced"));
 }
 
-// All-reduces the mean of every tensor of `parts` as one flat buffer, in place.
-int64_t average_together(ProcessGroup& group, std::vector<torch::Tensor>& parts) {
-  std::vector<torch::Tensor> flat;
-  for (const auto& part : parts) flat.push_back(part.reshape({-1}));
-  auto buffer = torch::cat(flat).to(group.device());
-  group.all_reduce(buffer, ReduceOp::average);
-  buffer = buffer.to(parts.front().device());
-  int64_t offset = 0;
-  for (auto& part : parts) {
-    part = buffer.narrow(0, offset, part.numel()).view(part.sizes());
-    offset += part.numel();
-  }
-  return buffer.numel() * static_cast<int64_t>(buffer.element_size());
+// `values` (fp32) in `dtype`; in 16 bits, infinities are clamped to the largest finite value
+// (NaN stays NaN, and marks the buffer for zeroing).
+torch::Tensor stored_as(const torch::Tensor& values, torch::ScalarType dtype) {
+  if (dtype == torch::kFloat32) return values;
+  const double largest = dtype == torch::kHalf ? 65504.0 : static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
+  return values.clamp(-largest, largest).to(dtype);
 }
 
 }  // namespace
 
-PowerSgdReducer::PowerSgdReducer(std::shared_ptr<ProcessGroup> group, PowerSgdOptions options)
-    : group_(group), options_(options), whole_(std::move(group), options.bucket_bytes) {
-  if (options_.rank < 1) throw Error("powersgd.rank must be at least 1");
+bool compresses(int64_t rows, int64_t columns, const PowerSgdOptions& options) {
+  return static_cast<double>(rows) * static_cast<double>(columns) >
+         options.min_compression_rate * static_cast<double>((rows + columns) * options.rank);
 }
 
-bool PowerSgdReducer::compresses(const std::vector<int64_t>& shape, const PowerSgdOptions& options) {
+bool compresses(const std::vector<int64_t>& shape, const PowerSgdOptions& options) {
   if (shape.size() < 2) return false;
   const auto [n, m] = matrix_shape(shape);
-  return static_cast<double>(n) * static_cast<double>(m) >
-         options.min_compression_rate * static_cast<double>((n + m) * options.rank);
+  return compresses(n, m, options);
 }
 
-int64_t PowerSgdReducer::values_sent(const std::vector<int64_t>& shape, const PowerSgdOptions& options) {
+int64_t values_sent(const std::vector<int64_t>& shape, const PowerSgdOptions& options) {
   const auto [n, m] = matrix_shape(shape);
-  return compresses(shape, options) ? (n + m) * options.rank : n * m;
+  return compresses(shape, options) ? (n + m) * effective_rank(n, m, options) : n * m;
 }
+
+int64_t effective_rank(int64_t rows, int64_t columns, const PowerSgdOptions& options) {
+  return std::min({options.rank, rows, columns});
+}
+
+torch::Tensor initial_q(const PowerSgdOptions& options, int64_t slot, int64_t rows, int64_t columns,
+                        torch::Device device) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(options.seed + static_cast<uint64_t>(slot));
+  return torch::randn({columns, effective_rank(rows, columns, options)}, generator, torch::kFloat32).to(device);
+}
+
+LowRankAverager::LowRankAverager(std::shared_ptr<ProcessGroup> group, const PowerSgdOptions& options)
+    : group_(std::move(group)), options_(options) {
+  if (options_.rank < 1) throw Error("powersgd.rank must be at least 1");
+  if (options_.dtype != torch::kFloat32 && options_.dtype != torch::kBFloat16 && options_.dtype != torch::kHalf) {
+    throw Error("powersgd.dtype must be float32, bfloat16 or float16");
+  }
+}
+
+double LowRankAverager::average(const std::vector<torch::Tensor>& gradients, const std::vector<LowRankState*>& states) {
+  if (gradients.empty()) return 0.0;
+  torch::NoGradGuard no_grad;
+  const auto dtype = options_.dtype;
+  std::vector<torch::Tensor> ms, ps, qs;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    auto& error = states[i]->error;
+    // What earlier updates dropped joins this one; a buffer that holds non-finite values
+    // starts again from zero.
+    if (!torch::isfinite(error).all().item<bool>()) error.zero_();
+    if (dtype == torch::kFloat32) {
+      error.add_(gradients[i]);
+    } else {
+      error.copy_(stored_as(error.to(torch::kFloat32) + gradients[i], dtype));
+    }
+    ms.push_back(error.to(torch::kFloat32));
+    ps.push_back(stored_as(ms.back().mm(states[i]->q), dtype));
+  }
+  bytes_ += average_together(*group_, ps);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    ps[i] = orthogonalized(ps[i].to(torch::kFloat32));
+    qs.push_back(stored_as(ms[i].t().mm(ps[i]), dtype));
+  }
+  bytes_ += average_together(*group_, qs);
+  auto square = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(gradients.front().device()));
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const auto q = qs[i].to(torch::kFloat32);
+    const auto decompressed = ps[i].mm(q.t());
+    states[i]->error.copy_(stored_as(ms[i] - decompressed, dtype));
+    if (options_.warm_start) states[i]->q.copy_(q);
+    gradients[i].copy_(decompressed);
+    square += q.square().sum().to(square.device(), torch::kFloat64);
+  }
+  return square.item<double>();
+}
+
+PowerSgdReducer::PowerSgdReducer(std::shared_ptr<ProcessGroup> group, PowerSgdOptions options)
+    : group_(group), options_(options), whole_(group, options.bucket_bytes), low_rank_(std::move(group), options) {}
 
 void PowerSgdReducer::reduce(const std::vector<torch::Tensor>& parameters) {
   torch::NoGradGuard no_grad;
   ++updates_;
-  std::vector<torch::Tensor> whole, compressed;
+  std::vector<torch::Tensor> whole;
+  compressed_.clear();
   for (const auto& parameter : parameters) {
     const bool compress = updates_ >= options_.start_update && compresses(parameter.sizes().vec(), options_);
-    if (compress && !parameter.grad().defined()) parameter.mutable_grad() = torch::zeros_like(parameter);
-    (compress ? compressed : whole).push_back(parameter);
+    (compress ? compressed_ : whole).push_back(parameter);
   }
   whole_.reduce(whole);
-  if (!compressed.empty()) compress(compressed);
+  std::vector<torch::Tensor> matrices;
+  std::vector<LowRankState*> states;
+  for (auto& parameter : compressed_) {
+    if (!parameter.grad().defined() || !parameter.grad().is_contiguous()) {
+      parameter.mutable_grad() = parameter.grad().defined() ? parameter.grad().contiguous() : torch::zeros_like(parameter);
+    }
+    const auto [n, m] = matrix_shape(parameter.sizes().vec());
+    matrices.push_back(parameter.grad().view({n, m}));
+    states.push_back(&state_of(parameter, n, m));
+  }
+  compressed_square_ = low_rank_.average(matrices, states);
 }
 
-PowerSgdReducer::Matrix& PowerSgdReducer::state_of(const torch::Tensor& parameter, int64_t n, int64_t m) {
+double PowerSgdReducer::gradient_norm(const std::vector<torch::Tensor>& parameters) {
+  if (compressed_.empty()) return GradientReducer::gradient_norm(parameters);
+  std::unordered_set<const torch::TensorImpl*> compressed;
+  for (const auto& parameter : compressed_) compressed.insert(parameter.unsafeGetTensorImpl());
+  std::vector<torch::Tensor> whole;
+  for (const auto& parameter : parameters) {
+    if (!compressed.count(parameter.unsafeGetTensorImpl())) whole.push_back(parameter);
+  }
+  const double whole_norm = GradientReducer::gradient_norm(whole);
+  return std::sqrt(whole_norm * whole_norm + compressed_square_);
+}
+
+LowRankState& PowerSgdReducer::state_of(const torch::Tensor& parameter, int64_t n, int64_t m) {
   auto found = matrices_.find(parameter.unsafeGetTensorImpl());
   if (found != matrices_.end()) return found->second;
+  const int64_t slot = static_cast<int64_t>(order_.size());
   order_.push_back(parameter.unsafeGetTensorImpl());
-  if (auto restored = restored_.find(order_.size() - 1); restored != restored_.end()) {
+  const auto device = parameter.grad().device();
+  LowRankState state;
+  if (auto restored = restored_.find(slot); restored != restored_.end()) {
     if (restored->second.error.sizes() != torch::IntArrayRef({n, m})) {
       throw Error("the checkpoint's PowerSGD state does not fit the gradients (a " + std::to_string(n) + "x" +
                   std::to_string(m) + " matrix)");
     }
-    const auto device = parameter.grad().device();
-    Matrix matrix{restored->second.q.to(device), restored->second.error.to(device)};
+    // A Q of another rank (powersgd.rank changed on resume) starts afresh.
+    const auto& q = restored->second.q;
+    state = {q.size(1) == effective_rank(n, m, options_) ? q.to(device, torch::kFloat32)
+                                                          : initial_q(options_, slot, n, m, device),
+             restored->second.error.to(device, options_.dtype)};
     restored_.erase(restored);
-    return matrices_.emplace(parameter.unsafeGetTensorImpl(), std::move(matrix)).first->second;
+  } else {
+    state = {initial_q(options_, slot, n, m, device), torch::zeros({n, m}, torch::TensorOptions().dtype(options_.dtype).device(device))};
   }
-  // The same Q on every replica: a generator of its own, seeded by the options and by the
-  // order in which the matrices first come.
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.seed + matrices_.size());
-  const auto options = parameter.grad().options().dtype(torch::kFloat32);
-  Matrix matrix{torch::randn({m, options_.rank}, generator, torch::kFloat32).to(options.device()),
-                torch::zeros({n, m}, options)};
-  return matrices_.emplace(parameter.unsafeGetTensorImpl(), std::move(matrix)).first->second;
+  return matrices_.emplace(parameter.unsafeGetTensorImpl(), std::move(state)).first->second;
 }
 
 void PowerSgdReducer::save_state(io::TensorMap& state, const std::string& prefix) {
   state[prefix + "updates"] = torch::tensor(updates_, torch::kInt64);
   for (size_t i = 0; i < order_.size(); ++i) {
     const auto& matrix = matrices_.at(order_[i]);
-    auto error = matrix.error.to(group_->device()).contiguous();
+    auto error = matrix.error.to(group_->device(), torch::kFloat32).contiguous();
     group_->all_reduce(error, ReduceOp::average);
     state[prefix + "error." + std::to_string(i)] = error.cpu();
     state[prefix + "q." + std::to_string(i)] = matrix.q.cpu();
@@ -112,35 +188,7 @@ void PowerSgdReducer::load_state(const io::TensorMap& state, const std::string& 
     const auto error = state.find(prefix + "error." + std::to_string(i));
     const auto q = state.find(prefix + "q." + std::to_string(i));
     if (error == state.end() || q == state.end()) break;
-    restored_[i] = Matrix{q->second, error->second};
-  }
-}
-
-void PowerSgdReducer::compress(const std::vector<torch::Tensor>& parameters) {
-  std::vector<torch::Tensor> ms, ps, qs;
-  std::vector<Matrix*> states;
-  for (const auto& parameter : parameters) {
-    const auto [n, m] = matrix_shape(parameter.sizes().vec());
-    auto& state = state_of(parameter, n, m);
-    // Error feedback: what earlier updates dropped joins this one; a buffer that holds
-    // non-finite values (an overflowed fp16 update) starts again from zero.
-    if (!torch::isfinite(state.error).all().item<bool>()) state.error.zero_();
-    auto matrix = parameter.grad().reshape({n, m}).to(torch::kFloat32) + state.error;
-    ps.push_back(matrix.mm(state.q));
-    ms.push_back(std::move(matrix));
-    states.push_back(&state);
-  }
-  bytes_compressed_ += average_together(*group_, ps);
-  for (size_t i = 0; i < ps.size(); ++i) {
-    ps[i] = orthogonalized(ps[i]);
-    qs.push_back(ms[i].t().mm(ps[i]));
-  }
-  bytes_compressed_ += average_together(*group_, qs);
-  for (size_t i = 0; i < parameters.size(); ++i) {
-    const auto decompressed = ps[i].mm(qs[i].t());
-    states[i]->error = ms[i] - decompressed;
-    if (options_.warm_start) states[i]->q = qs[i].clone();
-    parameters[i].grad().copy_(decompressed.view_as(parameters[i].grad()));
+    restored_[i] = LowRankState{q->second, error->second};
   }
 }
 

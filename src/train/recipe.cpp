@@ -25,14 +25,20 @@ void RunConfig::visit(ConfigVisitor& v) {
 }
 
 void PowerSgdConfig::visit(ConfigVisitor& v) {
-  v.field("rank", rank, "r: each gradient matrix is averaged as P (n x r) Q^T (m x r) (DALL-E 12B: 896)",
+  v.field("rank", rank,
+          "r: each gradient matrix is averaged as P (n x r) Q^T (m x r); sharded, each shard's rows of it (DALL-E 12B: "
+          "896 over 8 shards, 112 here)",
           {.min = 1, .max = 65536});
   v.field("start_update", start_update, "updates before this one average whole gradients (PyTorch's hook: 1000)",
           {.min = 1});
   v.field("min_compression_rate", min_compression_rate,
           "compress a matrix only when n m > this x (n + m) r; the others go whole", {.min = 0.0, .max = 1e6});
   v.field("warm_start", warm_start, "false: Q stays the first seeded Gaussian (DALL-E); true: the last Q starts the "
-                                    "next power iteration (PyTorch's hook)");
+                                    "next power iteration (PyTorch's hook; data parallelism only)");
+  v.field("dtype", dtype,
+          "of P and Q on the wire and of the error buffers: float32, or 16 bits as DALL-E kept them (bfloat16 has "
+          "fp32's range; float16's infinities are clamped to 65504, and unscaled gradients below 6e-8 vanish)",
+          {.choices = {"float32", "bfloat16", "float16"}});
 }
 
 void DistributedConfig::visit(ConfigVisitor& v) {
@@ -52,7 +58,7 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           {.choices = {"none", "within_node"}});
   v.field("gradient_reduction", gradient_reduction,
           "allreduce: the gradients averaged whole; powersgd: each matrix averaged as a low-rank product with error "
-          "feedback (data parallelism only, for now)",
+          "feedback, between every rank (sharding none) or, sharded, on each shard between machines (DALL-E)",
           {.choices = {"allreduce", "powersgd"}});
   v.section("powersgd", "PowerSGD's rank and choices (distributed.gradient_reduction powersgd)", powersgd);
 }

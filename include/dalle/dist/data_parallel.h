@@ -13,6 +13,10 @@
 
 namespace dalle::dist {
 
+// Replaces every tensor of `parts` (one dtype and device, any shapes and views) by its mean
+// over the group's ranks, in one flat all-reduce; returns the payload's bytes.
+int64_t average_together(ProcessGroup& group, const std::vector<torch::Tensor>& parts);
+
 class DataParallelReducer final : public GradientReducer {
  public:
   // `bucket_bytes`: the most gradient bytes one all-reduce carries (a larger tensor travels
@@ -24,6 +28,7 @@ class DataParallelReducer final : public GradientReducer {
   void reduce(const std::vector<torch::Tensor>& parameters) override;
   torch::Tensor agree(const torch::Tensor& flags) override;
   int64_t replicas() const override { return group_->size(); }
+  int64_t bytes_across_machines() const override { return bytes_reduced_; }
 
   // What this rank handed to all-reduce so far: payload bytes and collectives.
   int64_t bytes_reduced() const { return bytes_reduced_; }

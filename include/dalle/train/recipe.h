@@ -41,6 +41,7 @@ struct PowerSgdConfig {
   int64_t start_update = 1000;
   double min_compression_rate = 2.0;
   bool warm_start = false;
+  std::string dtype = "float32";  // of P, Q and the error buffers: float32, bfloat16 or float16
 
   void visit(ConfigVisitor& v);
 };
