@@ -14,6 +14,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <numeric>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <unordered_set>
@@ -22,6 +24,7 @@
 #include "dalle/dist/job.h"
 #include "dalle/dist/local_ranks.h"
 #include "dalle/dist/powersgd.h"
+#include "dalle/dist/sharded_parameters.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
 #include "dalle/models/prior.h"
@@ -235,35 +238,65 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
 }
 
 // The share of gradient values PowerSGD at `rank` saves a replica of the prior `config`,
-// computed by the reducer's rule on the real parameter shapes (one layer built, its blocks
-// counted `config.layers` times; the embeddings and output layer once), flat as
-// data parallelism runs it now.
-void powersgd_compression(models::PriorConfig config, int64_t rank, const std::string& name) {
+// computed by the reducers' rules on the real parameter shapes (one layer built, its blocks
+// counted `config.layers` times; the embeddings and output layer once, whole): flat, as data
+// parallelism runs it, and hierarchical, as DALL-E did, each resblock sharded between the
+// `per_machine` ranks of a machine as dalle-train shards it (its matrices, then the rest) and
+// each shard's blocks of rows compressed at rank / `per_machine` across the machines; beside
+// them the paper's 1 - 5r/(8 d_model).
+void powersgd_compression(models::PriorConfig config, int64_t rank, int64_t per_machine, const std::string& name) {
   const int64_t layers = config.layers;
   config.layers = 1;
   models::Prior prior(config);
+  const dist::PowerSgdOptions flat{.rank = rank}, per_shard{.rank = rank / per_machine};
   std::unordered_set<const torch::TensorImpl*> in_blocks;
-  for (const auto& block : prior->resblocks()) {
-    for (const auto& p : block->parameters()) in_blocks.insert(p.unsafeGetTensorImpl());
+  std::vector<std::vector<int64_t>> matrices, rest;
+  for (const auto& item : prior->resblocks().front()->named_parameters()) {
+    in_blocks.insert(item.value().unsafeGetTensorImpl());
+    (item.value().dim() == 2 ? matrices : rest).push_back(item.value().sizes().vec());
   }
-  const dist::PowerSgdOptions options{.rank = rank};
-  double whole = 0, sent = 0, block_whole = 0, block_sent = 0;
+  double whole = 0, sent = 0, block_whole = 0, block_sent = 0, outside = 0;
   for (const auto& p : prior->parameters()) {
     const bool in_block = in_blocks.count(p.unsafeGetTensorImpl()) > 0;
     const double times = in_block ? static_cast<double>(layers) : 1.0;
-    const double values = static_cast<double>(p.numel()) * times;
-    const double values_sent = static_cast<double>(dist::PowerSgdReducer::values_sent(p.sizes().vec(), options)) * times;
-    whole += values;
-    sent += values_sent;
+    whole += static_cast<double>(p.numel()) * times;
+    sent += static_cast<double>(dist::values_sent(p.sizes().vec(), flat)) * times;
     if (in_block) {
-      block_whole += values;
-      block_sent += values_sent;
+      block_whole += static_cast<double>(p.numel()) * times;
+      block_sent += static_cast<double>(dist::values_sent(p.sizes().vec(), flat)) * times;
+    } else {
+      outside += static_cast<double>(p.numel());
     }
   }
-  const nlohmann::json line = {{"benchmark", "powersgd_compression"}, {"model", name},
-                               {"width", config.width},              {"layers", layers},
-                               {"rank", rank},                       {"parameters", whole},
-                               {"saved", 1.0 - sent / whole},        {"saved_in_resblocks", 1.0 - block_sent / block_whole}};
+  double hierarchical = 0;  // values a machine's ranks send across machines per resblock
+  for (const auto& group : {matrices, rest}) {
+    int64_t values = 0;
+    for (const auto& shape : group) values += std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+    const int64_t shard = (values + per_machine - 1) / per_machine;
+    for (int64_t r = 0; r < per_machine; ++r) {
+      int64_t left = shard;
+      for (const auto& rows : dist::rows_in_shard(group, r, per_machine)) {
+        if (!dist::compresses(rows.rows, rows.columns, per_shard)) continue;
+        left -= rows.rows * rows.columns;
+        hierarchical += static_cast<double>((rows.rows + rows.columns) * dist::effective_rank(rows.rows, rows.columns, per_shard));
+      }
+      hierarchical += static_cast<double>(left);
+    }
+  }
+  hierarchical *= static_cast<double>(layers);
+  const double paper = 5.0 * static_cast<double>(rank) / (8.0 * static_cast<double>(config.width));
+  const nlohmann::json line = {{"benchmark", "powersgd_compression"},
+                               {"model", name},
+                               {"width", config.width},
+                               {"layers", layers},
+                               {"rank", rank},
+                               {"ranks_per_machine", per_machine},
+                               {"parameters", whole},
+                               {"saved_flat", 1.0 - sent / whole},
+                               {"saved_flat_in_resblocks", 1.0 - block_sent / block_whole},
+                               {"saved_hierarchical", 1.0 - (hierarchical + outside) / whole},
+                               {"saved_hierarchical_in_resblocks", 1.0 - hierarchical / block_whole},
+                               {"paper_formula", 1.0 - paper}};
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
 }
@@ -351,13 +384,13 @@ int main(int argc, char** argv) {
     }
   } else if (which == "powersgd-compression") {
     auto xl = rudalle_xl_slice(24);
-    for (const int64_t rank : {128, 256, 512}) powersgd_compression(xl, rank, "ruDALL-E XL (1.3B)");
+    for (const int64_t rank : {128, 256, 512}) powersgd_compression(xl, rank, 8, "ruDALL-E XL (1.3B)");
     // The paper's 12B: 64 layers, d_model 3968, 62 heads of 64, rank 896.
     auto twelve = rudalle_xl_slice(64);
     twelve.width = 3968;
     twelve.heads = 62;
     twelve.text_length = 256;
-    for (const int64_t rank : {512, 896}) powersgd_compression(twelve, rank, "DALL-E 12B");
+    for (const int64_t rank : {512, 896}) powersgd_compression(twelve, rank, 8, "DALL-E 12B");
   } else if (which == "powersgd-qr") {
     powersgd_qr(quick ? 1 : 3);
   } else if (which == "training-xl-slice") {

@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+#include <numeric>
+
 #include "dalle/error.h"
 
 namespace dalle::dist {
@@ -32,6 +35,33 @@ std::vector<std::vector<int64_t>> ShardedParameters::shapes(size_t g) const {
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& layout : layouts_[g]) shapes.push_back(layout.shape);
   return shapes;
+}
+
+std::vector<ShardRows> rows_in_shard(const std::vector<std::vector<int64_t>>& shapes, int64_t rank, int64_t ranks) {
+  std::vector<int64_t> sizes;
+  int64_t total = 0;
+  for (const auto& shape : shapes) {
+    sizes.push_back(std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>()));
+    total += sizes.back();
+  }
+  const int64_t shard = (total + ranks - 1) / ranks, low = rank * shard, high = low + shard;
+  std::vector<ShardRows> found;
+  int64_t start = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const int64_t end = start + sizes[i];
+    if (shapes[i].size() >= 2 && sizes[i] > 0 && start < high && low < end) {
+      const int64_t columns = sizes[i] / shapes[i][0];
+      const int64_t first = (std::max(low, start) - start + columns - 1) / columns;
+      const int64_t last = (std::min(high, end) - start) / columns;
+      if (last > first) found.push_back({i, start + first * columns - low, last - first, columns});
+    }
+    start = end;
+  }
+  return found;
+}
+
+std::vector<ShardRows> ShardedParameters::rows_in_shard(size_t g) const {
+  return dist::rows_in_shard(shapes(g), group_->rank(), group_->size());
 }
 
 bool ShardedParameters::holds(const torch::Tensor& tensor) const {
@@ -130,16 +160,112 @@ void ShardedParameters::reduce_gradients(size_t g) {
 
 ShardedReducer::ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> world,
                                std::shared_ptr<ProcessGroup> within_node, std::shared_ptr<ProcessGroup> across_nodes,
-                               int64_t bucket_bytes)
-    : sharded_(std::move(sharded)), within_node_(std::move(within_node)), replicated_(std::move(world), bucket_bytes) {
-  if (across_nodes) across_nodes_ = std::make_unique<DataParallelReducer>(std::move(across_nodes), bucket_bytes);
+                               int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd)
+    : sharded_(std::move(sharded)),
+      within_node_(std::move(within_node)),
+      across_group_(std::move(across_nodes)),
+      replicated_(std::move(world), bucket_bytes),
+      powersgd_(powersgd) {
+  if (powersgd_ && powersgd_->warm_start) {
+    throw Error("powersgd.warm_start is for data parallelism: sharded PowerSGD keeps Q fixed, as DALL-E did");
+  }
+  if (!across_group_) return;
+  across_nodes_ = std::make_unique<DataParallelReducer>(across_group_, bucket_bytes);
+  if (powersgd_) low_rank_ = std::make_unique<LowRankAverager>(across_group_, *powersgd_);
+}
+
+bool ShardedReducer::compressing() const { return low_rank_ && updates_ >= powersgd_->start_update; }
+
+int64_t ShardedReducer::bytes_across_nodes() const {
+  return (across_nodes_ ? across_nodes_->bytes_reduced() : 0) + (low_rank_ ? low_rank_->bytes_reduced() : 0) +
+         whole_bytes_;
 }
 
 void ShardedReducer::reduce(const std::vector<torch::Tensor>& parameters) {
   std::vector<torch::Tensor> replicated, shards;
   for (const auto& parameter : parameters) (sharded_->holds(parameter) ? shards : replicated).push_back(parameter);
   replicated_.reduce(replicated);
-  if (across_nodes_) across_nodes_->reduce(shards);
+  shard_square_.reset();
+  if (!across_nodes_) return;
+  ++updates_;
+  if (compressing()) {
+    compress_shards();
+  } else {
+    across_nodes_->reduce(shards);
+  }
+}
+
+// The error buffers and Q of every compressed block of rows: the same blocks at every update,
+// and a Q seeded by the tensor, so that a matrix's blocks on every machine start alike.
+void ShardedReducer::prepare_low_rank() {
+  if (!errors_.empty()) return;
+  int64_t slot = 0;
+  for (size_t g = 0; g < sharded_->groups(); ++g) {
+    const auto& shard = sharded_->shard(g);
+    errors_.push_back(torch::zeros({shard.numel()}, torch::TensorOptions().dtype(powersgd_->dtype).device(shard.device())));
+    std::vector<ShardRows> compressed;
+    std::vector<LowRankState> states;
+    for (const auto& rows : sharded_->rows_in_shard(g)) {
+      if (!compresses(rows.rows, rows.columns, *powersgd_)) continue;
+      compressed.push_back(rows);
+      states.push_back({initial_q(*powersgd_, slot + static_cast<int64_t>(rows.tensor), rows.rows, rows.columns, shard.device()),
+                        errors_[g].narrow(0, rows.offset, rows.rows * rows.columns).view({rows.rows, rows.columns})});
+    }
+    compressed_rows_.push_back(std::move(compressed));
+    states_.push_back(std::move(states));
+    slot += static_cast<int64_t>(sharded_->shapes(g).size());
+  }
+}
+
+void ShardedReducer::compress_shards() {
+  torch::NoGradGuard no_grad;
+  prepare_low_rank();
+  std::vector<torch::Tensor> matrices, whole;
+  std::vector<LowRankState*> states;
+  for (size_t g = 0; g < sharded_->groups(); ++g) {
+    auto shard = sharded_->shard(g);
+    if (!shard.grad().defined()) shard.mutable_grad() = torch::zeros_like(shard);
+    const auto gradient = shard.grad();
+    int64_t at = 0;
+    for (size_t k = 0; k < compressed_rows_[g].size(); ++k) {
+      const auto& rows = compressed_rows_[g][k];
+      if (rows.offset > at) whole.push_back(gradient.narrow(0, at, rows.offset - at));
+      matrices.push_back(gradient.narrow(0, rows.offset, rows.rows * rows.columns).view({rows.rows, rows.columns}));
+      states.push_back(&states_[g][k]);
+      at = rows.offset + rows.rows * rows.columns;
+    }
+    if (at < gradient.numel()) whole.push_back(gradient.narrow(0, at, gradient.numel() - at));
+  }
+  double square = low_rank_->average(matrices, states);
+  whole_bytes_ += average_together(*across_group_, whole);
+  for (const auto& part : whole) square += part.square().sum().item<double>();
+  shard_square_ = square;
+}
+
+void ShardedReducer::save_state(io::TensorMap& state, const std::string& prefix) {
+  if (low_rank_) state[prefix + "updates"] = torch::tensor(updates_, torch::kInt64);
+}
+
+void ShardedReducer::load_state(const io::TensorMap& state, const std::string& prefix) {
+  const auto updates = state.find(prefix + "updates");
+  if (low_rank_ && updates != state.end()) updates_ = updates->second.item<int64_t>();
+}
+
+torch::Tensor ShardedReducer::shard_error(size_t g) {
+  if (!low_rank_) return {};
+  prepare_low_rank();
+  auto error = errors_[g].to(across_group_->device(), torch::kFloat32).contiguous();
+  across_group_->all_reduce(error, ReduceOp::average);
+  return error;
+}
+
+void ShardedReducer::set_shard_error(size_t g, const torch::Tensor& error) {
+  if (!low_rank_) return;
+  prepare_low_rank();
+  if (error.numel() != errors_[g].numel()) {
+    throw Error("the checkpoint's PowerSGD error feedback does not fit shard " + std::to_string(g));
+  }
+  errors_[g].copy_(error.reshape({-1}));
 }
 
 double ShardedReducer::gradient_norm(const std::vector<torch::Tensor>& parameters) {
@@ -150,9 +276,12 @@ double ShardedReducer::gradient_norm(const std::vector<torch::Tensor>& parameter
   auto replicated = torch::zeros({1}, on), sharded = torch::zeros({1}, on);
   for (const auto& parameter : parameters) {
     if (!parameter.grad().defined()) continue;
+    const bool held = sharded_->holds(parameter);
+    if (held && shard_square_) continue;  // measured from Q
     const auto square = torch::linalg_vector_norm(parameter.grad(), 2).to(on).square();
-    (sharded_->holds(parameter) ? sharded : replicated) += square;
+    (held ? sharded : replicated) += square;
   }
+  if (shard_square_) sharded += *shard_square_;
   within_node_->all_reduce(sharded, ReduceOp::sum);
   return std::sqrt((replicated + sharded).item<double>());
 }

@@ -43,6 +43,19 @@ std::unique_ptr<State> start_trainer(Config config, const std::string& run, cons
   return std::make_unique<State>(std::move(config), std::filesystem::path(run));
 }
 
+// distributed.powersgd as the reducers take it.
+template <class Config>
+dist::PowerSgdOptions powersgd_options(const Config& config) {
+  const auto& p = config.distributed.powersgd;
+  return {.rank = p.rank,
+          .start_update = p.start_update,
+          .min_compression_rate = p.min_compression_rate,
+          .warm_start = p.warm_start,
+          .dtype = p.dtype == "bfloat16" ? torch::kBFloat16 : p.dtype == "float16" ? torch::kHalf : torch::kFloat32,
+          .seed = static_cast<uint64_t>(config.run.seed),
+          .bucket_bytes = std::llround(config.distributed.bucket_megabytes * (1 << 20))};
+}
+
 // Joins the job the launcher started (a job of one without a launcher) before any model is
 // built, so that ranks started with another config or build are refused at once. NCCL
 // carries the collectives of a job on GPUs (`device`), gloo the others.
@@ -53,18 +66,7 @@ std::shared_ptr<dist::Job> join_job(Config config, const dist::LaunchEnvironment
                            .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20)),
                            .backend = device.is_cuda() ? dist::Backend::nccl : dist::Backend::gloo,
                            .cuda_device = device.is_cuda() ? device.index() : 0};
-  if (d.gradient_reduction == "powersgd") {
-    if (d.sharding != "none") {
-      throw Error("distributed.gradient_reduction powersgd with distributed.sharding " + d.sharding +
-                  " (DALL-E's hierarchical PowerSGD across machines) is not built yet; use one or the other");
-    }
-    options.powersgd = dist::PowerSgdOptions{.rank = d.powersgd.rank,
-                                             .start_update = d.powersgd.start_update,
-                                             .min_compression_rate = d.powersgd.min_compression_rate,
-                                             .warm_start = d.powersgd.warm_start,
-                                             .seed = static_cast<uint64_t>(config.run.seed),
-                                             .bucket_bytes = options.bucket_bytes};
-  }
+  if (d.gradient_reduction == "powersgd") options.powersgd = powersgd_options(config);
   return std::make_shared<dist::Job>(
       place, options,
       dist::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))), .code = build_fingerprint()});
@@ -182,6 +184,7 @@ struct TrainerState : RunRecord {
   // Locks the run directory and resumes from its latest checkpoint, if any.
   void open_run(bool samples) {
     open(visit_of(config), samples, [this](const std::string& latest) { resume(latest); });
+    traffic_.step = step;
     job->check_same(step, "the update to start from (every rank must see the run directory " + run.string() +
                               ", on a file system they share)");
   }
@@ -225,6 +228,7 @@ struct TrainerState : RunRecord {
   // per-resblock ones, and the updates skipped so far. In a job, every rank calls it after
   // the same update: its fractional values (losses, ...) become the mean over the ranks.
   void append_metrics(nlohmann::json line) const {
+    add_traffic(line);
     std::vector<double> values;
     for (const auto& item : line.items()) {
       if (item.value().is_number_float()) values.push_back(item.value().get<double>());
@@ -246,6 +250,21 @@ struct TrainerState : RunRecord {
     }
     metrics_log.append(line);
   }
+
+  // In a job on several machines: the megabytes per update each rank sent to collectives
+  // that cross machines (gradient reduction), since the last line (averaged over the ranks
+  // with the line's other values).
+  void add_traffic(nlohmann::json& line) const {
+    if (job->place().nodes == 1 || step <= traffic_.step) return;
+    const int64_t bytes = update->reducer().bytes_across_machines();
+    line["across_machines_mb"] =
+        static_cast<double>(bytes - traffic_.bytes) / 1e6 / static_cast<double>(step - traffic_.step);
+    traffic_ = {step, bytes};
+  }
+  struct Traffic {
+    int64_t step = 0, bytes = 0;
+  };
+  mutable Traffic traffic_;  // at the last metrics line (or the start)
 
   // What differs between trainers.
   virtual data::LoaderPosition loader_position() const = 0;

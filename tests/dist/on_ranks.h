@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <future>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "dalle/dist/launch.h"
@@ -59,6 +60,18 @@ inline std::shared_ptr<dist::ProcessGroup> group_at(const dist::LaunchEnvironmen
                                                                         .rank = place.rank,
                                                                         .world_size = place.world_size,
                                                                         .serve_store = false,
+                                                                        .timeout = std::chrono::seconds(30)});
+}
+
+// The group `name` of `size` ranks, over the test's store, in which the rank at `place` is
+// `rank` (a machine's ranks, or one rank of each machine).
+inline std::shared_ptr<dist::ProcessGroup> subgroup_at(const dist::LaunchEnvironment& place, const std::string& name,
+                                                       int64_t rank, int64_t size) {
+  return std::make_shared<dist::ProcessGroup>(dist::ProcessGroupOptions{.port = place.master_port,
+                                                                        .rank = rank,
+                                                                        .world_size = size,
+                                                                        .serve_store = false,
+                                                                        .prefix = name,
                                                                         .timeout = std::chrono::seconds(30)});
 }
 

@@ -195,7 +195,10 @@ TEST_F(TrainingJob, PowerSgdResumesAsIfUninterrupted) {
 }
 
 // fp16 with per-resblock scales under sharding: the scales (M x 2^13 at the start), the
-// skipped updates and the weights follow data parallelism's.
+// skipped updates and the losses follow data parallelism's. The weights agree less closely
+// than in fp32: data parallelism unscales each rank's gradients before averaging them,
+// sharding after its reduce-scatter, and the scales are not powers of two; AdamW turns the
+// last-bit differences of near-zero gradients into differences of up to a step.
 TEST_F(TrainingJob, ShardedFp16ScalesAndSkipsAsDataParallelDoes) {
   ScratchDir dir;
   const std::string fp16 = " --nproc-per-node 2 --set precision.mode=fp16";
@@ -203,7 +206,12 @@ TEST_F(TrainingJob, ShardedFp16ScalesAndSkipsAsDataParallelDoes) {
   ASSERT_EQ(data_parallel.status, 0) << data_parallel.output;
   auto sharded = run_command(train_prior(dir / "sharded", fp16 + " --set distributed.sharding=within_node"));
   ASSERT_EQ(sharded.status, 0) << sharded.output;
-  EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "sharded", 10)), 1e-5);
+  for (int64_t step = 1; step <= 10; ++step) {
+    EXPECT_NEAR(metrics_at(dir / "job", step)["loss"].get<double>(), metrics_at(dir / "sharded", step)["loss"].get<double>(),
+                1e-5)
+        << "update " << step;
+  }
+  EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "sharded", 10)), 1e-3);
   for (const char* key : {"grad_scale_min", "grad_scale_max", "skipped_updates"}) {
     EXPECT_EQ(metrics_at(dir / "job", 10)[key], metrics_at(dir / "sharded", 10)[key]) << key;
   }
@@ -343,26 +351,69 @@ int free_port() {
   return ntohs(address.sin_port);
 }
 
-// Two "machines" of two ranks, started as torchrun starts them on each: every resblock is
-// sharded between the ranks of a machine and replicated across the machines (DALL-E's
-// hybrid layout), and the job trains as 4 data-parallel ranks do.
-TEST_F(TrainingJob, TwoMachinesOfTwoRanksShardWithinAndReplicateAcross) {
-  ScratchDir dir;
-  auto data_parallel = run_command(train_prior(dir / "job", "--nproc-per-node 4"));
-  ASSERT_EQ(data_parallel.status, 0) << data_parallel.output;
+// The command that runs `train` (a command line) as 4 ranks on two "machines" of two,
+// started as torchrun starts them on each, and fails unless every rank succeeds.
+std::string on_two_machines_of_two(const std::string& train) {
   const std::string env = "WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                           std::to_string(free_port());
   std::string ranks = "pids=; ";
   for (int rank = 0; rank < 4; ++rank) {
     ranks += env + " RANK=" + std::to_string(rank) + " LOCAL_RANK=" + std::to_string(rank % 2) + " GROUP_RANK=" +
-             std::to_string(rank / 2) + " " + train_prior(dir / "hybrid", "--set distributed.sharding=within_node") +
-             " & pids=\"$pids $!\"; ";
+             std::to_string(rank / 2) + " " + train + " & pids=\"$pids $!\"; ";
   }
-  auto hybrid = run_command(ranks + "status=0; for p in $pids; do wait $p || status=1; done; exit $status");
+  return ranks + "status=0; for p in $pids; do wait $p || status=1; done; exit $status";
+}
+
+// Two "machines" of two ranks: every resblock is sharded between the ranks of a machine and
+// replicated across the machines (DALL-E's hybrid layout), and the job trains as 4
+// data-parallel ranks do.
+TEST_F(TrainingJob, TwoMachinesOfTwoRanksShardWithinAndReplicateAcross) {
+  ScratchDir dir;
+  auto data_parallel = run_command(train_prior(dir / "job", "--nproc-per-node 4"));
+  ASSERT_EQ(data_parallel.status, 0) << data_parallel.output;
+  auto hybrid =
+      run_command(on_two_machines_of_two(train_prior(dir / "hybrid", "--set distributed.sharding=within_node")));
   ASSERT_EQ(hybrid.status, 0) << hybrid.output;
   EXPECT_THAT(hybrid.output, ::testing::HasSubstr("each holds 1/2 of their weights, gradients and moments, "
                                                   "replicated on the 2 machines"));
   EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "hybrid", 10)), 1e-5);
+}
+
+// DALL-E's hierarchy on two "machines" of two ranks: reduce-scatter within the machine,
+// PowerSGD on each shard across the machines. At full rank it trains as data parallelism
+// (its losses; the 1e-6 I added before QR moves near-zero gradients, which AdamW amplifies);
+// at rank 2 it learns, its checkpoints carry the shards' error feedback, and a run stopped
+// at update 5 and resumed takes the updates of an uninterrupted one.
+TEST_F(TrainingJob, ShardedPowerSgdAcrossMachinesTrainsAsDataParallelAtFullRankAndResumesExactly) {
+  ScratchDir dir;
+  auto data_parallel = run_command(train_prior(dir / "job", "--nproc-per-node 4"));
+  ASSERT_EQ(data_parallel.status, 0) << data_parallel.output;
+  const std::string powersgd = "--set distributed.sharding=within_node --set distributed.gradient_reduction=powersgd"
+                               " --set distributed.powersgd.start_update=1 --set distributed.powersgd.min_compression_rate=0"
+                               " --set learning_rate.decay=plateau";
+  auto full = run_command(on_two_machines_of_two(train_prior(dir / "full", powersgd + " --set distributed.powersgd.rank=128")));
+  ASSERT_EQ(full.status, 0) << full.output;
+  auto plain = run_command(train_prior(dir / "plain", "--nproc-per-node 4 --set learning_rate.decay=plateau"));
+  ASSERT_EQ(plain.status, 0) << plain.output;
+  for (int64_t step = 1; step <= 10; ++step) {
+    EXPECT_NEAR(metrics_at(dir / "full", step)["loss"].get<double>(), metrics_at(dir / "plain", step)["loss"].get<double>(),
+                1e-4)
+        << "update " << step;
+  }
+
+  const std::string low = powersgd + " --set distributed.powersgd.rank=2";
+  auto uninterrupted = run_command(on_two_machines_of_two(train_prior(dir / "whole", low)));
+  ASSERT_EQ(uninterrupted.status, 0) << uninterrupted.output;
+  EXPECT_GT(largest_difference(weights_at(dir / "plain", 10), weights_at(dir / "whole", 10)), 1e-4) << "compressed";
+  EXPECT_LT(metrics_at(dir / "whole", 10)["loss"].get<double>(), metrics_at(dir / "whole", 1)["loss"].get<double>());
+  for (const char* steps : {"5", "10"}) {
+    auto leg = run_command(on_two_machines_of_two(train_prior(dir / "resumed", low + " --set run.steps=" + steps)));
+    ASSERT_EQ(leg.status, 0) << leg.output;
+  }
+  const auto state = io::load_checkpoint(dir / "resumed/checkpoints/step-000000005").state;
+  EXPECT_TRUE(state.count("reducer.error.resblocks.0.qkv.weight")) << "the shards' error feedback, whole";
+  EXPECT_EQ(state.at("reducer.updates").item<int64_t>(), 5);
+  EXPECT_LT(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10)), 1e-5);
 }
 
 // Ranks started as torchrun starts them (its variables), one with another recipe.

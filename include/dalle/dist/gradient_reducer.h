@@ -1,8 +1,9 @@
 #pragma once
 // How the gradients of data-parallel replicas become one: the seam between an update step
 // (train/update_step.h) and the processes that train one model together. An update calls
-// `reduce` between the backward pass and unscaling, and `agree` on its finite flags, so that
-// every replica skips, and backs off its fp16 scales, at the same updates. The trainers
+// `agree` on its finite flags after the backward pass, so that every replica skips, and
+// backs off its fp16 scales, at the same updates, and, when it does not skip, `reduce` on
+// the unscaled gradients. The trainers
 // never see which reducer they run with, as Flashlight's modules never see its Reducer.
 #include <torch/types.h>
 
@@ -29,6 +30,10 @@ class GradientReducer {
   // The 2-norm of the gradients of `parameters` (as torch's clip_grad_norm_ measures it),
   // over the whole model: a reducer that leaves each replica a shard adds the others' parts.
   virtual double gradient_norm(const std::vector<torch::Tensor>& parameters);
+  // The payload this rank has handed to collectives whose ranks are on more than one
+  // machine, so far (what crosses the network between machines, in a job on several): a
+  // reducer over every rank counts all it reduces.
+  virtual int64_t bytes_across_machines() const { return 0; }
   // What the reducer carries from one update to the next (PowerSGD's error feedback), into
   // or out of a checkpoint's state under `prefix`. Every rank calls both, at the same point.
   virtual void save_state(io::TensorMap&, const std::string&) {}

@@ -8,15 +8,30 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <unordered_set>
 #include <memory>
 #include <vector>
 
 #include "dalle/dist/data_parallel.h"
 #include "dalle/dist/gradient_reducer.h"
+#include "dalle/dist/powersgd.h"
 #include "dalle/dist/process_group.h"
 
 namespace dalle::dist {
+
+// A block of whole rows of one matrix (a tensor of two or more dimensions, seen as its first
+// dimension by the rest) in one rank's shard of a group: which tensor of the group, where the
+// rows start in the shard, how many and how long.
+struct ShardRows {
+  size_t tensor;
+  int64_t offset, rows, columns;
+};
+// The blocks of whole rows in rank `rank`'s shard of a group of tensors of `shapes`,
+// flattened one after another, padded to a multiple of `ranks` and cut into `ranks` equal
+// shards. A shard's gradient is these blocks, the parts of rows cut at the shard's ends, the
+// vectors, and padding.
+std::vector<ShardRows> rows_in_shard(const std::vector<std::vector<int64_t>>& shapes, int64_t rank, int64_t ranks);
 
 class ShardedParameters {
  public:
@@ -49,6 +64,8 @@ class ShardedParameters {
 
   // The shapes of group g's tensors, whole.
   std::vector<std::vector<int64_t>> shapes(size_t g) const;
+  // rows_in_shard(shapes(g), this rank, the ranks).
+  std::vector<ShardRows> rows_in_shard(size_t g) const;
 
   // The bytes of whole groups gathered and reduce-scattered so far (the collectives' payload).
   int64_t bytes_moved() const { return bytes_moved_; }
@@ -82,28 +99,57 @@ class ShardedParameters {
 // The reducer of a model whose sharded groups' gradients are already reduce-scattered
 // within the machine (by ShardedParameters::reduce_gradients, in backward): it averages the
 // shards with their replicas on the other machines (hybrid sharding: DALL-E's layout), the
-// replicated parameters over the whole job, and measures the norm over every shard.
+// replicated parameters over the whole job, and measures the norm over every shard. With
+// PowerSGD options, the shards' whole rows of matrices cross the machines compressed
+// (DALL-E's hierarchy: reduce-scatter within the machine, PowerSGD across machines on each
+// shard; the all-gather within the machine is the next forward's), the rest of each shard
+// whole in one all-reduce.
 class ShardedReducer final : public GradientReducer {
  public:
   // `within_node`: the group the parameters are sharded over; `across_nodes`: the replicas
   // of this rank's shards (null on one machine); `world`: every rank.
   ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> world,
                  std::shared_ptr<ProcessGroup> within_node, std::shared_ptr<ProcessGroup> across_nodes,
-                 int64_t bucket_bytes);
+                 int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd = std::nullopt);
   void reduce(const std::vector<torch::Tensor>& parameters) override;
   torch::Tensor agree(const torch::Tensor& flags) override { return replicated_.agree(flags); }
   int64_t replicas() const override { return replicated_.replicas(); }
   double gradient_norm(const std::vector<torch::Tensor>& parameters) override;
+  // PowerSGD's update count; the error feedback travels in the checkpoint's shards (below).
+  void save_state(io::TensorMap& state, const std::string& prefix) override;
+  void load_state(const io::TensorMap& state, const std::string& prefix) override;
+
+  // PowerSGD's error feedback of this rank's shard of group g (shard-shaped, zero where
+  // nothing is compressed) as its mean over the shard's replicas on the other machines (what
+  // enters their next averages), and the same set back from a checkpoint; undefined without
+  // PowerSGD across machines. Every rank calls it for every group.
+  torch::Tensor shard_error(size_t g);
+  void set_shard_error(size_t g, const torch::Tensor& error);
+
   // The all-reduce payload so far: the replicated parameters' and, across machines, the shards'.
-  int64_t bytes_reduced() const {
-    return replicated_.bytes_reduced() + (across_nodes_ ? across_nodes_->bytes_reduced() : 0);
-  }
+  int64_t bytes_reduced() const { return replicated_.bytes_reduced() + bytes_across_nodes(); }
+  // The part of it the shards sent across machines (P and Q, and what went whole).
+  int64_t bytes_across_nodes() const;
+  // On several machines, the replicated parameters' all-reduce and the shards' part.
+  int64_t bytes_across_machines() const override { return across_group_ ? bytes_reduced() : 0; }
 
  private:
+  bool compressing() const;
+  void prepare_low_rank();
+  void compress_shards();
+
   std::shared_ptr<ShardedParameters> sharded_;
-  std::shared_ptr<ProcessGroup> within_node_;
+  std::shared_ptr<ProcessGroup> within_node_, across_group_;
   DataParallelReducer replicated_;
   std::unique_ptr<DataParallelReducer> across_nodes_;
+  std::optional<PowerSgdOptions> powersgd_;
+  std::unique_ptr<LowRankAverager> low_rank_;
+  // PowerSGD's state, made at its first update: per group, the error feedback of the shard
+  // (flat), and each compressed block of rows with its Q and its view of that buffer.
+  std::vector<torch::Tensor> errors_;
+  std::vector<std::vector<ShardRows>> compressed_rows_;
+  std::vector<std::vector<LowRankState>> states_;
+  int64_t updates_ = 0, whole_bytes_ = 0;
+  std::optional<double> shard_square_;  // the shards' squared norm, from Q, after a compressed update
 };
-
 }  // namespace dalle::dist

@@ -107,15 +107,18 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   // distributed.sharding within_node: the resblocks' shards and their moving averages.
   std::unique_ptr<ShardedResblocks> shards;
   std::vector<torch::Tensor> shard_averages;
+  std::shared_ptr<dist::ShardedReducer> sharded_reducer;
+  io::TensorMap resumed_reducer_state;  // "reducer." entries of the checkpoint resumed from, until sharded
 
   void shard_resblocks();
   void shard_optimizer(std::vector<torch::optim::OptimizerParamGroup> groups, const io::TensorMap& replicated_moments,
                        const io::TensorMap& moments);
   void shard_update(const io::TensorMap& scales);
+  void restore_sharded_reducer();
   void average_shards();
   void save_checkpoint() override;
-  void write_own_shards(const std::string& staging, bool moments) const;
-  void write_checkpoint_files(const std::string& staging, bool moments);
+  void write_own_shards(const std::string& staging, bool moments, const std::vector<torch::Tensor>& errors) const;
+  void write_checkpoint_files(const std::string& staging, bool moments, bool errors);
   // The moving average of the weights, whole, into `target`.
   void copy_average_to(models::Prior& target);
   io::TensorMap whole_average() const;
@@ -228,7 +231,10 @@ void PriorTrainer::State::install_resblock_runner() {
 }
 
 void PriorTrainer::State::shard_resblocks() {
-  if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
+  if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) {
+    resumed_reducer_state.clear();  // restored by the reducer of data parallelism
+    return;
+  }
   // What the update held whole: the moments by parameter, the fp16 scales, the average.
   const auto moments = adamw_state(*optimizer, *model);
   io::TensorMap scales;
@@ -296,9 +302,30 @@ void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
                                                       .measure_norm = true,
                                                       .after_step = [this] { average_shards(); }},
                                         ema.get(), model.get());
-  update->set_reducer(std::make_shared<dist::ShardedReducer>(
-      shards->parameters(), job->group(), job->within_node(), job->across_nodes(),
-      std::llround(config.distributed.bucket_megabytes * (1 << 20))));
+  std::optional<dist::PowerSgdOptions> powersgd;
+  if (config.distributed.gradient_reduction == "powersgd") powersgd = detail::powersgd_options(config);
+  sharded_reducer = std::make_shared<dist::ShardedReducer>(shards->parameters(), job->group(), job->within_node(),
+                                                           job->across_nodes(),
+                                                           std::llround(config.distributed.bucket_megabytes * (1 << 20)),
+                                                           powersgd);
+  update->set_reducer(sharded_reducer);
+  restore_sharded_reducer();
+}
+
+// PowerSGD's update count and error feedback, from the checkpoint resumed from (saved by a
+// sharded run: "reducer.error.<parameter>"; another run's feedback starts afresh).
+void PriorTrainer::State::restore_sharded_reducer() {
+  sharded_reducer->load_state(resumed_reducer_state, "reducer.");
+  io::TensorMap errors;
+  for (const auto& [name, tensor] : resumed_reducer_state) {
+    if (name.starts_with("reducer.error.")) errors.emplace(name.substr(std::string("reducer.error.").size()), tensor);
+  }
+  const auto& sharded = *shards->parameters();
+  for (size_t g = 0; g < sharded.groups(); ++g) {
+    if (shards->names(g).empty() || !errors.count(shards->names(g).front())) continue;
+    sharded_reducer->set_shard_error(g, shards->shard_of(g, errors));
+  }
+  resumed_reducer_state.clear();
 }
 
 void PriorTrainer::State::average_shards() {
@@ -330,13 +357,18 @@ void PriorTrainer::State::save_checkpoint() {
   job->barrier();
   const auto staging = checkpoints.staging_for(step);
   const bool moments = optimizer->state().count(shards->parameters()->shard(0).unsafeGetTensorImpl()) > 0;
-  if (job->place().node_rank == 0) write_own_shards(staging, moments);
-  if (writes_files) write_checkpoint_files(staging, moments);
+  // PowerSGD's error feedback, as its mean over the machines: every rank takes part.
+  std::vector<torch::Tensor> errors;
+  for (size_t g = 0; g < shards->parameters()->groups(); ++g) errors.push_back(sharded_reducer->shard_error(g));
+  const bool has_errors = !errors.empty() && errors.front().defined();
+  if (job->place().node_rank == 0) write_own_shards(staging, moments, errors);
+  if (writes_files) write_checkpoint_files(staging, moments, has_errors);
   job->barrier();
   if (writes_files) log::info(what, ": checkpoint ", checkpoints.publish(step));
 }
 
-void PriorTrainer::State::write_own_shards(const std::string& staging, bool moments) const {
+void PriorTrainer::State::write_own_shards(const std::string& staging, bool moments,
+                                           const std::vector<torch::Tensor>& errors) const {
   const auto& sharded = *shards->parameters();
   io::TensorMap mine;
   for (size_t g = 0; g < sharded.groups(); ++g) {
@@ -344,6 +376,7 @@ void PriorTrainer::State::write_own_shards(const std::string& staging, bool mome
     index += std::to_string(g);
     mine.emplace("weights" + index, sharded.shard(g).detach().cpu());
     mine.emplace("ema" + index, shard_averages[g].cpu());
+    if (errors[g].defined()) mine.emplace("powersgd_error" + index, errors[g].cpu());
     if (!moments) continue;
     const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
         *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
@@ -353,10 +386,11 @@ void PriorTrainer::State::write_own_shards(const std::string& staging, bool mome
   io::write_checkpoint_shard(staging, job->place().local_rank, job->place().local_world_size, mine);
 }
 
-void PriorTrainer::State::write_checkpoint_files(const std::string& staging, bool moments) {
+void PriorTrainer::State::write_checkpoint_files(const std::string& staging, bool moments, bool errors) {
   const auto& sharded = *shards->parameters();
   io::ShardLayout layout{.ranks = job->place().local_world_size};
   layout.kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}};
+  if (errors) layout.kinds.insert({"powersgd_error", {.prefix = "reducer.error."}});
   if (moments) {
     layout.kinds.insert({{"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}},
                          {"exp_avg_sq", {.prefix = "adamw.", .suffix = ".exp_avg_sq"}}});
@@ -380,6 +414,7 @@ void PriorTrainer::State::write_checkpoint_files(const std::string& staging, boo
   auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), ema->weights(),
                                     replicated_moments, step, loader_position());
   precision->save_state(checkpoint.state, "gradient_scaler.");
+  sharded_reducer->save_state(checkpoint.state, "reducer.");
   save_extra(checkpoint);
   io::write_checkpoint_files(staging, std::move(checkpoint), layout);
 }
@@ -537,6 +572,9 @@ void PriorTrainer::State::restore_extra(const io::Checkpoint& checkpoint, const 
   best_validation = std::stod(meta.at("best_validation"));
   validations_since_best = std::stoll(meta.at("validations_since_best"));
   reductions = std::stoll(meta.at("reductions"));
+  for (const auto& [name, tensor] : checkpoint.state) {
+    if (name.starts_with("reducer.")) resumed_reducer_state.emplace(name, tensor);
+  }
 }
 
 }  // namespace dalle::train
