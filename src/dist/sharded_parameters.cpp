@@ -178,13 +178,46 @@ bool ShardedReducer::compressing() const { return low_rank_ && updates_ >= power
 
 int64_t ShardedReducer::bytes_across_nodes() const {
   return (across_nodes_ ? across_nodes_->bytes_reduced() : 0) + (low_rank_ ? low_rank_->bytes_reduced() : 0) +
-         whole_bytes_;
+         whole_bytes_ + replicated_across_bytes_;
+}
+
+// The mean over every rank of the replicated parameters' gradients in DALL-E's hierarchy:
+// reduce-scattered within the machine, each rank's part averaged across machines, then
+// all-gathered within the machine, so that a rank sends 1/L of them across machines, not
+// all. (A gradient no rank has counts as zeros here.)
+void ShardedReducer::average_replicated_hierarchically(const std::vector<torch::Tensor>& parameters) {
+  torch::NoGradGuard no_grad;
+  if (parameters.empty()) return;
+  std::vector<torch::Tensor> gradients, flat;
+  for (auto parameter : parameters) {
+    if (!parameter.grad().defined()) parameter.mutable_grad() = torch::zeros_like(parameter);
+    gradients.push_back(parameter.grad());
+    flat.push_back(parameter.grad().reshape({-1}).to(within_node_->device(), torch::kFloat32));
+  }
+  const int64_t ranks = within_node_->size();
+  auto whole = torch::cat(flat);
+  const int64_t part = (whole.numel() + ranks - 1) / ranks;
+  whole = torch::constant_pad_nd(whole, {0, part * ranks - whole.numel()});
+  auto mine = torch::empty({part}, whole.options());
+  within_node_->reduce_scatter(whole, mine, ReduceOp::average);
+  across_group_->all_reduce(mine, ReduceOp::average);
+  replicated_across_bytes_ += part * static_cast<int64_t>(mine.element_size());
+  within_node_->all_gather(mine, whole);
+  int64_t offset = 0;
+  for (auto& gradient : gradients) {
+    gradient.copy_(whole.narrow(0, offset, gradient.numel()).view(gradient.sizes()));
+    offset += gradient.numel();
+  }
 }
 
 void ShardedReducer::reduce(const std::vector<torch::Tensor>& parameters) {
   std::vector<torch::Tensor> replicated, shards;
   for (const auto& parameter : parameters) (sharded_->holds(parameter) ? shards : replicated).push_back(parameter);
-  replicated_.reduce(replicated);
+  if (across_group_) {
+    average_replicated_hierarchically(replicated);
+  } else {
+    replicated_.reduce(replicated);
+  }
   shard_square_.reset();
   if (!across_nodes_) return;
   ++updates_;

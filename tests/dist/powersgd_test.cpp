@@ -203,7 +203,8 @@ std::vector<torch::Tensor> cut_group_of_rank(int64_t rank) {
 // DALL-E's hierarchy on 2 "machines" x 2 ranks: the gradients reduce-scattered within the
 // machine, then each shard's blocks of rows averaged by PowerSGD across the machines and the
 // rest of the shard whole. At full rank the shards become those of the exact mean over the 4
-// ranks, as flat PowerSGD's gradients do; P and Q of each block, and the rest, cross machines.
+// ranks, as flat PowerSGD's gradients do; P and Q of each block, and the rest, cross machines,
+// and of a replicated gradient each rank's half (reduce-scattered within the machine).
 TEST(ShardedPowerSgd, AtFullRankEqualsTheFlatPathAndTheExactMean) {
   const auto mean = testing::mean_gradients(4, cut_group_of_rank);
   testing::on_ranks(4, [&](const LaunchEnvironment& place) {
@@ -224,7 +225,12 @@ TEST(ShardedPowerSgd, AtFullRankEqualsTheFlatPathAndTheExactMean) {
     sharded->reduce_gradients(0);
     sharded->release(0);
     ShardedReducer reducer(sharded, world, within, across, 1 << 20, options);
-    reducer.reduce(sharded->shards());
+    auto replicated = torch::zeros({7}).requires_grad_();  // mean 1.5, 4 of its 7 values cross per rank
+    replicated.mutable_grad() = torch::full({7}, static_cast<double>(place.rank));
+    auto parameters = sharded->shards();
+    parameters.push_back(replicated);
+    reducer.reduce(parameters);
+    EXPECT_TRUE(torch::allclose(replicated.grad(), torch::full({7}, 1.5)));
 
     const auto& shard = sharded->shard(0).grad();
     EXPECT_LT((shard - sharded->shard_of(0, mean)).abs().max().item<double>(), 1e-5);
@@ -236,9 +242,10 @@ TEST(ShardedPowerSgd, AtFullRankEqualsTheFlatPathAndTheExactMean) {
       compressed += rows.rows * rows.columns;
       bytes += (rows.rows + rows.columns) * effective_rank(rows.rows, rows.columns, options) * 4;
     }
-    EXPECT_EQ(reducer.bytes_across_nodes(), bytes + (shard.numel() - compressed) * 4);
-    const auto whole_norm = torch::linalg_vector_norm(torch::cat({mean[0].flatten(), mean[1], mean[2].flatten()}), 2);
-    EXPECT_NEAR(reducer.gradient_norm(sharded->shards()), whole_norm.item<double>(), 1e-4) << "from Q and the rest";
+    EXPECT_EQ(reducer.bytes_across_nodes(), bytes + (shard.numel() - compressed) * 4 + 4 * 4);
+    const auto whole_norm = torch::linalg_vector_norm(
+        torch::cat({mean[0].flatten(), mean[1], mean[2].flatten(), torch::full({7}, 1.5)}), 2);
+    EXPECT_NEAR(reducer.gradient_norm(parameters), whole_norm.item<double>(), 1e-4) << "from Q and the rest";
   });
 }
 

@@ -99,7 +99,9 @@ class ShardedParameters {
 // The reducer of a model whose sharded groups' gradients are already reduce-scattered
 // within the machine (by ShardedParameters::reduce_gradients, in backward): it averages the
 // shards with their replicas on the other machines (hybrid sharding: DALL-E's layout), the
-// replicated parameters over the whole job, and measures the norm over every shard. With
+// replicated parameters over the whole job (on several machines, reduce-scattered within
+// the machine, averaged across, all-gathered within), and measures the norm over every
+// shard. With
 // PowerSGD options, the shards' whole rows of matrices cross the machines compressed
 // (DALL-E's hierarchy: reduce-scatter within the machine, PowerSGD across machines on each
 // shard; the all-gather within the machine is the next forward's), the rest of each shard
@@ -126,15 +128,17 @@ class ShardedReducer final : public GradientReducer {
   torch::Tensor shard_error(size_t g);
   void set_shard_error(size_t g, const torch::Tensor& error);
 
-  // The all-reduce payload so far: the replicated parameters' and, across machines, the shards'.
+  // The all-reduce payload so far: the replicated parameters' on one machine, and what
+  // crossed machines on several.
   int64_t bytes_reduced() const { return replicated_.bytes_reduced() + bytes_across_nodes(); }
-  // The part of it the shards sent across machines (P and Q, and what went whole).
+  // What this rank sent across machines: its part of the replicated gradients, and of its
+  // shards P and Q and what went whole.
   int64_t bytes_across_nodes() const;
-  // On several machines, the replicated parameters' all-reduce and the shards' part.
-  int64_t bytes_across_machines() const override { return across_group_ ? bytes_reduced() : 0; }
+  int64_t bytes_across_machines() const override { return bytes_across_nodes(); }
 
  private:
   bool compressing() const;
+  void average_replicated_hierarchically(const std::vector<torch::Tensor>& parameters);
   void prepare_low_rank();
   void compress_shards();
 
@@ -149,7 +153,7 @@ class ShardedReducer final : public GradientReducer {
   std::vector<torch::Tensor> errors_;
   std::vector<std::vector<ShardRows>> compressed_rows_;
   std::vector<std::vector<LowRankState>> states_;
-  int64_t updates_ = 0, whole_bytes_ = 0;
+  int64_t updates_ = 0, whole_bytes_ = 0, replicated_across_bytes_ = 0;
   std::optional<double> shard_square_;  // the shards' squared norm, from Q, after a compressed update
 };
 }  // namespace dalle::dist
