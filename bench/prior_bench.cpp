@@ -250,10 +250,15 @@ void powersgd_compression(models::PriorConfig config, int64_t rank, int64_t per_
   models::Prior prior(config);
   const dist::PowerSgdOptions flat{.rank = rank}, per_shard{.rank = rank / per_machine};
   std::unordered_set<const torch::TensorImpl*> in_blocks;
-  std::vector<std::vector<int64_t>> matrices, rest;
-  for (const auto& item : prior->resblocks().front()->named_parameters()) {
-    in_blocks.insert(item.value().unsafeGetTensorImpl());
-    (item.value().dim() == 2 ? matrices : rest).push_back(item.value().sizes().vec());
+  std::vector<std::vector<std::vector<int64_t>>> groups;  // each resblock's matrices, then its rest
+  for (const auto& block : prior->resblocks()) {
+    std::vector<std::vector<int64_t>> matrices, rest;
+    for (const auto& item : block->named_parameters()) {
+      in_blocks.insert(item.value().unsafeGetTensorImpl());
+      (item.value().dim() == 2 ? matrices : rest).push_back(item.value().sizes().vec());
+    }
+    groups.push_back(std::move(matrices));
+    groups.push_back(std::move(rest));
   }
   double whole = 0, sent = 0, block_whole = 0, block_sent = 0, outside = 0;
   for (const auto& p : prior->parameters()) {
@@ -268,8 +273,8 @@ void powersgd_compression(models::PriorConfig config, int64_t rank, int64_t per_
       outside += static_cast<double>(p.numel());
     }
   }
-  double hierarchical = 0;  // values a machine's ranks send across machines per resblock
-  for (const auto& group : {matrices, rest}) {
+  double hierarchical = 0;  // values a machine's ranks send across machines per layer
+  for (const auto& group : groups) {
     int64_t values = 0;
     for (const auto& shape : group) values += std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
     const int64_t shard = (values + per_machine - 1) / per_machine;
@@ -302,15 +307,18 @@ void powersgd_compression(models::PriorConfig config, int64_t rank, int64_t per_
 }
 
 // The cost of PowerSGD's orthogonalization (Householder QR of P + 1e-6 I) at DALL-E 12B's
-// rank 896, for P of the 12B's matrix heights (d_model 3968, and 4 d_model for the MLP).
+// rank 896 for P of the 12B's matrix heights (d_model 3968, and 4 d_model for the MLP), as
+// flat PowerSGD would make it, and at its 112 per shard of 8 for the tallest blocks of rows
+// a shard holds (d/2 rows of the attention's matrices, d rows of the MLP's first).
 void powersgd_qr(int repeats) {
-  for (const int64_t rows : {3968, 4 * 3968}) {
-    const auto p = torch::randn({rows, 896});
+  for (const auto& [rows, rank] : std::vector<std::pair<int64_t, int64_t>>{{3968, 896}, {4 * 3968, 896},
+                                                                          {3968 / 2, 112}, {3968, 112}}) {
+    const auto p = torch::randn({rows, rank});
     const double seconds = time_per_call(repeats, [&] {
-      const auto regularized = p + 1e-6 * torch::eye(rows, 896);
+      const auto regularized = p + 1e-6 * torch::eye(rows, rank);
       std::get<0>(torch::linalg_qr(regularized, "reduced"));
     });
-    const nlohmann::json line = {{"benchmark", "powersgd_qr"}, {"rows", rows}, {"rank", 896},
+    const nlohmann::json line = {{"benchmark", "powersgd_qr"}, {"rows", rows}, {"rank", rank},
                                  {"threads", at::get_num_threads()}, {"seconds", seconds}};
     std::printf("%s\n", line.dump().c_str());
     std::fflush(stdout);
