@@ -75,12 +75,16 @@ double LowRankAverager::average(const std::vector<torch::Tensor>& gradients, con
   if (gradients.empty()) return 0.0;
   torch::NoGradGuard no_grad;
   const auto dtype = options_.dtype;
+  // What earlier updates dropped joins this one; a buffer that holds non-finite values
+  // starts again from zero. (The flags are read together: one synchronisation on a GPU.)
+  std::vector<torch::Tensor> finite;
+  for (const auto* state : states) finite.push_back(torch::isfinite(state->error).all());
+  const auto flags = torch::stack(finite).cpu();
+  const bool* is_finite = flags.data_ptr<bool>();
   std::vector<torch::Tensor> ms, ps, qs;
   for (size_t i = 0; i < gradients.size(); ++i) {
     auto& error = states[i]->error;
-    // What earlier updates dropped joins this one; a buffer that holds non-finite values
-    // starts again from zero.
-    if (!torch::isfinite(error).all().item<bool>()) error.zero_();
+    if (!is_finite[i]) error.zero_();
     if (dtype == torch::kFloat32) {
       error.add_(gradients[i]);
     } else {

@@ -269,10 +269,11 @@ void ShardedReducer::compress_shards() {
     }
     if (at < gradient.numel()) whole.push_back(gradient.narrow(0, at, gradient.numel() - at));
   }
-  double square = low_rank_->average(matrices, states);
+  const double compressed = low_rank_->average(matrices, states);
   whole_bytes_ += average_together(*across_group_, whole);
-  for (const auto& part : whole) square += part.square().sum().item<double>();
-  shard_square_ = square;
+  std::vector<torch::Tensor> squares;
+  for (const auto& part : whole) squares.push_back(part.square().sum().to(torch::kFloat64));
+  shard_square_ = compressed + (squares.empty() ? 0.0 : torch::stack(squares).sum().item<double>());
 }
 
 void ShardedReducer::save_state(io::TensorMap& state, const std::string& prefix) {
