@@ -116,7 +116,11 @@ PowerSgdReducer::PowerSgdReducer(std::shared_ptr<ProcessGroup> group, PowerSgdOp
 
 void PowerSgdReducer::reduce(const std::vector<torch::Tensor>& parameters) {
   torch::NoGradGuard no_grad;
-  ++updates_;
+  // An update is a reduction of the parameters that came first: a second model stepping
+  // with this reducer (the VQGAN's discriminator) does not count its own.
+  if (parameters.empty()) return;
+  if (!first_parameter_) first_parameter_ = parameters.front().unsafeGetTensorImpl();
+  if (parameters.front().unsafeGetTensorImpl() == first_parameter_) ++updates_;
   std::vector<torch::Tensor> whole;
   compressed_.clear();
   for (const auto& parameter : parameters) {

@@ -132,6 +132,25 @@ TEST(PowerSgd, BytesFollowTheFormula) {
   });
 }
 
+// Two models stepping with one reducer (the VQGAN and its discriminator): only the
+// reductions of the first one's parameters count towards start_update.
+TEST(PowerSgd, UpdatesAreCountedByTheParametersReducedFirst) {
+  testing::on_ranks(2, [](const LaunchEnvironment& place) {
+    PowerSgdReducer reducer(group_at(place), {.rank = 1, .start_update = 2, .min_compression_rate = 0.0});
+    auto generator = torch::zeros({4, 3}).requires_grad_(), discriminator = torch::zeros({3, 4}).requires_grad_();
+    const auto reduce = [&](torch::Tensor& parameter) {
+      parameter.mutable_grad() = torch::ones(parameter.sizes());
+      const int64_t before = reducer.bytes_reduced();
+      reducer.reduce({parameter});
+      return reducer.bytes_reduced() - before;
+    };
+    EXPECT_EQ(reduce(generator), 12 * 4) << "update 1: whole";
+    EXPECT_EQ(reduce(discriminator), 12 * 4) << "still update 1";
+    EXPECT_EQ(reduce(generator), (4 + 3) * 4) << "update 2: compressed";
+    EXPECT_EQ(reduce(discriminator), (3 + 4) * 4);
+  });
+}
+
 // In 16 bits, P and Q travel in half the bytes, and float16's infinities are clamped: a
 // gradient beyond its range leaves finite error buffers and a finite average.
 TEST(PowerSgd, SixteenBitStateHalvesTheBytesAndClampsInfinities) {

@@ -3,8 +3,8 @@
 // (train/update_step.h) and the processes that train one model together. An update calls
 // `agree` on its finite flags after the backward pass, so that every replica skips, and
 // backs off its fp16 scales, at the same updates, and, when it does not skip, `reduce` on
-// the unscaled gradients. The trainers
-// never see which reducer they run with, as Flashlight's modules never see its Reducer.
+// the unscaled gradients. The trainers never see which reducer they run with, as
+// Flashlight's modules never see its Reducer.
 #include <torch/types.h>
 
 #include <cstdint>

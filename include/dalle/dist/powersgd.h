@@ -109,6 +109,7 @@ class PowerSgdReducer final : public GradientReducer {
   std::map<size_t, LowRankState> restored_;      // from a checkpoint, until the matrix comes
   std::vector<torch::Tensor> compressed_;        // at the last update
   double compressed_square_ = 0;                 // their squared norm, from Q
+  const torch::TensorImpl* first_parameter_ = nullptr;  // of the first reduction: it counts the updates
   int64_t updates_ = 0;
 };
 

@@ -101,11 +101,10 @@ class ShardedParameters {
 // shards with their replicas on the other machines (hybrid sharding: DALL-E's layout), the
 // replicated parameters over the whole job (on several machines, reduce-scattered within
 // the machine, averaged across, all-gathered within), and measures the norm over every
-// shard. With
-// PowerSGD options, the shards' whole rows of matrices cross the machines compressed
-// (DALL-E's hierarchy: reduce-scatter within the machine, PowerSGD across machines on each
-// shard; the all-gather within the machine is the next forward's), the rest of each shard
-// whole in one all-reduce.
+// shard. With PowerSGD options, the shards' whole rows of matrices cross the machines
+// compressed (DALL-E's hierarchy: reduce-scatter within the machine, PowerSGD across
+// machines on each shard; the all-gather within the machine is the next forward's), the
+// rest of each shard whole in one all-reduce.
 class ShardedReducer final : public GradientReducer {
  public:
   // `within_node`: the group the parameters are sharded over; `across_nodes`: the replicas
