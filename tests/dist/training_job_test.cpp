@@ -386,8 +386,6 @@ TEST_F(TrainingJob, TwoMachinesOfTwoRanksShardWithinAndReplicateAcross) {
 // at update 5 and resumed takes the updates of an uninterrupted one.
 TEST_F(TrainingJob, ShardedPowerSgdAcrossMachinesTrainsAsDataParallelAtFullRankAndResumesExactly) {
   ScratchDir dir;
-  auto data_parallel = run_command(train_prior(dir / "job", "--nproc-per-node 4"));
-  ASSERT_EQ(data_parallel.status, 0) << data_parallel.output;
   const std::string powersgd = "--set distributed.sharding=within_node --set distributed.gradient_reduction=powersgd"
                                " --set distributed.powersgd.start_update=1 --set distributed.powersgd.min_compression_rate=0"
                                " --set learning_rate.decay=plateau";
