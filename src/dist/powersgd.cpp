@@ -118,11 +118,11 @@ void PowerSgdReducer::reduce(const std::vector<torch::Tensor>& parameters) {
   torch::NoGradGuard no_grad;
   // An update is a reduction of the parameters that came first: a second model stepping
   // with this reducer (the VQGAN's discriminator) does not count its own.
+  compressed_.clear();
   if (parameters.empty()) return;
   if (!first_parameter_) first_parameter_ = parameters.front().unsafeGetTensorImpl();
   if (parameters.front().unsafeGetTensorImpl() == first_parameter_) ++updates_;
   std::vector<torch::Tensor> whole;
-  compressed_.clear();
   for (const auto& parameter : parameters) {
     const bool compress = updates_ >= options_.start_update && compresses(parameter.sizes().vec(), options_);
     (compress ? compressed_ : whole).push_back(parameter);

@@ -126,6 +126,9 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
 
 namespace {
 
+// Where a sharded checkpoint keeps PowerSGD's error feedback, by parameter name.
+constexpr const char* kReducerErrors = "reducer.error.";
+
 void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig& model, const std::string& where) {
   std::string problems;
   if (info.text_length != model.text_length) {
@@ -318,7 +321,7 @@ void PriorTrainer::State::restore_sharded_reducer() {
   sharded_reducer->load_state(resumed_reducer_state, "reducer.");
   io::TensorMap errors;
   for (const auto& [name, tensor] : resumed_reducer_state) {
-    if (name.starts_with("reducer.error.")) errors.emplace(name.substr(std::string("reducer.error.").size()), tensor);
+    if (name.starts_with(kReducerErrors)) errors.emplace(name.substr(std::string_view(kReducerErrors).size()), tensor);
   }
   const auto& sharded = *shards->parameters();
   for (size_t g = 0; g < sharded.groups(); ++g) {
@@ -390,7 +393,7 @@ void PriorTrainer::State::write_checkpoint_files(const std::string& staging, boo
   const auto& sharded = *shards->parameters();
   io::ShardLayout layout{.ranks = job->place().local_world_size};
   layout.kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}};
-  if (errors) layout.kinds.insert({"powersgd_error", {.prefix = "reducer.error."}});
+  if (errors) layout.kinds.insert({"powersgd_error", {.prefix = kReducerErrors}});
   if (moments) {
     layout.kinds.insert({{"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}},
                          {"exp_avg_sq", {.prefix = "adamw.", .suffix = ".exp_avg_sq"}}});
