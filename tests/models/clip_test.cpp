@@ -16,23 +16,9 @@ using testing::relative_error;
 
 // The sizes make_clip_fixture.py builds open_clip's CLIP with.
 ClipConfig fixture_config(const std::string& activation = "gelu", const std::string& pooling = "argmax") {
-  ClipConfig config;
-  config.embed_dim = 16;
-  config.image_size = 32;
-  config.patch_size = 8;
-  config.vision_width = 48;
-  config.vision_layers = 2;
-  config.vision_heads = 6;
-  config.context_length = 12;
-  config.vocab_size = 64;
-  config.text_width = 32;
-  config.text_layers = 3;
-  config.text_heads = 4;
-  config.mlp_ratio = 4.0;
-  config.activation = activation;
-  config.text_pooling = pooling;
-  config.eos_id = 3;
-  return config;
+  return {.embed_dim = 16, .image_size = 32, .patch_size = 8, .vision_width = 48, .vision_layers = 2, .vision_heads = 6,
+          .context_length = 12, .vocab_size = 64, .text_width = 32, .text_layers = 3, .text_heads = 4, .mlp_ratio = 4.0,
+          .activation = activation, .text_pooling = pooling, .eos_id = 3};
 }
 
 std::string yaml_of(ClipConfig config) {

@@ -22,11 +22,7 @@ using testing::relative_error;
 using io::with_prefix_removed;
 
 DvaeConfig tiny_config() {
-  DvaeConfig config;
-  config.hidden = 16;
-  config.decoder_init = 8;
-  config.vocab_size = 64;
-  return config;
+  return {.hidden = 16, .decoder_init = 8, .vocab_size = 64};
 }
 
 class DvaeParity : public ::testing::Test {

@@ -12,16 +12,8 @@ namespace {
 using torch::indexing::Slice;
 
 PriorConfig tiny_config() {
-  PriorConfig config;
-  config.text_length = 6;
-  config.text_vocab_size = 20;
-  config.grid_size = 4;
-  config.image_vocab_size = 12;
-  config.layers = 3;
-  config.width = 32;
-  config.heads = 4;
-  config.conv_kernel = 3;
-  return config;
+  return {.text_length = 6, .text_vocab_size = 20, .grid_size = 4, .image_vocab_size = 12, .layers = 3, .width = 32,
+          .heads = 4, .conv_kernel = 3};
 }
 
 torch::Tensor captions(int64_t batch) {

@@ -15,31 +15,13 @@ using torch::indexing::Slice;
 
 // The sizes of tests/fixtures/rudalle_prior_parity.safetensors (docs/rudalle-prior.md).
 PriorConfig rudalle_fixture_config() {
-  PriorConfig config;
-  config.text_length = 8;
-  config.text_vocab_size = 32;
-  config.grid_size = 4;
-  config.image_vocab_size = 16;
-  config.layers = 4;
-  config.width = 64;
-  config.heads = 4;
-  config.sandwich_norm = true;
-  config.head_norm = true;
-  config.gelu = "tanh";
-  return config;
+  return {.text_length = 8, .text_vocab_size = 32, .grid_size = 4, .image_vocab_size = 16, .layers = 4, .width = 64,
+          .heads = 4, .sandwich_norm = true, .head_norm = true, .gelu = "tanh"};
 }
 
 PriorConfig tiny_config() {
-  PriorConfig config;
-  config.text_length = 6;
-  config.text_vocab_size = 20;
-  config.grid_size = 5;
-  config.image_vocab_size = 12;
-  config.layers = 5;
-  config.width = 32;
-  config.heads = 4;
-  config.conv_kernel = 3;
-  return config;
+  return {.text_length = 6, .text_vocab_size = 20, .grid_size = 5, .image_vocab_size = 12, .layers = 5, .width = 32,
+          .heads = 4, .conv_kernel = 3};
 }
 
 torch::Tensor random_tokens(const PriorConfig& config, int64_t batch) {

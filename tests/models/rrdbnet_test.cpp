@@ -15,12 +15,7 @@ using testing::relative_error;
 
 // The sizes make_rrdbnet_fixture.py builds the references with.
 RrdbNetConfig fixture_config(int64_t scale) {
-  RrdbNetConfig config;
-  config.scale = scale;
-  config.num_feat = 8;
-  config.num_block = 2;
-  config.num_grow_ch = 4;
-  return config;
+  return {.scale = scale, .num_feat = 8, .num_block = 2, .num_grow_ch = 4};
 }
 
 class RrdbNetParity : public ::testing::Test {

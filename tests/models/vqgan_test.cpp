@@ -14,32 +14,14 @@ using testing::relative_error;
 
 // The sizes make_vqgan_fixture.py builds ruDALL-E's GumbelVQ with.
 VqganConfig fixture_config() {
-  VqganConfig config;
-  config.ch = 32;
-  config.ch_mult = {1, 2};
-  config.num_res_blocks = 1;
-  config.attn_resolutions = {16};
-  config.z_channels = 32;
-  config.embed_dim = 32;
-  config.n_embed = 64;
-  config.resolution = 32;
-  return config;
+  return {.ch = 32, .ch_mult = {1, 2}, .num_res_blocks = 1, .attn_resolutions = {16}, .z_channels = 32, .embed_dim = 32,
+          .n_embed = 64, .resolution = 32};
 }
 
 // A CPU-fast model: GroupNorm over 4 groups so that widths of 8 are allowed.
 VqganConfig tiny_config(const std::string& quantizer = "gumbel") {
-  VqganConfig config;
-  config.ch = 8;
-  config.ch_mult = {1, 2, 2};
-  config.num_res_blocks = 1;
-  config.attn_resolutions = {4};
-  config.z_channels = 8;
-  config.embed_dim = 8;
-  config.n_embed = 16;
-  config.resolution = 16;
-  config.norm_groups = 4;
-  config.quantizer = quantizer;
-  return config;
+  return {.ch = 8, .ch_mult = {1, 2, 2}, .num_res_blocks = 1, .attn_resolutions = {4}, .z_channels = 8, .embed_dim = 8,
+          .n_embed = 16, .resolution = 16, .norm_groups = 4, .quantizer = quantizer};
 }
 
 class VqganParity : public ::testing::Test {

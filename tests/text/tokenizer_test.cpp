@@ -21,11 +21,7 @@ std::vector<std::string> corpus() {
 }
 
 TokenizerConfig small_config() {
-  TokenizerConfig config;
-  config.vocab_size = 64;
-  config.text_length = 40;
-  config.bpe_dropout = 0.5;
-  return config;
+  return {.vocab_size = 64, .text_length = 40, .bpe_dropout = 0.5};
 }
 
 class TokenizerTest : public ::testing::Test {

@@ -94,30 +94,24 @@ TEST_F(ClipTrainerTest, ResumedFp16RunContinuesWithTheSameLossesAndScale) {
 }
 
 TEST_F(ClipTrainerTest, LossGoesDownAndTrainingImagesFindTheirCaptions) {
-  ScratchDir runs;
   auto config = tiny(60);
   config.data.train = config.data.validation = *data_ / "halves";  // retrieval among the training images
   config.validation_images = 64;
-  config.run.checkpoint_every = 1000;
   config.optimizer.ema_decay = 0.0;
-  ClipTrainer trainer(config, runs / "run");
-  const auto untrained = trainer.validate();
-  trainer.run();
-  const auto lines = training_lines(runs / "run");
-  double first = 0, last = 0;
-  for (int64_t step = 1; step <= 5; ++step) first += lines.at(step)["loss"].get<double>() / 5;
-  for (int64_t step = 56; step <= 60; ++step) last += lines.at(step)["loss"].get<double>() / 5;
+  testing::LearningRun<ClipTrainer> run(config);
+  const double first = testing::mean_metric(run.lines, "loss", 1, 5);
+  const double last = testing::mean_metric(run.lines, "loss", 56, 60);
   EXPECT_LT(last, 0.6 * first) << "contrastive loss " << first << " -> " << last;
-  const auto trained = trainer.validate();
+  const auto trained = run.trainer.validate();
   EXPECT_EQ(trained.images, 64);
-  EXPECT_GT(trained.image_to_text, untrained.image_to_text + 0.2);
-  EXPECT_GT(trained.text_to_image, untrained.text_to_image + 0.2);
-  EXPECT_LT(trained.loss, untrained.loss);
+  EXPECT_GT(trained.image_to_text, run.untrained.image_to_text + 0.2);
+  EXPECT_GT(trained.text_to_image, run.untrained.text_to_image + 0.2);
+  EXPECT_LT(trained.loss, run.untrained.loss);
   // The learned scale moved, and stays within the clamp.
-  EXPECT_NE(lines.at(60)["logit_scale"].get<double>(), config.model.init_logit_scale);
-  EXPECT_LE(lines.at(60)["logit_scale"].get<double>(), config.max_logit_scale);
+  EXPECT_NE(run.lines.at(60)["logit_scale"].get<double>(), config.model.init_logit_scale);
+  EXPECT_LE(run.lines.at(60)["logit_scale"].get<double>(), config.max_logit_scale);
   // The validation lines are in the log beside the training lines.
-  std::ifstream in(runs / "run/metrics.jsonl");
+  std::ifstream in(run.runs / "run/metrics.jsonl");
   int validations = 0;
   for (std::string line; std::getline(in, line);) {
     validations += nlohmann::json::parse(line).contains("validation_image_to_text");

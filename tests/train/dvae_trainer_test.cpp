@@ -28,12 +28,8 @@ class DvaeTrainerTest : public testing::TrainerSuite {
 
   static DvaeTrainConfig tiny(int64_t steps) {
     DvaeTrainConfig config;
-    config.model.hidden = 8;
-    config.model.decoder_init = 8;
-    config.model.groups = 2;
-    config.model.blocks_per_group = 1;
-    config.model.downsamplings = 1;
-    config.model.vocab_size = 32;
+    config.model = {.hidden = 8, .decoder_init = 8, .groups = 2, .blocks_per_group = 1, .downsamplings = 1,
+                    .vocab_size = 32};
     config.data.train = *data_ / "fc/train";
     config.data.validation = *data_ / "fc/test";
     config.data.image_size = 16;
@@ -56,20 +52,12 @@ TEST_F(DvaeTrainerTest, ResumedRunContinuesWithTheSameLosses) {
 }
 
 TEST_F(DvaeTrainerTest, LossGoesDownAndValidationReportsUsage) {
-  ScratchDir runs;
-  auto config = tiny(60);
-  config.run.checkpoint_every = 1000;
-  DvaeTrainer trainer(config, runs / "run");
-  const auto untrained = trainer.validate();
-  trainer.run();
-  const auto lines = training_lines(runs / "run");
-  auto loss_at = [&](int64_t step) { return lines.at(step)["reconstruction"].get<double>(); };
-  double first = 0, last = 0;
-  for (int64_t step = 1; step <= 5; ++step) first += loss_at(step) / 5;
-  for (int64_t step = 56; step <= 60; ++step) last += loss_at(step) / 5;
+  testing::LearningRun<DvaeTrainer> run(tiny(60));
+  const double first = testing::mean_metric(run.lines, "reconstruction", 1, 5);
+  const double last = testing::mean_metric(run.lines, "reconstruction", 56, 60);
   EXPECT_LT(last, first - 0.2) << "reconstruction loss " << first << " -> " << last;
-  const auto validation = trainer.validate();
-  EXPECT_GT(validation.psnr, untrained.psnr + 1.0) << "PSNR of argmax reconstructions, EMA weights";
+  const auto validation = run.trainer.validate();
+  EXPECT_GT(validation.psnr, run.untrained.psnr + 1.0) << "PSNR of argmax reconstructions, EMA weights";
   EXPECT_GT(validation.perplexity, 1.0);
   EXPECT_GT(validation.decoder_sensitivity, 0.0) << "the decoder reads its codes";
   EXPECT_GT(validation.codes_used, 0.0);
@@ -174,13 +162,8 @@ namespace dalle::train {
 namespace {
 
 TEST(DecoderSensitivity, ZeroExactlyWhenTheDecoderIgnoresItsCodes) {
-  models::DvaeConfig config;
-  config.hidden = 8;
-  config.decoder_init = 8;
-  config.groups = 2;
-  config.blocks_per_group = 1;
-  config.downsamplings = 1;
-  config.vocab_size = 16;
+  const models::DvaeConfig config{
+      .hidden = 8, .decoder_init = 8, .groups = 2, .blocks_per_group = 1, .downsamplings = 1, .vocab_size = 16};
   torch::manual_seed(0);
   models::Dvae dvae(config);
   const auto tokens = torch::randint(0, 16, {4, 4, 4});

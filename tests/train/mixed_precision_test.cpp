@@ -197,17 +197,8 @@ TEST(GradientScaler, UpdateRuleGrowsBacksOffAtMostOncePerIntervalAndClamps) {
 }
 
 models::PriorConfig tiny_prior(double dropout) {
-  models::PriorConfig config;
-  config.text_length = 6;
-  config.text_vocab_size = 24;
-  config.grid_size = 4;
-  config.image_vocab_size = 16;
-  config.layers = 3;
-  config.width = 32;
-  config.heads = 2;
-  config.conv_kernel = 3;
-  config.dropout = dropout;
-  return config;
+  return {.text_length = 6, .text_vocab_size = 24, .grid_size = 4, .image_vocab_size = 16, .layers = 3, .width = 32,
+          .heads = 2, .conv_kernel = 3, .dropout = dropout};
 }
 
 torch::Tensor tiny_tokens() {

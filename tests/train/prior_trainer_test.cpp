@@ -42,15 +42,8 @@ class PriorTrainerTest : public testing::TrainerSuite {
 
   static PriorTrainConfig tiny(int64_t steps) {
     PriorTrainConfig config;
-    config.model.text_length = 6;
-    config.model.text_vocab_size = 24;
-    config.model.grid_size = 4;
-    config.model.image_vocab_size = 16;
-    config.model.layers = 2;
-    config.model.width = 32;
-    config.model.heads = 2;
-    config.model.conv_kernel = 3;
-    config.model.dropout = 0.1;
+    config.model = {.text_length = 6, .text_vocab_size = 24, .grid_size = 4, .image_vocab_size = 16, .layers = 2,
+                    .width = 32, .heads = 2, .conv_kernel = 3, .dropout = 0.1};
     config.data.train = *data_ / "train";
     config.data.validation = *data_ / "validation";
     config.data.batch_size = 8;

@@ -28,10 +28,7 @@ class SuperResTrainerTest : public testing::TrainerSuite {
   // x2 on 32-pixel crops of the 64-pixel pictures: 16x16 inputs.
   static SuperResTrainConfig tiny(int64_t steps) {
     SuperResTrainConfig config;
-    config.model.scale = 2;
-    config.model.num_feat = 8;
-    config.model.num_block = 1;
-    config.model.num_grow_ch = 4;
+    config.model = {.scale = 2, .num_feat = 8, .num_block = 1, .num_grow_ch = 4};
     config.data.train = *data_ / "fc/train";
     config.data.validation = *data_ / "fc/test";
     config.data.image_size = 32;
@@ -63,25 +60,18 @@ TEST_F(SuperResTrainerTest, DegradedBatchesAreFixedBySeedAndStep) {
 }
 
 TEST_F(SuperResTrainerTest, LossGoesDownAndBeatsItsStartOnValidation) {
-  ScratchDir runs;
-  auto config = tiny(40);
-  config.run.checkpoint_every = 1000;
-  SuperResTrainer trainer(config, runs / "run");
-  const auto untrained = trainer.validate();
-  trainer.run();
-  const auto lines = training_lines(runs / "run");
-  double first = 0, last = 0;
-  for (int64_t step = 1; step <= 5; ++step) first += lines.at(step)["loss"].get<double>() / 5;
-  for (int64_t step = 36; step <= 40; ++step) last += lines.at(step)["loss"].get<double>() / 5;
+  testing::LearningRun<SuperResTrainer> run(tiny(40));
+  const double first = testing::mean_metric(run.lines, "loss", 1, 5);
+  const double last = testing::mean_metric(run.lines, "loss", 36, 40);
   EXPECT_LT(last, 0.7 * first) << "L1 " << first << " -> " << last;
-  const auto trained = trainer.validate();
-  EXPECT_GT(trained.psnr, untrained.psnr + 3.0) << untrained.psnr << " -> " << trained.psnr;
-  EXPECT_EQ(trained.bicubic_psnr, untrained.bicubic_psnr) << "the same degraded inputs at every validation";
+  const auto trained = run.trainer.validate();
+  EXPECT_GT(trained.psnr, run.untrained.psnr + 3.0) << run.untrained.psnr << " -> " << trained.psnr;
+  EXPECT_EQ(trained.bicubic_psnr, run.untrained.bicubic_psnr) << "the same degraded inputs at every validation";
   EXPECT_EQ(trained.images, 8);
-  std::printf("L1 %.4f -> %.4f; validation PSNR %.2f -> %.2f dB, bicubic %.2f dB\n", first, last, untrained.psnr,
+  std::printf("L1 %.4f -> %.4f; validation PSNR %.2f -> %.2f dB, bicubic %.2f dB\n", first, last, run.untrained.psnr,
               trained.psnr, trained.bicubic_psnr);
-  EXPECT_TRUE(std::filesystem::exists(runs / "run/samples/step-000000040.png"));
-  const auto grid = testing::read_text(runs / "run/metrics.jsonl");
+  EXPECT_TRUE(std::filesystem::exists(run.runs / "run/samples/step-000000040.png"));
+  const auto grid = testing::read_text(run.runs / "run/metrics.jsonl");
   EXPECT_THAT(grid, ::testing::HasSubstr("\"bicubic_psnr\""));
   EXPECT_THAT(grid, ::testing::HasSubstr("\"psnr_gain\""));
 }

@@ -6,6 +6,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/fashion_compose.h"
@@ -69,6 +70,37 @@ inline std::map<int64_t, nlohmann::json> training_lines(const std::string& run) 
   }
   return out;
 }
+
+// The mean of `key` over the lines of updates `first` to `last`, both included.
+inline double mean_metric(const std::map<int64_t, nlohmann::json>& lines, const std::string& key, int64_t first,
+                          int64_t last) {
+  double sum = 0;
+  for (int64_t step = first; step <= last; ++step) sum += lines.at(step)[key].get<double>();
+  return sum / static_cast<double>(last - first + 1);
+}
+
+// A run of `config` trained to its end without checkpoints in a scratch folder: the trainer,
+// its validation before the first update and its metrics lines.
+template <class Trainer>
+struct LearningRun {
+  template <class Config>
+  explicit LearningRun(const Config& config)
+      : trainer(checkpointed_at_the_end(config), runs / "run"), untrained(trainer.validate()) {
+    trainer.run();
+    lines = training_lines(runs / "run");
+  }
+
+  template <class Config>
+  static Config checkpointed_at_the_end(Config config) {
+    config.run.checkpoint_every = config.run.steps;
+    return config;
+  }
+
+  ScratchDir runs;
+  Trainer trainer;
+  decltype(std::declval<Trainer&>().validate()) untrained;
+  std::map<int64_t, nlohmann::json> lines;
+};
 
 // Trains `config` (which checkpoints every 3 updates and logs every update) for 8 updates
 // whole, and for 4 then resumed from the checkpoint at update 3. Every update's metrics line

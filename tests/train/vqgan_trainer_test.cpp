@@ -62,22 +62,16 @@ TEST_F(VqganTrainerTest, ResumedVectorRunWithRestartsContinuesWithTheSameLosses)
 }
 
 TEST_F(VqganTrainerTest, VectorRunLearnsAndRestartsUnusedCodes) {
-  ScratchDir runs;
   auto config = tiny(30, "vector");
   config.restart_every = 10;
-  config.run.checkpoint_every = 1000;
-  VqganTrainer trainer(config, runs / "run");
-  const auto untrained = trainer.validate();
-  trainer.run();
-  const auto lines = training_lines(runs / "run");
-  double first = 0, last = 0;
-  for (int64_t step = 1; step <= 5; ++step) first += lines.at(step)["reconstruction"].get<double>() / 5;
-  for (int64_t step = 26; step <= 30; ++step) last += lines.at(step)["reconstruction"].get<double>() / 5;
+  testing::LearningRun<VqganTrainer> run(config);
+  const double first = testing::mean_metric(run.lines, "reconstruction", 1, 5);
+  const double last = testing::mean_metric(run.lines, "reconstruction", 26, 30);
   EXPECT_LT(last, 0.7 * first) << "L1 reconstruction " << first << " -> " << last;
-  EXPECT_GT(lines.at(10)["restarted"].get<int64_t>(), 0) << "32 codes, few used by a fresh encoder";
-  EXPECT_EQ(lines.at(9)["restarted"].get<int64_t>(), 0) << "restarts happen only every restart_every updates";
-  const auto validation = trainer.validate();
-  EXPECT_GT(validation.psnr, untrained.psnr + 1.0);
+  EXPECT_GT(run.lines.at(10)["restarted"].get<int64_t>(), 0) << "32 codes, few used by a fresh encoder";
+  EXPECT_EQ(run.lines.at(9)["restarted"].get<int64_t>(), 0) << "restarts happen only every restart_every updates";
+  const auto validation = run.trainer.validate();
+  EXPECT_GT(validation.psnr, run.untrained.psnr + 1.0);
   EXPECT_GT(validation.codes_used, 1.0 / 32);
   EXPECT_LE(validation.codes_used, 1.0);
 }
