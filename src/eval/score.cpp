@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "dalle/data/fashion_compose.h"
@@ -89,6 +90,17 @@ class Scorer {
     report.heldout = heldout_;
     report.heldout_from = heldout_from_;
     if (!options.tokenizer_run.empty()) report.tokenizer = read_tokenizer_psnr(options.tokenizer_run);
+  }
+
+  // The image at `path`, or nothing when it cannot be read: counted as unreadable and warned of.
+  std::optional<torch::Tensor> read(const std::string& path) {
+    try {
+      return data::read_image(path);
+    } catch (const Error& error) {
+      ++report.unreadable;
+      log::warn("score: ", error.what(), "; not scored");
+      return std::nullopt;
+    }
   }
 
   // Scores one picture against its prompt (the prompt_index-th); a prompt the caption grammar
@@ -271,17 +283,11 @@ ScoreReport score_generated(const std::string& directory, const ScoreOptions& op
   log::Progress progress("score", static_cast<int64_t>(sidecars.size()));
   for (const auto& s : sidecars) {
     progress.advance();
-    torch::Tensor image;
-    try {
-      image = data::read_image(s.image);
-    } catch (const Error& error) {
-      ++report.unreadable;
-      log::warn("score: ", error.what(), "; not scored");
-      continue;
-    }
+    const auto image = scorer.read(s.image);
+    if (!image) continue;
     ++per_prompt[s.prompt_index];
     report.reranked = report.reranked || s.clip;
-    scorer.score(image, s.prompt, s.prompt_index, s.rank, fs::path(s.image).filename().string());
+    scorer.score(*image, s.prompt, s.prompt_index, s.rank, fs::path(s.image).filename().string());
   }
   progress.finish();
   if (per_prompt.empty()) {
@@ -308,16 +314,10 @@ ScoreReport score_real(const std::string& split, const ScoreOptions& options) {
   log::Progress progress("score", static_cast<int64_t>(images.size()));
   for (const auto& image : images) {
     progress.advance();
-    torch::Tensor picture;
-    try {
-      picture = data::read_image(image.path);
-    } catch (const Error& error) {
-      ++report.unreadable;
-      log::warn("score: ", error.what(), "; not scored");
-      continue;
-    }
-    if (tokenizer) picture = through_tokenizer(*tokenizer, picture);
-    scorer.score(picture, image.caption, report.images, 0, fs::path(image.path).filename().string());
+    auto picture = scorer.read(image.path);
+    if (!picture) continue;
+    if (tokenizer) picture = through_tokenizer(*tokenizer, *picture);
+    scorer.score(*picture, image.caption, report.images, 0, fs::path(image.path).filename().string());
   }
   progress.finish();
   if (report.unreadable == static_cast<int64_t>(images.size())) {
