@@ -89,8 +89,17 @@ std::vector<AttentionKind> dalle_layer_pattern(int64_t layers) {
   return pattern;
 }
 
-std::vector<AttentionKind> layer_pattern(const std::vector<std::string>& words, int64_t layers) {
-  if (words.empty()) return dalle_layer_pattern(layers);
+std::vector<AttentionKind> rudalle_layer_pattern(int64_t layers) {
+  auto pattern = dalle_layer_pattern(layers);
+  if ((layers - 2) % 4 == 0) pattern.back() = AttentionKind::column;
+  return pattern;
+}
+
+std::vector<AttentionKind> layer_pattern(const std::vector<std::string>& words, int64_t layers,
+                                         const std::string& rule) {
+  if (words.empty() && rule == "rudalle") return rudalle_layer_pattern(layers);
+  if (words.empty() && rule == "dalle") return dalle_layer_pattern(layers);
+  if (words.empty()) throw Error("unknown layer pattern '" + rule + "' (expected dalle or rudalle)");
   if (words.size() == 1) return std::vector<AttentionKind>(layers, parse_attention_kind(words[0]));
   if (static_cast<int64_t>(words.size()) != layers) {
     throw Error("attention pattern names " + std::to_string(words.size()) + " layers but the model has " +

@@ -27,9 +27,13 @@ void PriorConfig::visit(ConfigVisitor& v) {
   v.field("heads", heads, "attention heads; width must divide by it (DALL-E: 62)", {.min = 1, .max = 1024});
   v.field("mlp_ratio", mlp_ratio, "MLP hidden width / width", {.min = 1, .max = 64});
   v.field("attention", attention,
-          "attention kind per layer (causal, row, column, conv): none for DALL-E's pattern (row and column, the "
-          "last conv), one for every layer, or exactly one per layer",
+          "attention kind per layer (causal, row, column, conv): none for layer_pattern's, one for every layer, or "
+          "exactly one per layer",
           {.choices = {"causal", "row", "column", "conv"}});
+  v.field("layer_pattern", layer_pattern,
+          "the kinds when attention names none: dalle (the paper: column at layers 2, 6, 10, ..., the last conv, "
+          "the rest row) or rudalle (its weights' rule: the same, but a last layer at 2, 6, 10, ... stays column)",
+          {.choices = {"dalle", "rudalle"}});
   v.field("conv_kernel", conv_kernel, "side of the convolutional mask's neighbourhood (odd)", {.min = 1, .max = 255});
   v.field("conv_edges", conv_edges,
           "clamped: the conv neighbourhood stops at the grid's edges (ruDALL-E v3); wrap: it wraps around them "
@@ -53,7 +57,7 @@ void PriorConfig::validate() const {
     throw Error("prior: width " + std::to_string(width) + " does not divide into " + std::to_string(heads) + " heads");
   }
   if (conv_kernel % 2 == 0) throw Error("prior: conv_kernel must be odd, not " + std::to_string(conv_kernel));
-  layer_pattern(attention, layers);  // throws on a bad pattern
+  models::layer_pattern(attention, layers, layer_pattern);  // throws on a bad pattern
 }
 
 namespace {
@@ -117,7 +121,7 @@ PriorImpl::PriorImpl(PriorConfig config) : config_(std::move(config)) {
   image_row_embedding_ = register_module("image_row_embedding", torch::nn::Embedding(config_.grid_size, width));
   image_column_embedding_ = register_module("image_column_embedding", torch::nn::Embedding(config_.grid_size, width));
 
-  const auto pattern = layer_pattern(config_.attention, config_.layers);
+  const auto pattern = layer_pattern(config_.attention, config_.layers, config_.layer_pattern);
   const MaskSpec base{.conv_kernel = config_.conv_kernel, .conv_edges = parse_conv_edges(config_.conv_edges)};
   std::map<AttentionKind, std::shared_ptr<const LayerMask>> masks;
   auto blocks = register_module("resblocks", torch::nn::ModuleList());
@@ -264,6 +268,10 @@ torch::Tensor empty_caption(int64_t text_length, int64_t batch) {
 }
 
 io::TensorMap import_rudalle_state(const io::TensorMap& rudalle, const PriorConfig& config) {
+  if (config.attention.empty() && config.layer_pattern != "rudalle") {
+    throw Error("ruDALL-E import: the model needs layer_pattern: rudalle, the rule its weights were trained with "
+                "(with 2, 6, 10, ... layers its last layer is column, not conv)");
+  }
   std::map<std::string, std::string> names = {
       {"text_embeddings.weight", "text_embedding.weight"},
       {"image_embeddings.weight", "image_embedding.weight"},

@@ -52,8 +52,21 @@ TEST(AttentionMask, RowColumnAndConvNeighbourhoods) {
   EXPECT_FALSE(attends({.kind = AttentionKind::causal}, layout, 1, 2));  // text is causal
 }
 
+// The mask rudalle 1.1.3's DalleTransformer hands each layer, for 1 to 16 layers.
+TEST(AttentionMask, RudallePatternMatchesThePackageForEveryLayerCount) {
+  const auto fixture = io::read_safetensors(testing::fixture_path("rudalle_masks.safetensors"));
+  const AttentionKind codes[] = {AttentionKind::row, AttentionKind::column, AttentionKind::convolutional};
+  for (int64_t layers = 1; layers <= 16; ++layers) {
+    const auto theirs = fixture.tensors.at("pattern.layers_" + std::to_string(layers)).to(torch::kInt64);
+    ASSERT_EQ(theirs.numel(), layers);
+    std::vector<AttentionKind> expected;
+    for (int64_t i = 0; i < layers; ++i) expected.push_back(codes[theirs[i].item<int64_t>()]);
+    EXPECT_EQ(rudalle_layer_pattern(layers), expected) << layers << " layers";
+  }
+}
+
 TEST(AttentionMask, LayerPatterns) {
-  // ruDALL-E (0-based): column when (i - 1) % 4 == 0, the last conv, the rest row.
+  // The paper (0-based): column when (i - 1) % 4 == 0, the last conv, the rest row.
   const auto pattern = dalle_layer_pattern(24);
   for (int64_t i = 0; i < 24; ++i) {
     const auto expected = i == 23 ? AttentionKind::convolutional
@@ -61,9 +74,13 @@ TEST(AttentionMask, LayerPatterns) {
                                              : AttentionKind::row;
     EXPECT_EQ(pattern[i], expected) << i;
   }
-  EXPECT_EQ(layer_pattern({"causal"}, 3), std::vector<AttentionKind>(3, AttentionKind::causal));
-  EXPECT_EQ(layer_pattern({"row", "conv"}, 2)[1], AttentionKind::convolutional);
-  EXPECT_THROW_WITH(layer_pattern({"row", "row", "conv"}, 4), Error, "names 3 layers but the model has 4");
+  EXPECT_EQ(layer_pattern({}, 6, "dalle").back(), AttentionKind::convolutional);
+  EXPECT_EQ(layer_pattern({}, 6, "rudalle").back(), AttentionKind::column);
+  EXPECT_EQ(layer_pattern({}, 24, "rudalle"), pattern) << "the released sizes end with conv either way";
+  EXPECT_EQ(layer_pattern({"causal"}, 3, "rudalle"), std::vector<AttentionKind>(3, AttentionKind::causal));
+  EXPECT_EQ(layer_pattern({"row", "conv"}, 2, "dalle")[1], AttentionKind::convolutional);
+  EXPECT_THROW_WITH(layer_pattern({"row", "row", "conv"}, 4, "dalle"), Error, "names 3 layers but the model has 4");
+  EXPECT_THROW_WITH(layer_pattern({}, 4, "cogview"), Error, "expected dalle or rudalle");
   EXPECT_THROW_WITH(parse_attention_kind("diagonal"), Error, "causal, row, column or conv");
 }
 

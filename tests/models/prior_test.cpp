@@ -16,7 +16,7 @@ using torch::indexing::Slice;
 // The sizes of tests/fixtures/rudalle_prior_parity.safetensors (docs/rudalle-prior.md).
 PriorConfig rudalle_fixture_config() {
   return {.text_length = 8, .text_vocab_size = 32, .grid_size = 4, .image_vocab_size = 16, .layers = 4, .width = 64,
-          .heads = 4, .sandwich_norm = true, .head_norm = true, .gelu = "tanh"};
+          .heads = 4, .layer_pattern = "rudalle", .sandwich_norm = true, .head_norm = true, .gelu = "tanh"};
 }
 
 PriorConfig tiny_config() {
@@ -84,6 +84,14 @@ TEST(RudalleImport, RefusesUnknownTensors) {
   io::TensorMap state{{"transformer.layers.0.attention.rotary.weight", torch::zeros({1})}};
   EXPECT_THROW_WITH(import_rudalle_state(state, rudalle_fixture_config()), Error,
                     "transformer.layers.0.attention.rotary.weight");
+}
+
+TEST(RudalleImport, RefusesTheDallePattern) {
+  auto config = rudalle_fixture_config();
+  config.layer_pattern = "dalle";
+  EXPECT_THROW_WITH(import_rudalle_state({}, config), Error, "layer_pattern: rudalle");
+  config.attention = {"row", "column", "row", "conv"};
+  EXPECT_NO_THROW(import_rudalle_state({}, config)) << "a pattern named layer by layer is taken as it is";
 }
 
 TEST(Prior, CachedAndUncachedForwardAgree) {

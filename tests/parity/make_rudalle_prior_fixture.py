@@ -336,6 +336,26 @@ for text_tokens, w in ((6, 4), (6, 8)):
         mask_checks.append(f"{tag}.{name}")
 
 # ---------------------------------------------------------------------------------------
+# The layer pattern the package builds for every layer count from 1 to 16: which of its
+# three masks _get_layer_mask hands each layer (0 row, 1 column, 2 conv).
+# ---------------------------------------------------------------------------------------
+PATTERN_CODES = {"row": 0, "col": 1, "conv": 2}
+with torch.random.fork_rng():
+    for num_layers in range(1, 17):
+        small = dalle_pkg.get_rudalle_model(
+            "dummy", pretrained=False, fp16=False, device="cpu", num_layers=num_layers, hidden_size=8,
+            num_attention_heads=2, text_seq_length=6, image_tokens_per_dim=4, vocab_size=16, image_vocab_size=8)
+        masks = small.transformer
+        kinds = []
+        for i in range(num_layers):
+            handed = masks._get_layer_mask(i)
+            kind = next(k for k, m in (("row", masks.row_mask), ("col", masks.col_mask), ("conv", masks.conv_mask))
+                        if handed is m)
+            assert kind == spec_layer_kind(i, num_layers), (num_layers, i, kind)
+            kinds.append(PATTERN_CODES[kind])
+        mask_tensors[f"pattern.layers_{num_layers}"] = torch.tensor(kinds, dtype=torch.uint8)
+
+# ---------------------------------------------------------------------------------------
 # Write
 # ---------------------------------------------------------------------------------------
 def save_reproducibly(tensors, path, metadata):
@@ -386,7 +406,8 @@ save_reproducibly({k: v.contiguous() for k, v in tensors.items()}, out, metadata
 out_masks = fixtures / "rudalle_masks.safetensors"
 save_reproducibly(mask_tensors, out_masks, {
     "generator": "rudalle 1.1.3 dalle/image_attention.py (is_bool_mask=True), stored as uint8",
-    "layout": "mask[query, key], 1 = visible; name = t<text tokens>_w<grid width>.<kind>"})
+    "layout": "mask[query, key], 1 = visible; name = t<text tokens>_w<grid width>.<kind>",
+    "pattern": "pattern.layers_<L>: the mask of each of L layers, 0 row, 1 column, 2 conv"})
 
 # ---------------------------------------------------------------------------------------
 # Summary

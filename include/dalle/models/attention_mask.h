@@ -47,8 +47,14 @@ torch::Tensor dense_mask(const MaskSpec& spec, const SequenceLayout& layout);
 // (i - 2) mod 4 == 0, otherwise row.
 std::vector<AttentionKind> dalle_layer_pattern(int64_t layers);
 
-// The layer kinds a config names: none -> the paper's pattern, one -> every layer, else
-// exactly `layers` of them.
-std::vector<AttentionKind> layer_pattern(const std::vector<std::string>& words, int64_t layers);
+// ruDALL-E's (DalleTransformer._get_layer_mask): the paper's, except that the column test
+// comes before the last-layer test, so that 2, 6, 10, ... layers end with a column layer and
+// have no conv layer. Its weights were trained with it.
+std::vector<AttentionKind> rudalle_layer_pattern(int64_t layers);
+
+// The layer kinds a config names: none -> the pattern of `rule` ("dalle" or "rudalle"), one
+// -> every layer, else exactly `layers` of them.
+std::vector<AttentionKind> layer_pattern(const std::vector<std::string>& words, int64_t layers,
+                                         const std::string& rule);
 
 }  // namespace dalle::models

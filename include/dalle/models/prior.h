@@ -37,7 +37,8 @@ struct PriorConfig {
   int64_t width = 3968;
   int64_t heads = 62;
   int64_t mlp_ratio = 4;
-  std::vector<std::string> attention = {};  // per-layer kinds; empty: DALL-E's pattern
+  std::vector<std::string> attention = {};  // per-layer kinds; empty: layer_pattern's
+  std::string layer_pattern = "dalle";      // "rudalle" for ruDALL-E's weights
   int64_t conv_kernel = 11;
   std::string conv_edges = "clamped";
   std::string attention_path = "sparse";
