@@ -41,6 +41,8 @@ void PipelineConfig::visit(ConfigVisitor& v) {
           {.min = 0, .max = 65536});
   v.field("batch_size", batch_size, "images sampled at once", {.min = 1, .max = 65536});
   v.section("sampling", "sampling from the prior", sampling);
+  v.section("image_prompt", "an image whose top rows or masked cells every sample keeps (\"continue this picture\")",
+            image_prompt);
   v.field("tile", tile, "super-resolution tile side in input pixels (0: whole images at once)", {.min = 0});
   v.field("tile_overlap", tile_overlap, "pixels each super-resolution tile overlaps its neighbours by", {.min = 0});
   v.field("device", device, "where the models run", {.choices = {"auto", "cpu", "cuda"}});
@@ -51,6 +53,7 @@ namespace {
 
 void check(const PipelineConfig& config) {
   if (config.prior.empty()) throw Error("pipeline: `prior` is required (a prior run directory or checkpoint)");
+  config.image_prompt.validate();
   if (config.kept() > config.candidates) {
     throw Error("pipeline: keep (" + std::to_string(config.keep) + ") exceeds candidates (" +
                 std::to_string(config.candidates) + ")");
@@ -100,6 +103,7 @@ struct Pipeline::Stages {
   models::Clip clip{nullptr};
   std::optional<text::ClipTokenizer> clip_tokenizer{};
   models::RrdbNet superres{nullptr};
+  std::optional<models::ImagePrompt> image_prompt{};
 
   // Samples and decodes the candidates numbered [first, first + rows) of the flattened
   // (prompt, candidate) order, prompts encoded in `captions`.
@@ -136,6 +140,7 @@ Pipeline::Pipeline(PipelineConfig config) {
   stages_ = std::make_unique<Stages>(
       Stages{std::move(config), device, std::move(prior), std::move(tokenizer), std::move(decoder)});
   auto& s = *stages_;
+  if (s.config.image_prompt.enabled()) s.image_prompt = load_image_prompt(s.config.image_prompt, s.decoder);
   if (!s.config.clip.empty()) {
     s.clip = models::load_trained_clip(s.config.clip);
     if (s.config.clip_tokenizer.empty()) {
@@ -169,7 +174,8 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows
     batch_captions.push_back(captions[static_cast<size_t>(prompt_index)]);
     streams.push_back(sampling_stream(prompt_index, candidate));
   }
-  const auto tokens = models::sample_image_tokens(prior.model, torch::stack(batch_captions), config.sampling, nullptr,
+  const auto tokens = models::sample_image_tokens(prior.model, torch::stack(batch_captions), config.sampling,
+                                                  image_prompt ? &*image_prompt : nullptr,
                                                   [&](int64_t, int64_t) { progress.advance(rows); }, streams);
   torch::NoGradGuard no_grad;
   const auto decoded = decoder.model->decode_tokens(tokens).to(torch::kCPU);

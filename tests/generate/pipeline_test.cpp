@@ -1,5 +1,6 @@
 #include "dalle/generate/pipeline.h"
 
+#include "dalle/data/image.h"
 #include "test_support.h"
 
 namespace dalle::generate {
@@ -30,6 +31,79 @@ TEST(PipelineConfig, UnknownKeysAndBadValuesAreRefused) {
                     ConfigError, "g.yaml:2:1: unknown key 'candidate'");
   EXPECT_THROW_WITH(load_config<PipelineConfig>(ConfigSource::from_string("device: tpu\n", "g.yaml")), ConfigError,
                     "device");
+}
+
+// The shipped demo models: an 8x8 token grid from a 64-pixel VQGAN.
+PipelineConfig demo_pipeline(int64_t candidates) {
+  const std::string models = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/";
+  return {.prior = models + "prior", .tokenizer = models + "tokenizer.model", .decoder = models + "vqgan",
+          .candidates = candidates, .sampling = {.seed = 3}, .threads = 2};
+}
+
+// The tokens of `picture` under the demo's VQGAN, [64].
+torch::Tensor demo_tokens(const std::string& picture) {
+  auto vqgan = models::load_image_tokenizer(std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/vqgan");
+  torch::NoGradGuard no_grad;
+  return vqgan.model->encode_tokens(data::read_image(picture).unsqueeze(0)).flatten();
+}
+
+class ImagePrompt : public ::testing::Test {
+ protected:
+  // A picture to continue: one the demo draws itself.
+  void SetUp() override {
+    Pipeline pipeline(demo_pipeline(1));
+    data::write_png(picture_, pipeline.generate({"a red bag on the left"}).at(0).image);
+    expected_ = demo_tokens(picture_);
+  }
+
+  // The candidates' tokens, [candidates, 64], for `prompt` continuing the picture.
+  torch::Tensor continued(const ImagePromptConfig& prompt) {
+    auto config = demo_pipeline(4);
+    config.image_prompt = prompt;
+    std::vector<torch::Tensor> tokens;
+    for (const auto& image : Pipeline(config).generate({"a blue sneaker at the top"})) {
+      tokens.push_back(image.tokens.flatten());
+    }
+    return torch::stack(tokens);
+  }
+
+  testing::ScratchDir dir_;
+  std::string picture_ = dir_ / "picture.png";
+  torch::Tensor expected_;
+};
+
+TEST_F(ImagePrompt, SamplesKeepTheTopRowsAndDrawTheRest) {
+  using torch::indexing::Slice;
+  const auto tokens = continued({.image = picture_, .top_rows = 3});
+  for (int64_t c = 0; c < tokens.size(0); ++c) {
+    EXPECT_TRUE(torch::equal(tokens[c].index({Slice(0, 24)}), expected_.index({Slice(0, 24)}))) << c;
+  }
+  const auto drawn = tokens.index({Slice(), Slice(24, torch::indexing::None)});
+  EXPECT_FALSE(torch::equal(drawn[0], drawn[1]) && torch::equal(drawn[0], drawn[2])) << "the rest is sampled";
+  EXPECT_TRUE(torch::equal(continued({.image = picture_, .top_rows = 8})[2], expected_)) << "every row kept";
+}
+
+TEST_F(ImagePrompt, AMaskKeepsTheCellsItMarksWhite) {
+  auto mask = torch::zeros({3, 200, 200});  // scaled to the 8x8 grid: the left 3 token columns white
+  mask.narrow(2, 0, 75).fill_(1.0);
+  data::write_png(dir_ / "mask.png", mask);
+  const auto kept = (torch::arange(64) % 8) < 3;
+  const auto tokens = continued({.image = picture_, .mask = dir_ / "mask.png"});
+  for (int64_t c = 0; c < tokens.size(0); ++c) {
+    EXPECT_TRUE(torch::equal(tokens[c].masked_select(kept), expected_.masked_select(kept))) << c;
+  }
+  EXPECT_FALSE(torch::equal(tokens.masked_select(~kept), expected_.masked_select(~kept).repeat(tokens.size(0))))
+      << "the other cells are drawn";
+}
+
+TEST_F(ImagePrompt, HalfGivenOrImpossiblePromptsAreRefused) {
+  EXPECT_THROW_WITH(continued({.top_rows = 2}), Error, "set the image");
+  EXPECT_THROW_WITH(continued({.image = picture_}), Error, "with top_rows or with mask");
+  EXPECT_THROW_WITH(continued({.image = picture_, .top_rows = 2, .mask = picture_}), Error, "one of them");
+  EXPECT_THROW_WITH(continued({.image = picture_, .top_rows = 9}), Error, "exceeds the token grid's 8 rows");
+  EXPECT_THROW_WITH(continued({.image = dir_ / "absent.png", .top_rows = 2}), Error, "absent.png");
+  data::write_png(dir_ / "black.png", torch::zeros({3, 8, 8}));
+  EXPECT_THROW_WITH(continued({.image = picture_, .mask = dir_ / "black.png"}), Error, "keeps no token");
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dalle/config.h"
+#include "dalle/generate/image_prompt.h"
 #include "dalle/models/prior_sampling.h"
 
 namespace dalle::generate {
@@ -28,6 +29,7 @@ struct PipelineConfig {
   int64_t keep = 0;        // K images kept per prompt, the best by CLIP score; 0: all N
   int64_t batch_size = 32; // images sampled at once
   models::SamplingOptions sampling;
+  ImagePromptConfig image_prompt;  // image tokens every sample keeps
   int64_t tile = 192;      // super-resolution tile side in input pixels (0: whole images)
   int64_t tile_overlap = 24;
   std::string device = "auto";  // auto: cuda when available, else cpu

@@ -1,0 +1,31 @@
+#pragma once
+// ruDALL-E's image prompts ("continue this picture"): the tokens of a given image are fixed
+// where the prompt keeps them (its top rows, or the cells a mask marks) and the prior samples
+// the rest, conditioned on them and on the caption.
+#include <cstdint>
+#include <string>
+
+#include "dalle/config.h"
+#include "dalle/models/prior_sampling.h"
+#include "dalle/models/trained.h"
+
+namespace dalle::generate {
+
+struct ImagePromptConfig {
+  std::string image;     // image file; empty: no image prompt
+  int64_t top_rows = 0;  // token rows of the image kept from the top
+  std::string mask;      // image file: a token is kept where its cell is mostly white
+
+  void visit(ConfigVisitor& v);
+  // Refuses a half-given prompt: rows or a mask without an image, an image with neither, or both.
+  void validate() const;
+  bool enabled() const { return !image.empty(); }
+};
+
+// The image's tokens under `tokenizer` (scaled so that its shorter side is the tokenizer's
+// image_size, then centre-cropped, as datasets are) and the positions the prompt keeps; the
+// mask is scaled and cropped as the image is. Throws naming the file that cannot be read, and
+// on rows beyond the grid or a mask that keeps nothing.
+models::ImagePrompt load_image_prompt(const ImagePromptConfig& config, models::TrainedImageTokenizer& tokenizer);
+
+}  // namespace dalle::generate
