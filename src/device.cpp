@@ -13,4 +13,11 @@ torch::Device resolve_device(const std::string& name, const std::string& what) {
   return torch::kCUDA;
 }
 
+torch::ScalarType float_type_named(const std::string& name) {
+  if (name == "float32") return torch::kFloat32;
+  if (name == "bfloat16") return torch::kBFloat16;
+  if (name == "float16") return torch::kFloat16;
+  throw Error("unknown floating-point type '" + name + "' (float32, bfloat16 or float16)");
+}
+
 }  // namespace dalle

@@ -32,7 +32,7 @@ int main(int argc, char** argv) {
       {"--keep", "keep"},           {"--temperature", "sampling.temperature"},
       {"--top-k", "sampling.top_k"}, {"--top-p", "sampling.top_p"},
       {"--guidance-scale", "sampling.guidance_scale"}, {"--seed", "sampling.seed"},
-      {"--device", "device"},       {"--threads", "threads"},
+      {"--device", "device"},       {"--threads", "threads"},     {"--dtype", "dtype"},
       {"--image-prompt", "image_prompt.image"}, {"--image-prompt-rows", "image_prompt.top_rows"},
       {"--image-prompt-mask", "image_prompt.mask"}};
   std::map<std::string, std::string> shorthand_values;

@@ -40,6 +40,10 @@ void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("keep", keep, "images kept per prompt, the best K by CLIP score (0: all N; needs clip when below N)",
           {.min = 0, .max = 65536});
   v.field("batch_size", batch_size, "images sampled at once", {.min = 1, .max = 65536});
+  v.field("dtype", dtype,
+          "the prior's weights and arithmetic: float32, or 16 bits at half the memory (bfloat16 has float32's "
+          "range and fast CPU kernels; float16 is for GPUs); the other models stay float32",
+          {.choices = {"float32", "bfloat16", "float16"}});
   v.section("sampling", "sampling from the prior", sampling);
   v.section("image_prompt", "an image whose top rows or masked cells every sample keeps (\"continue this picture\")",
             image_prompt);
@@ -119,7 +123,7 @@ struct Pipeline::Stages {
 Pipeline::Pipeline(PipelineConfig config) {
   check(config);
   set_torch_threads(config.threads);
-  auto prior = models::load_trained_prior(config.prior);
+  auto prior = models::load_trained_prior(config.prior, float_type_named(config.dtype));
   if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
   if (config.decoder.empty()) config.decoder = prior.image_tokenizer;
   if (config.tokenizer.empty() || config.decoder.empty()) {

@@ -132,7 +132,10 @@ torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, c
       // No model call: the token joins the pending ones the next call takes in one step.
       next = prompt_tokens.select(1, position);
     } else {
-      auto logits = source.next_logits().index({Slice(), Slice(config.text_classes(), torch::indexing::None)});
+      // In float32 whatever the prior computes in: guidance subtracts nearly equal logits.
+      auto logits = source.next_logits()
+                        .index({Slice(), Slice(config.text_classes(), torch::indexing::None)})
+                        .to(torch::kFloat32);
       if (guided) {
         const auto conditional = logits.index({Slice(0, batch)}), unconditional = logits.index({Slice(batch)});
         logits = unconditional + options.guidance_scale * (conditional - unconditional);

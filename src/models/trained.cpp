@@ -56,6 +56,20 @@ void load_weights(torch::nn::Module& module, const CheckpointConfig& opened) {
   module.eval();
 }
 
+// Tensors created in its scope default to `dtype`: a module built there has its parameters in it.
+class DefaultDtype {
+ public:
+  explicit DefaultDtype(torch::ScalarType dtype) : previous_(torch::get_default_dtype()) {
+    torch::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
+  }
+  ~DefaultDtype() { torch::set_default_dtype(previous_); }
+  DefaultDtype(const DefaultDtype&) = delete;
+  DefaultDtype& operator=(const DefaultDtype&) = delete;
+
+ private:
+  caffe2::TypeMeta previous_;
+};
+
 int64_t trained_image_size(const ConfigSource& source) {
   return peek_integer(source, "data.image_size", 256, {.min = 8, .max = 4096});
 }
@@ -97,14 +111,20 @@ torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& 
   return tokenizer.model->decode_tokens(tokenizer.model->encode_tokens(images)).clamp(0, 1);
 }
 
-TrainedPrior load_trained_prior(const std::string& run_or_checkpoint) {
+TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype) {
+  if (dtype != torch::kFloat32 && dtype != torch::kBFloat16 && dtype != torch::kFloat16) {
+    throw Error(std::string("prior: weights in ") + c10::toString(dtype) + "; expected float32, bfloat16 or float16");
+  }
   const auto opened = open_checkpoint(run_or_checkpoint, "prior");
   TrainedPrior trained;
   trained.config = read_model_config<PriorConfig>(opened.source, "prior", [&](ConfigVisitor& v) {
     v.field("tokenizer", trained.tokenizer, "");
     v.field("image_tokenizer", trained.image_tokenizer, "");
   });
-  trained.model = Prior(trained.config);
+  {
+    const DefaultDtype building(dtype);
+    trained.model = Prior(trained.config);
+  }
   trained.checkpoint = opened.directory;
   load_weights(*trained.model, opened);
   return trained;

@@ -51,7 +51,7 @@ dist::PowerSgdOptions powersgd_options(const Config& config) {
           .start_update = p.start_update,
           .min_compression_rate = p.min_compression_rate,
           .warm_start = p.warm_start,
-          .dtype = p.dtype == "bfloat16" ? torch::kBFloat16 : p.dtype == "float16" ? torch::kHalf : torch::kFloat32,
+          .dtype = float_type_named(p.dtype),
           .seed = static_cast<uint64_t>(config.run.seed),
           .bucket_bytes = std::llround(config.distributed.bucket_megabytes * (1 << 20))};
 }

@@ -60,7 +60,11 @@ struct TrainedPrior {
   std::string image_tokenizer;  // dVAE or VQGAN run or checkpoint
   std::string checkpoint;       // the directory read
 };
-TrainedPrior load_trained_prior(const std::string& run_or_checkpoint);
+// `dtype` (float32, bfloat16 or float16) is the weights' type in memory. The model is built
+// in it, so a 16-bit prior never holds a float32 copy of its weights; the checkpoint's own
+// tensors are read once, as they are stored. Building sets torch's default dtype for a moment:
+// load models from one thread at a time.
+TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype = torch::kFloat32);
 
 Clip load_trained_clip(const std::string& run_or_checkpoint);
 RrdbNet load_trained_rrdbnet(const std::string& run_or_checkpoint);
