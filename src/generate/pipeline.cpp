@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -19,6 +20,7 @@
 #include "dalle/runtime.h"
 #include "dalle/text/clip_tokenizer.h"
 #include "dalle/text/tokenizer.h"
+#include "dalle/text/yttm_tokenizer.h"
 
 namespace dalle::generate {
 
@@ -26,7 +28,9 @@ namespace fs = std::filesystem;
 
 void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("prior", prior, "prior run directory or checkpoint (required)");
-  v.field("tokenizer", tokenizer, "caption tokenizer model; empty: the one the prior was trained with");
+  v.field("tokenizer", tokenizer,
+          "caption tokenizer model: ours (SentencePiece) or ruDALL-E's YouTokenToMe bpe.model, told apart by "
+          "content; empty: the one the prior was trained with");
   v.field("decoder", decoder, "dVAE or VQGAN run or checkpoint; empty: the prior's image tokenizer");
   v.field("clip", clip,
           "CLIP run or checkpoint that reranks the candidates, trained by dalle-train-clip with the caption "
@@ -85,6 +89,19 @@ void check_clip_fits(const models::ClipConfig& clip, const text::Tokenizer& toke
   }
 }
 
+// ruDALL-E's tokenizer feeds a prior of ruDALL-E's layout; a CLIP cannot read its ids.
+void check_yttm_fits(const text::YttmTokenizer& yttm, const models::PriorConfig& prior, const PipelineConfig& config) {
+  if (yttm.vocab_size() > prior.text_vocab_size) {
+    throw Error("pipeline: the YouTokenToMe tokenizer " + config.tokenizer + " has " +
+                std::to_string(yttm.vocab_size()) + " ids, more than the prior's text_vocab_size " +
+                std::to_string(prior.text_vocab_size));
+  }
+  if (!config.clip.empty() && config.clip_tokenizer.empty()) {
+    throw Error("pipeline: a CLIP cannot read ruDALL-E's caption ids (" + config.tokenizer +
+                "); set clip_tokenizer to CLIP's bpe_simple_vocab_16e6.txt.gz for imported CLIP weights");
+  }
+}
+
 // CLIP's own tokenizer: argmax pooling finds its end of text, the largest id.
 void check_clip_fits(const models::ClipConfig& clip, const text::ClipTokenizer& tokenizer, const std::string& path,
                      const std::string& merges) {
@@ -102,7 +119,8 @@ struct Pipeline::Stages {
   PipelineConfig config;
   torch::Device device = torch::kCPU;
   models::TrainedPrior prior;
-  text::Tokenizer tokenizer;
+  std::optional<text::Tokenizer> tokenizer;  // ours, or
+  std::optional<text::YttmTokenizer> yttm;   // ruDALL-E's
   models::TrainedImageTokenizer decoder;
   models::Clip clip{nullptr};
   std::optional<text::ClipTokenizer> clip_tokenizer{};
@@ -113,6 +131,8 @@ struct Pipeline::Stages {
   // (prompt, candidate) order, prompts encoded in `captions`.
   std::vector<GeneratedImage> sample(int64_t first, int64_t rows, const std::vector<std::string>& prompts,
                                      const std::vector<torch::Tensor>& captions, log::Progress& progress);
+  // The prompt's ids as the prior reads them, and whether it was cut to fit.
+  std::pair<torch::Tensor, bool> caption(const std::string& prompt) const;
   // The prompt as CLIP reads it: CLIP's own ids, or the caption tokenizer's `caption`.
   torch::Tensor clip_caption(const std::string& prompt, const torch::Tensor& caption) const;
   // Scores the candidates against their prompt (as CLIP reads it) and orders them best first.
@@ -132,7 +152,14 @@ Pipeline::Pipeline(PipelineConfig config) {
   }
   const auto device = resolve_device(config.device, "pipeline");
   config.device = device.is_cuda() ? "cuda" : "cpu";
-  auto tokenizer = text::Tokenizer::load(config.tokenizer);
+  std::optional<text::Tokenizer> tokenizer;
+  std::optional<text::YttmTokenizer> yttm;
+  if (text::YttmTokenizer::recognises(config.tokenizer)) {
+    yttm = text::YttmTokenizer::load(config.tokenizer);
+    check_yttm_fits(*yttm, prior.config, config);
+  } else {
+    tokenizer = text::Tokenizer::load(config.tokenizer);
+  }
   auto decoder = models::load_image_tokenizer(config.decoder);
   if (decoder.grid_size() != prior.config.grid_size) {
     throw Error("pipeline: the decoder " + config.decoder + " makes " + std::to_string(decoder.grid_size()) +
@@ -142,13 +169,13 @@ Pipeline::Pipeline(PipelineConfig config) {
   prior.model->to(device);
   decoder.model->module().to(device);
   stages_ = std::make_unique<Stages>(
-      Stages{std::move(config), device, std::move(prior), std::move(tokenizer), std::move(decoder)});
+      Stages{std::move(config), device, std::move(prior), std::move(tokenizer), std::move(yttm), std::move(decoder)});
   auto& s = *stages_;
   if (s.config.image_prompt.enabled()) s.image_prompt = load_image_prompt(s.config.image_prompt, s.decoder);
   if (!s.config.clip.empty()) {
     s.clip = models::load_trained_clip(s.config.clip);
     if (s.config.clip_tokenizer.empty()) {
-      check_clip_fits(s.clip->config(), s.tokenizer, s.config.clip);
+      check_clip_fits(s.clip->config(), *s.tokenizer, s.config.clip);
     } else {
       s.clip_tokenizer = text::ClipTokenizer::load(s.config.clip_tokenizer);
       check_clip_fits(s.clip->config(), *s.clip_tokenizer, s.config.clip, s.config.clip_tokenizer);
@@ -198,6 +225,16 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows
   return images;
 }
 
+std::pair<torch::Tensor, bool> Pipeline::Stages::caption(const std::string& prompt) const {
+  if (tokenizer) {
+    const auto encoding = tokenizer->encode(prompt);
+    return {torch::tensor(encoding.ids, torch::kInt64), encoding.truncated};
+  }
+  const auto ids = yttm->caption_ids(prompt, prior.config.text_length);
+  const bool ended = std::find(ids.begin(), ids.end(), yttm->eos_id()) != ids.end();
+  return {torch::tensor(ids, torch::kInt64), !ended};
+}
+
 torch::Tensor Pipeline::Stages::clip_caption(const std::string& prompt, const torch::Tensor& caption) const {
   if (!clip_tokenizer) return caption;
   return torch::tensor(clip_tokenizer->tokenize(prompt, clip->config().context_length), torch::kInt64);
@@ -237,9 +274,9 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
   }
   std::vector<torch::Tensor> captions, clip_captions;
   for (size_t index = 0; index < prompts.size(); ++index) {
-    const auto encoding = s.tokenizer.encode(prompts[index]);
-    if (encoding.truncated) log::warn("pipeline: prompt ", index, " is longer than the prior's text and was cut");
-    captions.push_back(torch::tensor(encoding.ids, torch::kInt64));
+    auto [ids, truncated] = s.caption(prompts[index]);
+    if (truncated) log::warn("pipeline: prompt ", index, " is longer than the prior's text and was cut");
+    captions.push_back(std::move(ids));
     if (s.clip) clip_captions.push_back(s.clip_caption(prompts[index], captions.back()));
   }
   // Batches run across prompts; a prompt is reranked and upscaled once its last candidate is drawn.

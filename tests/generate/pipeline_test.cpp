@@ -1,6 +1,8 @@
 #include "dalle/generate/pipeline.h"
 
 #include "dalle/data/image.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/io/state_dict.h"
 #include "dalle/models/trained.h"
 #include "test_support.h"
 
@@ -126,6 +128,44 @@ TEST(PipelineDtype, A16BitPriorHoldsItsWeightsIn16BitsAndDrawsNearlyTheSameImage
   same /= static_cast<double>(full.size());
   EXPECT_GT(same, 0.7) << "the same uniforms, nearly the same probabilities";
   std::printf("bfloat16 pipeline: %.0f%% of the float32 pipeline's tokens\n", 100 * same);
+}
+
+// A random prior of ruDALL-E's layout at a tiny size, reading the YouTokenToMe fixture's ids
+// (600 of them, 32 per caption) and drawing for the demo's VQGAN.
+std::string random_rudalle_prior(const testing::ScratchDir& dir) {
+  const std::string vqgan = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/vqgan";
+  const std::string yaml =
+      "kind: prior\nmodel: {text_length: 32, text_vocab_size: 600, grid_size: 8, image_vocab_size: 512, layers: 2,\n"
+      "        width: 32, heads: 2, layer_pattern: rudalle, sandwich_norm: true, head_norm: true, gelu: tanh}\n"
+      "tokenizer: " + testing::fixture_path("yttm_bpe.model") + "\nimage_tokenizer: " + vqgan + "\n";
+  torch::manual_seed(0);
+  const models::Prior prior(models::PriorConfig{.text_length = 32, .text_vocab_size = 600, .grid_size = 8,
+                                                .image_vocab_size = 512, .layers = 2, .width = 32, .heads = 2,
+                                                .layer_pattern = "rudalle", .sandwich_norm = true, .head_norm = true,
+                                                .gelu = "tanh"});
+  io::save_checkpoint(dir / "prior", {.config_yaml = yaml, .weights = io::state_dict(*prior)});
+  return dir / "prior";
+}
+
+// Prompts reach a ruDALL-E prior through its own tokenizer, lower-cased as rudalle does.
+TEST(PipelineYttm, RudallesTokenizerFeedsThePrior) {
+  testing::ScratchDir dir;
+  PipelineConfig config{.prior = random_rudalle_prior(dir), .candidates = 2, .threads = 2};
+  Pipeline pipeline(config);
+  // Each prompt first, so that each draws from the same sampling streams.
+  const auto drawn = [&](const std::string& prompt) { return pipeline.generate({prompt}).at(1).tokens; };
+  const auto upper = drawn("Красная сумка СЛЕВА");
+  EXPECT_TRUE(torch::equal(upper, drawn("  красная сумка слева"))) << "the same caption once lower-cased and stripped";
+  EXPECT_FALSE(torch::equal(upper, drawn("синие кроссовки"))) << "another caption, other tokens";
+
+  config.tokenizer = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/tokenizer.model";
+  EXPECT_NO_THROW(Pipeline{config}) << "a SentencePiece model is still read as one";
+  config.tokenizer.clear();
+  config.clip = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/clip";
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "cannot read ruDALL-E's caption ids");
+  auto demo = demo_pipeline(1);
+  demo.tokenizer = testing::fixture_path("yttm_bpe.model");
+  EXPECT_THROW_WITH(Pipeline{demo}, Error, "600 ids, more than the prior's text_vocab_size 128");
 }
 
 TEST_F(ImagePrompt, HalfGivenOrImpossiblePromptsAreRefused) {
