@@ -2,6 +2,8 @@
 //   attention: the sparse path against dense masked attention, per mask kind, forward and
 //              backward of one attention resblock on a text + 32x32 sequence;
 //   generation: image tokens per second with and without the KV cache;
+//   generation-xl: image tokens per second and peak memory of KV-cached sampling with
+//             ruDALL-E Malevich's layout (1.3B), weights in float32, bfloat16 or float16;
 //   training: tokens per second and peak resident memory of full training steps, in a
 //             chosen precision (fp32, bf16, fp16 with per-resblock gradient scales), with
 //             or without activation checkpointing;
@@ -25,6 +27,7 @@
 #include "dalle/dist/local_ranks.h"
 #include "dalle/dist/powersgd.h"
 #include "dalle/dist/sharded_parameters.h"
+#include "dalle/device.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
 #include "dalle/models/prior.h"
@@ -108,6 +111,45 @@ void generation(const models::PriorConfig& config, int64_t batch, const std::str
         static_cast<double>(batch * config.image_length()) / elapsed;
   }
   line["cache_speedup"] = line["cached_tokens_per_s"].get<double>() / line["uncached_tokens_per_s"].get<double>();
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
+// Thrown from the sampler's progress callback once the tokens to time are drawn.
+struct EnoughTokens {};
+
+// The first `timed + 4` image tokens of `batch` images, KV-cached, the weights built directly in
+// `dtype` (as load_trained_prior builds them). The rate is taken between the 4th and the last
+// token, so that the caption's prefill does not count.
+void generation_at_layout(const models::PriorConfig& config, int64_t batch, int64_t timed, torch::ScalarType dtype,
+                          const std::string& name) {
+  const auto default_dtype = torch::get_default_dtype();
+  torch::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
+  torch::manual_seed(0);
+  models::Prior prior(config);
+  torch::set_default_dtype(default_dtype);
+  prior->eval();
+  int64_t parameters = 0;
+  for (const auto& p : prior->parameters()) parameters += p.numel();
+  const double rss_built = peak_rss_mib();
+  const auto captions = random_tokens(config, batch).slice(1, 0, config.text_length);
+  constexpr int64_t kUntimed = 4;
+  Clock::time_point first;
+  double seconds = 0;
+  try {
+    models::sample_image_tokens(prior, captions, {.seed = 1}, nullptr, [&](int64_t done, int64_t) {
+      if (done == kUntimed) first = Clock::now();
+      if (done < kUntimed + timed) return;
+      seconds = seconds_since(first);
+      throw EnoughTokens{};
+    });
+  } catch (const EnoughTokens&) {
+  }
+  nlohmann::json line = {{"benchmark", "generation-xl"}, {"model", name}, {"dtype", c10::toString(dtype)},
+                         {"batch", batch}, {"parameters", parameters}, {"timed_tokens", timed},
+                         {"image_tokens_per_s", static_cast<double>(batch * timed) / seconds},
+                         {"seconds_per_step", seconds / static_cast<double>(timed)},
+                         {"peak_rss_mib_after_build", rss_built}, {"peak_rss_mib", peak_rss_mib()}};
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
 }
@@ -377,6 +419,10 @@ int main(int argc, char** argv) {
     config.grid_size = 32;
     config.text_length = 32;
     generation(config, 4, "tiny, 32x32 grid");
+  } else if (which == "generation-xl") {
+    generation_at_layout(rudalle_xl_slice(24), std::stoll(option(argc, argv, "batch", "1")),
+                         std::stoll(option(argc, argv, "tokens", quick ? "4" : "32")),
+                         float_type_named(option(argc, argv, "dtype", "float32")), "ruDALL-E Malevich (XL) layout");
   } else if (which == "training-tiny") {
     training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", options);
   } else if (which == "data-parallel") {
@@ -407,10 +453,12 @@ int main(int argc, char** argv) {
     training(slice, 1, quick ? 1 : 2, "ruDALL-E XL layout, 2-layer slice", options);
   } else {
     std::fprintf(stderr,
-                 "usage: dalle_bench_prior attention|generation|training-tiny|training-xl-slice|data-parallel|"
+                 "usage: dalle_bench_prior attention|generation|generation-xl|training-tiny|training-xl-slice|"
+                 "data-parallel|"
                  "powersgd-compression|powersgd-qr "
                  "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
-                 "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice] [--layers=L]\n");
+                 "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice] [--layers=L] "
+                 "[--dtype=float32|bfloat16|float16] [--batch=B] [--tokens=N]\n");
     return 2;
   }
   return 0;
