@@ -529,6 +529,28 @@ std::string copy_of_shipped(const std::string& model, const ScratchDir& dir, con
   return dir / name;
 }
 
+// `--model` runs a model folder's generate.yaml from any directory: its paths are the folder's.
+TEST(ToolsHostile, GenerateRunsAModelFolderFromAnywhere) {
+  ScratchDir dir;
+  const std::string folder = kSource + "/models/fashion-compose";
+  auto result = run("dalle-generate", "--model " + folder + " -n 2 --keep 1 --threads 1 --out " + (dir / "out") +
+                                          " 'a red bag on the left'");
+  ASSERT_EQ(result.status, 0) << result.output;
+  const auto sidecar = nlohmann::json::parse(testing::read_text(dir / "out/0000-00.json"));
+  EXPECT_EQ(sidecar.at("pipeline").at("prior"), folder + "/prior");
+  EXPECT_EQ(sidecar.at("pipeline").at("candidates"), "2") << "the command line overrides the folder's 16";
+  EXPECT_TRUE(sidecar.at("clip_score").is_number()) << "the folder's CLIP reranked";
+  EXPECT_FALSE(fs::exists(dir / "out/0000-01.png"));
+
+  result = run("dalle-generate", "--model " + folder + " --config " + (folder + "/generate.yaml") + " --out " +
+                                     (dir / "both") + " 'a red bag'");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("give one"));
+  result = run("dalle-generate", "--model " + dir.path().string() + " --out " + (dir / "none") + " 'a red bag'");
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("not a model folder"));
+}
+
 TEST(ToolsHostile, AModelFolderWithoutSizesOrWithNanWeightsIsRefused) {
   ScratchDir dir;
   const auto empty = copy_of_shipped("prior", dir, "empty");

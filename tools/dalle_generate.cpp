@@ -19,7 +19,11 @@ int main(int argc, char** argv) {
   tools::ConfigOptions config_options;
   config_options.add_to(app, "pipeline");
   std::vector<std::string> prompts;
-  std::string prompts_file, out;
+  std::string prompts_file, out, model_folder;
+  app.add_option("--model", model_folder,
+                 "a model folder: its generate.yaml and the models beside it (models/fashion-compose), in place of "
+                 "--config; the options below override it")
+      ->check(CLI::ExistingDirectory);
   app.add_option("prompts", prompts, "captions to draw");
   app.add_option("--prompts-file", prompts_file, "a file of captions, one per line")->check(CLI::ExistingFile);
   app.add_option("--out", out,
@@ -45,6 +49,13 @@ int main(int argc, char** argv) {
 
   return tools::run_tool(app, argc, argv, [&] {
     auto source = config_options.source();
+    if (!model_folder.empty()) {
+      if (!config_options.path.empty()) throw tools::UsageError("--model and --config both give the pipeline; give one");
+      auto folder = generate::read_model_folder(model_folder);
+      source = ConfigSource::from_string(config_to_yaml(visit_of(folder)), model_folder + "/" +
+                                                                               generate::kModelFolderConfig);
+      source.set_all(config_options.overrides);
+    }
     for (const auto& [flag, key] : shorthands) {
       if (app.count(flag) == 0) continue;
       const std::string assignment = key + "=" + shorthand_values[flag];

@@ -57,6 +57,19 @@ void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("threads", threads, "torch intra-op threads (0: one per idle core)", {.min = 0, .max = 1024});
 }
 
+PipelineConfig read_model_folder(const std::string& folder) {
+  const auto file = fs::path(folder) / kModelFolderConfig;
+  if (!fs::is_regular_file(file)) {
+    throw Error(folder + ": not a model folder (it has no " + kModelFolderConfig + ", the pipeline config)");
+  }
+  auto config = load_config<PipelineConfig>(ConfigSource::from_file(file.string()));
+  for (auto* path : {&config.prior, &config.tokenizer, &config.decoder, &config.clip, &config.clip_tokenizer,
+                     &config.superres}) {
+    if (!path->empty() && fs::path(*path).is_relative()) *path = (fs::path(folder) / *path).string();
+  }
+  return config;
+}
+
 namespace {
 
 void check(const PipelineConfig& config) {

@@ -41,6 +41,12 @@ struct PipelineConfig {
   int64_t kept() const { return keep == 0 ? candidates : keep; }
 };
 
+// A model folder holds generate.yaml, a pipeline config whose relative model paths (prior,
+// tokenizer, decoder, clip, clip_tokenizer, superres) name what lies in the folder.
+inline constexpr const char* kModelFolderConfig = "generate.yaml";
+// The folder's pipeline config, its relative model paths made to point into the folder.
+PipelineConfig read_model_folder(const std::string& folder);
+
 struct GeneratedImage {
   int64_t prompt_index = 0;
   std::string prompt;
