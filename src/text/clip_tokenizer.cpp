@@ -146,8 +146,7 @@ struct ClipTokenizer::Impl {
 };
 
 std::vector<int64_t> ClipTokenizer::Impl::encode_word(const std::u32string& word) const {
-  std::string utf8;
-  for (const char32_t c : word) append_utf8(utf8, c);
+  const std::string utf8 = encode_utf8(word);
   if (word == std::u32string(kStart.begin(), kStart.end())) return {start_id};
   if (word == std::u32string(kEnd.begin(), kEnd.end())) return {end_id};
 

@@ -75,7 +75,7 @@ inline std::map<int64_t, nlohmann::json> training_lines(const std::string& run) 
 inline double mean_metric(const std::map<int64_t, nlohmann::json>& lines, const std::string& key, int64_t first,
                           int64_t last) {
   double sum = 0;
-  for (int64_t step = first; step <= last; ++step) sum += lines.at(step)[key].get<double>();
+  for (int64_t step = first; step <= last; ++step) sum += lines.at(step).at(key).get<double>();
   return sum / static_cast<double>(last - first + 1);
 }
 
