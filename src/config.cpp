@@ -115,6 +115,16 @@ class YamlReader final : public ConfigVisitor {
       value = std::move(parsed);
     });
   }
+  void field(std::string_view key, std::vector<double>& value, std::string_view, const Limits& limits) override {
+    read_sequence(key, "a list of numbers", [&](const YAML::Node& n) {
+      std::vector<double> parsed;
+      for (const auto& item : n) {
+        parsed.push_back(item.as<double>());
+        check_number(key, item, parsed.back(), limits);
+      }
+      value = std::move(parsed);
+    });
+  }
   void field(std::string_view key, std::vector<std::string>& value, std::string_view,
              const Limits& limits) override {
     read_sequence(key, "a list of strings", [&](const YAML::Node& n) {
@@ -270,6 +280,11 @@ class YamlWriter final : public ConfigVisitor {
              const Limits&) override {
     out_ << YAML::Key << std::string(key) << YAML::Value << YAML::Flow << value;
   }
+  void field(std::string_view key, std::vector<double>& value, std::string_view, const Limits&) override {
+    out_ << YAML::Key << std::string(key) << YAML::Value << YAML::Flow << YAML::BeginSeq;
+    for (double item : value) out_ << format_double(item);
+    out_ << YAML::EndSeq;
+  }
   void field(std::string_view key, std::vector<std::string>& value, std::string_view,
              const Limits&) override {
     out_ << YAML::Key << std::string(key) << YAML::Value << YAML::BeginSeq;
@@ -306,6 +321,12 @@ class ReferenceWriter final : public ConfigVisitor {
     std::string text = "[";
     for (size_t i = 0; i < value.size(); ++i) text += (i ? ", " : "") + std::to_string(value[i]);
     row(key, "list of int", text + "]", limits, help);
+  }
+  void field(std::string_view key, std::vector<double>& value, std::string_view help,
+             const Limits& limits) override {
+    std::string text = "[";
+    for (size_t i = 0; i < value.size(); ++i) text += (i ? ", " : "") + format_double(value[i]);
+    row(key, "list of float", text + "]", limits, help);
   }
   void field(std::string_view key, std::vector<std::string>& value, std::string_view help,
              const Limits& limits) override {
@@ -348,6 +369,11 @@ class Flattener final : public ConfigVisitor {
   void field(std::string_view key, std::vector<int64_t>& value, std::string_view, const Limits&) override {
     std::string text;
     for (auto item : value) text += std::to_string(item) + ",";
+    add(key, text);
+  }
+  void field(std::string_view key, std::vector<double>& value, std::string_view, const Limits&) override {
+    std::string text;
+    for (double item : value) text += format_double(item) + ",";
     add(key, text);
   }
   void field(std::string_view key, std::vector<std::string>& value, std::string_view, const Limits&) override {

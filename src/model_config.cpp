@@ -19,6 +19,7 @@ class ModelSizes final : public ConfigVisitor {
   void field(std::string_view, double&, std::string_view, const Limits&) override {}
   void field(std::string_view, std::string&, std::string_view, const Limits&) override {}
   void field(std::string_view, std::vector<int64_t>&, std::string_view, const Limits&) override {}
+  void field(std::string_view, std::vector<double>&, std::string_view, const Limits&) override {}
   void field(std::string_view, std::vector<std::string>&, std::string_view, const Limits&) override {}
   void section(std::string_view key, std::string_view, const std::function<void(ConfigVisitor&)>& body) override {
     const std::string outer = path_;

@@ -10,9 +10,11 @@ using testing::ScratchDir;
 struct OptimizerSection {
   double learning_rate = 1e-4;
   std::vector<int64_t> betas_permille = {900, 999};
+  std::vector<double> decays = {0.9, 0.99};
   void visit(ConfigVisitor& v) {
     v.field("learning_rate", learning_rate, "peak learning rate", {.min = 0.0, .max = 1.0});
     v.field("betas_permille", betas_permille, "Adam betas x 1000", {.min = 0, .max = 1000});
+    v.field("decays", decays, "moving average decays", {.min = 0.0, .max = 1.0});
   }
 };
 
@@ -48,13 +50,14 @@ TEST(Config, EmptyDocumentKeepsDefaults) {
 TEST(Config, ReadsEveryFieldType) {
   const auto config = parse(
       "layers: 12\nfp16: true\nattention: conv\ncaptions: [x, y, z]\n"
-      "optimizer:\n  learning_rate: 4.5e-4\n  betas_permille: [900, 960]\n");
+      "optimizer:\n  learning_rate: 4.5e-4\n  betas_permille: [900, 960]\n  decays: [0.5, 1, 0.25]\n");
   EXPECT_EQ(config.layers, 12);
   EXPECT_TRUE(config.fp16);
   EXPECT_EQ(config.attention, "conv");
   EXPECT_EQ(config.captions, (std::vector<std::string>{"x", "y", "z"}));
   EXPECT_DOUBLE_EQ(config.optimizer.learning_rate, 4.5e-4);
   EXPECT_EQ(config.optimizer.betas_permille, (std::vector<int64_t>{900, 960}));
+  EXPECT_EQ(config.optimizer.decays, (std::vector<double>{0.5, 1.0, 0.25}));
 }
 
 TEST(Config, UnknownKeyIsRefusedWithLineAndSuggestion) {
@@ -78,6 +81,9 @@ TEST(Config, WrongTypeIsRefused) {
   EXPECT_THROW_WITH(parse("fp16: maybe\n"), ConfigError, "fp16: expected a boolean");
   EXPECT_THROW_WITH(parse("captions: just-one\n"), ConfigError, "captions: expected a list of strings");
   EXPECT_THROW_WITH(parse("optimizer: 3\n"), ConfigError, "optimizer: expected a section");
+  EXPECT_THROW_WITH(parse("optimizer: {decays: [0.5, x]}\n"), ConfigError,
+                    "optimizer.decays: expected a list of numbers");
+  EXPECT_THROW_WITH(parse("optimizer: {decays: 0.5}\n"), ConfigError, "expected a list of numbers");
   EXPECT_THROW_WITH(parse("layers: [1, 2]\n"), ConfigError, "layers: expected an integer");
   EXPECT_THROW_WITH(parse("optimizer: {learning_rate: .nan}\n"), ConfigError, "expected a finite number");
   EXPECT_THROW_WITH(parse("optimizer: {learning_rate: .inf}\n"), ConfigError, "expected a finite number");
@@ -87,6 +93,7 @@ TEST(Config, OutOfRangeAndDisallowedChoiceAreRefused) {
   EXPECT_THROW_WITH(parse("layers: 65\n"), ConfigError, "layers: 65 is out of range", "in [1, 64]");
   EXPECT_THROW_WITH(parse("optimizer: {betas_permille: [900, 1001]}\n"), ConfigError,
                     "optimizer.betas_permille: 1001 is out of range");
+  EXPECT_THROW_WITH(parse("optimizer: {decays: [0.5, 1.5]}\n"), ConfigError, "optimizer.decays: 1.5 is out of range");
   EXPECT_THROW_WITH(parse("attention: diagonal\n"), ConfigError, "'diagonal' is not allowed",
                     "one of 'row' 'column' 'conv'");
 }
@@ -183,7 +190,7 @@ TEST(Config, ReplaceRewritesExistingKeysOfTheSameKindOnly) {
 
 TEST(Config, YamlRoundTripPreservesEveryValue) {
   auto original = parse("layers: 7\nfp16: true\nattention: column\ncaptions: ['a: colon', \"quote\\\"d\"]\n"
-                        "optimizer: {learning_rate: 0.1, betas_permille: [1, 2, 3]}\n");
+                        "optimizer: {learning_rate: 0.1, betas_permille: [1, 2, 3], decays: [0.1, 0.995]}\n");
   const std::string yaml = config_to_yaml(visit_of(original));
   const auto copy = load_config<ExampleConfig>(ConfigSource::from_string(yaml));
   EXPECT_EQ(copy.layers, 7);
@@ -192,6 +199,7 @@ TEST(Config, YamlRoundTripPreservesEveryValue) {
   EXPECT_EQ(copy.captions, original.captions);
   EXPECT_EQ(copy.optimizer.learning_rate, 0.1);  // exact: doubles are written round-trippable
   EXPECT_EQ(copy.optimizer.betas_permille, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(copy.optimizer.decays, (std::vector<double>{0.1, 0.995}));
 }
 
 TEST(Config, SaveConfigWritesTheEffectiveConfig) {
@@ -209,6 +217,7 @@ TEST(Config, ReferenceListsEveryKeyWithDefaultsAndLimits) {
   const std::string reference = config_reference(visit_of(config));
   for (const char* expected : {"`layers` | int | `2` | in [1, 64] | number of layers",
                                "`optimizer.learning_rate`", "`optimizer.betas_permille`",
+                               "`optimizer.decays` | list of float | `[0.9, 0.99]`",
                                "one of 'row' 'column' 'conv'", "`fp16` | bool | `false`"}) {
     EXPECT_THAT(reference, ::testing::HasSubstr(expected));
   }

@@ -38,6 +38,8 @@ class ConfigVisitor {
                      const Limits& limits = {}) = 0;
   virtual void field(std::string_view key, std::vector<int64_t>& value, std::string_view help,
                      const Limits& limits = {}) = 0;
+  virtual void field(std::string_view key, std::vector<double>& value, std::string_view help,
+                     const Limits& limits = {}) = 0;
   virtual void field(std::string_view key, std::vector<std::string>& value,
                      std::string_view help, const Limits& limits = {}) = 0;
   virtual void section(std::string_view key, std::string_view help,
