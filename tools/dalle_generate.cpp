@@ -42,7 +42,9 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> shorthand_values;
   for (const auto& [flag, key] : shorthands) {
     const std::string names = flag == "--images-per-prompt" ? "-n,--images-per-prompt" : flag;
-    app.add_option(names, shorthand_values[flag], "sets `" + key + "`");
+    const bool filter = flag == "--top-k" || flag == "--top-p";
+    app.add_option(names, shorthand_values[flag],
+                   "sets `" + key + "`" + (filter ? " and clears the config's `schedule`" : ""));
   }
   bool no_cache = false;
   app.add_flag("--no-cache", no_cache, "recompute the whole prefix for each token (slow; a check); sets sampling.use_cache");
@@ -68,6 +70,11 @@ int main(int argc, char** argv) {
         throw tools::UsageError(flag + " " + excerpt(shorthand_values[flag]) + ": " + error.what());
       }
       source.set(assignment);
+    }
+    // A filter asked for on the command line replaces a model folder's schedule of filters.
+    if (app.count("--top-k") + app.count("--top-p") > 0) {
+      source.set("schedule.top_k=[]");
+      source.set("schedule.top_p=[]");
     }
     if (no_cache) source.set("sampling.use_cache=false");
     auto config = load_config<generate::PipelineConfig>(source);

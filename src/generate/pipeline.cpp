@@ -6,6 +6,7 @@
 #include <utility>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "dalle/data/image.h"
@@ -25,6 +26,26 @@
 namespace dalle::generate {
 
 namespace fs = std::filesystem;
+
+void SamplingSchedule::visit(ConfigVisitor& v) {
+  v.field("top_k", top_k,
+          "top_k of each stage (ruDALL-E: 2048, 1536, 1024, 1024, 512, 384, 256, 128); empty: no schedule",
+          {.min = 0});
+  v.field("top_p", top_p, "top_p of each stage, as many as top_k (ruDALL-E: 0.995, 0.99, 0.99, 0.98, 0.97, 0.96, "
+          "0.95, 0.95)", {.min = 1e-6, .max = 1.0});
+}
+
+int64_t SamplingSchedule::stage_of(int64_t candidate, int64_t candidates) const {
+  return stages() == 0 ? 0 : candidate * stages() / candidates;
+}
+
+models::SamplingOptions SamplingSchedule::options(int64_t stage, const models::SamplingOptions& sampling) const {
+  auto options = sampling;
+  if (stages() == 0) return options;
+  options.top_k = top_k.at(static_cast<size_t>(stage));
+  options.top_p = top_p.at(static_cast<size_t>(stage));
+  return options;
+}
 
 void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("prior", prior, "prior run directory or checkpoint (required)");
@@ -49,6 +70,10 @@ void PipelineConfig::visit(ConfigVisitor& v) {
           "range and fast CPU kernels; float16 is for GPUs); the other models stay float32",
           {.choices = {"float32", "bfloat16", "float16"}});
   v.section("sampling", "sampling from the prior", sampling);
+  v.section("schedule",
+            "ruDALL-E's stages: each prompt's candidates split evenly between (top_k, top_p) pairs, in order, "
+            "replacing sampling.top_k and sampling.top_p",
+            schedule);
   v.section("image_prompt", "an image whose top rows or masked cells every sample keeps (\"continue this picture\")",
             image_prompt);
   v.field("tile", tile, "super-resolution tile side in input pixels (0: whole images at once)", {.min = 0});
@@ -75,6 +100,11 @@ namespace {
 void check(const PipelineConfig& config) {
   if (config.prior.empty()) throw Error("pipeline: `prior` is required (a prior run directory or checkpoint)");
   config.image_prompt.validate();
+  const auto& schedule = config.schedule;
+  if (schedule.top_k.size() != schedule.top_p.size()) {
+    throw Error("pipeline: schedule.top_k has " + std::to_string(schedule.top_k.size()) + " stages, schedule.top_p " +
+                std::to_string(schedule.top_p.size()) + "; give one top_p per top_k");
+  }
   if (config.kept() > config.candidates) {
     throw Error("pipeline: keep (" + std::to_string(config.keep) + ") exceeds candidates (" +
                 std::to_string(config.candidates) + ")");
@@ -140,8 +170,11 @@ struct Pipeline::Stages {
   models::RrdbNet superres{nullptr};
   std::optional<models::ImagePrompt> image_prompt{};
 
-  // Samples and decodes the candidates numbered [first, first + rows) of the flattened
-  // (prompt, candidate) order, prompts encoded in `captions`.
+  // The image tokens [rows, grid, grid] of the candidates numbered [first, first + rows) of
+  // the flattened (prompt, candidate) order, prompts encoded in `captions`.
+  torch::Tensor draw(int64_t first, int64_t rows, const std::vector<torch::Tensor>& captions,
+                     log::Progress& progress);
+  // Samples and decodes those candidates.
   std::vector<GeneratedImage> sample(int64_t first, int64_t rows, const std::vector<std::string>& prompts,
                                      const std::vector<torch::Tensor>& captions, log::Progress& progress);
   // The prompt's ids as the prior reads them, and whether it was cut to fit.
@@ -207,20 +240,37 @@ Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
 
 const PipelineConfig& Pipeline::config() const { return stages_->config; }
 
+// Rows of one schedule stage are drawn together; a row's tokens depend on its stream alone.
+torch::Tensor Pipeline::Stages::draw(int64_t first, int64_t rows, const std::vector<torch::Tensor>& captions,
+                                     log::Progress& progress) {
+  std::map<int64_t, std::vector<int64_t>> rows_of_stage;
+  for (int64_t row = 0; row < rows; ++row) {
+    rows_of_stage[config.schedule.stage_of((first + row) % config.candidates, config.candidates)].push_back(row);
+  }
+  auto tokens = torch::empty({rows, prior.config.grid_size, prior.config.grid_size},
+                             torch::TensorOptions().dtype(torch::kInt64).device(device));
+  for (const auto& [stage, stage_rows] : rows_of_stage) {
+    std::vector<torch::Tensor> stage_captions;
+    std::vector<uint64_t> streams;
+    for (const int64_t row : stage_rows) {
+      const int64_t prompt_index = (first + row) / config.candidates, candidate = (first + row) % config.candidates;
+      stage_captions.push_back(captions[static_cast<size_t>(prompt_index)]);
+      streams.push_back(sampling_stream(prompt_index, candidate));
+    }
+    const auto drawn = models::sample_image_tokens(
+        prior.model, torch::stack(stage_captions), config.schedule.options(stage, config.sampling),
+        image_prompt ? &*image_prompt : nullptr,
+        [&](int64_t, int64_t) { progress.advance(static_cast<int64_t>(stage_rows.size())); }, streams);
+    tokens.index_copy_(0, torch::tensor(stage_rows, torch::kInt64).to(device), drawn);
+  }
+  return tokens;
+}
+
 std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows,
                                                      const std::vector<std::string>& prompts,
                                                      const std::vector<torch::Tensor>& captions,
                                                      log::Progress& progress) {
-  std::vector<torch::Tensor> batch_captions;
-  std::vector<uint64_t> streams;
-  for (int64_t row = first; row < first + rows; ++row) {
-    const int64_t prompt_index = row / config.candidates, candidate = row % config.candidates;
-    batch_captions.push_back(captions[static_cast<size_t>(prompt_index)]);
-    streams.push_back(sampling_stream(prompt_index, candidate));
-  }
-  const auto tokens = models::sample_image_tokens(prior.model, torch::stack(batch_captions), config.sampling,
-                                                  image_prompt ? &*image_prompt : nullptr,
-                                                  [&](int64_t, int64_t) { progress.advance(rows); }, streams);
+  const auto tokens = draw(first, rows, captions, progress);
   torch::NoGradGuard no_grad;
   const auto decoded = decoder.model->decode_tokens(tokens).to(torch::kCPU);
   std::vector<GeneratedImage> images;
@@ -231,6 +281,10 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows
     image.candidate = (first + row) % config.candidates;
     image.rank = image.candidate;
     image.seed = config.sampling.seed;
+    const auto drawn_with = config.schedule.options(config.schedule.stage_of(image.candidate, config.candidates),
+                                                    config.sampling);
+    image.top_k = drawn_with.top_k;
+    image.top_p = drawn_with.top_p;
     image.tokens = tokens[row].to(torch::kCPU);
     image.image = decoded[row];
     images.push_back(std::move(image));
@@ -329,6 +383,8 @@ nlohmann::json sidecar(const nlohmann::json& settings, const GeneratedImage& ima
       {"candidate", image.candidate},
       {"seed", image.seed},
       {"sampling_stream", sampling_stream(image.prompt_index, image.candidate)},
+      {"top_k", image.top_k},
+      {"top_p", image.top_p},
       {"clip_score", image.clip_score ? nlohmann::json(*image.clip_score) : nlohmann::json(nullptr)},
       {"size", {image.image.size(1), image.image.size(2)}},
       {"pipeline", settings},

@@ -1,5 +1,7 @@
 #include "dalle/generate/pipeline.h"
 
+#include <set>
+
 #include "dalle/data/image.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
@@ -128,6 +130,35 @@ TEST(PipelineDtype, A16BitPriorHoldsItsWeightsIn16BitsAndDrawsNearlyTheSameImage
   same /= static_cast<double>(full.size());
   EXPECT_GT(same, 0.7) << "the same uniforms, nearly the same probabilities";
   std::printf("bfloat16 pipeline: %.0f%% of the float32 pipeline's tokens\n", 100 * same);
+}
+
+// ruDALL-E's schedule: candidate c of N draws with stage c * S / N's filter, exactly as an
+// unscheduled pipeline with that filter draws it, in any batch.
+TEST(PipelineSchedule, EachCandidateDrawsWithItsStagesFilterInAnyBatch) {
+  auto config = demo_pipeline(4);
+  config.schedule = {.top_k = {1, 0, 8}, .top_p = {1.0, 1.0, 0.5}};
+  config.batch_size = 3;
+  const std::vector<std::string> prompts = {"a red bag on the left", "a blue sneaker at the top"};
+  const auto scheduled = Pipeline(config).generate(prompts);
+  ASSERT_EQ(scheduled.size(), 8u);
+  const std::vector<std::pair<int64_t, double>> stage_of_candidate = {{1, 1.0}, {1, 1.0}, {0, 1.0}, {8, 0.5}};
+  for (const auto& [top_k, top_p] : std::set(stage_of_candidate.begin(), stage_of_candidate.end())) {
+    auto plain = demo_pipeline(4);
+    plain.sampling.top_k = top_k;
+    plain.sampling.top_p = top_p;
+    const auto drawn = Pipeline(plain).generate(prompts);
+    for (size_t i = 0; i < drawn.size(); ++i) {
+      if (stage_of_candidate[static_cast<size_t>(drawn[i].candidate)] != std::pair{top_k, top_p}) continue;
+      EXPECT_TRUE(torch::equal(scheduled[i].tokens, drawn[i].tokens)) << "image " << i << " of top_k " << top_k;
+      EXPECT_EQ(scheduled[i].top_k, top_k);
+      EXPECT_EQ(scheduled[i].top_p, top_p);
+    }
+  }
+  // top_k 1 draws the likeliest code whatever the uniforms: candidates 0 and 1 agree, 2 does not.
+  EXPECT_TRUE(torch::equal(scheduled[0].tokens, scheduled[1].tokens));
+  EXPECT_FALSE(torch::equal(scheduled[0].tokens, scheduled[2].tokens));
+  config.schedule.top_p.pop_back();
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "schedule.top_k has 3 stages, schedule.top_p 2");
 }
 
 // A random prior of ruDALL-E's layout at a tiny size, reading the YouTokenToMe fixture's ids

@@ -18,6 +18,21 @@
 
 namespace dalle::generate {
 
+// ruDALL-E's way of drawing a prompt's N candidates: in stages of narrowing top_k and top_p,
+// the candidates split evenly between the stages in order (fewer candidates than stages take
+// stages spread over the schedule). Empty: `sampling` for all.
+struct SamplingSchedule {
+  std::vector<int64_t> top_k;
+  std::vector<double> top_p;
+
+  void visit(ConfigVisitor& v);
+  int64_t stages() const { return static_cast<int64_t>(top_k.size()); }
+  // The stage candidate `candidate` of `candidates` draws in (0 without a schedule).
+  int64_t stage_of(int64_t candidate, int64_t candidates) const;
+  // `sampling` with the top_k and top_p of `stage` (`sampling` itself without a schedule).
+  models::SamplingOptions options(int64_t stage, const models::SamplingOptions& sampling) const;
+};
+
 struct PipelineConfig {
   std::string prior;      // prior run directory or checkpoint
   std::string tokenizer;  // caption tokenizer model; empty: the prior run's
@@ -30,6 +45,7 @@ struct PipelineConfig {
   int64_t batch_size = 32; // images sampled at once
   std::string dtype = "float32";  // the prior's weights and arithmetic: float32, bfloat16 or float16
   models::SamplingOptions sampling;
+  SamplingSchedule schedule;       // ruDALL-E's top_k / top_p stages; empty: `sampling` alone
   ImagePromptConfig image_prompt;  // image tokens every sample keeps
   int64_t tile = 192;      // super-resolution tile side in input pixels (0: whole images)
   int64_t tile_overlap = 24;
@@ -53,6 +69,8 @@ struct GeneratedImage {
   int64_t candidate = 0;  // which of the prompt's N samples
   int64_t rank = 0;       // 0 = best CLIP score; the sampling order without reranking
   int64_t seed = 0;       // the sampling seed; with prompt_index and candidate it fixes the draws
+  int64_t top_k = 0;      // the filtering it was drawn with (its schedule stage's, if any)
+  double top_p = 1.0;
   torch::Tensor tokens;   // [grid, grid] int64 image tokens
   torch::Tensor image;    // [3, H, W] in [0, 1], after super-resolution when it is on
   std::optional<double> clip_score;  // cosine similarity x CLIP's logit scale
