@@ -115,12 +115,16 @@ TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::Sca
   if (dtype != torch::kFloat32 && dtype != torch::kBFloat16 && dtype != torch::kFloat16) {
     throw Error(std::string("prior: weights in ") + c10::toString(dtype) + "; expected float32, bfloat16 or float16");
   }
-  const auto opened = open_checkpoint(run_or_checkpoint, "prior");
+  auto opened = open_checkpoint(run_or_checkpoint, "prior");
   TrainedPrior trained;
   trained.config = read_model_config<PriorConfig>(opened.source, "prior", [&](ConfigVisitor& v) {
     v.field("tokenizer", trained.tokenizer, "");
     v.field("image_tokenizer", trained.image_tokenizer, "");
   });
+  // ruDALL-E's released weights keep its own names (scripts/export_rudalle_prior.py).
+  if (opened.checkpoint.weights.count("text_embeddings.weight") > 0) {
+    opened.checkpoint.weights = import_rudalle_state(opened.checkpoint.weights, trained.config);
+  }
   {
     const DefaultDtype building(dtype);
     trained.model = Prior(trained.config);

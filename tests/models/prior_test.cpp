@@ -2,8 +2,10 @@
 
 #include <torch/torch.h>
 
+#include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/models/trained.h"
 #include "dalle/text/tokenizer.h"
 #include "test_support.h"
 
@@ -54,6 +56,21 @@ TEST_F(RudalleParity, LogitsMatchOnBothAttentionPaths) {
     EXPECT_EQ(logits.sizes(), at("output.logits").sizes());
     EXPECT_LT(relative_error(logits, at("output.logits")), 1e-4) << path;
   }
+}
+
+TEST_F(RudalleParity, ACheckpointUnderItsOwnNamesLoadsAsImported) {
+  // The layout scripts/export_rudalle_prior.py writes: the sizes, ruDALL-E's names.
+  testing::ScratchDir dir;
+  const std::string sizes = "kind: prior\nmodel:\n  text_length: 8\n  text_vocab_size: 32\n  grid_size: 4\n"
+                            "  image_vocab_size: 16\n  layers: 4\n  width: 64\n  heads: 4\n  sandwich_norm: true\n"
+                            "  head_norm: true\n  gelu: tanh\n";
+  const auto theirs = io::with_prefix_removed(fixture_.tensors, "state.");
+  io::save_checkpoint(dir / "rudalle", {.config_yaml = sizes + "  layer_pattern: rudalle\n", .weights = theirs});
+  auto trained = load_trained_prior(dir / "rudalle");
+  torch::NoGradGuard no_grad;
+  EXPECT_LT(relative_error(trained.model->forward(at("input.ids")), at("output.logits")), 1e-4);
+  io::save_checkpoint(dir / "dalle-rule", {.config_yaml = sizes, .weights = theirs});
+  EXPECT_THROW_WITH(load_trained_prior(dir / "dalle-rule"), Error, "layer_pattern: rudalle");
 }
 
 TEST_F(RudalleParity, LayerMasksAreRudalles) {
