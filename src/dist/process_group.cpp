@@ -45,6 +45,14 @@ std::string message_of(const std::exception& error) {
 
 constexpr auto kHeartbeat = std::chrono::seconds(1);
 
+// torch 2.11's flight recorder, one per process, registers each process group on its first
+// collective before taking its own lock (pytorch/pytorch#179313): collectives of several
+// groups started at once from several threads (ranks as threads, as the tests run them)
+// corrupt its map. Gloo's are started one at a time; starting only enqueues, so they still
+// run at once. NCCL's first collective may block in communicator set-up and is left alone:
+// its ranks are processes.
+std::mutex gloo_start_mutex;
+
 std::string heartbeat_key(int64_t rank) { return "heartbeat/" + std::to_string(rank); }
 
 }  // namespace
@@ -112,6 +120,14 @@ struct ProcessGroup::Impl {
     }
   }
 
+  // The collective `call` starts, started as the comment at gloo_start_mutex says.
+  template <class Call>
+  c10::intrusive_ptr<c10d::Work> start(Call call) {
+    if (device.is_cuda()) return call();
+    std::lock_guard lock(gloo_start_mutex);
+    return call();
+  }
+
   // Waits for `work`. A lost or late rank becomes an Error naming `what` and the ranks that
   // fell silent.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
@@ -167,7 +183,7 @@ void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = to_c10d(op);
-  impl_->wait(impl_->backend->allreduce(tensors, options), "all_reduce");
+  impl_->wait(impl_->start([&] { return impl_->backend->allreduce(tensors, options); }), "all_reduce");
 }
 
 namespace {
@@ -198,7 +214,8 @@ std::unique_ptr<PendingCollective> ProcessGroup::start_all_gather(const torch::T
   }
   if (!tensor.is_contiguous()) throw Error("all_gather: a tensor that is not contiguous");
   auto input = tensor;
-  return std::make_unique<PendingWork>(*impl_, impl_->backend->_allgather_base(gathered, input), "all_gather");
+  auto work = impl_->start([&] { return impl_->backend->_allgather_base(gathered, input); });
+  return std::make_unique<PendingWork>(*impl_, std::move(work), "all_gather");
 }
 
 void ProcessGroup::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op) {
@@ -209,9 +226,12 @@ void ProcessGroup::reduce_scatter(const torch::Tensor& input, torch::Tensor& out
   auto contiguous = input.contiguous();
   c10d::ReduceScatterOptions options;
   options.reduceOp = to_c10d(op);
-  impl_->wait(impl_->backend->_reduce_scatter_base(output, contiguous, options), "reduce_scatter");
+  impl_->wait(impl_->start([&] { return impl_->backend->_reduce_scatter_base(output, contiguous, options); }),
+              "reduce_scatter");
 }
 
-void ProcessGroup::barrier() { impl_->wait(impl_->backend->barrier(), "barrier"); }
+void ProcessGroup::barrier() {
+  impl_->wait(impl_->start([&] { return impl_->backend->barrier(); }), "barrier");
+}
 
 }  // namespace dalle::dist
