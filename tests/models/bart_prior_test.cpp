@@ -1,0 +1,115 @@
+#include "dalle/models/bart_prior.h"
+
+#include <torch/torch.h>
+
+#include "dalle/io/safetensors.h"
+#include "dalle/io/state_dict.h"
+#include "test_support.h"
+
+namespace dalle::models {
+namespace {
+
+using testing::relative_error;
+using torch::indexing::Slice;
+
+// The sizes of tests/fixtures/mindalle_parity.safetensors (tests/parity/make_mindalle_fixture.py):
+// min-dalle 0.4.11's own classes with random weights.
+BartPriorConfig fixture_config() {
+  return {.layers = 2, .heads = 4, .width = 32, .glu_width = 44, .text_vocab_size = 49, .image_vocab_size = 19};
+}
+
+class MinDalleParity : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    torch::NoGradGuard no_grad;
+    io::load_state_dict(*encoder_, testing::dequantized_weights(fixture_.tensors, "encoder."));
+    io::load_state_dict(*decoder_, testing::dequantized_weights(fixture_.tensors, "decoder."));
+    encoder_->eval();
+    decoder_->eval();
+  }
+  const torch::Tensor& at(const std::string& name) const { return fixture_.tensors.at(name); }
+  // The generator's rows for n = 2 images: two unconditioned, then two conditioned.
+  std::pair<torch::Tensor, torch::Tensor> decoder_captions() {
+    const auto rows = at("decoder.input.encoder_rows");
+    return {encoder_->forward(at("encoder.input.text_tokens")).index_select(0, rows),
+            at("encoder.input.text_tokens").index_select(0, rows)};
+  }
+  // Each image's previous tokens, for both of its rows.
+  torch::Tensor previous_tokens() const { return at("decoder.input.prev_tokens").repeat({2, 1}); }
+
+  io::Safetensors fixture_ = io::read_safetensors(testing::fixture_path("mindalle_parity.safetensors"));
+  BartEncoder encoder_{fixture_config()};
+  BartDecoder decoder_{fixture_config()};
+};
+
+TEST_F(MinDalleParity, EncoderOutputMatches) {
+  torch::NoGradGuard no_grad;
+  const auto encoding = encoder_->forward(at("encoder.input.text_tokens"));
+  EXPECT_EQ(encoding.sizes(), at("encoder.output").sizes());
+  EXPECT_LT(relative_error(encoding, at("encoder.output")), 1e-5);
+}
+
+TEST_F(MinDalleParity, EveryCachedStepMatchesAndSoDoesTheWholeSequence) {
+  torch::NoGradGuard no_grad;
+  const auto [encoding, text] = decoder_captions();
+  const auto tokens = previous_tokens();
+  auto cache = decoder_->start(encoding, text);
+  const int64_t steps = at("decoder.output.step_logits").size(0);
+  for (int64_t step = 0; step < steps; ++step) {
+    const auto logits = decoder_->forward(tokens.index({Slice(), Slice(step, step + 1)}), cache);
+    EXPECT_LT(relative_error(logits.squeeze(1), at("decoder.output.step_logits")[step]), 1e-5) << "step " << step;
+  }
+  // min-dalle's cache [layer, 4n, position, d]: the rows' keys, then their values.
+  const auto& expected = at("decoder.output.kv_cache");
+  for (size_t layer = 0; layer < cache.keys.size(); ++layer) {
+    const auto as_theirs = [&](const torch::Tensor& ours) {
+      return ours.index({Slice(), Slice(), Slice(0, steps)}).transpose(1, 2).reshape({4, steps, -1});
+    };
+    const auto theirs = torch::cat({as_theirs(cache.keys[layer]), as_theirs(cache.values[layer])});
+    EXPECT_LT(relative_error(theirs, expected[static_cast<int64_t>(layer)]), 1e-5) << "layer " << layer;
+    EXPECT_EQ(cache.keys[layer].index({Slice(), Slice(), Slice(steps)}).abs().max().item<float>(), 0.0f);
+  }
+  auto whole = decoder_->start(encoding, text);
+  EXPECT_LT(relative_error(decoder_->forward(tokens, whole), at("decoder.output.full_logits")), 1e-5);
+}
+
+TEST_F(MinDalleParity, MissingScaleFreeGainsLoadAsOnesAndOthersAreNamed) {
+  auto state = testing::dequantized_weights(fixture_.tensors, "decoder.");
+  state.erase("layers.1.glu.ln1.weight");
+  state.erase("layers.0.pre_encoder_attn_layer_norm.weight");
+  BartDecoder decoder(fixture_config());
+  io::load_state_dict(*decoder, with_unit_layer_norm_gains(state, *decoder));
+  const auto loaded = io::state_dict(*decoder);
+  EXPECT_TRUE(torch::equal(loaded.at("layers.1.glu.ln1.weight"), torch::ones({44})));
+  EXPECT_TRUE(torch::equal(loaded.at("layers.0.pre_encoder_attn_layer_norm.weight"), torch::ones({32})));
+  state.erase("layers.0.self_attn_layer_norm.weight");  // has a scale in min-dalle's files
+  EXPECT_THROW_WITH(io::load_state_dict(*decoder, with_unit_layer_norm_gains(state, *decoder)), Error,
+                    "layers.0.self_attn_layer_norm.weight");
+}
+
+// Parameters by docs/mega-prior.md's formula: embeddings, then per layer 4d^2 + 3dg + 6d + 2g
+// in the encoder and 8d^2 + 3dg + 10d + 2g in the decoder, and the decoder's head.
+int64_t counted_parameters(const BartPriorConfig& c) {
+  const int64_t d = c.width, g = c.glu_width, images = c.image_vocab_size + 1;
+  const int64_t encoder =
+      (c.text_vocab_size + c.text_length) * d + 4 * d + c.layers * (4 * d * d + 3 * d * g + 6 * d + 2 * g);
+  const int64_t decoder =
+      (images + c.image_length) * d + 4 * d + c.layers * (8 * d * d + 3 * d * g + 10 * d + 2 * g) + images * d;
+  return encoder + decoder;
+}
+
+TEST(BartPrior, MegaAndMiniHaveMinDallesSizes) {
+  int64_t built = 0;
+  for (const auto& p : BartEncoder(fixture_config())->parameters()) built += p.numel();
+  for (const auto& p : BartDecoder(fixture_config())->parameters()) built += p.numel();
+  EXPECT_EQ(built, counted_parameters(fixture_config()));
+  // min-dalle's DalleBartEncoder + DalleBartDecoder, counted in Python.
+  EXPECT_EQ(counted_parameters(dalle_mega_config()), 2587967488);
+  EXPECT_EQ(counted_parameters(dalle_mini_config()), 437962720);
+  auto bad = fixture_config();
+  bad.heads = 5;
+  EXPECT_THROW_WITH(BartEncoder{bad}, Error, "width 32 is not divisible by heads 5");
+}
+
+}  // namespace
+}  // namespace dalle::models
