@@ -22,9 +22,15 @@ void BartPriorConfig::visit(ConfigVisitor& v) {
   v.field("image_vocab_size", image_vocab_size,
           "image token ids the decoder embeds, one table row more (Mega: 16415, Mini: 16384)", {.min = 1});
   v.field("image_length", image_length, "image tokens per image (256: a 16 x 16 grid)", {.min = 1});
+  v.field("codes", codes, "the detokenizer's codes (16384): the logits sampled, the last also each image's start",
+          {.min = 1});
 }
 
 void BartPriorConfig::validate() const {
+  if (codes > image_vocab_size + 1) {
+    throw Error("BART prior: " + std::to_string(codes) + " codes but only " + std::to_string(image_vocab_size + 1) +
+                " image token ids");
+  }
   if (width % heads != 0) {
     throw Error("BART prior: width " + std::to_string(width) + " is not divisible by heads " + std::to_string(heads));
   }

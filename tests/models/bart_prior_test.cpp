@@ -1,4 +1,5 @@
 #include "dalle/models/bart_prior.h"
+#include "dalle/models/bart_sampling.h"
 
 #include <torch/torch.h>
 
@@ -15,7 +16,8 @@ using torch::indexing::Slice;
 // The sizes of tests/fixtures/mindalle_parity.safetensors (tests/parity/make_mindalle_fixture.py):
 // min-dalle 0.4.11's own classes with random weights.
 BartPriorConfig fixture_config() {
-  return {.layers = 2, .heads = 4, .width = 32, .glu_width = 44, .text_vocab_size = 49, .image_vocab_size = 19};
+  return {.layers = 2, .heads = 4, .width = 32, .glu_width = 44, .text_vocab_size = 49, .image_vocab_size = 19,
+          .codes = 16};
 }
 
 class MinDalleParity : public ::testing::Test {
@@ -71,6 +73,50 @@ TEST_F(MinDalleParity, EveryCachedStepMatchesAndSoDoesTheWholeSequence) {
   }
   auto whole = decoder_->start(encoding, text);
   EXPECT_LT(relative_error(decoder_->forward(tokens, whole), at("decoder.output.full_logits")), 1e-5);
+}
+
+// min-dalle's generate_raw_image_stream, end to end: settings (seed, grid side, temperature,
+// top_k, supercondition factor) of two runs, the second on a caption cut at 64 ids.
+TEST_F(MinDalleParity, TorchDrawsGiveMinDallesTokensAndWeights) {
+  for (const std::string run : {"sample.0.", "sample.1."}) {
+    const auto settings = at(run + "settings");
+    const int64_t images = settings[1].item<int64_t>() * settings[1].item<int64_t>();
+    const BartSamplingOptions options{.temperature = settings[2].item<double>(), .top_k = settings[3].item<int64_t>(),
+                                      .supercondition_factor = settings[4].item<double>(),
+                                      .seed = settings[0].item<int64_t>(), .torch_draws = true};
+    const auto text = at(run + "text_tokens");
+    const auto captions = text[1].expand({images, -1}).contiguous();
+    EXPECT_TRUE(torch::equal(empty_captions(captions)[0], text[0])) << run;
+    EXPECT_TRUE(torch::equal(sample_bart_image_tokens(encoder_, decoder_, captions, options), at(run + "image_tokens")))
+        << run;
+
+    // The weights of the first steps, given min-dalle's tokens.
+    torch::NoGradGuard no_grad;
+    const auto rows = torch::cat({empty_captions(captions), captions});
+    auto cache = decoder_->start(encoder_->forward(rows), rows);
+    const auto drawn = at(run + "image_tokens");
+    auto previous = torch::full({images, 1}, 15, torch::kInt64);
+    for (int64_t step = 0; step < at(run + "weights_first_8_steps").size(0); ++step) {
+      const auto logits = decoder_->forward(torch::cat({previous, previous}), cache).select(1, 0).narrow(1, 0, 16);
+      EXPECT_LT(relative_error(supercondition_weights(logits, options), at(run + "weights_first_8_steps")[step]), 1e-5)
+          << run << " step " << step;
+      previous = drawn.narrow(1, step, 1);
+    }
+  }
+}
+
+// Our draws: each image from its stream, the same in any batch.
+TEST_F(MinDalleParity, StreamDrawsDoNotDependOnTheBatch) {
+  const auto caption = at("sample.0.text_tokens")[1];
+  const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = 5};
+  const auto three = sample_bart_image_tokens(encoder_, decoder_, caption.expand({3, -1}).contiguous(), options,
+                                              {10, 11, 12});
+  const auto alone = sample_bart_image_tokens(encoder_, decoder_, caption.unsqueeze(0), options, {11});
+  EXPECT_TRUE(torch::equal(three[1], alone[0]));
+  EXPECT_FALSE(torch::equal(three[0], three[1])) << "other streams, other images";
+  EXPECT_EQ(three.max().item<int64_t>() < 16, true) << "only the detokenizer's codes are drawn";
+  EXPECT_THROW_WITH(sample_bart_image_tokens(encoder_, decoder_, caption.unsqueeze(0), {.top_k = 17}), Error,
+                    "top_k 17 outside [1, 16]");
 }
 
 TEST_F(MinDalleParity, MissingScaleFreeGainsLoadAsOnesAndOthersAreNamed) {

@@ -9,7 +9,7 @@
 //                      self_attn_layer_norm, glu.{ln0, fc0, fc1, ln1, fc2}}
 //   decoder: the same, lm_head, and per layer pre_encoder_attn_layer_norm,
 //            encoder_attn.{q,k,v,out}_proj, encoder_attn_layer_norm
-// What is not here yet: super-conditioned sampling, the VQGAN detokenizer, the tokenizer.
+// Sampling: models/bart_sampling.h. Not here yet: the VQGAN detokenizer, the tokenizer.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
@@ -36,6 +36,7 @@ struct BartPriorConfig {
   int64_t text_length = 64;
   int64_t image_vocab_size = 16415;  // the decoder's tables have one row more
   int64_t image_length = 256;        // a 16 x 16 grid
+  int64_t codes = 16384;             // the detokenizer's codes: the logits sampled; the last starts each image
 
   void visit(ConfigVisitor& v);
   void validate() const;
@@ -132,6 +133,7 @@ class BartDecoderImpl : public torch::nn::Module {
   // The next `tokens` [B, L] (image codes, or min-dalle's start token) -> logits [B, L,
   // image_vocab_size + 1] of the tokens that follow each, causally, the cache extended by L.
   torch::Tensor forward(const torch::Tensor& tokens, BartDecoderCache& cache);
+  const BartPriorConfig& config() const { return config_; }
 
   torch::nn::Embedding embed_tokens{nullptr}, embed_positions{nullptr};
   torch::nn::LayerNorm layernorm_embedding{nullptr}, final_ln{nullptr};

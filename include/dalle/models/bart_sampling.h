@@ -1,0 +1,44 @@
+#pragma once
+// Drawing image tokens from DALL-E Mega / Mini's BART prior as min-dalle 0.4.11 does
+// (docs/mega-prior.md, section 5): each image decoded twice, under its caption and under the
+// empty caption, the logits "super-conditioned" as u + f (c - u), top-k kept (ties
+// included), softmax weights at the temperature. The draws are either min-dalle's own (one
+// torch::multinomial over the batch per step, on torch's generator) or ours (each image
+// from its own counter-based stream, as models/prior_sampling.h: an image's tokens do not
+// depend on its batch).
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "dalle/models/bart_prior.h"
+
+namespace dalle::models {
+
+struct BartSamplingOptions {
+  double temperature = 1.0;
+  int64_t top_k = 256;
+  double supercondition_factor = 16.0;  // f: u + f (c - u); 1 is the caption alone
+  int64_t seed = 0;
+  // min-dalle's draws: torch::manual_seed(seed) when seed > 0, then one multinomial over the
+  // batch per step, which gives min-dalle's tokens but makes an image depend on its batch.
+  bool torch_draws = false;
+};
+
+// The unconditioned caption min-dalle pairs with each of `captions` [B, text_length] (pad
+// 1): its first and last ids, <s> </s> unless the caption was cut.
+torch::Tensor empty_captions(const torch::Tensor& captions);
+
+// min-dalle's unnormalised weights of the next code from decoder logits [2B, codes]: rows
+// 0..B-1 unconditioned, B..2B-1 conditioned -> [B, codes].
+torch::Tensor supercondition_weights(const torch::Tensor& logits, const BartSamplingOptions& options);
+
+// Image tokens [B, image_length] for `captions` [B, text_length], one image each. Row b draws
+// from stream `streams[b]` (empty: b) unless options.torch_draws. `on_token(done, total)`
+// follows each position.
+torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decoder, const torch::Tensor& captions,
+                                       const BartSamplingOptions& options, const std::vector<uint64_t>& streams = {},
+                                       const std::function<void(int64_t, int64_t)>& on_token = {});
+
+}  // namespace dalle::models
