@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "../io/gzip_file.h"
+#include "bpe.h"
 #include "unicode.h"
 #include "dalle/error.h"
 
@@ -139,7 +140,7 @@ std::vector<std::pair<uint8_t, std::string>> byte_symbols() {
 struct ClipTokenizer::Impl {
   std::vector<std::string> byte_symbol = std::vector<std::string>(256);  // byte -> its symbol (UTF-8)
   std::unordered_map<std::string, int64_t> ids;                          // symbol -> id
-  std::unordered_map<std::string, size_t> merge_rank;                    // "left right" -> rank
+  MergeRanks merge_rank;
   int64_t start_id = 0, end_id = 0;
 
   std::vector<int64_t> encode_word(const std::u32string& word) const;
@@ -153,26 +154,7 @@ std::vector<int64_t> ClipTokenizer::Impl::encode_word(const std::u32string& word
   std::vector<std::string> symbols;
   for (const char byte : utf8) symbols.push_back(byte_symbol[static_cast<unsigned char>(byte)]);
   symbols.back() += kEndOfWord;
-  while (symbols.size() > 1) {
-    size_t best_rank = std::numeric_limits<size_t>::max(), best = 0;
-    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-      const auto rank = merge_rank.find(symbols[i] + ' ' + symbols[i + 1]);
-      if (rank != merge_rank.end() && rank->second < best_rank) best_rank = rank->second, best = i;
-    }
-    if (best_rank == std::numeric_limits<size_t>::max()) break;
-    // Every occurrence of the pair, left to right.
-    const std::string left = symbols[best], right = symbols[best + 1];
-    std::vector<std::string> merged;
-    for (size_t i = 0; i < symbols.size(); ++i) {
-      if (i + 1 < symbols.size() && symbols[i] == left && symbols[i + 1] == right) {
-        merged.push_back(left + right);
-        ++i;
-      } else {
-        merged.push_back(symbols[i]);
-      }
-    }
-    symbols = std::move(merged);
-  }
+  apply_merges(symbols, merge_rank, MergeAt::every_occurrence);
   std::vector<int64_t> out;
   for (const auto& symbol : symbols) out.push_back(ids.at(symbol));
   return out;
