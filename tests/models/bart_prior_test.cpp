@@ -1,5 +1,6 @@
 #include "dalle/models/bart_prior.h"
 #include "dalle/models/bart_sampling.h"
+#include "dalle/models/vqgan_detokenizer.h"
 
 #include <torch/torch.h>
 
@@ -117,6 +118,26 @@ TEST_F(MinDalleParity, StreamDrawsDoNotDependOnTheBatch) {
   EXPECT_EQ(three.max().item<int64_t>() < 16, true) << "only the detokenizer's codes are drawn";
   EXPECT_THROW_WITH(sample_bart_image_tokens(encoder_, decoder_, caption.unsqueeze(0), {.top_k = 17}), Error,
                     "top_k 17 outside [1, 16]");
+}
+
+// min-dalle's detokenizer at the fixture's widths (8, 16, 16 for 128, 256, 512): 2 x 2
+// tokens per image, 16x upsampling, four images laid out column-major.
+TEST_F(MinDalleParity, DetokenizerImagesMatch) {
+  VqganConfig config;
+  config.ch = 8;
+  config.ch_mult = {1, 1, 2, 2, 2};
+  config.attn_resolutions = {2};
+  config.z_channels = config.embed_dim = 8;
+  config.n_embed = 16;
+  config.resolution = 32;
+  config.norm_groups = 4;
+  VqganDetokenizer detokenizer(config);
+  io::load_state_dict(*detokenizer, testing::dequantized_weights(fixture_.tensors, "detokenizer."));
+  torch::NoGradGuard no_grad;
+  const auto images = detokenizer->forward(at("detokenizer.input.tokens"));
+  EXPECT_EQ(images.sizes(), (std::vector<int64_t>{4, 3, 32, 32}));
+  EXPECT_LT(relative_error(min_dalle_grid(images), at("detokenizer.output.image")), 1e-4);
+  EXPECT_EQ(dalle_mega_detokenizer_config().downsampling_factor(), 16);
 }
 
 TEST_F(MinDalleParity, MissingScaleFreeGainsLoadAsOnesAndOthersAreNamed) {
