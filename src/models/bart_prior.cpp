@@ -155,8 +155,9 @@ torch::Tensor BartDecoderLayerImpl::forward(const torch::Tensor& x, int64_t star
   auto out = x + self_attn_layer_norm(self_attn->attend(h, keys.index({Slice(), Slice(), seen}),
                                                         values.index({Slice(), Slice(), seen}),
                                                         causal_visibility(start, x.size(1), x.device())));
-  out = out + encoder_attn_layer_norm(
-                  encoder_attn->attend(pre_encoder_attn_layer_norm(out), caption_keys, caption_values, caption_visible));
+  const auto attended =
+      encoder_attn->attend(pre_encoder_attn_layer_norm(out), caption_keys, caption_values, caption_visible);
+  out = out + encoder_attn_layer_norm(attended);
   return out + glu(out);
 }
 
