@@ -4,6 +4,7 @@
 //   generation: image tokens per second with and without the KV cache;
 //   generation-xl: image tokens per second and peak memory of KV-cached sampling with
 //             ruDALL-E Malevich's layout (1.3B), weights in float32, bfloat16 or float16;
+//   generation-mega: the same for DALL-E Mega's (2.6B) or Mini's BART prior, super-conditioned;
 //   training: tokens per second and peak resident memory of full training steps, in a
 //             chosen precision (fp32, bf16, fp16 with per-resblock gradient scales), with
 //             or without activation checkpointing;
@@ -28,6 +29,7 @@
 #include "dalle/dist/powersgd.h"
 #include "dalle/dist/sharded_parameters.h"
 #include "dalle/device.h"
+#include "dalle/models/bart_sampling.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
 #include "dalle/models/prior.h"
@@ -149,6 +151,48 @@ void generation_at_layout(const models::PriorConfig& config, int64_t batch, int6
                          {"batch", batch}, {"parameters", parameters}, {"timed_tokens", timed},
                          {"image_tokens_per_s", static_cast<double>(batch * timed) / seconds},
                          {"seconds_per_step", seconds / static_cast<double>(timed)},
+                         {"peak_rss_mib_after_build", rss_built}, {"peak_rss_mib", peak_rss_mib()}};
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
+// DALL-E Mega's (or Mini's) BART prior at its layout, random weights built in `dtype`: the
+// first `timed + 4` image tokens of `images` images of one caption, super-conditioned, as
+// scripts/bench-mindalle-generation.py times min-dalle's loop.
+void generation_mega(const models::BartPriorConfig& config, int64_t images, int64_t timed, torch::ScalarType dtype,
+                     const std::string& name) {
+  const auto default_dtype = torch::get_default_dtype();
+  torch::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
+  torch::manual_seed(0);
+  models::BartEncoder encoder(config);
+  models::BartDecoder decoder(config);
+  torch::set_default_dtype(default_dtype);
+  encoder->eval();
+  decoder->eval();
+  int64_t parameters = 0;
+  for (const auto& p : encoder->parameters()) parameters += p.numel();
+  for (const auto& p : decoder->parameters()) parameters += p.numel();
+  const double rss_built = peak_rss_mib();
+  auto caption = torch::full({config.text_length}, models::kBartPadId, torch::kInt64);
+  caption.slice(0, 0, 22) = torch::cat({torch::tensor({0}), torch::arange(100, 120), torch::tensor({2})});
+  constexpr int64_t kUntimed = 4;
+  Clock::time_point first;
+  double seconds = 0;
+  try {
+    models::sample_bart_image_tokens(encoder, decoder, caption.expand({images, -1}).contiguous(), {.seed = 1}, {},
+                                     [&](int64_t done, int64_t) {
+                                       if (done == kUntimed) first = Clock::now();
+                                       if (done < kUntimed + timed) return;
+                                       seconds = seconds_since(first);
+                                       throw EnoughTokens{};
+                                     });
+  } catch (const EnoughTokens&) {
+  }
+  nlohmann::json line = {{"benchmark", "generation-mega"}, {"model", name}, {"dtype", c10::toString(dtype)},
+                         {"images", images}, {"parameters", parameters}, {"timed_tokens", timed},
+                         {"image_tokens_per_s", static_cast<double>(images * timed) / seconds},
+                         {"seconds_per_step", seconds / static_cast<double>(timed)},
+                         {"threads", torch::get_num_threads()},
                          {"peak_rss_mib_after_build", rss_built}, {"peak_rss_mib", peak_rss_mib()}};
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
@@ -423,6 +467,13 @@ int main(int argc, char** argv) {
     generation_at_layout(rudalle_xl_slice(24), std::stoll(option(argc, argv, "batch", "1")),
                          std::stoll(option(argc, argv, "tokens", quick ? "4" : "32")),
                          float_type_named(option(argc, argv, "dtype", "float32")), "ruDALL-E Malevich (XL) layout");
+  } else if (which == "generation-mega") {
+    const bool mini = option(argc, argv, "model", "mega") == "mini";
+    generation_mega(mini ? models::dalle_mini_config() : models::dalle_mega_config(),
+                    std::stoll(option(argc, argv, "images", "1")),
+                    std::stoll(option(argc, argv, "tokens", quick ? "4" : "16")),
+                    float_type_named(option(argc, argv, "dtype", "float32")),
+                    mini ? "DALL-E Mini layout" : "DALL-E Mega layout");
   } else if (which == "training-tiny") {
     training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", options);
   } else if (which == "data-parallel") {
@@ -453,12 +504,13 @@ int main(int argc, char** argv) {
     training(slice, 1, quick ? 1 : 2, "ruDALL-E XL layout, 2-layer slice", options);
   } else {
     std::fprintf(stderr,
-                 "usage: dalle_bench_prior attention|generation|generation-xl|training-tiny|training-xl-slice|"
+                 "usage: dalle_bench_prior attention|generation|generation-xl|generation-mega|training-tiny|"
+                 "training-xl-slice|"
                  "data-parallel|"
                  "powersgd-compression|powersgd-qr "
                  "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
-                 "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice] [--layers=L] "
-                 "[--dtype=float32|bfloat16|float16] [--batch=B] [--tokens=N]\n");
+                 "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice|mega|mini] [--layers=L] "
+                 "[--dtype=float32|bfloat16|float16] [--batch=B] [--images=N] [--tokens=N]\n");
     return 2;
   }
   return 0;

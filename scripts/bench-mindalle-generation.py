@@ -1,0 +1,87 @@
+"""min-dalle 0.4.11's own generation loop (MinDalle.generate_raw_image_stream) timed as
+`dalle_bench_prior generation-mega` times ours: DALL-E Mega's layout (or Mini's, --mini),
+random weights (the package's DalleBartEncoder and DalleBartDecoder as MinDalle.init_encoder
+and init_decoder build them, without loading files), `--images` images of one caption, the
+rate taken between the 4th image token and the 4 + N-th, and the peak resident memory.
+Prints one JSON line (docs/benchmarks.md).
+
+The loop is the package's, called as it is on a MinDalle made without __init__ (which would
+download weights); its decoder's sample_tokens is wrapped only to count the steps.
+
+Environment: the min-dalle venv of tests/parity/make_mindalle_fixture.py.
+    OMP_NUM_THREADS=2 ~/.cache/dalle/mindalle-venv/bin/python scripts/bench-mindalle-generation.py --images 1
+"""
+import argparse
+import json
+import resource
+import time
+
+import torch
+import min_dalle.min_dalle as md
+from min_dalle.models import DalleBartDecoder, DalleBartEncoder
+
+
+class EnoughTokens(Exception):
+    pass
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--images", type=int, default=1, help="a square number: min-dalle draws grids")
+    parser.add_argument("--tokens", type=int, default=16, help="image tokens timed after the first 4")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--mini", action="store_true", help="DALL-E Mini's layout instead of Mega's")
+    args = parser.parse_args()
+    grid = round(args.images ** 0.5)
+    if grid * grid != args.images:
+        raise SystemExit("--images must be a square number (min-dalle draws grid_size ** 2 images)")
+    dtype = getattr(torch, args.dtype)
+    torch.set_num_threads(torch.get_num_threads())  # min_dalle sets every core; OMP_NUM_THREADS decides here
+    sizes = (dict(layer_count=12, embed_count=1024, attention_head_count=16, glu_embed_count=2730,
+                  text_vocab_count=50264, image_vocab_count=16384) if args.mini else
+             dict(layer_count=24, embed_count=2048, attention_head_count=32, glu_embed_count=4096,
+                  text_vocab_count=50272, image_vocab_count=16415))
+    torch.manual_seed(0)
+    common = dict(attention_head_count=sizes["attention_head_count"], embed_count=sizes["embed_count"],
+                  glu_embed_count=sizes["glu_embed_count"], layer_count=sizes["layer_count"], device="cpu")
+    encoder = DalleBartEncoder(text_token_count=64, text_vocab_count=sizes["text_vocab_count"], **common)
+    encoder = encoder.to(dtype).eval()
+    decoder = DalleBartDecoder(image_vocab_count=sizes["image_vocab_count"], **common).to(dtype).eval()
+    parameters = sum(p.numel() for m in (encoder, decoder) for p in m.parameters())
+    rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    class Tokenizer:
+        def tokenize(self, text, is_verbose=False):
+            return [0] + list(range(100, 120)) + [2]
+
+    model = md.MinDalle.__new__(md.MinDalle)
+    model.__dict__.update(device="cpu", is_mega=not args.mini, is_reusable=True, dtype=dtype, is_verbose=False,
+                          text_token_count=64, layer_count=sizes["layer_count"], embed_count=sizes["embed_count"],
+                          tokenizer=Tokenizer(), encoder=encoder, decoder=decoder, detokenizer=None)
+    untimed, calls, started = 4, [0], [0.0]
+    sample_tokens = decoder.sample_tokens
+
+    def counting(*a, **k):
+        if calls[0] == untimed:
+            started[0] = time.perf_counter()
+        if calls[0] == untimed + args.tokens:
+            raise EnoughTokens
+        calls[0] += 1
+        return sample_tokens(*a, **k)
+
+    decoder.sample_tokens = counting
+    try:
+        for _ in model.generate_raw_image_stream("a caption", seed=1, grid_size=grid):
+            pass
+    except EnoughTokens:
+        pass
+    seconds = time.perf_counter() - started[0]
+    print(json.dumps({"benchmark": "generation-mega", "model": f"min-dalle 0.4.11 {'Mini' if args.mini else 'Mega'} "
+                      "layout", "dtype": args.dtype, "images": args.images, "parameters": parameters,
+                      "timed_tokens": args.tokens, "image_tokens_per_s": args.images * args.tokens / seconds,
+                      "seconds_per_step": seconds / args.tokens, "threads": torch.get_num_threads(),
+                      "peak_rss_mib_after_build": rss_built,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+main()
