@@ -107,6 +107,12 @@ def main():
         # 4 candidates over 8 stages take every second stage: top_k 2048, 1024, 512, 256.
         assert sorted(image["top_k"] for image in drawn) == [256, 512, 1024, 2048], [d["top_k"] for d in drawn]
         assert all(image["size"] == [32, 32] for image in drawn), "16-pixel images upscaled x2"
+
+        # A filter on the command line replaces the folder's schedule.
+        run([TOOLS / "dalle-generate", "--model", model, "--out", images, "-n", "2", "--threads", "1", "--top-k", 5,
+             "радуга"])
+        drawn = [json.loads(path.read_text()) for path in sorted(images.glob("0000-*.json"))]
+        assert [image["top_k"] for image in drawn] == [5, 5], [image["top_k"] for image in drawn]
     print("ImportModel.RudalleFolderGeneratesWithItsSchedule: passed")
 
 
