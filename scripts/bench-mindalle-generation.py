@@ -32,6 +32,8 @@ def main():
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--mini", action="store_true", help="DALL-E Mini's layout instead of Mega's")
     args = parser.parse_args()
+    if not 1 <= args.tokens <= 250:
+        raise SystemExit("--tokens must be in 1..250: min-dalle's loop ends at 256 and would then decode the image")
     grid = round(args.images ** 0.5)
     if grid * grid != args.images:
         raise SystemExit("--images must be a square number (min-dalle draws grid_size ** 2 images)")

@@ -194,7 +194,7 @@ BartDecoderCache BartDecoderImpl::start(const torch::Tensor& encoding, const tor
 
 torch::Tensor BartDecoderImpl::forward(const torch::Tensor& tokens, BartDecoderCache& cache) {
   const int64_t start = cache.length, count = tokens.dim() == 2 ? tokens.size(1) : 0;
-  if (cache.keys.empty() || tokens.size(0) != cache.keys.front().size(0) || count < 1 ||
+  if (cache.keys.empty() || count < 1 || tokens.size(0) != cache.keys.front().size(0) ||
       start + count > config_.image_length) {
     throw Error("BART decoder: " + c10::str(tokens.sizes()) + " tokens after " + std::to_string(start) +
                 " of a cache for " + (cache.keys.empty() ? "no" : std::to_string(cache.keys.front().size(0))) +

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <numeric>
 
 #include "dalle/error.h"
@@ -33,7 +34,15 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
                                        const BartSamplingOptions& options, const std::vector<uint64_t>& streams,
                                        const std::function<void(int64_t, int64_t)>& on_token) {
   const auto& config = decoder->config();
+  if (captions.dim() != 2 || captions.size(1) != config.text_length) {
+    throw Error("BART sampling: expected captions [B, " + std::to_string(config.text_length) + "], got " +
+                c10::str(captions.sizes()));
+  }
   const int64_t images = captions.size(0);
+  if (!(options.temperature > 0) || !std::isfinite(options.temperature) ||
+      !std::isfinite(options.supercondition_factor)) {
+    throw Error("BART sampling: temperature must be positive and finite, and the supercondition factor finite");
+  }
   if (options.top_k < 1 || options.top_k > config.codes) {
     throw Error("BART sampling: top_k " + std::to_string(options.top_k) + " outside [1, " +
                 std::to_string(config.codes) + "]");
@@ -43,7 +52,9 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
                 " images");
   }
   torch::NoGradGuard no_grad;
-  const auto text = torch::cat({empty_captions(captions), captions});
+  const auto device = decoder->lm_head->weight.device();
+  const auto rows = captions.to(device);
+  const auto text = torch::cat({empty_captions(rows), rows});
   auto cache = decoder->start(encoder->forward(text), text);
   std::vector<uint64_t> row_streams = streams;
   if (row_streams.empty()) {
@@ -53,8 +64,7 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
   const auto uniforms = options.torch_draws ? torch::Tensor()
                                             : sampling_uniforms(options.seed, row_streams, config.image_length);
   if (options.torch_draws && options.seed > 0) torch::manual_seed(static_cast<uint64_t>(options.seed));
-  const auto device = captions.device();
-  auto previous = torch::full({images, 1}, config.codes - 1, captions.options());
+  auto previous = torch::full({images, 1}, config.codes - 1, rows.options());
   std::vector<torch::Tensor> codes;
   for (int64_t position = 0; position < config.image_length; ++position) {
     const auto logits = decoder->forward(torch::cat({previous, previous}), cache).select(1, 0);

@@ -28,7 +28,8 @@ VqganDetokenizerImpl::VqganDetokenizerImpl(const VqganConfig& config) : config_(
 }
 
 torch::Tensor VqganDetokenizerImpl::forward(const torch::Tensor& tokens) {
-  const auto side = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(tokens.size(-1)))));
+  const auto side =
+      tokens.dim() == 2 ? static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(tokens.size(1))))) : 0;
   if (tokens.dim() != 2 || side * side != tokens.size(1)) {
     throw Error("VQGAN detokenizer: expected tokens [B, side * side], got " + c10::str(tokens.sizes()));
   }
@@ -37,7 +38,8 @@ torch::Tensor VqganDetokenizerImpl::forward(const torch::Tensor& tokens) {
 }
 
 torch::Tensor min_dalle_grid(const torch::Tensor& images) {
-  const auto grid = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(images.size(0)))));
+  const auto grid =
+      images.dim() == 4 ? static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(images.size(0))))) : 0;
   if (images.dim() != 4 || grid * grid != images.size(0)) {
     throw Error("min-dalle grid: expected [g * g, C, H, W] images, got " + c10::str(images.sizes()));
   }

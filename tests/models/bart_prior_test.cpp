@@ -118,6 +118,10 @@ TEST_F(MinDalleParity, StreamDrawsDoNotDependOnTheBatch) {
   EXPECT_EQ(three.max().item<int64_t>() < 16, true) << "only the detokenizer's codes are drawn";
   EXPECT_THROW_WITH(sample_bart_image_tokens(encoder_, decoder_, caption.unsqueeze(0), {.top_k = 17}), Error,
                     "top_k 17 outside [1, 16]");
+  EXPECT_THROW_WITH(sample_bart_image_tokens(encoder_, decoder_, caption.unsqueeze(0), {.temperature = 0, .top_k = 4}),
+                    Error, "temperature must be positive");
+  EXPECT_THROW_WITH(sample_bart_image_tokens(encoder_, decoder_, caption, {.top_k = 4}), Error,
+                    "expected captions [B, 64]");
 }
 
 // min-dalle's detokenizer at the fixture's widths (8, 16, 16 for 128, 256, 512): 2 x 2

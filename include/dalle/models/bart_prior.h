@@ -9,7 +9,8 @@
 //                      self_attn_layer_norm, glu.{ln0, fc0, fc1, ln1, fc2}}
 //   decoder: the same, lm_head, and per layer pre_encoder_attn_layer_norm,
 //            encoder_attn.{q,k,v,out}_proj, encoder_attn_layer_norm
-// Sampling: models/bart_sampling.h. Not here yet: the VQGAN detokenizer, the tokenizer.
+// Sampling: models/bart_sampling.h; the image decoder: models/vqgan_detokenizer.h; the
+// caption tokenizer: text/bart_tokenizer.h.
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
