@@ -6,7 +6,6 @@
 #include <utility>
 #include <cstdio>
 #include <filesystem>
-#include <map>
 #include <nlohmann/json.hpp>
 
 #include "dalle/data/image.h"
@@ -240,30 +239,23 @@ Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
 
 const PipelineConfig& Pipeline::config() const { return stages_->config; }
 
-// Rows of one schedule stage are drawn together; a row's tokens depend on its stream alone.
 torch::Tensor Pipeline::Stages::draw(int64_t first, int64_t rows, const std::vector<torch::Tensor>& captions,
                                      log::Progress& progress) {
-  std::map<int64_t, std::vector<int64_t>> rows_of_stage;
-  for (int64_t row = 0; row < rows; ++row) {
-    rows_of_stage[config.schedule.stage_of((first + row) % config.candidates, config.candidates)].push_back(row);
+  std::vector<torch::Tensor> batch_captions;
+  std::vector<uint64_t> streams;
+  models::RowFilters filters;  // each row's schedule stage
+  for (int64_t row = first; row < first + rows; ++row) {
+    const int64_t prompt_index = row / config.candidates, candidate = row % config.candidates;
+    batch_captions.push_back(captions[static_cast<size_t>(prompt_index)]);
+    streams.push_back(sampling_stream(prompt_index, candidate));
+    const auto stage = config.schedule.options(config.schedule.stage_of(candidate, config.candidates), config.sampling);
+    filters.top_k.push_back(stage.top_k);
+    filters.top_p.push_back(stage.top_p);
   }
-  auto tokens = torch::empty({rows, prior.config.grid_size, prior.config.grid_size},
-                             torch::TensorOptions().dtype(torch::kInt64).device(device));
-  for (const auto& [stage, stage_rows] : rows_of_stage) {
-    std::vector<torch::Tensor> stage_captions;
-    std::vector<uint64_t> streams;
-    for (const int64_t row : stage_rows) {
-      const int64_t prompt_index = (first + row) / config.candidates, candidate = (first + row) % config.candidates;
-      stage_captions.push_back(captions[static_cast<size_t>(prompt_index)]);
-      streams.push_back(sampling_stream(prompt_index, candidate));
-    }
-    const auto drawn = models::sample_image_tokens(
-        prior.model, torch::stack(stage_captions), config.schedule.options(stage, config.sampling),
-        image_prompt ? &*image_prompt : nullptr,
-        [&](int64_t, int64_t) { progress.advance(static_cast<int64_t>(stage_rows.size())); }, streams);
-    tokens.index_copy_(0, torch::tensor(stage_rows, torch::kInt64).to(device), drawn);
-  }
-  return tokens;
+  return models::sample_image_tokens(prior.model, torch::stack(batch_captions), config.sampling,
+                                     image_prompt ? &*image_prompt : nullptr,
+                                     [&](int64_t, int64_t) { progress.advance(rows); }, streams,
+                                     config.schedule.stages() > 0 ? &filters : nullptr);
 }
 
 std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows,

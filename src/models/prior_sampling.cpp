@@ -42,6 +42,23 @@ torch::Tensor filter_logits(const torch::Tensor& logits, const SamplingOptions& 
   return filtered;
 }
 
+torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, const RowFilters& filters) {
+  constexpr double kMinusInfinity = -std::numeric_limits<double>::infinity();
+  auto filtered = logits.to(torch::kFloat32) / temperature;
+  const int64_t classes = filtered.size(-1);
+  const auto on = torch::TensorOptions().device(filtered.device());
+  // k outside (0, classes) filters nothing: its threshold is the row's smallest logit.
+  auto k = torch::tensor(filters.top_k, on.dtype(torch::kInt64)).unsqueeze(1);
+  k = torch::where((k > 0) & (k < classes), k, classes);
+  const auto kth = std::get<0>(filtered.sort(-1, /*descending=*/true)).gather(1, k - 1);
+  filtered = filtered.masked_fill(filtered < kth, kMinusInfinity);
+  const auto p = torch::tensor(filters.top_p, on.dtype(torch::kFloat64)).to(torch::kFloat32).unsqueeze(1);
+  auto [sorted, order] = filtered.sort(-1, /*descending=*/true);
+  const auto cumulative = sorted.softmax(-1).cumsum(-1);
+  const auto drop = ((cumulative - sorted.softmax(-1)) >= p) & (p < 1.0);
+  return filtered.masked_fill(torch::zeros_like(drop).scatter(-1, order, drop), kMinusInfinity);
+}
+
 torch::Tensor sampling_uniforms(int64_t seed, const std::vector<uint64_t>& streams, int64_t positions) {
   auto uniforms = torch::empty({static_cast<int64_t>(streams.size()), positions}, torch::kFloat32);
   auto* out = uniforms.data_ptr<float>();
@@ -106,9 +123,14 @@ void check_inputs(const PriorConfig& config, const torch::Tensor& captions, cons
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
                                   const ImagePrompt* prompt,
                                   const std::function<void(int64_t, int64_t)>& on_token,
-                                  const std::vector<uint64_t>& streams) {
+                                  const std::vector<uint64_t>& streams, const RowFilters* row_filters) {
   const auto& config = prior->config();
   check_inputs(config, captions, prompt, streams);
+  if (row_filters && (static_cast<int64_t>(row_filters->top_k.size()) != captions.size(0) ||
+                      row_filters->top_k.size() != row_filters->top_p.size())) {
+    throw Error("sampling: row filters for " + std::to_string(row_filters->top_k.size()) + " rows, " +
+                std::to_string(captions.size(0)) + " captions");
+  }
   torch::NoGradGuard no_grad;
   const bool guided = options.guidance_scale != 1.0;
   const int64_t batch = captions.size(0), total = config.image_length();
@@ -140,7 +162,9 @@ torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, c
         const auto conditional = logits.index({Slice(0, batch)}), unconditional = logits.index({Slice(batch)});
         logits = unconditional + options.guidance_scale * (conditional - unconditional);
       }
-      next = draw_codes(filter_logits(logits, options).softmax(-1), uniforms.select(1, position));
+      const auto filtered =
+          row_filters ? filter_logits(logits, options.temperature, *row_filters) : filter_logits(logits, options);
+      next = draw_codes(filtered.softmax(-1), uniforms.select(1, position));
     }
     codes.push_back(next);
     if (position + 1 < total) source.append(guided ? torch::cat({next, next}) : next);

@@ -132,6 +132,21 @@ TEST(FilterLogits, TopKAndTopP) {
   EXPECT_TRUE(torch::allclose(filter_logits(logits, {.temperature = 2.0}), logits / 2.0));
 }
 
+// Each row of a batch filtered with its own top_k and top_p, exactly as alone.
+TEST(FilterLogits, PerRowFiltersEqualEachRowFilteredAlone) {
+  torch::manual_seed(5);
+  const auto logits = 3 * torch::randn({5, 40});
+  const RowFilters filters{.top_k = {0, 5, 0, 7, 40}, .top_p = {1.0, 1.0, 0.9, 0.5, 0.995}};
+  const auto filtered = filter_logits(logits, 1.5, filters);
+  for (int64_t row = 0; row < 5; ++row) {
+    const SamplingOptions alone{.temperature = 1.5, .top_k = filters.top_k[static_cast<size_t>(row)],
+                                .top_p = filters.top_p[static_cast<size_t>(row)]};
+    EXPECT_TRUE(torch::equal(filtered[row], filter_logits(logits.slice(0, row, row + 1), alone)[0])) << row;
+  }
+  EXPECT_EQ(torch::isfinite(filtered[1]).sum().item<int64_t>(), 5);
+  EXPECT_EQ(torch::isfinite(filtered[0]).sum().item<int64_t>(), 40);
+}
+
 TEST(Sampling, RefusesMisshapenCaptions) {
   Prior prior(tiny_config());
   EXPECT_THROW_WITH(sample_image_tokens(prior, torch::zeros({1, 5}, torch::kInt64), {}), Error,

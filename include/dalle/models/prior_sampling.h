@@ -39,6 +39,14 @@ struct ImagePrompt {
 // Filters one step's logits [B, classes] by top-k and top-p after the temperature.
 torch::Tensor filter_logits(const torch::Tensor& logits, const SamplingOptions& options);
 
+// A top-k and top-p per row of a batch (ruDALL-E's schedule draws rows of several stages at
+// once); each row filtered exactly as filter_logits filters it with its own values.
+struct RowFilters {
+  std::vector<int64_t> top_k;
+  std::vector<double> top_p;
+};
+torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, const RowFilters& filters);
+
 // The draws of `streams` under `seed`: [streams, positions] float32, uniform in (0, 1),
 // computed on the host with integer arithmetic, the same on every machine.
 torch::Tensor sampling_uniforms(int64_t seed, const std::vector<uint64_t>& streams, int64_t positions);
@@ -48,11 +56,11 @@ torch::Tensor sampling_uniforms(int64_t seed, const std::vector<uint64_t>& strea
 torch::Tensor draw_codes(const torch::Tensor& probabilities, const torch::Tensor& uniforms);
 
 // captions [B, text_length] (0 = padding) -> image tokens [B, grid, grid]. Row b draws from
-// stream `streams[b]` (empty: stream b). `on_token` is called after each image position
-// (for progress).
+// stream `streams[b]` (empty: stream b), filtered by `row_filters` in place of the options'
+// top_k and top_p when given. `on_token` is called after each image position (for progress).
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
                                   const ImagePrompt* prompt = nullptr,
                                   const std::function<void(int64_t done, int64_t total)>& on_token = {},
-                                  const std::vector<uint64_t>& streams = {});
+                                  const std::vector<uint64_t>& streams = {}, const RowFilters* row_filters = nullptr);
 
 }  // namespace dalle::models
