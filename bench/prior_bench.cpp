@@ -120,9 +120,49 @@ void generation(const models::PriorConfig& config, int64_t batch, const std::str
 // Thrown from the sampler's progress callback once the tokens to time are drawn.
 struct EnoughTokens {};
 
+// A token sampler given a progress callback, (done, total) after each image position.
+using TokenSampler = std::function<void(const std::function<void(int64_t, int64_t)>&)>;
+
+// Seconds between the 4th and the (4 + timed)-th image token `sample` draws, so that the
+// caption's prefill does not count; the sampling stops there.
+double seconds_for_tokens(int64_t timed, const TokenSampler& sample) {
+  constexpr int64_t kUntimed = 4;
+  Clock::time_point first;
+  double seconds = 0;
+  try {
+    sample([&](int64_t done, int64_t) {
+      if (done == kUntimed) first = Clock::now();
+      if (done < kUntimed + timed) return;
+      seconds = seconds_since(first);
+      throw EnoughTokens{};
+    });
+  } catch (const EnoughTokens&) {
+  }
+  return seconds;
+}
+
+// `line` with the rate of `images` images over `timed` tokens and the memory, printed.
+void print_generation(nlohmann::json line, int64_t images, int64_t timed, double seconds, double rss_built) {
+  line["timed_tokens"] = timed;
+  line["image_tokens_per_s"] = static_cast<double>(images * timed) / seconds;
+  line["seconds_per_step"] = seconds / static_cast<double>(timed);
+  line["threads"] = torch::get_num_threads();
+  line["peak_rss_mib_after_build"] = rss_built;
+  line["peak_rss_mib"] = peak_rss_mib();
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
+int64_t parameter_count(std::initializer_list<const torch::nn::Module*> modules) {
+  int64_t count = 0;
+  for (const auto* module : modules) {
+    for (const auto& p : module->parameters()) count += p.numel();
+  }
+  return count;
+}
+
 // The first `timed + 4` image tokens of `batch` images, KV-cached, the weights built directly in
-// `dtype` (as load_trained_prior builds them). The rate is taken between the 4th and the last
-// token, so that the caption's prefill does not count.
+// `dtype` (as load_trained_prior builds them).
 void generation_at_layout(const models::PriorConfig& config, int64_t batch, int64_t timed, torch::ScalarType dtype,
                           const std::string& name) {
   const auto default_dtype = torch::get_default_dtype();
@@ -131,29 +171,14 @@ void generation_at_layout(const models::PriorConfig& config, int64_t batch, int6
   models::Prior prior(config);
   torch::set_default_dtype(default_dtype);
   prior->eval();
-  int64_t parameters = 0;
-  for (const auto& p : prior->parameters()) parameters += p.numel();
   const double rss_built = peak_rss_mib();
   const auto captions = random_tokens(config, batch).slice(1, 0, config.text_length);
-  constexpr int64_t kUntimed = 4;
-  Clock::time_point first;
-  double seconds = 0;
-  try {
-    models::sample_image_tokens(prior, captions, {.seed = 1}, nullptr, [&](int64_t done, int64_t) {
-      if (done == kUntimed) first = Clock::now();
-      if (done < kUntimed + timed) return;
-      seconds = seconds_since(first);
-      throw EnoughTokens{};
-    });
-  } catch (const EnoughTokens&) {
-  }
-  nlohmann::json line = {{"benchmark", "generation-xl"}, {"model", name}, {"dtype", c10::toString(dtype)},
-                         {"batch", batch}, {"parameters", parameters}, {"timed_tokens", timed},
-                         {"image_tokens_per_s", static_cast<double>(batch * timed) / seconds},
-                         {"seconds_per_step", seconds / static_cast<double>(timed)},
-                         {"peak_rss_mib_after_build", rss_built}, {"peak_rss_mib", peak_rss_mib()}};
-  std::printf("%s\n", line.dump().c_str());
-  std::fflush(stdout);
+  const double seconds = seconds_for_tokens(timed, [&](const auto& on_token) {
+    models::sample_image_tokens(prior, captions, {.seed = 1}, nullptr, on_token);
+  });
+  print_generation({{"benchmark", "generation-xl"}, {"model", name}, {"dtype", c10::toString(dtype)},
+                    {"batch", batch}, {"parameters", parameter_count({prior.get()})}},
+                   batch, timed, seconds, rss_built);
 }
 
 // DALL-E Mega's (or Mini's) BART prior at its layout, random weights built in `dtype`: the
@@ -169,33 +194,16 @@ void generation_mega(const models::BartPriorConfig& config, int64_t images, int6
   torch::set_default_dtype(default_dtype);
   encoder->eval();
   decoder->eval();
-  int64_t parameters = 0;
-  for (const auto& p : encoder->parameters()) parameters += p.numel();
-  for (const auto& p : decoder->parameters()) parameters += p.numel();
   const double rss_built = peak_rss_mib();
   auto caption = torch::full({config.text_length}, models::kBartPadId, torch::kInt64);
   caption.slice(0, 0, 22) = torch::cat({torch::tensor({0}), torch::arange(100, 120), torch::tensor({2})});
-  constexpr int64_t kUntimed = 4;
-  Clock::time_point first;
-  double seconds = 0;
-  try {
-    models::sample_bart_image_tokens(encoder, decoder, caption.expand({images, -1}).contiguous(), {.seed = 1}, {},
-                                     [&](int64_t done, int64_t) {
-                                       if (done == kUntimed) first = Clock::now();
-                                       if (done < kUntimed + timed) return;
-                                       seconds = seconds_since(first);
-                                       throw EnoughTokens{};
-                                     });
-  } catch (const EnoughTokens&) {
-  }
-  nlohmann::json line = {{"benchmark", "generation-mega"}, {"model", name}, {"dtype", c10::toString(dtype)},
-                         {"images", images}, {"parameters", parameters}, {"timed_tokens", timed},
-                         {"image_tokens_per_s", static_cast<double>(images * timed) / seconds},
-                         {"seconds_per_step", seconds / static_cast<double>(timed)},
-                         {"threads", torch::get_num_threads()},
-                         {"peak_rss_mib_after_build", rss_built}, {"peak_rss_mib", peak_rss_mib()}};
-  std::printf("%s\n", line.dump().c_str());
-  std::fflush(stdout);
+  const auto captions = caption.expand({images, -1}).contiguous();
+  const double seconds = seconds_for_tokens(timed, [&](const auto& on_token) {
+    models::sample_bart_image_tokens(encoder, decoder, captions, {.seed = 1}, {}, on_token);
+  });
+  print_generation({{"benchmark", "generation-mega"}, {"model", name}, {"dtype", c10::toString(dtype)},
+                    {"images", images}, {"parameters", parameter_count({encoder.get(), decoder.get()})}},
+                   images, timed, seconds, rss_built);
 }
 
 struct TrainingOptions {

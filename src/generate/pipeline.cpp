@@ -173,6 +173,10 @@ struct Pipeline::Stages {
   // the flattened (prompt, candidate) order, prompts encoded in `captions`.
   torch::Tensor draw(int64_t first, int64_t rows, const std::vector<torch::Tensor>& captions,
                      log::Progress& progress);
+  // The sampling candidate `candidate` of each prompt draws with: its schedule stage's filter.
+  models::SamplingOptions sampling_of(int64_t candidate) const {
+    return config.schedule.options(config.schedule.stage_of(candidate, config.candidates), config.sampling);
+  }
   // Samples and decodes those candidates.
   std::vector<GeneratedImage> sample(int64_t first, int64_t rows, const std::vector<std::string>& prompts,
                                      const std::vector<torch::Tensor>& captions, log::Progress& progress);
@@ -248,7 +252,7 @@ torch::Tensor Pipeline::Stages::draw(int64_t first, int64_t rows, const std::vec
     const int64_t prompt_index = row / config.candidates, candidate = row % config.candidates;
     batch_captions.push_back(captions[static_cast<size_t>(prompt_index)]);
     streams.push_back(sampling_stream(prompt_index, candidate));
-    const auto stage = config.schedule.options(config.schedule.stage_of(candidate, config.candidates), config.sampling);
+    const auto stage = sampling_of(candidate);
     filters.top_k.push_back(stage.top_k);
     filters.top_p.push_back(stage.top_p);
   }
@@ -273,8 +277,7 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows
     image.candidate = (first + row) % config.candidates;
     image.rank = image.candidate;
     image.seed = config.sampling.seed;
-    const auto drawn_with = config.schedule.options(config.schedule.stage_of(image.candidate, config.candidates),
-                                                    config.sampling);
+    const auto drawn_with = sampling_of(image.candidate);
     image.top_k = drawn_with.top_k;
     image.top_p = drawn_with.top_p;
     image.tokens = tokens[row].to(torch::kCPU);
