@@ -4,7 +4,10 @@
 //   generation: image tokens per second with and without the KV cache;
 //   generation-xl: image tokens per second and peak memory of KV-cached sampling with
 //             ruDALL-E Malevich's layout (1.3B), weights in float32, bfloat16 or float16;
-//   generation-mega: the same for DALL-E Mega's (2.6B) or Mini's BART prior, super-conditioned;
+//   generation-mega: the same for DALL-E Mega's (2.6B) or Mini's BART prior, super-conditioned,
+//             on the CPU or a GPU, with the decoder's weight-read limit on a GPU;
+//   grid-mega: seconds for a whole grid of Mega images, caption to pixels (encoder, 256
+//             super-conditioned steps, VQGAN detokenizer), as min-dalle's 3x3 grid is timed;
 //   training: tokens per second and peak resident memory of full training steps, in a
 //             chosen precision (fp32, bf16, fp16 with per-resblock gradient scales), with
 //             or without activation checkpointing;
@@ -12,6 +15,7 @@
 //             hands to all-reduce.
 // Ratios are taken within one run, on one machine.
 #include <sys/resource.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -30,6 +34,7 @@
 #include "dalle/dist/sharded_parameters.h"
 #include "dalle/device.h"
 #include "dalle/models/bart_sampling.h"
+#include "dalle/models/vqgan_detokenizer.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
 #include "dalle/models/prior.h"
@@ -125,12 +130,14 @@ using TokenSampler = std::function<void(const std::function<void(int64_t, int64_
 
 // Seconds between the 4th and the (4 + timed)-th image token `sample` draws, so that the
 // caption's prefill does not count; the sampling stops there.
-double seconds_for_tokens(int64_t timed, const TokenSampler& sample) {
+// On a GPU each timed token is waited for, since the host may run ahead of the kernels.
+double seconds_for_tokens(int64_t timed, const TokenSampler& sample, bool on_gpu = false) {
   constexpr int64_t kUntimed = 4;
   Clock::time_point first;
   double seconds = 0;
   try {
     sample([&](int64_t done, int64_t) {
+      if (on_gpu) torch::cuda::synchronize();
       if (done == kUntimed) first = Clock::now();
       if (done < kUntimed + timed) return;
       seconds = seconds_since(first);
@@ -181,29 +188,100 @@ void generation_at_layout(const models::PriorConfig& config, int64_t batch, int6
                    batch, timed, seconds, rss_built);
 }
 
-// DALL-E Mega's (or Mini's) BART prior at its layout, random weights built in `dtype`: the
-// first `timed + 4` image tokens of `images` images of one caption, super-conditioned, as
-// scripts/bench-mindalle-generation.py times min-dalle's loop.
-void generation_mega(const models::BartPriorConfig& config, int64_t images, int64_t timed, torch::ScalarType dtype,
-                     const std::string& name) {
+// The bytes of a module's parameters: what one decoding step reads at batch 1.
+int64_t parameter_bytes(const torch::nn::Module& module) {
+  int64_t bytes = 0;
+  for (const auto& p : module.parameters()) bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  return bytes;
+}
+
+// The GPU's memory bandwidth as a large device-to-device copy reaches it (bytes read plus
+// written per second): the measured ceiling a weight-bound step is compared against.
+double copy_bandwidth_gb_per_s(const torch::Device& device) {
+  const auto source = torch::empty({int64_t{1} << 30}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
+  auto target = torch::empty_like(source);
+  const double seconds = time_per_call(10, [&] {
+    target.copy_(source);
+    torch::cuda::synchronize();
+  });
+  return 2.0 * static_cast<double>(source.numel()) / seconds / 1e9;
+}
+
+// DALL-E Mega's (or Mini's) BART prior with random weights built in `dtype`, on `device`.
+models::BartPrior random_mega(const models::BartPriorConfig& config, torch::ScalarType dtype,
+                              const torch::Device& device) {
   const auto default_dtype = torch::get_default_dtype();
   torch::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
   torch::manual_seed(0);
-  models::BartEncoder encoder(config);
-  models::BartDecoder decoder(config);
+  models::BartPrior prior(config);
   torch::set_default_dtype(default_dtype);
-  encoder->eval();
-  decoder->eval();
-  const double rss_built = peak_rss_mib();
+  prior->eval();
+  prior->to(device);
+  return prior;
+}
+
+// `images` copies of one 22-token caption, as scripts/bench-mindalle-generation.py gives min-dalle.
+torch::Tensor mega_captions(const models::BartPriorConfig& config, int64_t images) {
   auto caption = torch::full({config.text_length}, models::kBartPadId, torch::kInt64);
   caption.slice(0, 0, 22) = torch::cat({torch::tensor({0}), torch::arange(100, 120), torch::tensor({2})});
-  const auto captions = caption.expand({images, -1}).contiguous();
-  const double seconds = seconds_for_tokens(timed, [&](const auto& on_token) {
-    models::sample_bart_image_tokens(encoder, decoder, captions, {.seed = 1}, {}, on_token);
-  });
-  print_generation({{"benchmark", "generation-mega"}, {"model", name}, {"dtype", c10::toString(dtype)},
-                    {"images", images}, {"parameters", parameter_count({encoder.get(), decoder.get()})}},
-                   images, timed, seconds, rss_built);
+  return caption.expand({images, -1}).contiguous();
+}
+
+// The first `timed + 4` image tokens of `images` images of one caption, super-conditioned,
+// as scripts/bench-mindalle-generation.py times min-dalle's loop. On a GPU the line adds the
+// decoder's weight-read limit: its bytes over the measured copy bandwidth.
+void generation_mega(const models::BartPriorConfig& config, int64_t images, int64_t timed, torch::ScalarType dtype,
+                     const torch::Device& device, const std::string& name) {
+  auto mega = random_mega(config, dtype, device);
+  const double rss_built = peak_rss_mib();
+  const auto captions = mega_captions(config, images);
+  const double seconds = seconds_for_tokens(
+      timed,
+      [&](const auto& on_token) {
+        models::sample_bart_image_tokens(mega->encoder, mega->decoder, captions, {.seed = 1}, {}, on_token);
+      },
+      device.is_cuda());
+  nlohmann::json line = {{"benchmark", "generation-mega"}, {"model", name}, {"dtype", c10::toString(dtype)},
+                         {"device", device.str()}, {"images", images},
+                         {"parameters", parameter_count({mega.get()})}};
+  if (device.is_cuda()) {
+    const double bandwidth = copy_bandwidth_gb_per_s(device);
+    const auto decoder_bytes = parameter_bytes(*mega->decoder);
+    line["decoder_weight_bytes"] = decoder_bytes;
+    line["copy_bandwidth_gb_per_s"] = bandwidth;
+    line["weight_read_limit_s_per_step"] = static_cast<double>(decoder_bytes) / (bandwidth * 1e9);
+  }
+  print_generation(line, images, timed, seconds, rss_built);
+}
+
+// Seconds from caption to a grid of `images` Mega images on `device`: the encoder, all 256
+// super-conditioned steps, min-dalle's VQGAN detokenizer (float32, as min-dalle runs it) and
+// the grid on the host. The first grid warms the kernels up; the second is timed.
+void grid_mega(int64_t images, torch::ScalarType dtype, const torch::Device& device) {
+  const auto config = models::dalle_mega_config();
+  auto mega = random_mega(config, dtype, device);
+  models::VqganDetokenizer detokenizer(models::dalle_mega_detokenizer_config());
+  detokenizer->eval();
+  detokenizer->to(device);
+  const auto captions = mega_captions(config, images);
+  const auto grid = [&] {
+    torch::NoGradGuard no_grad;
+    const auto tokens = models::sample_bart_image_tokens(mega->encoder, mega->decoder, captions, {.seed = 1});
+    return models::min_dalle_grid(detokenizer->forward(tokens)).to(torch::kCPU);
+  };
+  auto start = Clock::now();
+  grid();
+  const double first = seconds_since(start);
+  start = Clock::now();
+  grid();
+  const double seconds = seconds_since(start);
+  nlohmann::json line = {{"benchmark", "grid-mega"}, {"model", "DALL-E Mega layout"}, {"dtype", c10::toString(dtype)},
+                         {"device", device.str()}, {"images", images}, {"image_tokens", config.image_length},
+                         {"seconds_first_grid", first}, {"seconds_per_grid", seconds},
+                         {"image_tokens_per_s", static_cast<double>(images * 256) / seconds},
+                         {"peak_rss_mib", peak_rss_mib()}};
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
 }
 
 struct TrainingOptions {
@@ -481,7 +559,11 @@ int main(int argc, char** argv) {
                     std::stoll(option(argc, argv, "images", "1")),
                     std::stoll(option(argc, argv, "tokens", quick ? "4" : "16")),
                     float_type_named(option(argc, argv, "dtype", "float32")),
+                    resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"),
                     mini ? "DALL-E Mini layout" : "DALL-E Mega layout");
+  } else if (which == "grid-mega") {
+    grid_mega(std::stoll(option(argc, argv, "images", "9")), float_type_named(option(argc, argv, "dtype", "float32")),
+              resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"));
   } else if (which == "training-tiny") {
     training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", options);
   } else if (which == "data-parallel") {
@@ -512,13 +594,13 @@ int main(int argc, char** argv) {
     training(slice, 1, quick ? 1 : 2, "ruDALL-E XL layout, 2-layer slice", options);
   } else {
     std::fprintf(stderr,
-                 "usage: dalle_bench_prior attention|generation|generation-xl|generation-mega|training-tiny|"
+                 "usage: dalle_bench_prior attention|generation|generation-xl|generation-mega|grid-mega|training-tiny|"
                  "training-xl-slice|"
                  "data-parallel|"
                  "powersgd-compression|powersgd-qr "
                  "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
                  "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice|mega|mini] [--layers=L] "
-                 "[--dtype=float32|bfloat16|float16] [--batch=B] [--images=N] [--tokens=N]\n");
+                 "[--dtype=float32|bfloat16|float16] [--batch=B] [--images=N] [--tokens=N] [--device=cpu|cuda]\n");
     return 2;
   }
   return 0;

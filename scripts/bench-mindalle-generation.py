@@ -8,17 +8,34 @@ Prints one JSON line (docs/benchmarks.md).
 The loop is the package's, called as it is on a MinDalle made without __init__ (which would
 download weights); its decoder's sample_tokens is wrapped only to count the steps.
 
+With --whole, the whole grid is timed instead, caption to pixels (all 256 steps and the
+VQGAN detokenizer, random weights too), twice: the first grid warms the kernels up. On a GPU
+(--device cuda) every timed step is waited for.
+
 Environment: the min-dalle venv of tests/parity/make_mindalle_fixture.py.
     OMP_NUM_THREADS=2 ~/.cache/dalle/mindalle-venv/bin/python scripts/bench-mindalle-generation.py --images 1
+On a lent GPU machine, whose python has torch and numpy but maybe not min-dalle's other
+imports (PIL, requests, emoji: used only to download files, tokenize and save pictures, none
+of which runs here), those are stood in for; min-dalle's sdist unpacked on PYTHONPATH.
 """
 import argparse
+import importlib.util
 import json
 import resource
+import sys
 import time
+import types
 
 import torch
-import min_dalle.min_dalle as md
-from min_dalle.models import DalleBartDecoder, DalleBartEncoder
+
+for missing in ("PIL", "requests", "emoji"):
+    if importlib.util.find_spec(missing) is None:
+        stand_in = sys.modules[missing] = types.ModuleType(missing)
+        stand_in.Image = types.SimpleNamespace(Image=object)
+        stand_in.demojize = lambda text, **_: text
+
+import min_dalle.min_dalle as md  # noqa: E402
+from min_dalle.models import DalleBartDecoder, DalleBartEncoder, VQGanDetokenizer  # noqa: E402
 
 
 class EnoughTokens(Exception):
@@ -31,6 +48,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=16, help="image tokens timed after the first 4")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--mini", action="store_true", help="DALL-E Mini's layout instead of Mega's")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--whole", action="store_true", help="time whole grids, caption to pixels")
     args = parser.parse_args()
     if not 1 <= args.tokens <= 250:
         raise SystemExit("--tokens must be in 1..250: min-dalle's loop ends at 256 and would then decode the image")
@@ -45,11 +64,12 @@ def main():
                   text_vocab_count=50272, image_vocab_count=16415))
     torch.manual_seed(0)
     common = dict(attention_head_count=sizes["attention_head_count"], embed_count=sizes["embed_count"],
-                  glu_embed_count=sizes["glu_embed_count"], layer_count=sizes["layer_count"], device="cpu")
+                  glu_embed_count=sizes["glu_embed_count"], layer_count=sizes["layer_count"], device=args.device)
     encoder = DalleBartEncoder(text_token_count=64, text_vocab_count=sizes["text_vocab_count"], **common)
-    encoder = encoder.to(dtype).eval()
-    decoder = DalleBartDecoder(image_vocab_count=sizes["image_vocab_count"], **common).to(dtype).eval()
+    encoder = encoder.to(dtype).to(args.device).eval()
+    decoder = DalleBartDecoder(image_vocab_count=sizes["image_vocab_count"], **common).to(dtype).to(args.device).eval()
     parameters = sum(p.numel() for m in (encoder, decoder) for p in m.parameters())
+    detokenizer = VQGanDetokenizer().to(args.device).eval() if args.whole else None  # float32, as min-dalle's
     rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     class Tokenizer:
@@ -57,16 +77,34 @@ def main():
             return [0] + list(range(100, 120)) + [2]
 
     model = md.MinDalle.__new__(md.MinDalle)
-    model.__dict__.update(device="cpu", is_mega=not args.mini, is_reusable=True, dtype=dtype, is_verbose=False,
+    model.__dict__.update(device=args.device, is_mega=not args.mini, is_reusable=True, dtype=dtype, is_verbose=False,
                           text_token_count=64, layer_count=sizes["layer_count"], embed_count=sizes["embed_count"],
-                          tokenizer=Tokenizer(), encoder=encoder, decoder=decoder, detokenizer=None)
+                          tokenizer=Tokenizer(), encoder=encoder, decoder=decoder, detokenizer=detokenizer)
+    wait = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    line = {"model": f"min-dalle 0.4.11 {'Mini' if args.mini else 'Mega'} layout", "dtype": args.dtype,
+            "device": args.device, "images": args.images, "parameters": parameters}
+    if args.whole:
+        line.update(benchmark="grid-mega", image_tokens=256, **whole_grids(model, grid, wait))
+        line["image_tokens_per_s"] = args.images * 256 / line["seconds_per_grid"]
+    else:
+        seconds = timed_steps(model, decoder, grid, args.tokens, wait)
+        line.update(benchmark="generation-mega", timed_tokens=args.tokens,
+                    image_tokens_per_s=args.images * args.tokens / seconds, seconds_per_step=seconds / args.tokens,
+                    threads=torch.get_num_threads(), peak_rss_mib_after_build=rss_built)
+    line["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(line))
+
+
+def timed_steps(model, decoder, grid, tokens, wait):
+    """Seconds between the 4th and the 4 + tokens-th step of min-dalle's loop."""
     untimed, calls, started = 4, [0], [0.0]
     sample_tokens = decoder.sample_tokens
 
     def counting(*a, **k):
+        wait()
         if calls[0] == untimed:
             started[0] = time.perf_counter()
-        if calls[0] == untimed + args.tokens:
+        if calls[0] == untimed + tokens:
             raise EnoughTokens
         calls[0] += 1
         return sample_tokens(*a, **k)
@@ -77,13 +115,18 @@ def main():
             pass
     except EnoughTokens:
         pass
-    seconds = time.perf_counter() - started[0]
-    print(json.dumps({"benchmark": "generation-mega", "model": f"min-dalle 0.4.11 {'Mini' if args.mini else 'Mega'} "
-                      "layout", "dtype": args.dtype, "images": args.images, "parameters": parameters,
-                      "timed_tokens": args.tokens, "image_tokens_per_s": args.images * args.tokens / seconds,
-                      "seconds_per_step": seconds / args.tokens, "threads": torch.get_num_threads(),
-                      "peak_rss_mib_after_build": rss_built,
-                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    return time.perf_counter() - started[0]
 
+
+def whole_grids(model, grid, wait):
+    """Seconds of a first and a second grid, caption to pixels on the host."""
+    seconds = []
+    for _ in range(2):
+        start = time.perf_counter()
+        for image in model.generate_raw_image_stream("a caption", seed=1, grid_size=grid):
+            image.cpu()
+        wait()
+        seconds.append(time.perf_counter() - start)
+    return {"seconds_first_grid": seconds[0], "seconds_per_grid": seconds[1]}
 
 main()

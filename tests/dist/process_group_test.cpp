@@ -1,5 +1,6 @@
 #include "dalle/dist/process_group.h"
 
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "dist/on_ranks.h"
@@ -47,6 +48,33 @@ TEST(ProcessGroup, ARankThatNeverJoinsEndsTheOthersWithinTheTimeout) {
   EXPECT_THROW_WITH(ProcessGroup({.port = 0, .rank = 0, .world_size = 2, .timeout = std::chrono::seconds(2)}),
                     Error, "process group at 127.0.0.1:", "rank 0 of 2");
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
+// The NCCL backend in a job of one GPU (NCCL refuses two ranks on one device, and a lent
+// machine has one): every collective the reducers use runs on CUDA tensors and gives what
+// gloo gives. Skipped where torch sees no CUDA device.
+TEST(ProcessGroup, NcclCarriesEveryCollectiveOnAGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
+  ProcessGroup group({.port = 0, .timeout = std::chrono::seconds(60), .backend = Backend::nccl});
+  const auto on_gpu = torch::TensorOptions().device(torch::kCUDA);
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16, torch::kFloat16}) {
+    auto tensor = torch::arange(6, on_gpu.dtype(dtype));
+    const auto before = tensor.clone();
+    group.all_reduce(tensor);
+    group.all_reduce(tensor, ReduceOp::average);
+    group.all_reduce(tensor, ReduceOp::max);
+    EXPECT_TRUE(torch::equal(tensor, before)) << dtype;
+  }
+  auto gathered = torch::empty({4}, on_gpu);
+  group.all_gather(torch::full({4}, 3.0, on_gpu), gathered);
+  EXPECT_TRUE(torch::equal(gathered.cpu(), torch::full({4}, 3.0)));
+  auto prefetched = torch::empty({4}, on_gpu);
+  group.start_all_gather(torch::full({4}, 5.0, on_gpu), prefetched)->wait();
+  EXPECT_TRUE(torch::equal(prefetched.cpu(), torch::full({4}, 5.0)));
+  auto scattered = torch::empty({4}, on_gpu);
+  group.reduce_scatter(torch::arange(4, on_gpu.dtype(torch::kFloat32)), scattered);
+  EXPECT_TRUE(torch::equal(scattered.cpu(), torch::arange(4).to(torch::kFloat32)));
+  group.barrier();
 }
 
 }  // namespace
