@@ -61,8 +61,10 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
     row_streams.resize(static_cast<size_t>(images));
     std::iota(row_streams.begin(), row_streams.end(), uint64_t{0});
   }
-  const auto uniforms = options.torch_draws ? torch::Tensor()
-                                            : sampling_uniforms(options.seed, row_streams, config.image_length);
+  // Drawn on the host, moved once: no copy to the device per step.
+  const auto uniforms = options.torch_draws
+                            ? torch::Tensor()
+                            : sampling_uniforms(options.seed, row_streams, config.image_length).to(device);
   if (options.torch_draws && options.seed > 0) torch::manual_seed(static_cast<uint64_t>(options.seed));
   auto previous = torch::full({images, 1}, config.codes - 1, rows.options());
   std::vector<torch::Tensor> codes;
@@ -70,7 +72,7 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
     const auto logits = decoder->forward(torch::cat({previous, previous}), cache).select(1, 0);
     const auto weights = supercondition_weights(logits.narrow(1, 0, config.codes).to(torch::kFloat32), options);
     previous = options.torch_draws ? torch::multinomial(weights, 1)
-                                   : draw_codes(weights, uniforms.select(1, position).to(device)).unsqueeze(1);
+                                   : draw_codes(weights, uniforms.select(1, position)).unsqueeze(1);
     codes.push_back(previous);
     if (on_token) on_token(position + 1, config.image_length);
   }
