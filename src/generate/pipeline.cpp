@@ -3,8 +3,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <utility>
+#include <cmath>
 #include <cstdio>
+#include <utility>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -14,10 +15,12 @@
 #include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/log.h"
+#include "dalle/models/bart_sampling.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/tiled_upscale.h"
 #include "dalle/models/trained.h"
 #include "dalle/runtime.h"
+#include "dalle/text/bart_tokenizer.h"
 #include "dalle/text/clip_tokenizer.h"
 #include "dalle/text/tokenizer.h"
 #include "dalle/text/yttm_tokenizer.h"
@@ -155,15 +158,86 @@ void check_clip_fits(const models::ClipConfig& clip, const text::ClipTokenizer& 
   }
 }
 
+// What min-dalle's sampler and detokenizer cannot do is refused before anything is drawn.
+void check_mega_fits(const PipelineConfig& config, const models::BartPriorConfig& prior) {
+  const std::string mega = "pipeline: the prior " + config.prior + " is DALL-E Mega / Mini's, which ";
+  if (config.schedule.stages() > 0 || config.sampling.top_p != 1.0) {
+    throw Error(mega + "filters by top_k alone, as min-dalle does: set sampling.top_p to 1 and leave schedule empty");
+  }
+  if (config.sampling.top_k > prior.codes) {
+    throw Error(mega + "draws from " + std::to_string(prior.codes) + " codes: sampling.top_k " +
+                std::to_string(config.sampling.top_k) + " is more (0 keeps them all)");
+  }
+  if (config.image_prompt.enabled()) {
+    throw Error(mega + "decodes with min-dalle's VQGAN detokenizer: it has no encoder to turn an image prompt into "
+                "tokens");
+  }
+  if (!config.clip.empty() && config.clip_tokenizer.empty()) {
+    throw Error(mega + "reads BART's caption ids, which no CLIP reads; set clip_tokenizer to CLIP's "
+                "bpe_simple_vocab_16e6.txt.gz for imported CLIP weights");
+  }
+}
+
+// DALL-E Mega / Mini: min-dalle's caption tokenizer, its BART prior and its VQGAN detokenizer.
+// sampling.guidance_scale is min-dalle's supercondition factor: the same mix of the
+// caption's and the empty caption's logits.
+struct MegaStages {
+  models::TrainedBartPrior prior;
+  text::BartTokenizer tokenizer;
+  models::VqganDetokenizer detokenizer{nullptr};
+
+  std::pair<torch::Tensor, bool> caption(const std::string& prompt) const {
+    const auto length = prior.config.text_length;
+    return {torch::tensor(tokenizer.caption_ids(prompt, length), torch::kInt64),
+            static_cast<int64_t>(tokenizer.encode(prompt).size()) > length};
+  }
+  // Image tokens [rows, side, side] of `captions` [rows, text_length], row r from stream streams[r].
+  torch::Tensor draw(const torch::Tensor& captions, const models::SamplingOptions& sampling,
+                     const std::vector<uint64_t>& streams, const std::function<void(int64_t, int64_t)>& on_token) {
+    const models::BartSamplingOptions options{
+        .temperature = sampling.temperature,
+        .top_k = sampling.top_k == 0 ? prior.config.codes : sampling.top_k,
+        .supercondition_factor = sampling.guidance_scale,
+        .seed = sampling.seed};
+    const auto side = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(prior.config.image_length))));
+    return models::sample_bart_image_tokens(prior.model->encoder, prior.model->decoder, captions, options, streams,
+                                            on_token)
+        .view({captions.size(0), side, side});
+  }
+  torch::Tensor decode(const torch::Tensor& tokens) { return detokenizer->forward(tokens.flatten(1)); }
+};
+
+MegaStages load_mega(PipelineConfig& config, torch::Device device) {
+  auto prior = models::load_trained_bart_prior(config.prior, float_type_named(config.dtype));
+  check_mega_fits(config, prior.config);
+  if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
+  if (config.decoder.empty()) config.decoder = prior.image_tokenizer;
+  if (config.tokenizer.empty() || config.decoder.empty()) {
+    throw Error("pipeline: the BART prior " + config.prior +
+                " names no tokenizer folder or detokenizer: set `tokenizer` and `decoder`");
+  }
+  const fs::path folder = config.tokenizer;
+  auto tokenizer = text::BartTokenizer::load((folder / "vocab.json").string(), (folder / "merges.txt").string());
+  if (tokenizer.vocab_size() > prior.config.text_vocab_size) {
+    throw Error("pipeline: the BART tokenizer " + config.tokenizer + " has " + std::to_string(tokenizer.vocab_size()) +
+                " ids, more than the prior's text_vocab_size " + std::to_string(prior.config.text_vocab_size));
+  }
+  auto detokenizer = models::load_trained_detokenizer(config.decoder);
+  prior.model->to(device);
+  detokenizer->to(device);
+  return {std::move(prior), std::move(tokenizer), std::move(detokenizer)};
+}
+
 }  // namespace
 
 struct Pipeline::Stages {
   PipelineConfig config;
   torch::Device device = torch::kCPU;
-  models::TrainedPrior prior;
+  models::TrainedPrior prior;               // the sparse transformer, with
   std::optional<text::Tokenizer> tokenizer;  // ours, or
-  std::optional<text::YttmTokenizer> yttm;   // ruDALL-E's
-  models::TrainedImageTokenizer decoder;
+  std::optional<text::YttmTokenizer> yttm;   // ruDALL-E's,
+  models::TrainedImageTokenizer decoder;     // and a dVAE or VQGAN; or instead
+  std::optional<MegaStages> mega;            // DALL-E Mega / Mini's
   models::Clip clip{nullptr};
   std::optional<text::ClipTokenizer> clip_tokenizer{};
   models::RrdbNet superres{nullptr};
@@ -187,11 +261,12 @@ struct Pipeline::Stages {
   // Scores the candidates against their prompt (as CLIP reads it) and orders them best first.
   void rerank(std::vector<GeneratedImage>& candidates, const torch::Tensor& caption);
   void upscale(std::vector<GeneratedImage>& images);
+  int64_t image_length() const { return mega ? mega->prior.config.image_length : prior.config.image_length(); }
+  // The sparse transformer prior, its caption tokenizer (ours or ruDALL-E's) and its image decoder.
+  static std::unique_ptr<Stages> load_transformer(PipelineConfig config, torch::Device device);
 };
 
-Pipeline::Pipeline(PipelineConfig config) {
-  check(config);
-  set_torch_threads(config.threads);
+std::unique_ptr<Pipeline::Stages> Pipeline::Stages::load_transformer(PipelineConfig config, torch::Device device) {
   auto prior = models::load_trained_prior(config.prior, float_type_named(config.dtype));
   if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
   if (config.decoder.empty()) config.decoder = prior.image_tokenizer;
@@ -199,8 +274,6 @@ Pipeline::Pipeline(PipelineConfig config) {
     throw Error("pipeline: the prior run " + config.prior +
                 " names no caption tokenizer or image tokenizer: set `tokenizer` and `decoder`");
   }
-  const auto device = resolve_device(config.device, "pipeline");
-  config.device = device.is_cuda() ? "cuda" : "cpu";
   std::optional<text::Tokenizer> tokenizer;
   std::optional<text::YttmTokenizer> yttm;
   if (text::YttmTokenizer::recognises(config.tokenizer)) {
@@ -217,8 +290,22 @@ Pipeline::Pipeline(PipelineConfig config) {
   }
   prior.model->to(device);
   decoder.model->module().to(device);
-  stages_ = std::make_unique<Stages>(
+  return std::make_unique<Stages>(
       Stages{std::move(config), device, std::move(prior), std::move(tokenizer), std::move(yttm), std::move(decoder)});
+}
+
+Pipeline::Pipeline(PipelineConfig config) {
+  check(config);
+  set_torch_threads(config.threads);
+  const auto device = resolve_device(config.device, "pipeline");
+  config.device = device.is_cuda() ? "cuda" : "cpu";
+  if (models::prior_kind(config.prior) == "bart_prior") {
+    auto mega = load_mega(config, device);
+    stages_ = std::make_unique<Stages>(Stages{std::move(config), device});
+    stages_->mega.emplace(std::move(mega));
+  } else {
+    stages_ = Stages::load_transformer(std::move(config), device);
+  }
   auto& s = *stages_;
   if (s.config.image_prompt.enabled()) s.image_prompt = load_image_prompt(s.config.image_prompt, s.decoder);
   if (!s.config.clip.empty()) {
@@ -256,9 +343,11 @@ torch::Tensor Pipeline::Stages::draw(int64_t first, int64_t rows, const std::vec
     filters.top_k.push_back(stage.top_k);
     filters.top_p.push_back(stage.top_p);
   }
+  const auto on_token = [&](int64_t, int64_t) { progress.advance(rows); };
+  if (mega) return mega->draw(torch::stack(batch_captions), config.sampling, streams, on_token);
   return models::sample_image_tokens(prior.model, torch::stack(batch_captions), config.sampling,
                                      image_prompt ? &*image_prompt : nullptr,
-                                     [&](int64_t, int64_t) { progress.advance(rows); }, streams,
+                                     on_token, streams,
                                      config.schedule.stages() > 0 ? &filters : nullptr);
 }
 
@@ -268,7 +357,7 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows
                                                      log::Progress& progress) {
   const auto tokens = draw(first, rows, captions, progress);
   torch::NoGradGuard no_grad;
-  const auto decoded = decoder.model->decode_tokens(tokens).to(torch::kCPU);
+  const auto decoded = (mega ? mega->decode(tokens) : decoder.model->decode_tokens(tokens)).to(torch::kCPU);
   std::vector<GeneratedImage> images;
   for (int64_t row = 0; row < rows; ++row) {
     GeneratedImage image;
@@ -288,6 +377,7 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows
 }
 
 std::pair<torch::Tensor, bool> Pipeline::Stages::caption(const std::string& prompt) const {
+  if (mega) return mega->caption(prompt);
   if (tokenizer) {
     const auto encoding = tokenizer->encode(prompt);
     return {torch::tensor(encoding.ids, torch::kInt64), encoding.truncated};
@@ -343,7 +433,7 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
   }
   // Batches run across prompts; a prompt is reranked and upscaled once its last candidate is drawn.
   const int64_t rows = static_cast<int64_t>(prompts.size()) * s.config.candidates;
-  log::Progress progress("generate", rows * s.prior.config.image_length());
+  log::Progress progress("generate", rows * s.image_length());
   std::vector<GeneratedImage> kept, candidates;
   for (int64_t first = 0; first < rows; first += s.config.batch_size) {
     for (auto& image : s.sample(first, std::min(s.config.batch_size, rows - first), prompts, captions, progress)) {

@@ -161,6 +161,11 @@ torch::Tensor BartDecoderLayerImpl::forward(const torch::Tensor& x, int64_t star
   return out + glu(out);
 }
 
+BartPriorImpl::BartPriorImpl(const BartPriorConfig& config) {
+  encoder = register_module("encoder", BartEncoder(config));
+  decoder = register_module("decoder", BartDecoder(config));
+}
+
 BartDecoderImpl::BartDecoderImpl(const BartPriorConfig& config) : config_(config) {
   config.validate();
   embed_tokens = register_module("embed_tokens", torch::nn::Embedding(config.image_vocab_size + 1, config.width));

@@ -56,6 +56,15 @@ void load_weights(torch::nn::Module& module, const CheckpointConfig& opened) {
   module.eval();
 }
 
+// A model of `kind` whose config.yaml describes it by its `model` section alone.
+template <class Model, class ModelConfig>
+Model load_model(const std::string& run_or_checkpoint, const std::string& what, const std::string& kind) {
+  const auto opened = open_checkpoint(run_or_checkpoint, what);
+  Model model(read_model_config<ModelConfig>(opened.source, kind));
+  load_weights(*model, opened);
+  return model;
+}
+
 // Tensors created in its scope default to `dtype`: a module built there has its parameters in it.
 class DefaultDtype {
  public:
@@ -69,6 +78,35 @@ class DefaultDtype {
  private:
   caffe2::TypeMeta previous_;
 };
+
+void check_weight_dtype(torch::ScalarType dtype, const std::string& what) {
+  if (dtype != torch::kFloat32 && dtype != torch::kBFloat16 && dtype != torch::kFloat16) {
+    throw Error(what + ": weights in " + c10::toString(dtype) + "; expected float32, bfloat16 or float16");
+  }
+}
+
+// A prior of `kind`, its sizes and the tokenizers it names read from config.yaml, built in
+// `dtype`; `adapt` renames or completes the checkpoint's weights for the built model.
+template <class Trained>
+Trained load_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype, const std::string& what,
+                   const std::string& kind,
+                   const std::function<io::TensorMap(const io::TensorMap&, Trained&)>& adapt) {
+  check_weight_dtype(dtype, what);
+  auto opened = open_checkpoint(run_or_checkpoint, what);
+  Trained trained;
+  trained.config = read_model_config<decltype(trained.config)>(opened.source, kind, [&](ConfigVisitor& v) {
+    v.field("tokenizer", trained.tokenizer, "");
+    v.field("image_tokenizer", trained.image_tokenizer, "");
+  });
+  {
+    const DefaultDtype building(dtype);
+    trained.model = decltype(trained.model)(trained.config);
+  }
+  opened.checkpoint.weights = adapt(opened.checkpoint.weights, trained);
+  trained.checkpoint = opened.directory;
+  load_weights(*trained.model, opened);
+  return trained;
+}
 
 int64_t trained_image_size(const ConfigSource& source) {
   return peek_integer(source, "data.image_size", 256, {.min = 8, .max = 4096});
@@ -112,40 +150,40 @@ torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& 
 }
 
 TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype) {
-  if (dtype != torch::kFloat32 && dtype != torch::kBFloat16 && dtype != torch::kFloat16) {
-    throw Error(std::string("prior: weights in ") + c10::toString(dtype) + "; expected float32, bfloat16 or float16");
-  }
-  auto opened = open_checkpoint(run_or_checkpoint, "prior");
-  TrainedPrior trained;
-  trained.config = read_model_config<PriorConfig>(opened.source, "prior", [&](ConfigVisitor& v) {
-    v.field("tokenizer", trained.tokenizer, "");
-    v.field("image_tokenizer", trained.image_tokenizer, "");
-  });
-  // ruDALL-E's released weights keep its own names (scripts/export_rudalle_prior.py).
-  if (opened.checkpoint.weights.count("text_embeddings.weight") > 0) {
-    opened.checkpoint.weights = import_rudalle_state(opened.checkpoint.weights, trained.config);
-  }
-  {
-    const DefaultDtype building(dtype);
-    trained.model = Prior(trained.config);
-  }
-  trained.checkpoint = opened.directory;
-  load_weights(*trained.model, opened);
-  return trained;
+  return load_prior<TrainedPrior>(run_or_checkpoint, dtype, "prior", "prior",
+                                  [](const io::TensorMap& weights, TrainedPrior& trained) {
+                                    // ruDALL-E's released weights keep its own names
+                                    // (scripts/export_rudalle_prior.py).
+                                    return weights.count("text_embeddings.weight") > 0
+                                               ? import_rudalle_state(weights, trained.config)
+                                               : weights;
+                                  });
+}
+
+std::string prior_kind(const std::string& run_or_checkpoint) {
+  const std::string directory = io::resolve_checkpoint(run_or_checkpoint, "prior");
+  return peek_choice(ConfigSource::from_file(directory + "/config.yaml"), "kind", "prior", {"prior", "bart_prior"});
+}
+
+TrainedBartPrior load_trained_bart_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype) {
+  return load_prior<TrainedBartPrior>(run_or_checkpoint, dtype, "BART prior", "bart_prior",
+                                      [](const io::TensorMap& weights, TrainedBartPrior& trained) {
+                                        // min-dalle's released files lack some LayerNorm gains,
+                                        // which its own load leaves at one.
+                                        return with_unit_layer_norm_gains(weights, *trained.model);
+                                      });
+}
+
+VqganDetokenizer load_trained_detokenizer(const std::string& run_or_checkpoint) {
+  return load_model<VqganDetokenizer, VqganConfig>(run_or_checkpoint, "VQGAN detokenizer", "vqgan_detokenizer");
 }
 
 Clip load_trained_clip(const std::string& run_or_checkpoint) {
-  const auto opened = open_checkpoint(run_or_checkpoint, "CLIP");
-  Clip model(read_model_config<ClipConfig>(opened.source, "clip"));
-  load_weights(*model, opened);
-  return model;
+  return load_model<Clip, ClipConfig>(run_or_checkpoint, "CLIP", "clip");
 }
 
 RrdbNet load_trained_rrdbnet(const std::string& run_or_checkpoint) {
-  const auto opened = open_checkpoint(run_or_checkpoint, "super-resolution");
-  RrdbNet model(read_model_config<RrdbNetConfig>(opened.source, "rrdbnet"));
-  load_weights(*model, opened);
-  return model;
+  return load_model<RrdbNet, RrdbNetConfig>(run_or_checkpoint, "super-resolution", "rrdbnet");
 }
 
 }  // namespace dalle::models

@@ -12,24 +12,18 @@ YouTokenToMe fixture model as bpe.model.
 """
 import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 
 import torch
 from safetensors.torch import load_file
 
+from release_files import dequantized, run
+
 SOURCE, TOOLS = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 FIXTURES = SOURCE / "tests" / "fixtures"
 WIDTH, LAYERS, TEXT_LENGTH, GRID, IMAGE_VOCAB = 32, 2, 8, 8, 64
 TEXT_VOCAB = 600  # the YouTokenToMe fixture's ids
-
-
-def dequantized(path, prefix=""):
-    """A parity fixture's weights under `prefix`: int8 values times their `:scale`."""
-    stored = load_file(str(path))
-    return {name[len(prefix):]: tensor.float() * stored[name + ":scale"] for name, tensor in stored.items()
-            if name.startswith(prefix) and not name.endswith(":scale") and name + ":scale" in stored}
 
 
 def rudalle_state():
@@ -65,13 +59,6 @@ def write_release(folder):
     torch.save({"state_dict": vqgan, "epoch": 3}, folder / "vqgan.gumbelf8-sber.model.ckpt")
     torch.save(dequantized(FIXTURES / "rrdbnet_parity.safetensors", "x2."), folder / "RealESRGAN_x2.pth")
     (folder / "bpe.model").write_bytes((FIXTURES / "yttm_bpe.model").read_bytes())
-
-
-def run(command, expect_ok=True):
-    result = subprocess.run([str(part) for part in command], text=True, capture_output=True, timeout=300)
-    if (result.returncode == 0) != expect_ok:
-        sys.exit(f"FAILED: {' '.join(map(str, command))} exited {result.returncode}\n{result.stdout}{result.stderr}")
-    return result
 
 
 def main():

@@ -146,6 +146,17 @@ class BartDecoderImpl : public torch::nn::Module {
 };
 TORCH_MODULE(BartDecoder);
 
+// The encoder and the decoder under min-dalle's file names (`encoder.pt`, `decoder.pt`) as
+// prefixes: the one module an exported checkpoint's weights (`encoder.*`, `decoder.*`) load into.
+class BartPriorImpl : public torch::nn::Module {
+ public:
+  explicit BartPriorImpl(const BartPriorConfig& config);
+
+  BartEncoder encoder{nullptr};
+  BartDecoder decoder{nullptr};
+};
+TORCH_MODULE(BartPrior);
+
 // min-dalle's state dicts are missing the gains of the LayerNorms that feed a Linear
 // (pre_*_layer_norm, glu.ln0, glu.ln1: converted from Flax LayerNorms without a scale),
 // which its strict=False load leaves at 1. `state` with those gains added as ones where

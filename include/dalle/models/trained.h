@@ -14,12 +14,14 @@
 
 #include <torch/types.h>
 
+#include "dalle/models/bart_prior.h"
 #include "dalle/models/clip.h"
 #include "dalle/models/dvae.h"
 #include "dalle/models/image_tokenizer.h"
 #include "dalle/models/prior.h"
 #include "dalle/models/rrdbnet.h"
 #include "dalle/models/vqgan.h"
+#include "dalle/models/vqgan_detokenizer.h"
 
 namespace dalle::models {
 
@@ -53,18 +55,35 @@ torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& 
 
 // The prior also reads the `tokenizer` and `image_tokenizer` it was trained with, which
 // generation uses unless told otherwise.
-struct TrainedPrior {
-  Prior model{nullptr};
-  PriorConfig config;
-  std::string tokenizer;        // caption tokenizer model
-  std::string image_tokenizer;  // dVAE or VQGAN run or checkpoint
+template <class Model, class Config>
+struct TrainedPriorOf {
+  Model model{nullptr};
+  Config config;
+  std::string tokenizer;        // caption tokenizer
+  std::string image_tokenizer;  // the image decoder's run or checkpoint
   std::string checkpoint;       // the directory read
 };
+using TrainedPrior = TrainedPriorOf<Prior, PriorConfig>;
 // `dtype` (float32, bfloat16 or float16) is the weights' type in memory. The model is built
 // in it, so a 16-bit prior never holds a float32 copy of its weights; the checkpoint's own
 // tensors are read once, as they are stored. Building sets torch's default dtype for a moment:
 // load models from one thread at a time.
 TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype = torch::kFloat32);
+
+// Which prior a run or checkpoint holds, as its `kind` says: "prior" (the sparse
+// transformer, also when `kind` is absent) or "bart_prior" (DALL-E Mega / Mini).
+std::string prior_kind(const std::string& run_or_checkpoint);
+
+// DALL-E Mega / Mini's encoder-decoder prior (kind bart_prior; scripts/import-model mega
+// writes one from min-dalle's files). It also reads its `tokenizer`, a folder holding
+// vocab.json and merges.txt, and its `image_tokenizer`, the detokenizer's checkpoint.
+// `dtype` as for load_trained_prior.
+using TrainedBartPrior = TrainedPriorOf<BartPrior, BartPriorConfig>;
+TrainedBartPrior load_trained_bart_prior(const std::string& run_or_checkpoint,
+                                         torch::ScalarType dtype = torch::kFloat32);
+
+// min-dalle's VQGAN detokenizer (kind vqgan_detokenizer): a decoder without an encoder.
+VqganDetokenizer load_trained_detokenizer(const std::string& run_or_checkpoint);
 
 Clip load_trained_clip(const std::string& run_or_checkpoint);
 RrdbNet load_trained_rrdbnet(const std::string& run_or_checkpoint);
