@@ -10,6 +10,7 @@
 #include "dalle/text/tokenizer.h"
 #include "dalle/train/trainers/clip_trainer.h"
 #include "dalle/train/trainers/dvae_trainer.h"
+#include "dalle/train/trainers/bart_prior_trainer.h"
 #include "dalle/train/trainers/prior_trainer.h"
 #include "dalle/train/trainers/superres_trainer.h"
 #include "dalle/train/trainers/vqgan_trainer.h"
@@ -47,6 +48,7 @@ TEST(ShippedConfigs, EveryTrainerReadsTheSharedSectionsAndNamesWhereOldKeysWent)
   EXPECT_EQ(load_config<train::PriorTrainConfig>(source(shared)).optimizer.grad_clip, 2.0);
   EXPECT_EQ(load_config<train::ClipTrainConfig>(source(shared)).run.device, "cpu");
   EXPECT_EQ(load_config<train::SuperResTrainConfig>(source(shared)).run.steps, 7);
+  EXPECT_EQ(load_config<train::BartPriorTrainConfig>(source(shared)).optimizer.beta1, 0.8);
 }
 
 TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
@@ -143,8 +145,14 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
            prior.model.grid_size * vqgan.model.downsampling_factor() == vqgan.data.image_size;
   };
   int demo_recipes = 0;
+  int bart_recipes = 0;
   for (const auto& path : configs_in("prior")) {
     SCOPED_TRACE(path);
+    if (peek_choice(ConfigSource::from_file(path), "kind", "prior", {"prior", "bart_prior"}) == "bart_prior") {
+      EXPECT_NO_THROW(load_config<train::BartPriorTrainConfig>(ConfigSource::from_file(path)).model.validate());
+      ++bart_recipes;
+      continue;
+    }
     const auto config = load_config<train::PriorTrainConfig>(ConfigSource::from_file(path));
     EXPECT_NO_THROW(config.model.validate());
     if (path.find("fashion-compose") == std::string::npos) continue;
@@ -155,6 +163,7 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
     ++demo_recipes;
   }
   EXPECT_EQ(demo_recipes, 3);
+  EXPECT_EQ(bart_recipes, 1);
 }
 
 TEST(ShippedConfigs, ClipRecipesFitTheDemoTokenizer) {
