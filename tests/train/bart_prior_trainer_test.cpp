@@ -11,6 +11,7 @@
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/models/trained.h"
+#include "gpu_run.h"
 #include "trainer_harness.h"
 #include "test_support.h"
 
@@ -126,6 +127,14 @@ TEST_F(BartPriorTrainerTest, FineTuningStartsFromTheInitCheckpointAndItsSizes) {
   trainer.run();
   EXPECT_FALSE(torch::equal(io::state_dict(*trainer.model()).at("encoder.final_ln.weight").cpu(),
                             io::state_dict(*initial).at("encoder.final_ln.weight")));
+}
+
+TEST_F(BartPriorTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {
+  testing::expect_gpu_run_follows_cpu_run<BartPriorTrainer>(tiny(6), "loss", 1e-3);
+}
+
+TEST_F(BartPriorTrainerTest, ACudaDeviceWithoutAGpuIsRefusedBeforeAnythingIsWritten) {
+  testing::expect_cuda_refused_without_a_gpu<BartPriorTrainer>(tiny(1), "BART prior training");
 }
 
 TEST_F(BartPriorTrainerTest, BadSettingsAreRefused) {
