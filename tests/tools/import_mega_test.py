@@ -11,6 +11,7 @@ saved as bare state dicts without the LayerNorm gains min-dalle's files lack, an
 fixture's vocab.json and merges.txt. The numerics against min-dalle are tested on the models
 (tests/models/bart_prior_test.cpp); this test follows the files through the tools.
 """
+import gzip
 import json
 import pathlib
 import sys
@@ -42,6 +43,21 @@ def write_release(root):
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
     (model / "vocab.json").write_text(header["tokenizer.vocab_json"])
     (model / "merges.txt").write_text(header["tokenizer.merges_txt"])
+
+
+def clip_state(bpe):
+    """The CLIP parity fixture's ViT as a state dict, its token table resized to `bpe`'s ids
+    (512 byte symbols, one per merge, start and end of text: ClipTokenizer's count)."""
+    model = ("visual.", "transformer.", "ln_final.", "token_embedding.", "positional_embedding", "text_projection",
+             "logit_scale")
+    state = {name: tensor for name, tensor in dequantized(SOURCE / "tests" / "fixtures" / "clip_parity.safetensors")
+             .items() if name.startswith(model)}
+    with gzip.open(bpe, "rt", encoding="utf-8") as f:
+        merges = [line for line in f.read().split("\n")[1:] if line]
+    width = state["token_embedding.weight"].shape[1]
+    state["token_embedding.weight"] = 0.02 * torch.randn(514 + len(merges), width,
+                                                         generator=torch.Generator().manual_seed(0))
+    return state
 
 
 def drawn(images):
@@ -102,6 +118,19 @@ def main():
              "a red sandal"])
         assert drawn(images)[0]["size"] == [512, 512], drawn(images)[0]["size"]
         assert drawn(images)[0]["image_tokens"] == together[0]["image_tokens"]
+
+        # CLIP added to the first folder reranks its candidates and keeps the best one.
+        bpe = SOURCE / "tests" / "fixtures" / "clip_bpe_test.txt.gz"
+        torch.save(clip_state(bpe), work / "ViT-test.pt")
+        add_clip = [sys.executable, SOURCE / "scripts" / "import-model", "clip", "--from", work / "ViT-test.pt",
+                    "--bpe", bpe, "--into", model, "--activation", "gelu", "--vision-heads", 6, "--text-heads", 4]
+        run(add_clip + ["--keep", 1])
+        run(generate + ["--out", images, "-n", "2", "a red sandal"])
+        kept = drawn(images)
+        assert len(kept) == 1 and kept[0]["clip_score"] is not None, kept
+        assert kept[0]["image_tokens"] in [image["image_tokens"] for image in together]
+        again = run(add_clip, expect_ok=False)
+        assert "reranks already" in again.stderr, again.stderr
     print("ImportModel.MegaFolderGeneratesWithMinDallesDefaults: passed")
 
 
