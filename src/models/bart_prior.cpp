@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -54,13 +55,24 @@ torch::nn::Linear unbiased(int64_t in, int64_t out) {
 
 torch::nn::LayerNorm layer_norm(int64_t width) { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})); }
 
-// Which cached positions each of `queries` positions [start, start + queries) may see: the
-// earlier ones and its own, [1, 1, queries, start + queries].
-torch::Tensor causal_visibility(int64_t start, int64_t queries, const torch::Device& device) {
+// Which of the first `keys` cached positions each of `queries` positions [start, start +
+// queries) may see: the earlier ones and its own, [1, 1, queries, keys].
+torch::Tensor causal_visibility(int64_t start, int64_t queries, int64_t keys, const torch::Device& device) {
   const auto options = torch::TensorOptions().dtype(torch::kInt64).device(device);
   const auto query_positions = torch::arange(start, start + queries, options).unsqueeze(1);
-  const auto key_positions = torch::arange(start + queries, options).unsqueeze(0);
-  return (key_positions <= query_positions).view({1, 1, queries, start + queries});
+  const auto key_positions = torch::arange(keys, options).unsqueeze(0);
+  return (key_positions <= query_positions).view({1, 1, queries, keys});
+}
+
+// How many of the cache's slots a step at positions up to `end` attends to, the slots past
+// `end` masked. On a GPU in 16 bits, up to the next multiple of 32: the step then meets 8
+// lengths in an image, not 256, and each new length costs its attention kernel's plan once
+// (cuDNN's, for 16-bit types), about 10 s of a first bfloat16 grid at Mega's layout. In
+// float32 and on the CPU the extra slots only cost (docs/benchmarks.md).
+int64_t keys_attended(const torch::Tensor& keys, int64_t end) {
+  constexpr int64_t kStep = 32;
+  if (!keys.is_cuda() || keys.element_size() != 2) return end;
+  return std::min(keys.size(2), (end + kStep - 1) / kStep * kStep);
 }
 
 }  // namespace
@@ -151,10 +163,11 @@ torch::Tensor BartDecoderLayerImpl::forward(const torch::Tensor& x, int64_t star
   const auto h = pre_self_attn_layer_norm(x);
   keys.index_put_({Slice(), Slice(), Slice(start, end)}, self_attn->split(self_attn->k_proj(h)));
   values.index_put_({Slice(), Slice(), Slice(start, end)}, self_attn->split(self_attn->v_proj(h)));
-  const auto seen = Slice(0, end);
+  const int64_t keys_read = keys_attended(keys, end);
+  const auto seen = Slice(0, keys_read);
   auto out = x + self_attn_layer_norm(self_attn->attend(h, keys.index({Slice(), Slice(), seen}),
                                                         values.index({Slice(), Slice(), seen}),
-                                                        causal_visibility(start, x.size(1), x.device())));
+                                                        causal_visibility(start, x.size(1), keys_read, x.device())));
   const auto attended =
       encoder_attn->attend(pre_encoder_attn_layer_norm(out), caption_keys, caption_values, caption_visible);
   out = out + encoder_attn_layer_norm(attended);
