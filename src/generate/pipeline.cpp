@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <utility>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "dalle/data/image.h"
 #include "dalle/device.h"
@@ -50,11 +50,16 @@ models::SamplingOptions SamplingSchedule::options(int64_t stage, const models::S
 }
 
 void PipelineConfig::visit(ConfigVisitor& v) {
-  v.field("prior", prior, "prior run directory or checkpoint (required)");
+  v.field("prior", prior,
+          "prior run directory or checkpoint (required): the sparse transformer, or DALL-E Mega / Mini's BART "
+          "prior (kind bart_prior)");
   v.field("tokenizer", tokenizer,
           "caption tokenizer model: ours (SentencePiece) or ruDALL-E's YouTokenToMe bpe.model, told apart by "
-          "content; empty: the one the prior was trained with");
-  v.field("decoder", decoder, "dVAE or VQGAN run or checkpoint; empty: the prior's image tokenizer");
+          "content; for a BART prior, a folder with min-dalle's vocab.json and merges.txt; empty: the one the "
+          "prior was trained with");
+  v.field("decoder", decoder,
+          "dVAE or VQGAN run or checkpoint (for a BART prior, min-dalle's VQGAN detokenizer); empty: the prior's "
+          "image tokenizer");
   v.field("clip", clip,
           "CLIP run or checkpoint that reranks the candidates, trained by dalle-train-clip with the caption "
           "tokenizer; empty: no reranking");

@@ -18,7 +18,8 @@ void SamplingOptions::visit(ConfigVisitor& v) {
           {.min = 1e-6, .max = 1.0});
   v.field("guidance_scale", guidance_scale,
           "classifier-free guidance: logits = uncond + scale * (cond - uncond), uncond from the empty caption "
-          "(1: no guidance, one model call per token)",
+          "(1: no guidance, one model call per token; for DALL-E Mega / Mini, min-dalle's supercondition factor, "
+          "16)",
           {.min = 0.0, .max = 100.0});
   v.field("use_cache", use_cache, "decode with the KV cache (false: recompute the whole prefix per token)");
   v.field("seed", seed, "seed of the sampling; the same seed gives the same images", {.min = 0});

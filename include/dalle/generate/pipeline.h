@@ -2,7 +2,9 @@
 // Text to images, ruDALL-E's pipeline as one library call: caption tokenizer -> N samples
 // per prompt from the prior (batched, KV-cached) -> image decoder -> CLIP reranking ->
 // the best K -> super-resolution. Reranking and super-resolution are optional stages;
-// dalle-generate is a thin command line over this class.
+// dalle-generate is a thin command line over this class. The prior is the sparse
+// transformer (with our tokenizer or ruDALL-E's) or DALL-E Mega / Mini's BART prior (with
+// min-dalle's tokenizer and VQGAN detokenizer; docs/generate.md).
 #include <torch/types.h>
 
 #include <cstdint>
