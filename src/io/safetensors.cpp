@@ -7,7 +7,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <sstream>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -170,7 +173,12 @@ std::string safetensors_dtype_name(torch::ScalarType type) {
   throw FormatError(std::string("safetensors cannot hold tensors of dtype ") + c10::toString(type));
 }
 
-Safetensors parse_safetensors(std::string_view bytes, const std::string& name) {
+namespace {
+
+// Builds the tensor of `entry` from its bytes at `bytes`.
+using TensorMaker = std::function<torch::Tensor(const Entry& entry, const char* bytes)>;
+
+Safetensors parse(std::string_view bytes, const std::string& name, const TensorMaker& make_tensor) {
   if (bytes.size() < 8) refuse(name, "shorter than the 8-byte header length (truncated file?)");
   uint64_t header_bytes = 0;
   std::memcpy(&header_bytes, bytes.data(), 8);  // little-endian, as on every supported host
@@ -197,17 +205,38 @@ Safetensors parse_safetensors(std::string_view bytes, const std::string& name) {
   }
   check_layout(entries, data.size(), name);
   for (const auto& entry : entries) {
-    torch::Tensor tensor;
     try {
-      tensor = torch::empty(entry.shape, torch::TensorOptions().dtype(entry.dtype->type));
+      result.tensors.emplace(entry.name, make_tensor(entry, data.data() + entry.begin));
     } catch (const c10::Error& error) {
       refuse(name, "tensor " + excerpt(entry.name, 200) + ": " + error.what_without_backtrace());
     }
-    std::memcpy(tensor.data_ptr(), data.data() + entry.begin, entry.end - entry.begin);
-    result.tensors.emplace(entry.name, std::move(tensor));
   }
   return result;
 }
+
+// A copy of the tensor's bytes, in memory of its own.
+torch::Tensor copied(const Entry& entry, const char* bytes) {
+  auto tensor = torch::empty(entry.shape, torch::TensorOptions().dtype(entry.dtype->type));
+  std::memcpy(tensor.data_ptr(), bytes, entry.end - entry.begin);
+  return tensor;
+}
+
+// A file mapped copy-on-write, unmapped when the last tensor over it is gone.
+class Mapping {
+ public:
+  Mapping(void* address, size_t size) : address_(address), size_(size) {}
+  ~Mapping() { ::munmap(address_, size_); }
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+
+ private:
+  void* address_;
+  size_t size_;
+};
+
+}  // namespace
+
+Safetensors parse_safetensors(std::string_view bytes, const std::string& name) { return parse(bytes, name, copied); }
 
 Safetensors read_safetensors(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY);
@@ -222,17 +251,21 @@ Safetensors read_safetensors(const std::string& path) {
     ::close(fd);
     return parse_safetensors({}, path);
   }
-  void* mapped = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  // Private and writable: a tensor written in place gets its own pages, the file is never touched.
+  void* address = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   ::close(fd);
-  if (mapped == MAP_FAILED) throw Error(path + ": cannot map: " + std::strerror(errno));
-  try {
-    auto result = parse_safetensors(std::string_view(static_cast<const char*>(mapped), size), path);
-    ::munmap(mapped, size);
-    return result;
-  } catch (...) {
-    ::munmap(mapped, size);
-    throw;
-  }
+  if (address == MAP_FAILED) throw Error(path + ": cannot map: " + std::strerror(errno));
+  const auto mapping = std::make_shared<Mapping>(address, size);
+  // The tensors are views of the file's pages, which the kernel reads on first touch and may
+  // drop again: loading a model copies each weight once, into the model, and never holds a
+  // second copy of the checkpoint in memory of its own. A tensor at an offset its type cannot
+  // be read from (possible in files written elsewhere) is copied instead.
+  return parse(std::string_view(static_cast<const char*>(address), size), path,
+               [&mapping](const Entry& entry, const char* bytes) {
+                 if (reinterpret_cast<uintptr_t>(bytes) % entry.dtype->bytes != 0) return copied(entry, bytes);
+                 return torch::from_blob(const_cast<char*>(bytes), entry.shape, [mapping](void*) {},
+                                         torch::TensorOptions().dtype(entry.dtype->type));
+               });
 }
 
 namespace {

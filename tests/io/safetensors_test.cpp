@@ -2,8 +2,11 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <sstream>
 
 #include "test_support.h"
 
@@ -152,6 +155,56 @@ TEST(Safetensors, MissingFileAndUnsupportedDtypeAreReported) {
   EXPECT_THROW_WITH(read_safetensors("/nonexistent.safetensors"), Error, "/nonexistent.safetensors", "cannot open");
   EXPECT_THROW_WITH(serialize_safetensors({{"c", torch::ones({2}, torch::kComplexFloat)}}), FormatError,
                     "cannot hold tensors of dtype");
+}
+
+// The path of the file mapped at `address` in this process (/proc/self/maps), or "".
+std::string file_mapped_at(const void* address) {
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream fields(line);
+    std::string range, permissions, offset, device, inode, path;
+    fields >> range >> permissions >> offset >> device >> inode >> path;
+    const auto dash = range.find('-');
+    if (std::stoull(range.substr(0, dash), nullptr, 16) <= at && at < std::stoull(range.substr(dash + 1), nullptr, 16)) {
+      return path;
+    }
+  }
+  return "";
+}
+
+TEST(Safetensors, ReadTensorsAreViewsOfTheFileThatWritesNeverReach) {
+  testing::ScratchDir dir;
+  const std::string path = dir / "weights.safetensors";
+  write_safetensors(path, {{"w", torch::arange(1024, torch::kFloat32)}});
+  {
+    auto read = read_safetensors(path).tensors.at("w");
+    EXPECT_EQ(std::filesystem::canonical(file_mapped_at(read.data_ptr())), std::filesystem::canonical(path))
+        << "no copy of the checkpoint in memory of its own";
+    read.mul_(2);  // the mapping is private: the tensor changes, the file does not
+    EXPECT_EQ(read[3].item<float>(), 6.0f);
+  }
+  EXPECT_TRUE(torch::equal(read_safetensors(path).tensors.at("w"), torch::arange(1024, torch::kFloat32)));
+}
+
+TEST(Safetensors, ATensorAtAnOffsetItsTypeCannotBeReadFromIsCopied) {
+  testing::ScratchDir dir;
+  const std::string path = dir / "packed.safetensors";
+  // One int8 byte, then two float32 values starting at byte 1 of the data.
+  std::string header = R"({"a":{"dtype":"I8","shape":[1],"data_offsets":[0,1]},)"
+                       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}})";
+  header.append((8 - header.size() % 8) % 8, ' ');
+  const uint64_t length = header.size();
+  const float values[2] = {1.5f, -2.0f};
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&length), 8);
+  out << header << char{7};
+  out.write(reinterpret_cast<const char*>(values), sizeof values);
+  out.close();
+  const auto read = read_safetensors(path).tensors;
+  EXPECT_EQ(read.at("a").item<int8_t>(), 7);
+  EXPECT_TRUE(torch::equal(read.at("b"), torch::tensor({1.5f, -2.0f})));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(read.at("b").data_ptr()) % 4, 0u);
 }
 
 }  // namespace

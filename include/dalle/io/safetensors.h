@@ -31,6 +31,10 @@ struct Safetensors {
 // length cannot make the reader allocate gigabytes.
 inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull << 20;
 
+// The tensors are views of the file, mapped copy-on-write: a model that loads them copies
+// each weight once, into itself, without a second copy of the checkpoint in memory; writing
+// into a tensor never reaches the file. (A tensor whose offset its type cannot be read from,
+// possible in files written elsewhere, is copied.)
 Safetensors read_safetensors(const std::string& path);
 // Parses an in-memory file; `name` appears in error messages.
 Safetensors parse_safetensors(std::string_view bytes, const std::string& name = "<memory>");

@@ -65,8 +65,8 @@ struct TrainedPriorOf {
 };
 using TrainedPrior = TrainedPriorOf<Prior, PriorConfig>;
 // `dtype` (float32, bfloat16 or float16) is the weights' type in memory. The model is built
-// in it, so a 16-bit prior never holds a float32 copy of its weights; the checkpoint's own
-// tensors are read once, as they are stored. Building sets torch's default dtype for a moment:
+// in it, so a 16-bit prior never holds a float32 copy of its weights; the checkpoint's
+// tensors are views of its mapped file (io::read_safetensors), read once into the model. Building sets torch's default dtype for a moment:
 // load models from one thread at a time.
 TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype = torch::kFloat32);
 
