@@ -102,12 +102,16 @@ TEST_F(BartPriorTrainerTest, LossGoesDownAndTheRunLoadsAsABartPrior) {
   const auto loaded = models::load_trained_bart_prior(run.runs / "run");
   EXPECT_EQ(loaded.config.image_length, 16);
   EXPECT_EQ(loaded.tokenizer, config.tokenizer);
-  const auto ema = io::state_dict(*run.trainer.model());  // the loaded weights are the moving average's
+  // The loaded weights are the checkpoint's moving average, not the last update's weights.
+  const auto checkpoint = io::load_checkpoint(run.runs / "run/checkpoints/step-000000060");
   const auto weights = io::state_dict(*loaded.model);
-  EXPECT_FALSE(torch::equal(weights.at("decoder.lm_head.weight"), ema.at("decoder.lm_head.weight").cpu()));
+  for (const auto& [name, tensor] : weights) {
+    EXPECT_TRUE(torch::equal(tensor, checkpoint.state.at("ema." + name))) << name;
+  }
+  EXPECT_FALSE(torch::equal(weights.at("decoder.lm_head.weight"), checkpoint.weights.at("decoder.lm_head.weight")));
 }
 
-TEST_F(BartPriorTrainerTest, FineTuningStartsFromTheInitCheckpointAndItsSizes) {
+TEST_F(BartPriorTrainerTest, FineTuningStartsFromTheInitCheckpointAndResumesWithoutIt) {
   ScratchDir runs;
   torch::manual_seed(7);
   models::BartPrior initial(tiny_model());
@@ -119,14 +123,23 @@ TEST_F(BartPriorTrainerTest, FineTuningStartsFromTheInitCheckpointAndItsSizes) {
   auto config = tiny(1);
   config.init = runs / "init";
   config.model = models::dalle_mini_config();  // replaced by init's sizes
-  BartPriorTrainer trainer(config, runs / "run");
-  const auto started = io::state_dict(*trainer.model());
-  for (const auto& [name, tensor] : io::state_dict(*initial)) {
-    EXPECT_TRUE(torch::equal(started.at(name).cpu(), tensor)) << name;
+  {
+    BartPriorTrainer trainer(config, runs / "run");
+    const auto started = io::state_dict(*trainer.model());
+    for (const auto& [name, tensor] : io::state_dict(*initial)) {
+      EXPECT_TRUE(torch::equal(started.at(name).cpu(), tensor)) << name;
+    }
+    trainer.run();
+    EXPECT_FALSE(torch::equal(io::state_dict(*trainer.model()).at("encoder.final_ln.weight").cpu(),
+                              io::state_dict(*initial).at("encoder.final_ln.weight")));
   }
-  trainer.run();
-  EXPECT_FALSE(torch::equal(io::state_dict(*trainer.model()).at("encoder.final_ln.weight").cpu(),
-                            io::state_dict(*initial).at("encoder.final_ln.weight")));
+  // A resumed run reads its own checkpoint, sizes included, and never init again.
+  std::filesystem::remove_all(runs / "init");
+  config.run.steps = 2;
+  BartPriorTrainer resumed(config, runs / "run");
+  EXPECT_EQ(resumed.step(), 1);
+  resumed.run();
+  EXPECT_EQ(resumed.step(), 2);
 }
 
 TEST_F(BartPriorTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {

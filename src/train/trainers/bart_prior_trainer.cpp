@@ -13,6 +13,7 @@
 
 #include "dalle/data/loader.h"
 #include "dalle/data/token_dataset.h"
+#include "dalle/io/checkpoint.h"
 #include "dalle/log.h"
 #include "dalle/models/bart_sampling.h"
 #include "dalle/models/trained.h"
@@ -27,7 +28,7 @@ void BartPriorTrainConfig::visit(ConfigVisitor& v) {
           {.choices = {"bart_prior"}});
   v.field("init", init,
           "a bart_prior checkpoint to fine-tune (an imported model folder's prior/, or a run); its sizes replace "
-          "`model`; empty: random weights of `model`'s sizes");
+          "`model`; read when the run starts, not when it resumes; empty: random weights of `model`'s sizes");
   v.field("tokenizer", tokenizer, "folder with min-dalle's vocab.json and merges.txt, which encode the captions "
           "(required)");
   v.section("model", "BART prior sizes (DALL-E Mega's by default); ignored with init", model);
@@ -84,9 +85,16 @@ BartPriorTrainer::BartPriorTrainer(BartPriorTrainConfig config, std::string run_
   }
   models::BartPrior initial{nullptr};
   if (!config.init.empty()) {
-    auto trained = models::load_trained_bart_prior(config.init);
-    config.model = trained.config;
-    initial = trained.model;
+    // A run that resumes takes its weights from its own checkpoint: init's sizes, which that
+    // checkpoint's config holds, are all it needs of init then.
+    const auto resumed = io::CheckpointStore((fs::path(run_directory) / "checkpoints").string()).latest();
+    if (resumed) {
+      config.model = load_config<BartPriorTrainConfig>(ConfigSource::from_file(*resumed + "/config.yaml")).model;
+    } else {
+      auto trained = models::load_trained_bart_prior(config.init);
+      config.model = trained.config;
+      initial = trained.model;
+    }
   }
   config.model.validate();
   state_ = detail::start_trainer<State>(std::move(config), run_directory, "BART prior");
