@@ -125,7 +125,8 @@ void split_oversized(Pixels pixels, const std::vector<float>& brightness, int64_
 
 // Joins fragments whose boxes together still fit one item: the pieces of a sandal or of a
 // shirt with dark stripes. Two of the composer's items have centres half a canvas apart,
-// so together they never fit.
+// so together they never fit. Only the lenient judgement does this: it also joins an item
+// drawn in two detached pieces, or an item and a stray blob beside it, into one.
 void join_fragments(std::vector<Pixels>& parts, int64_t side, int64_t limit) {
   for (bool joined = true; joined;) {
     joined = false;
@@ -150,7 +151,21 @@ void join_fragments(std::vector<Pixels>& parts, int64_t side, int64_t limit) {
   }
 }
 
+// How a judgement finds objects; the lenient one's settings are fixed, so that its figures
+// stay comparable with those published before issue 25.
+struct Judgement {
+  int64_t join_gap, min_pixels;
+  bool join_fragments;
+};
+
+Judgement judgement_of(const MeasureOptions& options) {
+  if (options.lenient) return {2, 12, true};
+  return {options.join_gap, options.min_pixels, false};
+}
+
 }  // namespace
+
+std::string judgement_name(const MeasureOptions& options) { return options.lenient ? "lenient" : "strict"; }
 
 std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const MeasureOptions& options) {
   if (image.dim() != 3 || (image.size(0) != 3 && image.size(0) != 1)) {
@@ -173,16 +188,17 @@ std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const Measu
   // The composer's items are at most item_size across, and two of them touching span at
   // least twice that (their centres are 32 of 64 pixels apart, jitter aside): a component
   // is cut in two beyond 1.5 items, which leaves generated items room to be larger and
-  // blurrier than real ones; fragments are joined while they fit one item, a little slack
-  // included, which two of the composer's items never do.
+  // blurrier than real ones; the lenient judgement joins fragments while they fit one item,
+  // a little slack included, which two of the composer's items never do.
   const int64_t split_limit = options.item_size * 3 / 2, join_limit = options.item_size + 4;
+  const Judgement judgement = judgement_of(options);
   std::vector<Pixels> parts;
-  for (auto& component : components(mask, side, options.join_gap)) {
+  for (auto& component : components(mask, side, judgement.join_gap)) {
     split_oversized(std::move(component), brightness, side, split_limit, 3, parts);
   }
-  join_fragments(parts, side, join_limit);
+  if (judgement.join_fragments) join_fragments(parts, side, join_limit);
   parts.erase(std::remove_if(parts.begin(), parts.end(),
-                             [&](const Pixels& p) { return static_cast<int64_t>(p.size()) < options.min_pixels; }),
+                             [&](const Pixels& p) { return static_cast<int64_t>(p.size()) < judgement.min_pixels; }),
               parts.end());
   std::sort(parts.begin(), parts.end(), [](const Pixels& a, const Pixels& b) { return a.size() > b.size(); });
 

@@ -151,6 +151,64 @@ TEST(CaptionVerdict, MissingItemsAreNotFound) {
   EXPECT_DOUBLE_EQ(AccuracyTally{}.caption_accuracy(), 0.0);
 }
 
+// Pictures judged from their pixels, the classifier's part stood in for: every object found
+// is named the caption's first item, so what is found decides.
+void paint(torch::Tensor& image, int64_t x0, int64_t y0, int64_t x1, int64_t y1, std::array<float, 3> rgb) {
+  for (int c = 0; c < 3; ++c) image[c].slice(0, y0, y1).slice(1, x0, x1).fill_(rgb[c]);
+}
+
+CaptionVerdict judge_picture(const torch::Tensor& image, const std::string& text, bool lenient) {
+  const auto asked = caption(text);
+  MeasureOptions options;
+  options.lenient = lenient;
+  auto objects = find_objects(image, options);
+  for (auto& object : objects) object.item = asked.at(0).item;
+  return judge_caption(asked, objects, 64);
+}
+
+const std::array<float, 3> kRed = {0.9f, 0.12f, 0.12f};
+
+TEST(CaptionVerdict, AnItemInDetachedPiecesIsWrongUnlessLenient) {
+  // Two pieces 6 pixels apart whose joint box fits one item, like the demo's cyan sandals.
+  auto image = torch::zeros({3, 64, 64});
+  paint(image, 38, 24, 46, 40, kRed);
+  paint(image, 52, 28, 58, 40, kRed);
+  auto verdict = judge_picture(image, "a red sandal on the right", false);
+  EXPECT_EQ(verdict.measured, 2);
+  EXPECT_FALSE(verdict.count);
+  EXPECT_FALSE(verdict.correct);
+  EXPECT_TRUE(verdict.objects[0].correct()) << "the larger piece alone looks right";
+  verdict = judge_picture(image, "a red sandal on the right", true);
+  EXPECT_EQ(verdict.measured, 1);
+  EXPECT_TRUE(verdict.correct);
+}
+
+TEST(CaptionVerdict, AStrayBlobMakesACaptionWrongUnlessLenient) {
+  auto image = torch::zeros({3, 64, 64});
+  paint(image, 36, 22, 58, 42, kRed);
+  EXPECT_TRUE(judge_picture(image, "a red sandal on the right", false).correct);
+  paint(image, 6, 40, 7, 41, kRed);  // a lone pixel is noise under either judgement
+  EXPECT_TRUE(judge_picture(image, "a red sandal on the right", false).correct);
+  paint(image, 30, 4, 32, 6, kRed);  // a stray 2x2 blob at the top
+  const auto verdict = judge_picture(image, "a red sandal on the right", false);
+  EXPECT_EQ(verdict.measured, 2);
+  EXPECT_FALSE(verdict.correct);
+  EXPECT_TRUE(judge_picture(image, "a red sandal on the right", true).correct);
+}
+
+TEST(CaptionVerdict, AnExtraItemMakesACaptionWrongUnderEitherJudgement) {
+  auto image = torch::zeros({3, 64, 64});
+  paint(image, 36, 22, 58, 42, kRed);
+  paint(image, 6, 22, 26, 42, {0.15f, 0.3f, 0.95f});  // a blue item on the left, not asked for
+  for (const bool lenient : {false, true}) {
+    const auto verdict = judge_picture(image, "a red sandal on the right", lenient);
+    EXPECT_EQ(verdict.measured, 2) << lenient;
+    EXPECT_FALSE(verdict.count);
+    EXPECT_FALSE(verdict.correct);
+    EXPECT_TRUE(verdict.objects[0].correct());
+  }
+}
+
 TEST(CaptionVerdict, HeldOutWhenAnyColourItemPairIsInTheList) {
   const std::vector<std::string> heldout = {"red sneaker", "blue bag"};
   EXPECT_TRUE(names_heldout_combination(caption("a red sneaker on the left"), heldout));

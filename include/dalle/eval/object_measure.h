@@ -1,9 +1,10 @@
 #pragma once
 // Measuring what a picture shows, the way fashion-compose draws it: coloured items on black.
-// Items are found from the pixels (brightest channel above a threshold, fragments joined,
-// touching items split, specks dropped); each gets the named colour nearest to its bright
-// pixels' hue, the named position nearest to its box's centre, and a crop framed for the
-// item classifier, which names the item.
+// Items are found from the pixels (brightest channel above a threshold, touching items split,
+// lone pixels dropped); each gets the named colour nearest to its bright pixels' hue, the
+// named position nearest to its box's centre, and a crop framed for the item classifier,
+// which names the item. An item drawn in detached pieces, or a stray blob, is more than one
+// object, as a person counts them (the strict judgement; `lenient` keeps the older one).
 #include <torch/types.h>
 
 #include <array>
@@ -19,10 +20,22 @@ struct MeasureOptions {
   int64_t canvas_size = 64;  // pictures are resized to the composer's canvas first
   int64_t item_size = 28;    // an item's side on that canvas
   double threshold = 0.1;    // a pixel is part of an item when its brightest channel is above this
-  int64_t join_gap = 2;      // fragments this many pixels apart (or less) join into one component
-  int64_t min_pixels = 12;   // smaller objects are specks of noise and are dropped
+  // Pixels up to this many background pixels apart are one object; pieces farther apart are
+  // separate objects. 4 keeps real items whole: stripes and straps darker than the threshold
+  // leave gaps of a few pixels inside them (docs/eval.md has the calibration).
+  int64_t join_gap = 4;
+  // Smaller objects are dropped: lone pixels, such as the corners a VQGAN decoder lights. Any
+  // larger blob is an object, so a stray one makes a caption's count wrong.
+  int64_t min_pixels = 2;
   double colour_fraction = 0.5;  // the pixels at least this fraction of an item's brightest give its colour
+  // The judgement made before issue 25, for comparing with figures published under it: pieces
+  // whose joint box still fits one item are joined into one object, with a join gap of 2 and
+  // objects under 12 pixels dropped (join_gap and min_pixels are then not used).
+  bool lenient = false;
 };
+
+// "strict" or "lenient": which judgement `options` finds objects with, for reports.
+std::string judgement_name(const MeasureOptions& options);
 
 struct MeasuredObject {
   std::string colour;                // nearest named colour (fashion_compose_colours)
