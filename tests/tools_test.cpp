@@ -335,14 +335,17 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_EQ(report["accuracy"]["best_ranked"]["all"]["images"], 2);
   EXPECT_EQ(report["accuracy"]["every_image"]["seen"]["images"], 4) << "neither prompt names a held-out pair";
   EXPECT_EQ(report["heldout_from"], (dir / "fc/config.yaml"));
+  EXPECT_EQ(report["judgement"], "strict");
   EXPECT_TRUE(report.contains("fid"));
-  // The real test images through the dVAE: the ceiling of a prior drawing through it.
+  // The real test images through the dVAE: the ceiling of a prior drawing through it, here
+  // judged as before issue 25.
   const auto through = run("dalle-eval", "--log-level off score-real " + (dir / "fc/test") + " --classifier " +
                                              (dir / "classifier") + " --through-tokenizer " + (dir / "dvae") +
-                                             " --tokenizer-run " + (dir / "dvae"));
+                                             " --tokenizer-run " + (dir / "dvae") + " --lenient");
   ASSERT_EQ(through.status, 0) << through.output;
   const auto ceiling = nlohmann::json::parse(through.output);
   EXPECT_EQ(ceiling["images"], 8);
+  EXPECT_EQ(ceiling["judgement"], "lenient");
   EXPECT_EQ(ceiling["through_tokenizer"], (dir / "dvae"));
   EXPECT_TRUE(ceiling["tokenizer"]["validation_psnr"].is_number());
 }
@@ -354,6 +357,7 @@ TEST(Tools, EvalExplainsItselfAndRefusesBadInput) {
     EXPECT_EQ(help.status, 0) << command;
     EXPECT_THAT(help.output, ::testing::HasSubstr(command == std::string("score-real") ? "split" : "--out"));
   }
+  EXPECT_THAT(run("dalle-eval", "score-real --help").output, ::testing::HasSubstr("--lenient"));
   EXPECT_THAT(run("dalle-eval", "--help").output, ::testing::HasSubstr("score-real"));
   EXPECT_EQ(run("dalle-eval", "").status, 2);
   EXPECT_EQ(run("dalle-eval", "score --generated " + (dir / "x")).status, 2) << "--classifier is required";

@@ -39,6 +39,12 @@ struct ScoreCommand {
                        "a pixel belongs to an item when its brightest channel exceeds this")
         ->check(CLI::Range(0.0, 1.0))
         ->capture_default_str();
+    command.add_flag("--lenient", options.measure.lenient,
+                     "the older, lenient judgement, to compare with figures published under it: pieces whose joint "
+                     "box fits one item are one object and objects under 12 pixels are ignored (default: strict, "
+                     "pieces more than " + std::to_string(options.measure.join_gap) +
+                         " pixels apart are separate objects and any blob of " +
+                         std::to_string(options.measure.min_pixels) + " pixels or more counts)");
     command.add_option("--threads", options.threads, "torch intra-op threads (0: one per idle core)")
         ->check(CLI::NonNegativeNumber);
   }

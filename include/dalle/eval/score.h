@@ -79,6 +79,7 @@ struct ScoreReport {
   std::string classifier;
   double classifier_test_accuracy = 0;
   std::string through_tokenizer;     // score_real's round trip, when asked for
+  std::string judgement;             // how objects were found: "strict" or "lenient" (MeasureOptions)
 
   std::string to_json(int indent = 2) const;
 };
