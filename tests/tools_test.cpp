@@ -115,6 +115,7 @@ TEST(Tools, ConfigReferenceInDocsIsCurrent) {
                                       std::pair{"dalle-train-sr", "--print-reference"},
                                       std::pair{"dalle-train-clip", "--print-reference"},
                                       std::pair{"dalle-generate", "--print-reference"},
+                                      std::pair{"dalle-serve", "--print-reference"},
                                       std::pair{"dalle-eval", "train-classifier --print-reference"}}) {
     const auto result = run(tool, command);
     ASSERT_EQ(result.status, 0) << result.output;

@@ -1,8 +1,6 @@
 // dalle-generate: captions in, images out, through dalle::generate::Pipeline: N samples
 // per prompt from the prior, decoded, optionally reranked by CLIP to the best K and
 // upscaled; one PNG and JSON sidecar per kept image and a grid.
-#include <map>
-
 #include "dalle/generate/output.h"
 #include "dalle/generate/pipeline.h"
 #include "dalle/input_limits.h"
@@ -29,25 +27,8 @@ int main(int argc, char** argv) {
   app.add_option("--out", out,
                  "output folder: one PNG and JSON per image, grid.png (new, empty, or an earlier output, "
                  "which is replaced whole)");
-  // Shorthand option -> the config key it sets.
-  const std::map<std::string, std::string> shorthands = {
-      {"--prior", "prior"},         {"--tokenizer", "tokenizer"}, {"--decoder", "decoder"},
-      {"--clip", "clip"},           {"--superres", "superres"},   {"--images-per-prompt", "candidates"},
-      {"--keep", "keep"},           {"--temperature", "sampling.temperature"},
-      {"--top-k", "sampling.top_k"}, {"--top-p", "sampling.top_p"},
-      {"--guidance-scale", "sampling.guidance_scale"}, {"--seed", "sampling.seed"},
-      {"--device", "device"},       {"--threads", "threads"},     {"--dtype", "dtype"},
-      {"--image-prompt", "image_prompt.image"}, {"--image-prompt-rows", "image_prompt.top_rows"},
-      {"--image-prompt-mask", "image_prompt.mask"}};
-  std::map<std::string, std::string> shorthand_values;
-  for (const auto& [flag, key] : shorthands) {
-    const std::string names = flag == "--images-per-prompt" ? "-n,--images-per-prompt" : flag;
-    const bool filter = flag == "--top-k" || flag == "--top-p";
-    app.add_option(names, shorthand_values[flag],
-                   "sets `" + key + "`" + (filter ? " and clears the config's `schedule`" : ""));
-  }
-  bool no_cache = false;
-  app.add_flag("--no-cache", no_cache, "recompute the whole prefix for each token (slow; a check); sets sampling.use_cache");
+  tools::PipelineShorthands shorthands;
+  shorthands.add_to(app);
 
   return tools::run_tool(app, argc, argv, [&] {
     auto source = config_options.source();
@@ -58,25 +39,7 @@ int main(int argc, char** argv) {
                                                                                generate::kModelFolderConfig);
       source.set_all(config_options.overrides);
     }
-    for (const auto& [flag, key] : shorthands) {
-      if (app.count(flag) == 0) continue;
-      const std::string assignment = key + "=" + shorthand_values[flag];
-      // A shorthand's value is part of the command line: checked alone, its error is a usage error.
-      try {
-        auto alone = ConfigSource::empty();
-        alone.set(assignment);
-        load_config<generate::PipelineConfig>(alone);
-      } catch (const ConfigError& error) {
-        throw tools::UsageError(flag + " " + excerpt(shorthand_values[flag]) + ": " + error.what());
-      }
-      source.set(assignment);
-    }
-    // A filter asked for on the command line replaces a model folder's schedule of filters.
-    if (app.count("--top-k") + app.count("--top-p") > 0) {
-      source.set("schedule.top_k=[]");
-      source.set("schedule.top_p=[]");
-    }
-    if (no_cache) source.set("sampling.use_cache=false");
+    shorthands.apply(app, source);
     auto config = load_config<generate::PipelineConfig>(source);
     if (config_options.print_requested(visit_of(config))) return;
     if (out.empty()) throw tools::UsageError("--out is required: the folder the images are written to");

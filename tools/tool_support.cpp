@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "dalle/dist/local_ranks.h"
+#include "dalle/generate/pipeline.h"
+#include "dalle/input_limits.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/log.h"
 #include "dalle/runtime.h"
@@ -61,6 +63,57 @@ void run_stoppable(const std::function<bool()>& train) {
   // A signal after the last update stops nothing; a rank that stopped because another was
   // asked to exits as if it had been asked itself.
   if (!finished) throw ExitStatus{128 + (train::stop_requested() ? train::stop_signal() : SIGTERM)};
+}
+
+namespace {
+
+// Shorthand option -> the pipeline config key it sets.
+const std::map<std::string, std::string>& pipeline_shorthands() {
+  static const std::map<std::string, std::string> shorthands = {
+      {"--prior", "prior"},         {"--tokenizer", "tokenizer"}, {"--decoder", "decoder"},
+      {"--clip", "clip"},           {"--superres", "superres"},   {"--images-per-prompt", "candidates"},
+      {"--keep", "keep"},           {"--temperature", "sampling.temperature"},
+      {"--top-k", "sampling.top_k"}, {"--top-p", "sampling.top_p"},
+      {"--guidance-scale", "sampling.guidance_scale"}, {"--seed", "sampling.seed"},
+      {"--device", "device"},       {"--threads", "threads"},     {"--dtype", "dtype"},
+      {"--image-prompt", "image_prompt.image"}, {"--image-prompt-rows", "image_prompt.top_rows"},
+      {"--image-prompt-mask", "image_prompt.mask"}};
+  return shorthands;
+}
+
+}  // namespace
+
+void PipelineShorthands::add_to(CLI::App& app, const std::set<std::string>& except) {
+  for (const auto& [flag, key] : pipeline_shorthands()) {
+    if (except.count(flag) > 0) continue;
+    const std::string names = flag == "--images-per-prompt" ? "-n,--images-per-prompt" : flag;
+    const bool filter = flag == "--top-k" || flag == "--top-p";
+    app.add_option(names, values_[flag], "sets `" + key + "`" + (filter ? " and clears the config's `schedule`" : ""));
+  }
+  app.add_flag("--no-cache", no_cache_,
+               "recompute the whole prefix for each token (slow; a check); sets sampling.use_cache");
+}
+
+void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const std::string& prefix) const {
+  for (const auto& [flag, value] : values_) {
+    if (app.count(flag) == 0) continue;
+    const std::string assignment = pipeline_shorthands().at(flag) + "=" + value;
+    // A shorthand's value is part of the command line: checked alone, its error is a usage error.
+    try {
+      auto alone = ConfigSource::empty();
+      alone.set(assignment);
+      load_config<generate::PipelineConfig>(alone);
+    } catch (const ConfigError& error) {
+      throw UsageError(flag + " " + excerpt(value) + ": " + error.what());
+    }
+    source.set(prefix + assignment);
+  }
+  // A filter asked for on the command line replaces a model folder's schedule of filters.
+  if (app.count("--top-k") + app.count("--top-p") > 0) {
+    source.set(prefix + "schedule.top_k=[]");
+    source.set(prefix + "schedule.top_p=[]");
+  }
+  if (no_cache_) source.set(prefix + "sampling.use_cache=false");
 }
 
 void start_run_log(const std::string& run, const dist::LaunchEnvironment& place) {

@@ -4,6 +4,8 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -41,6 +43,22 @@ struct ConfigOptions {
   ConfigSource source() const;
   // Handles --print-config / --print-reference: prints and returns true when either was given.
   bool print_requested(const ConfigVisit& visit) const;
+};
+
+// The pipeline config's shorthand options (--prior, --clip, -n, --top-k, --threads, ...) of
+// dalle-generate and dalle-serve: each sets one key of generate::PipelineConfig.
+class PipelineShorthands {
+ public:
+  // Adds every shorthand but those named in `except` ("--keep").
+  void add_to(CLI::App& app, const std::set<std::string>& except = {});
+  // Sets the keys of the shorthands given on `app`'s command line in `source`, each under
+  // `prefix` ("" for a pipeline config, "pipeline." within dalle-serve's). A value the key
+  // refuses is a UsageError naming the option; --top-k or --top-p clears `schedule`.
+  void apply(const CLI::App& app, ConfigSource& source, const std::string& prefix = "") const;
+
+ private:
+  std::map<std::string, std::string> values_;  // by option
+  bool no_cache_ = false;
 };
 
 // Copies the log into `run`.log from now on; in a job of several processes, rank r > 0

@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <tuple>
 #include <utility>
 
 #include "dalle/data/image.h"
@@ -104,7 +106,7 @@ PipelineConfig read_model_folder(const std::string& folder) {
 
 namespace {
 
-void check(const PipelineConfig& config) {
+void check_config(const PipelineConfig& config) {
   if (config.prior.empty()) throw Error("pipeline: `prior` is required (a prior run directory or checkpoint)");
   config.image_prompt.validate();
   const auto& schedule = config.schedule;
@@ -198,7 +200,8 @@ struct MegaStages {
   }
   // Image tokens [rows, side, side] of `captions` [rows, text_length], row r from stream streams[r].
   torch::Tensor draw(const torch::Tensor& captions, const models::SamplingOptions& sampling,
-                     const std::vector<uint64_t>& streams, const std::function<void(int64_t, int64_t)>& on_token) {
+                     const std::vector<uint64_t>& streams, const std::vector<int64_t>& seeds,
+                     const std::function<void(int64_t, int64_t)>& on_token) {
     const models::BartSamplingOptions options{
         .temperature = sampling.temperature,
         .top_k = sampling.top_k == 0 ? prior.config.codes : sampling.top_k,
@@ -206,10 +209,14 @@ struct MegaStages {
         .seed = sampling.seed};
     const auto side = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(prior.config.image_length))));
     return models::sample_bart_image_tokens(prior.model->encoder, prior.model->decoder, captions, options, streams,
-                                            on_token)
+                                            on_token, seeds)
         .view({captions.size(0), side, side});
   }
   torch::Tensor decode(const torch::Tensor& tokens) { return detokenizer->forward(tokens.flatten(1)); }
+  int64_t image_size() const {
+    const auto side = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(prior.config.image_length))));
+    return side * detokenizer->config().downsampling_factor();
+  }
 };
 
 MegaStages load_mega(PipelineConfig& config, torch::Device device) {
@@ -233,6 +240,31 @@ MegaStages load_mega(PipelineConfig& config, torch::Device device) {
   return {std::move(prior), std::move(tokenizer), std::move(detokenizer)};
 }
 
+// One candidate of one request: a row of a sampling batch.
+struct Row {
+  size_t request = 0;
+  int64_t candidate = 0;
+};
+
+// The sampling candidate `candidate` of `request` draws with: its schedule stage's filter.
+models::SamplingOptions sampling_of(const PromptRequest& request, int64_t candidate) {
+  return request.schedule.options(request.schedule.stage_of(candidate, request.candidates), request.sampling);
+}
+
+// The requests, by position, in groups that may share batches (equal keys), in order of
+// each group's first request.
+template <class Key>
+std::vector<std::vector<size_t>> group_requests(const std::vector<PromptRequest>& requests, const Key& key_of) {
+  std::vector<std::vector<size_t>> groups;
+  std::map<decltype(key_of(requests.front())), size_t> group_of_key;
+  for (size_t index = 0; index < requests.size(); ++index) {
+    const auto [at, added] = group_of_key.emplace(key_of(requests[index]), groups.size());
+    if (added) groups.emplace_back();
+    groups[at->second].push_back(index);
+  }
+  return groups;
+}
+
 }  // namespace
 
 struct Pipeline::Stages {
@@ -248,17 +280,16 @@ struct Pipeline::Stages {
   models::RrdbNet superres{nullptr};
   std::optional<models::ImagePrompt> image_prompt{};
 
-  // The image tokens [rows, grid, grid] of the candidates numbered [first, first + rows) of
-  // the flattened (prompt, candidate) order, prompts encoded in `captions`.
-  torch::Tensor draw(int64_t first, int64_t rows, const std::vector<torch::Tensor>& captions,
-                     log::Progress& progress);
-  // The sampling candidate `candidate` of each prompt draws with: its schedule stage's filter.
-  models::SamplingOptions sampling_of(int64_t candidate) const {
-    return config.schedule.options(config.schedule.stage_of(candidate, config.candidates), config.sampling);
-  }
+  // The image tokens [rows, grid, grid] of `rows`, requests' prompts encoded in `captions`.
+  torch::Tensor draw(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
+                     const std::vector<torch::Tensor>& captions, log::Progress& progress);
   // Samples and decodes those candidates.
-  std::vector<GeneratedImage> sample(int64_t first, int64_t rows, const std::vector<std::string>& prompts,
+  std::vector<GeneratedImage> sample(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
                                      const std::vector<torch::Tensor>& captions, log::Progress& progress);
+  // Refuses what generate cannot do of `request`; `where` begins the messages.
+  void check(const PromptRequest& request, const std::string& where) const;
+  // Reranks (with CLIP), keeps and upscales the candidates of one request.
+  void finish(std::vector<GeneratedImage>& candidates, const PromptRequest& request, const torch::Tensor& clip_caption);
   // The prompt's ids as the prior reads them, and whether it was cut to fit.
   std::pair<torch::Tensor, bool> caption(const std::string& prompt) const;
   // The prompt as CLIP reads it: CLIP's own ids, or the caption tokenizer's `caption`.
@@ -267,6 +298,12 @@ struct Pipeline::Stages {
   void rerank(std::vector<GeneratedImage>& candidates, const torch::Tensor& caption);
   void upscale(std::vector<GeneratedImage>& images);
   int64_t image_length() const { return mega ? mega->prior.config.image_length : prior.config.image_length(); }
+  // The settings a batch's rows must share: models::SamplingOptions arithmetic the sampler
+  // applies to the whole batch (a BART prior also filters the whole batch by one top_k).
+  std::tuple<double, double, bool, int64_t> batch_key(const PromptRequest& request) const {
+    const auto& s = request.sampling;
+    return {s.temperature, s.guidance_scale, s.use_cache, mega ? s.top_k : 0};
+  }
   // The sparse transformer prior, its caption tokenizer (ours or ruDALL-E's) and its image decoder.
   static std::unique_ptr<Stages> load_transformer(PipelineConfig config, torch::Device device);
 };
@@ -300,7 +337,7 @@ std::unique_ptr<Pipeline::Stages> Pipeline::Stages::load_transformer(PipelineCon
 }
 
 Pipeline::Pipeline(PipelineConfig config) {
-  check(config);
+  check_config(config);
   set_torch_threads(config.threads);
   const auto device = resolve_device(config.device, "pipeline");
   config.device = device.is_cuda() ? "cuda" : "cpu";
@@ -335,47 +372,59 @@ Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
 
 const PipelineConfig& Pipeline::config() const { return stages_->config; }
 
-torch::Tensor Pipeline::Stages::draw(int64_t first, int64_t rows, const std::vector<torch::Tensor>& captions,
-                                     log::Progress& progress) {
+torch::Tensor Pipeline::Stages::draw(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
+                                     const std::vector<torch::Tensor>& captions, log::Progress& progress) {
   std::vector<torch::Tensor> batch_captions;
   std::vector<uint64_t> streams;
-  models::RowFilters filters;  // each row's schedule stage
-  for (int64_t row = first; row < first + rows; ++row) {
-    const int64_t prompt_index = row / config.candidates, candidate = row % config.candidates;
-    batch_captions.push_back(captions[static_cast<size_t>(prompt_index)]);
-    streams.push_back(sampling_stream(prompt_index, candidate));
-    const auto stage = sampling_of(candidate);
-    filters.top_k.push_back(stage.top_k);
-    filters.top_p.push_back(stage.top_p);
+  std::vector<int64_t> seeds;
+  models::RowFilters filters;  // each row's schedule stage, or its request's own filter
+  for (const auto& row : rows) {
+    const auto& request = requests[row.request];
+    batch_captions.push_back(captions[row.request]);
+    streams.push_back(sampling_stream(request.stream_index, row.candidate));
+    seeds.push_back(request.sampling.seed);
+    const auto drawn_with = sampling_of(request, row.candidate);
+    filters.top_k.push_back(drawn_with.top_k);
+    filters.top_p.push_back(drawn_with.top_p);
   }
-  const auto on_token = [&](int64_t, int64_t) { progress.advance(rows); };
-  if (mega) return mega->draw(torch::stack(batch_captions), config.sampling, streams, on_token);
-  return models::sample_image_tokens(prior.model, torch::stack(batch_captions), config.sampling,
-                                     image_prompt ? &*image_prompt : nullptr,
-                                     on_token, streams,
-                                     config.schedule.stages() > 0 ? &filters : nullptr);
+  // The batch's shared arithmetic (batch_key), with the first row's filter when all rows share it.
+  auto options = requests[rows.front().request].sampling;
+  options.top_k = filters.top_k.front();
+  options.top_p = filters.top_p.front();
+  const bool one_filter =
+      std::all_of(filters.top_k.begin(), filters.top_k.end(), [&](int64_t k) { return k == options.top_k; }) &&
+      std::all_of(filters.top_p.begin(), filters.top_p.end(), [&](double p) { return p == options.top_p; });
+  const auto count = static_cast<int64_t>(rows.size());
+  const auto on_token = [&](int64_t, int64_t) { progress.advance(count); };
+  if (mega) return mega->draw(torch::stack(batch_captions), options, streams, seeds, on_token);
+  return models::sample_image_tokens(prior.model, torch::stack(batch_captions), options,
+                                     image_prompt ? &*image_prompt : nullptr, on_token, streams,
+                                     one_filter ? nullptr : &filters, seeds);
 }
 
-std::vector<GeneratedImage> Pipeline::Stages::sample(int64_t first, int64_t rows,
-                                                     const std::vector<std::string>& prompts,
+std::vector<GeneratedImage> Pipeline::Stages::sample(const std::vector<Row>& rows,
+                                                     const std::vector<PromptRequest>& requests,
                                                      const std::vector<torch::Tensor>& captions,
                                                      log::Progress& progress) {
-  const auto tokens = draw(first, rows, captions, progress);
+  const auto tokens = draw(rows, requests, captions, progress);
   torch::NoGradGuard no_grad;
   const auto decoded = (mega ? mega->decode(tokens) : decoder.model->decode_tokens(tokens)).to(torch::kCPU);
   std::vector<GeneratedImage> images;
-  for (int64_t row = 0; row < rows; ++row) {
+  for (size_t index = 0; index < rows.size(); ++index) {
+    const auto& row = rows[index];
+    const auto& request = requests[row.request];
     GeneratedImage image;
-    image.prompt_index = (first + row) / config.candidates;
-    image.prompt = prompts[static_cast<size_t>(image.prompt_index)];
-    image.candidate = (first + row) % config.candidates;
-    image.rank = image.candidate;
-    image.seed = config.sampling.seed;
-    const auto drawn_with = sampling_of(image.candidate);
+    image.request = static_cast<int64_t>(row.request);
+    image.prompt_index = request.stream_index;
+    image.prompt = request.prompt;
+    image.candidate = row.candidate;
+    image.rank = row.candidate;
+    image.seed = request.sampling.seed;
+    const auto drawn_with = sampling_of(request, row.candidate);
     image.top_k = drawn_with.top_k;
     image.top_p = drawn_with.top_p;
-    image.tokens = tokens[row].to(torch::kCPU);
-    image.image = decoded[row];
+    image.tokens = tokens[static_cast<int64_t>(index)].to(torch::kCPU);
+    image.image = decoded[static_cast<int64_t>(index)];
     images.push_back(std::move(image));
   }
   return images;
@@ -422,37 +471,113 @@ void Pipeline::Stages::upscale(std::vector<GeneratedImage>& images) {
   for (size_t i = 0; i < images.size(); ++i) images[i].image = upscaled[static_cast<int64_t>(i)];
 }
 
+void Pipeline::Stages::finish(std::vector<GeneratedImage>& candidates, const PromptRequest& request,
+                              const torch::Tensor& clip_caption) {
+  if (clip) rerank(candidates, clip_caption);
+  candidates.resize(static_cast<size_t>(request.kept()));
+  if (superres && request.superres) upscale(candidates);
+}
+
+PromptRequest Pipeline::request(std::string prompt, int64_t stream_index) const {
+  const auto& config = stages_->config;
+  return {.prompt = std::move(prompt), .stream_index = stream_index, .candidates = config.candidates,
+          .keep = config.keep, .sampling = config.sampling, .schedule = config.schedule, .superres = true};
+}
+
+PipelineConfig Pipeline::config_of(const PromptRequest& request) const {
+  auto config = stages_->config;
+  config.candidates = request.candidates;
+  config.keep = request.keep;
+  config.sampling = request.sampling;
+  config.schedule = request.schedule;
+  if (!request.superres) config.superres.clear();
+  return config;
+}
+
+int64_t Pipeline::image_size(bool superres) const {
+  const auto& s = *stages_;
+  const auto decoded = s.mega ? s.mega->image_size() : s.decoder.image_size;
+  return superres && s.superres ? decoded * s.superres->config().scale : decoded;
+}
+
+void Pipeline::check(const PromptRequest& request) const { stages_->check(request, "pipeline"); }
+
+void Pipeline::Stages::check(const PromptRequest& request, const std::string& where) const {
+  check_prompt(request.prompt, where);
+  try {
+    auto changed = config;
+    changed.candidates = request.candidates;
+    changed.keep = request.keep;
+    changed.sampling = request.sampling;
+    changed.schedule = request.schedule;
+    check_config(changed);
+    if (mega) check_mega_fits(changed, mega->prior.config);
+    if (request.candidates < 1 || request.stream_index < 0 || request.stream_index > UINT32_MAX ||
+        request.candidates > UINT32_MAX) {
+      throw Error("pipeline: candidates must be at least 1, and it and stream_index fit the 32 bits of a "
+                  "sampling stream's halves");
+    }
+  } catch (const Error& error) {
+    if (where == "pipeline") throw;
+    throw Error(std::string(error.what()) + " (" + where.substr(std::string("pipeline: ").size()) + ")");
+  }
+}
+
 std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& prompts) {
-  auto& s = *stages_;
-  if (prompts.empty()) throw Error("pipeline: no prompts");
-  // Before any sampling: a prompt the sidecars cannot hold must not cost a run.
+  std::vector<PromptRequest> requests;
   for (size_t index = 0; index < prompts.size(); ++index) {
-    check_prompt(prompts[index], "pipeline: prompt " + std::to_string(index));
+    requests.push_back(request(prompts[index], static_cast<int64_t>(index)));
+  }
+  return generate(requests);
+}
+
+std::vector<GeneratedImage> Pipeline::generate(const std::vector<PromptRequest>& requests) {
+  auto& s = *stages_;
+  if (requests.empty()) throw Error("pipeline: no prompts");
+  // Before any sampling: a request the sidecars cannot hold must not cost a run.
+  for (size_t index = 0; index < requests.size(); ++index) {
+    s.check(requests[index], "pipeline: prompt " + std::to_string(index));
   }
   std::vector<torch::Tensor> captions, clip_captions;
-  for (size_t index = 0; index < prompts.size(); ++index) {
-    auto [ids, truncated] = s.caption(prompts[index]);
+  int64_t rows = 0;
+  for (size_t index = 0; index < requests.size(); ++index) {
+    auto [ids, truncated] = s.caption(requests[index].prompt);
     if (truncated) log::warn("pipeline: prompt ", index, " is longer than the prior's text and was cut");
     captions.push_back(std::move(ids));
-    if (s.clip) clip_captions.push_back(s.clip_caption(prompts[index], captions.back()));
+    if (s.clip) clip_captions.push_back(s.clip_caption(requests[index].prompt, captions.back()));
+    rows += requests[index].candidates;
   }
-  // Batches run across prompts; a prompt is reranked and upscaled once its last candidate is drawn.
-  const int64_t rows = static_cast<int64_t>(prompts.size()) * s.config.candidates;
   log::Progress progress("generate", rows * s.image_length());
-  std::vector<GeneratedImage> kept, candidates;
-  for (int64_t first = 0; first < rows; first += s.config.batch_size) {
-    for (auto& image : s.sample(first, std::min(s.config.batch_size, rows - first), prompts, captions, progress)) {
-      const auto prompt_index = static_cast<size_t>(image.prompt_index);
-      candidates.push_back(std::move(image));
-      if (static_cast<int64_t>(candidates.size()) < s.config.candidates) continue;
-      if (s.clip) s.rerank(candidates, clip_captions[prompt_index]);
-      candidates.resize(static_cast<size_t>(s.config.kept()));
-      if (s.superres) s.upscale(candidates);
-      for (auto& done : candidates) kept.push_back(std::move(done));
-      candidates.clear();
+  std::vector<GeneratedImage> kept;
+  // Batches run across a group's requests; a request is reranked and upscaled once its last
+  // candidate is drawn.
+  for (const auto& group : group_requests(requests, [&](const PromptRequest& r) { return s.batch_key(r); })) {
+    std::vector<Row> group_rows;
+    for (const auto index : group) {
+      for (int64_t candidate = 0; candidate < requests[index].candidates; ++candidate) {
+        group_rows.push_back({index, candidate});
+      }
+    }
+    std::map<size_t, std::vector<GeneratedImage>> pending;
+    for (size_t first = 0; first < group_rows.size(); first += static_cast<size_t>(s.config.batch_size)) {
+      const auto last = std::min(group_rows.size(), first + static_cast<size_t>(s.config.batch_size));
+      const std::vector<Row> batch(group_rows.begin() + static_cast<std::ptrdiff_t>(first),
+                                   group_rows.begin() + static_cast<std::ptrdiff_t>(last));
+      for (auto& image : s.sample(batch, requests, captions, progress)) {
+        const auto index = static_cast<size_t>(image.request);
+        auto& candidates = pending[index];
+        candidates.push_back(std::move(image));
+        if (static_cast<int64_t>(candidates.size()) < requests[index].candidates) continue;
+        s.finish(candidates, requests[index], s.clip ? clip_captions[index] : torch::Tensor());
+        for (auto& done : candidates) kept.push_back(std::move(done));
+        pending.erase(index);
+      }
     }
   }
   progress.finish();
+  // In the requests' order: groups may have finished them out of it.
+  std::stable_sort(kept.begin(), kept.end(),
+                   [](const GeneratedImage& a, const GeneratedImage& b) { return a.request < b.request; });
   return kept;
 }
 
@@ -494,9 +619,10 @@ void write_generation(const std::string& directory, const PipelineConfig& config
     char stem[64];
     std::snprintf(stem, sizeof stem, "%04lld-%02lld", static_cast<long long>(image.prompt_index),
                   static_cast<long long>(image.rank));
-    data::write_png((fs::path(directory) / (std::string(stem) + ".png")).string(), image.image);
-    io::write_file_atomic((fs::path(directory) / (std::string(stem) + ".json")).string(),
-                          sidecar(pipeline_settings, image).dump(2) + "\n");
+    const auto metadata = sidecar(pipeline_settings, image).dump(2) + "\n";
+    io::write_file_atomic((fs::path(directory) / (std::string(stem) + ".png")).string(),
+                          data::png_with_text(data::encode_png(image.image), kPngTextKeyword, metadata));
+    io::write_file_atomic((fs::path(directory) / (std::string(stem) + ".json")).string(), metadata);
     tiles.push_back(image.image);
     std::string label = image.prompt;
     if (image.clip_score) label += " (" + std::to_string(*image.clip_score).substr(0, 5) + ")";
@@ -504,6 +630,14 @@ void write_generation(const std::string& directory, const PipelineConfig& config
   }
   data::write_png((fs::path(directory) / "grid.png").string(),
                   data::make_grid(tiles, labels, {.columns = config.kept(), .tile_size = 128}));
+}
+
+std::string image_metadata(const PipelineConfig& config, const GeneratedImage& image) {
+  return sidecar(settings(config), image).dump(2) + "\n";
+}
+
+std::string encode_generated_png(const PipelineConfig& config, const GeneratedImage& image) {
+  return data::png_with_text(data::encode_png(image.image), kPngTextKeyword, image_metadata(config, image));
 }
 
 }  // namespace dalle::generate

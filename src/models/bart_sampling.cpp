@@ -32,7 +32,8 @@ torch::Tensor supercondition_weights(const torch::Tensor& logits, const BartSamp
 
 torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decoder, const torch::Tensor& captions,
                                        const BartSamplingOptions& options, const std::vector<uint64_t>& streams,
-                                       const std::function<void(int64_t, int64_t)>& on_token) {
+                                       const std::function<void(int64_t, int64_t)>& on_token,
+                                       const std::vector<int64_t>& row_seeds) {
   const auto& config = decoder->config();
   if (captions.dim() != 2 || captions.size(1) != config.text_length) {
     throw Error("BART sampling: expected captions [B, " + std::to_string(config.text_length) + "], got " +
@@ -64,7 +65,9 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
   // Drawn on the host, moved once: no copy to the device per step.
   const auto uniforms = options.torch_draws
                             ? torch::Tensor()
-                            : sampling_uniforms(options.seed, row_streams, config.image_length).to(device);
+                            : sampling_uniforms(seeds_of_rows(options.seed, row_seeds, images), row_streams,
+                                                config.image_length)
+                                  .to(device);
   if (options.torch_draws && options.seed > 0) torch::manual_seed(static_cast<uint64_t>(options.seed));
   auto previous = torch::full({images, 1}, config.codes - 1, rows.options());
   std::vector<torch::Tensor> codes;

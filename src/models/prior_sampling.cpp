@@ -61,16 +61,34 @@ torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, con
 }
 
 torch::Tensor sampling_uniforms(int64_t seed, const std::vector<uint64_t>& streams, int64_t positions) {
+  return sampling_uniforms(std::vector<int64_t>(streams.size(), seed), streams, positions);
+}
+
+torch::Tensor sampling_uniforms(const std::vector<int64_t>& seeds, const std::vector<uint64_t>& streams,
+                                int64_t positions) {
+  if (seeds.size() != streams.size()) {
+    throw Error("sampling: " + std::to_string(seeds.size()) + " seeds for " + std::to_string(streams.size()) +
+                " streams");
+  }
   auto uniforms = torch::empty({static_cast<int64_t>(streams.size()), positions}, torch::kFloat32);
   auto* out = uniforms.data_ptr<float>();
-  for (const uint64_t stream : streams) {
+  for (size_t row = 0; row < streams.size(); ++row) {
     for (int64_t position = 0; position < positions; ++position) {
       // The top 23 bits, centred in their interval: exact in float32 and never 0 or 1.
-      const uint64_t bits = mix_seed(static_cast<uint64_t>(seed), stream, static_cast<uint64_t>(position)) >> 41;
+      const uint64_t bits =
+          mix_seed(static_cast<uint64_t>(seeds[row]), streams[row], static_cast<uint64_t>(position)) >> 41;
       *out++ = (static_cast<float>(bits) + 0.5f) * 0x1p-23f;
     }
   }
   return uniforms;
+}
+
+std::vector<int64_t> seeds_of_rows(int64_t seed, const std::vector<int64_t>& row_seeds, int64_t rows) {
+  if (row_seeds.empty()) return std::vector<int64_t>(static_cast<size_t>(rows), seed);
+  if (static_cast<int64_t>(row_seeds.size()) != rows) {
+    throw Error("sampling: " + std::to_string(row_seeds.size()) + " seeds for " + std::to_string(rows) + " rows");
+  }
+  return row_seeds;
 }
 
 torch::Tensor draw_codes(const torch::Tensor& probabilities, const torch::Tensor& uniforms) {
@@ -124,7 +142,8 @@ void check_inputs(const PriorConfig& config, const torch::Tensor& captions, cons
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
                                   const ImagePrompt* prompt,
                                   const std::function<void(int64_t, int64_t)>& on_token,
-                                  const std::vector<uint64_t>& streams, const RowFilters* row_filters) {
+                                  const std::vector<uint64_t>& streams, const RowFilters* row_filters,
+                                  const std::vector<int64_t>& row_seeds) {
   const auto& config = prior->config();
   check_inputs(config, captions, prompt, streams);
   if (row_filters && (static_cast<int64_t>(row_filters->top_k.size()) != captions.size(0) ||
@@ -143,7 +162,7 @@ torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, c
     row_streams.resize(static_cast<size_t>(batch));
     std::iota(row_streams.begin(), row_streams.end(), uint64_t{0});
   }
-  const auto uniforms = sampling_uniforms(options.seed, row_streams, total).to(device);
+  const auto uniforms = sampling_uniforms(seeds_of_rows(options.seed, row_seeds, batch), row_streams, total).to(device);
   const auto known = prompt ? prompt->known.to(torch::kBool).cpu() : torch::Tensor();
   const auto prompt_tokens = prompt ? prompt->tokens.expand({batch, total}).to(device) : torch::Tensor();
 

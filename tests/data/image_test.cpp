@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <opencv2/imgcodecs.hpp>
+#include <zlib.h>
 
 #include "test_support.h"
 
@@ -23,6 +24,32 @@ TEST(Image, PngRoundTripIsExactFor8BitValues) {
   const auto read = read_image(dir / "x.png");
   EXPECT_EQ(read.sizes(), (std::vector<int64_t>{3, 17, 23}));
   EXPECT_TRUE(torch::allclose(read, image, 0, 1e-6));
+}
+
+TEST(Image, PngTextChunksCarryUtf8TextAndLeaveThePixelsAlone) {
+  const auto image = random_image(5, 7);
+  const std::string text = "{\"prompt\": \"a red bag on the left \u00e9\u4e2d\"}";
+  const auto png = png_with_text(encode_png(image), "dalle", text);
+  EXPECT_EQ(png_text(png, "dalle"), text);
+  EXPECT_EQ(png_text(png, "other"), std::nullopt);
+  EXPECT_EQ(png_text(encode_png(image), "dalle"), std::nullopt);
+  EXPECT_TRUE(torch::allclose(decode_image(png, "with text"), image, 0, 1e-6));
+  // Right after the header, with its length and CRC (libpng only warns about a bad CRC in a text chunk).
+  const auto at = png.find("iTXt");
+  ASSERT_EQ(at, 8u + 25u + 4u);
+  const auto big_endian = [&](size_t from) {
+    uint32_t value = 0;
+    for (size_t i = 0; i < 4; ++i) value = (value << 8) | static_cast<unsigned char>(png[from + i]);
+    return value;
+  };
+  const auto length = big_endian(at - 4);
+  EXPECT_EQ(length, 5 + 5 + text.size());
+  EXPECT_EQ(big_endian(at + 4 + length),
+            crc32(0, reinterpret_cast<const Bytef*>(png.data() + at), static_cast<uInt>(4 + length)));
+  EXPECT_THROW_WITH(png_with_text("not a png", "dalle", text), ImageError, "not a PNG");
+  EXPECT_THROW_WITH(png_with_text(encode_png(image), "", text), ImageError, "1 to 79");
+  EXPECT_THROW_WITH(png_text(png.substr(0, png.size() / 2), "x"), ImageError, "overruns");
+  EXPECT_THROW_WITH(png_text("GIF89a", "x"), ImageError, "not a PNG");
 }
 
 TEST(Image, ChannelOrderIsRgb) {

@@ -161,6 +161,83 @@ TEST(PipelineSchedule, EachCandidateDrawsWithItsStagesFilterInAnyBatch) {
   EXPECT_THROW_WITH(Pipeline{config}, Error, "schedule.top_k has 3 stages, schedule.top_p 2");
 }
 
+// Requests of different seeds, filters, candidate counts and guidance in one generate call:
+// each draws exactly what a pipeline configured with its settings draws for it alone, at
+// its own stream index (dalle-serve batches requests so; dalle-generate is the reference).
+TEST(PipelineRequests, EachRequestDrawsWhatAPipelineWithItsSettingsDraws) {
+  auto base = demo_pipeline(2);
+  base.batch_size = 3;  // batches that straddle requests
+  Pipeline pipeline(base);
+  auto with_seed = pipeline.request("a red bag on the left");
+  with_seed.sampling.seed = 11;
+  auto filtered = pipeline.request("a blue sneaker at the top", 1);
+  filtered.candidates = 3;
+  filtered.sampling.top_k = 20;
+  auto guided = pipeline.request("a red bag on the left");
+  guided.sampling.guidance_scale = 2.0;  // another batch group: two model calls per token
+  guided.sampling.seed = 11;
+  const auto together = pipeline.generate(std::vector<PromptRequest>{with_seed, guided, filtered});
+  ASSERT_EQ(together.size(), 7u);
+  const std::vector<int64_t> request_of_image = {0, 0, 1, 1, 2, 2, 2};
+  for (size_t i = 0; i < together.size(); ++i) EXPECT_EQ(together[i].request, request_of_image[i]) << i;
+
+  const auto alone = [&](const PromptRequest& request, int64_t index) {
+    auto config = pipeline.config_of(request);
+    std::vector<std::string> prompts(static_cast<size_t>(index), "a green dress");  // prompts before it
+    prompts.push_back(request.prompt);
+    auto images = Pipeline(config).generate(prompts);
+    images.erase(images.begin(), images.begin() + index * request.candidates);
+    return images;
+  };
+  size_t at = 0;
+  for (const auto& [request, index] : std::vector<std::pair<PromptRequest, int64_t>>{
+           {with_seed, 0}, {guided, 0}, {filtered, 1}}) {
+    for (const auto& expected : alone(request, index)) {
+      const auto& image = together.at(at++);
+      EXPECT_TRUE(torch::equal(image.tokens, expected.tokens)) << request.prompt << " candidate " << image.candidate;
+      EXPECT_EQ(image.seed, request.sampling.seed);
+      EXPECT_EQ(image.prompt_index, index);
+      EXPECT_EQ(image.top_k, request.sampling.top_k);
+    }
+  }
+  auto refused = with_seed;
+  refused.keep = 1;
+  EXPECT_THROW_WITH(pipeline.generate(std::vector<PromptRequest>{with_seed, refused}), Error,
+                    "keeping 1 of 2 candidates needs a CLIP model", "(prompt 1)");
+  refused = with_seed;
+  refused.prompt = " ";
+  EXPECT_THROW_WITH(pipeline.check(refused), Error, "pipeline: the prompt is blank");
+}
+
+// A request may skip super-resolution; every written PNG carries its sidecar's JSON.
+TEST(PipelineRequests, SuperResolutionPerRequestAndSettingsInThePng) {
+  auto config = demo_pipeline(1);
+  config.superres = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/superres";
+  Pipeline pipeline(config);
+  EXPECT_EQ(pipeline.image_size(false), 64);
+  EXPECT_EQ(pipeline.image_size(true), 128);
+  auto small = pipeline.request("a red bag on the left");
+  small.superres = false;
+  small.sampling.seed = 4;
+  const auto images = pipeline.generate(std::vector<PromptRequest>{pipeline.request("a red bag on the left"), small});
+  ASSERT_EQ(images.size(), 2u);
+  EXPECT_EQ(images[0].image.size(2), 128);
+  EXPECT_EQ(images[1].image.size(2), 64);
+  EXPECT_EQ(pipeline.config_of(small).superres, "");
+
+  const auto png = encode_generated_png(pipeline.config_of(small), images[1]);
+  const auto text = data::png_text(png, kPngTextKeyword);
+  ASSERT_TRUE(text.has_value());
+  EXPECT_EQ(*text, image_metadata(pipeline.config_of(small), images[1]));
+  EXPECT_NE(text->find("\"seed\": 4"), std::string::npos) << *text;
+  EXPECT_TRUE(torch::allclose(data::decode_image(png, "png"), images[1].image, 0, 1.0 / 255));
+
+  testing::ScratchDir dir;
+  write_generation(dir / "out", pipeline.config(), {images[0]});
+  EXPECT_EQ(data::png_text(testing::read_text(dir / "out/0000-00.png"), kPngTextKeyword),
+            testing::read_text(dir / "out/0000-00.json"));
+}
+
 // A random prior of ruDALL-E's layout at a tiny size, reading the YouTokenToMe fixture's ids
 // (600 of them, 32 per caption) and drawing for the demo's VQGAN.
 std::string random_rudalle_prior(const testing::ScratchDir& dir) {

@@ -67,6 +67,21 @@ TEST_F(PriorSampling, ARowDrawsTheSameTokensInAnyBatch) {
                     "2 streams for 3 captions");
 }
 
+TEST_F(PriorSampling, EachRowMayHaveItsOwnSeed) {
+  const SamplingOptions options{.top_k = 6, .seed = 0};
+  const auto together = sample_image_tokens(prior_, captions(3), options, nullptr, {}, {0, 5, 1}, nullptr, {7, 8, 7});
+  const std::vector<std::pair<int64_t, uint64_t>> seed_and_stream = {{7, 0}, {8, 5}, {7, 1}};
+  for (size_t row = 0; row < seed_and_stream.size(); ++row) {
+    auto alone_options = options;
+    alone_options.seed = seed_and_stream[row].first;
+    const auto alone = sample_image_tokens(prior_, captions(1), alone_options, nullptr, {}, {seed_and_stream[row].second});
+    EXPECT_TRUE(torch::equal(alone[0], together[static_cast<int64_t>(row)])) << "row " << row;
+  }
+  EXPECT_THROW_WITH(sample_image_tokens(prior_, captions(3), options, nullptr, {}, {}, nullptr, {1, 2}), Error,
+                    "2 seeds for 3 rows");
+  EXPECT_TRUE(torch::equal(sampling_uniforms(std::vector<int64_t>{4, 9}, {2, 3}, 16)[1], sampling_uniforms(9, {3}, 16)[0]));
+}
+
 TEST(SamplingUniforms, FixedPerSeedStreamAndPositionAndUniform) {
   const auto uniforms = sampling_uniforms(3, {0, 1, 1ull << 32}, 4096);
   EXPECT_EQ(uniforms.sizes(), (std::vector<int64_t>{3, 4096}));

@@ -4,6 +4,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -26,6 +27,15 @@ torch::Tensor decode_image(std::string_view bytes, const std::string& name);
 // Writes [3, H, W] or [1, H, W] values in [0, 1] (clamped) as 8-bit PNG, atomically.
 void write_png(const std::string& path, const torch::Tensor& image);
 std::string encode_png(const torch::Tensor& image);
+
+// PNG text chunks, so that an image carries how it was made (dalle-generate and dalle-serve
+// store the generation's JSON under "dalle"). `png` with an iTXt chunk (UTF-8 `text`, not
+// compressed) under `keyword` (1-79 printable Latin-1 characters) right after the header,
+// where readers look first.
+std::string png_with_text(std::string_view png, const std::string& keyword, std::string_view text);
+// The text of the first tEXt or uncompressed iTXt chunk of `png` under `keyword`; nothing when
+// there is none. A file that is not a PNG, or whose chunks overrun it, throws ImageError.
+std::optional<std::string> png_text(std::string_view png, const std::string& keyword);
 
 // Area-averaging when shrinking, bilinear when enlarging.
 torch::Tensor resize(const torch::Tensor& image, int64_t height, int64_t width);

@@ -65,8 +65,26 @@ inline constexpr const char* kModelFolderConfig = "generate.yaml";
 // The folder's pipeline config, its relative model paths made to point into the folder.
 PipelineConfig read_model_folder(const std::string& folder);
 
+// One prompt of a generate call with settings of its own, as dalle-serve's requests ask:
+// Pipeline::request(prompt) gives the config's. Prompts whose temperature, guidance scale
+// and use_cache agree share batches (for a BART prior, top_k too); the seed, filters,
+// candidates, keep and super-resolution may differ row by row, and a prompt's images are
+// what a pipeline configured with its settings draws for it at `stream_index`.
+struct PromptRequest {
+  std::string prompt;
+  int64_t stream_index = 0;  // candidate c draws sampling stream sampling_stream(stream_index, c) of sampling.seed
+  int64_t candidates = 4;    // N
+  int64_t keep = 0;          // K, the best by CLIP score; 0: all N
+  models::SamplingOptions sampling;
+  SamplingSchedule schedule;  // replaces sampling.top_k and top_p per candidate when not empty
+  bool superres = true;       // upscale, when the pipeline has a super-resolution model
+
+  int64_t kept() const { return keep == 0 ? candidates : keep; }
+};
+
 struct GeneratedImage {
-  int64_t prompt_index = 0;
+  int64_t request = 0;       // which of generate's prompts or requests it answers
+  int64_t prompt_index = 0;  // the prompt index of its sampling streams (the request's stream_index)
   std::string prompt;
   int64_t candidate = 0;  // which of the prompt's N samples
   int64_t rank = 0;       // 0 = best CLIP score; the sampling order without reranking
@@ -78,11 +96,18 @@ struct GeneratedImage {
   std::optional<double> clip_score;  // cosine similarity x CLIP's logit scale
 };
 
+// The key of the PNG text chunk (iTXt) in which every written image carries its sidecar JSON.
+inline constexpr const char* kPngTextKeyword = "dalle";
+
 // The sampling stream (models/prior_sampling.h) of candidate `candidate` of prompt `prompt_index`.
 inline uint64_t sampling_stream(int64_t prompt_index, int64_t candidate) {
   return (static_cast<uint64_t>(prompt_index) << 32) | static_cast<uint64_t>(candidate);
 }
 
+// One Pipeline is not safe to call from several threads at once: generate() runs the models
+// with the process's torch threads and one set of loaded weights, so concurrent calls would
+// only contend for the same cores. Callers with many clients (dalle-serve) queue their
+// requests to one thread, which batches them into one generate() call.
 class Pipeline {
  public:
   explicit Pipeline(PipelineConfig config);
@@ -95,6 +120,20 @@ class Pipeline {
   // sampling_stream(i, c) of sampling.seed, so its image does not depend on batch_size
   // or on the other prompts.
   std::vector<GeneratedImage> generate(const std::vector<std::string>& prompts);
+  // For each request, in order, its K images in rank order; each request is checked before
+  // anything is drawn. generate(prompts) is generate of request(prompts[i], i) for each i.
+  std::vector<GeneratedImage> generate(const std::vector<PromptRequest>& requests);
+
+  // The request the config makes of `prompt` at prompt index `stream_index`.
+  PromptRequest request(std::string prompt, int64_t stream_index = 0) const;
+  // The config as `request` changes it (candidates, keep, sampling, schedule, superres
+  // cleared when off): what its images' sidecars record.
+  PipelineConfig config_of(const PromptRequest& request) const;
+  // The side of the square images generate returns, with or without super-resolution
+  // (the same when the pipeline has none).
+  int64_t image_size(bool superres) const;
+  // Refuses, naming the field, what generate would refuse of `request`.
+  void check(const PromptRequest& request) const;
 
   // The config with every default resolved (tokenizer and decoder paths, device).
   const PipelineConfig& config() const;
@@ -107,7 +146,13 @@ class Pipeline {
 // Writes one PNG and one JSON sidecar per image (every setting, the prompt, seed, tokens,
 // score) as PPPP-RR.png/json (prompt, rank), and grid.png with a row per prompt. Every
 // file is written to a temporary name and renamed.
+// Each PNG carries its sidecar's JSON in an iTXt chunk under kPngTextKeyword.
 void write_generation(const std::string& directory, const PipelineConfig& config,
                       const std::vector<GeneratedImage>& images);
+
+// The JSON sidecar of `image` made with `config` (as write_generation writes it), as text.
+std::string image_metadata(const PipelineConfig& config, const GeneratedImage& image);
+// `image` as PNG carrying image_metadata(config, image) in its text chunk.
+std::string encode_generated_png(const PipelineConfig& config, const GeneratedImage& image);
 
 }  // namespace dalle::generate

@@ -35,10 +35,11 @@ torch::Tensor empty_captions(const torch::Tensor& captions);
 torch::Tensor supercondition_weights(const torch::Tensor& logits, const BartSamplingOptions& options);
 
 // Image tokens [B, image_length] for `captions` [B, text_length], one image each. Row b draws
-// from stream `streams[b]` (empty: b) unless options.torch_draws. `on_token(done, total)`
-// follows each position.
+// from stream `streams[b]` (empty: b) of seed `row_seeds[b]` (empty: options.seed) unless
+// options.torch_draws. `on_token(done, total)` follows each position.
 torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decoder, const torch::Tensor& captions,
                                        const BartSamplingOptions& options, const std::vector<uint64_t>& streams = {},
-                                       const std::function<void(int64_t, int64_t)>& on_token = {});
+                                       const std::function<void(int64_t, int64_t)>& on_token = {},
+                                       const std::vector<int64_t>& row_seeds = {});
 
 }  // namespace dalle::models

@@ -50,17 +50,25 @@ torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, con
 // The draws of `streams` under `seed`: [streams, positions] float32, uniform in (0, 1),
 // computed on the host with integer arithmetic, the same on every machine.
 torch::Tensor sampling_uniforms(int64_t seed, const std::vector<uint64_t>& streams, int64_t positions);
+// The same with a seed per stream (dalle-serve batches requests of different seeds): row r
+// is exactly row 0 of sampling_uniforms(seeds[r], {streams[r]}, positions).
+torch::Tensor sampling_uniforms(const std::vector<int64_t>& seeds, const std::vector<uint64_t>& streams,
+                                int64_t positions);
+// Each row's seed: `row_seeds` when given (one per row, checked), else `seed` for all `rows`.
+std::vector<int64_t> seeds_of_rows(int64_t seed, const std::vector<int64_t>& row_seeds, int64_t rows);
 
 // One code per row of `probabilities` [B, classes] (rows need not sum to 1): the code whose
 // interval of the cumulative sum holds `uniforms` [B]. A code of probability 0 is never drawn.
 torch::Tensor draw_codes(const torch::Tensor& probabilities, const torch::Tensor& uniforms);
 
 // captions [B, text_length] (0 = padding) -> image tokens [B, grid, grid]. Row b draws from
-// stream `streams[b]` (empty: stream b), filtered by `row_filters` in place of the options'
-// top_k and top_p when given. `on_token` is called after each image position (for progress).
+// stream `streams[b]` (empty: stream b) of seed `row_seeds[b]` (empty: options.seed), filtered
+// by `row_filters` in place of the options' top_k and top_p when given. `on_token` is called
+// after each image position (for progress).
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
                                   const ImagePrompt* prompt = nullptr,
                                   const std::function<void(int64_t done, int64_t total)>& on_token = {},
-                                  const std::vector<uint64_t>& streams = {}, const RowFilters* row_filters = nullptr);
+                                  const std::vector<uint64_t>& streams = {}, const RowFilters* row_filters = nullptr,
+                                  const std::vector<int64_t>& row_seeds = {});
 
 }  // namespace dalle::models

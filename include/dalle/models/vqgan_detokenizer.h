@@ -20,6 +20,7 @@ class VqganDetokenizerImpl : public torch::nn::Module {
   explicit VqganDetokenizerImpl(const VqganConfig& config);
   // Tokens [B, side * side] -> images [B, 3, side * f, side * f] in [0, 1].
   torch::Tensor forward(const torch::Tensor& tokens);
+  const VqganConfig& config() const { return config_; }
 
   torch::nn::Embedding embedding{nullptr};
   torch::nn::Conv2d post_quant_conv{nullptr};

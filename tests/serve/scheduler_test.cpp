@@ -1,0 +1,143 @@
+#include "serve/scheduler.h"
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <future>
+
+#include "test_support.h"
+
+namespace dalle::serve {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// A stand-in for Pipeline::generate: records each call's requests, takes `delay`, and
+// returns kept() images per request whose pixel value is the request's seed.
+struct FakeModel {
+  std::chrono::milliseconds delay{0};
+  std::mutex mutex;
+  std::vector<std::vector<std::string>> calls;
+  std::promise<void> first_call_started;
+  std::atomic<bool> started{false};
+
+  std::vector<generate::GeneratedImage> operator()(const std::vector<generate::PromptRequest>& requests) {
+    {
+      std::lock_guard lock(mutex);
+      calls.emplace_back();
+      for (const auto& request : requests) calls.back().push_back(request.prompt);
+    }
+    if (!started.exchange(true)) first_call_started.set_value();
+    std::this_thread::sleep_for(delay);
+    std::vector<generate::GeneratedImage> images;
+    for (size_t index = 0; index < requests.size(); ++index) {
+      if (requests[index].prompt == "fail") throw Error("the model failed");
+      for (int64_t rank = 0; rank < requests[index].kept(); ++rank) {
+        generate::GeneratedImage image;
+        image.request = static_cast<int64_t>(index);
+        image.rank = rank;
+        image.image = torch::full({3, 2, 2}, static_cast<double>(requests[index].sampling.seed));
+        images.push_back(std::move(image));
+      }
+    }
+    return images;
+  }
+};
+
+generate::PromptRequest request(const std::string& prompt, int64_t seed = 0, int64_t candidates = 1) {
+  return {.prompt = prompt, .candidates = candidates, .sampling = {.seed = seed}};
+}
+
+Scheduler::Generate through(FakeModel& model) {
+  return [&model](const std::vector<generate::PromptRequest>& requests) { return model(requests); };
+}
+
+const auto kNever = Clock::now() + std::chrono::hours(1);
+
+TEST(Scheduler, RequestsArrivingTogetherShareOneGenerateCall) {
+  FakeModel model;
+  Scheduler scheduler(through(model), {.max_queue = 8, .batch_window = 200ms, .batch_rows = 8});
+  Scheduler::Refusal refusal;
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (int64_t seed = 1; seed <= 3; ++seed) jobs.push_back(scheduler.submit(request("p", seed, 2), refusal));
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ASSERT_TRUE(scheduler.wait(jobs[i], kNever, {}));
+    ASSERT_EQ(jobs[i]->images.size(), 2u) << "keep 0: all candidates";
+    EXPECT_EQ(jobs[i]->images[0].image[0][0][0].item<double>(), static_cast<double>(i + 1)) << "its own images";
+    EXPECT_EQ(jobs[i]->batched_with, 3);
+  }
+  ASSERT_EQ(model.calls.size(), 1u);
+  // A batch takes at most batch_rows candidates (but always one request).
+  for (int64_t seed = 1; seed <= 3; ++seed) jobs[static_cast<size_t>(seed - 1)] = scheduler.submit(request("q", seed, 4), refusal);
+  jobs.push_back(scheduler.submit(request("big", 9, 20), refusal));
+  for (const auto& job : jobs) ASSERT_TRUE(scheduler.wait(job, kNever, {}));
+  ASSERT_EQ(model.calls.size(), 4u);
+  EXPECT_EQ(model.calls[1].size(), 2u);
+  EXPECT_EQ(model.calls[2].size(), 1u);
+  EXPECT_EQ(model.calls[3], std::vector<std::string>{"big"});
+}
+
+TEST(Scheduler, AFullQueueRefusesAtOnceAndAGivenUpRequestFreesItsPlace) {
+  FakeModel model;
+  model.delay = 300ms;
+  Scheduler scheduler(through(model), {.max_queue = 2, .batch_window = 0ms, .batch_rows = 1});
+  Scheduler::Refusal refusal;
+  const auto running = scheduler.submit(request("running"), refusal);
+  model.first_call_started.get_future().wait();
+  const auto waiting = scheduler.submit(request("waiting"), refusal);
+  const auto leaving = scheduler.submit(request("leaving"), refusal);
+  ASSERT_TRUE(waiting && leaving);
+  EXPECT_EQ(scheduler.queued(), 2);
+  const auto start = Clock::now();
+  EXPECT_EQ(scheduler.submit(request("refused"), refusal), nullptr);
+  EXPECT_EQ(refusal, Scheduler::Refusal::queue_full);
+  EXPECT_LT(Clock::now() - start, 50ms) << "refused at once, not after the running batch";
+
+  // A client that leaves (or times out) frees its place in the queue.
+  EXPECT_FALSE(scheduler.wait(leaving, kNever, [] { return true; }));
+  EXPECT_EQ(scheduler.queued(), 1);
+  EXPECT_NE(scheduler.submit(request("admitted"), refusal), nullptr);
+  EXPECT_FALSE(scheduler.wait(waiting, Clock::now() + 10ms, {})) << "the deadline passes first";
+  EXPECT_TRUE(scheduler.wait(running, kNever, {}));
+  scheduler.drain();
+  for (const auto& call : model.calls) {
+    EXPECT_NE(call.front(), "leaving");
+    EXPECT_NE(call.front(), "waiting");
+  }
+}
+
+TEST(Scheduler, DrainingRefusesNewRequestsAndFinishesAdmittedOnes) {
+  FakeModel model;
+  model.delay = 100ms;
+  Scheduler scheduler(through(model), {.max_queue = 4, .batch_window = 0ms, .batch_rows = 1});
+  Scheduler::Refusal refusal;
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (int64_t seed = 0; seed < 3; ++seed) jobs.push_back(scheduler.submit(request("p", seed), refusal));
+  auto drained = std::async(std::launch::async, [&] { scheduler.drain(); });
+  while (!scheduler.draining()) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(scheduler.submit(request("late"), refusal), nullptr);
+  EXPECT_EQ(refusal, Scheduler::Refusal::draining);
+  drained.get();
+  for (const auto& job : jobs) EXPECT_EQ(job->state, Job::State::done);
+  EXPECT_EQ(model.calls.size(), 3u);
+}
+
+TEST(Scheduler, AFailedCallFailsItsRequestsAndTheWorkerGoesOn) {
+  FakeModel model;
+  Scheduler scheduler(through(model), {.max_queue = 4, .batch_window = 100ms, .batch_rows = 8});
+  Scheduler::Refusal refusal;
+  const auto failing = scheduler.submit(request("fail"), refusal);
+  const auto with_it = scheduler.submit(request("ok"), refusal);
+  ASSERT_TRUE(scheduler.wait(failing, kNever, {}));
+  ASSERT_TRUE(scheduler.wait(with_it, kNever, {}));
+  EXPECT_EQ(failing->error, "the model failed");
+  EXPECT_EQ(with_it->error, "the model failed");
+  const auto after = scheduler.submit(request("ok"), refusal);
+  ASSERT_TRUE(scheduler.wait(after, kNever, {}));
+  EXPECT_TRUE(after->error.empty());
+  EXPECT_EQ(after->images.size(), 1u);
+}
+
+}  // namespace
+}  // namespace dalle::serve

@@ -1,0 +1,384 @@
+#!/usr/bin/env python3
+"""Serve: dalle-serve with the demo models (models/fashion-compose), driven as its users will.
+
+Usage: serve_test.py SOURCE_DIR TOOLS_DIR  (ctest runs it with the project's venv, which has
+the pinned `openai` package)
+
+- OpenAI's own client generates (b64_json and url); the PNGs have the asked size and carry
+  their settings in the "dalle" text chunk, and they are dalle-generate's images for the same
+  prompt and seed; requests sent together are batched and draw what each draws alone.
+- Every error path (malformed JSON, wrong types, a 10 MB body, a chunked body over the limit,
+  n=0 and huge, an unknown model, a wrong or missing key, an unknown URL) is an OpenAI-style
+  JSON error with its status, and the server still serves afterwards.
+- A full queue answers 429 at once; a client that leaves frees its place in the queue.
+- SIGTERM drains: a new request gets 503, those in flight get their images, exit status 0.
+
+Each server listens on 127.0.0.1 at a free port (port 0, read from its log). Every HTTP call
+has a timeout and the whole test an alarm, so a hung server fails the test instead of
+hanging it; servers are killed on the way out.
+"""
+import base64
+import concurrent.futures
+import http.client
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import zlib
+
+import openai
+
+SOURCE, TOOLS = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+MODEL = SOURCE / "models" / "fashion-compose"
+MODEL_ID = "fashion-compose"
+KEY = "test-key-0123456789"
+CALL_TIMEOUT = 120  # seconds, any one HTTP call
+PROMPT = "a red sandal on the right"
+# Few candidates and no super-resolution, unless a test needs them: the test stays quick.
+QUICK = {"candidates": 2, "superres": False}
+
+
+def fail(message):
+    sys.exit(f"FAILED: {message}")
+
+
+def check(condition, message):
+    if not condition:
+        fail(message)
+
+
+class Server:
+    """dalle-serve on a free port of 127.0.0.1; its log is kept for messages."""
+
+    def __init__(self, *arguments):
+        command = [str(TOOLS / "dalle-serve"), "--model", str(MODEL), "--port", "0", "--threads", "1", *arguments]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        self.port = None
+        found = threading.Event()
+
+        def read_log():
+            for line in self.process.stdout:
+                self.lines.append(line)
+                match = re.search(r"at http://127\.0\.0\.1:(\d+)/", line)
+                if match and self.port is None:
+                    self.port = int(match.group(1))
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read_log, daemon=True).start()
+        if not found.wait(120) or self.port is None:
+            self.kill()
+            fail(f"dalle-serve did not start: {' '.join(command)}\n{self.log()}")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def log(self):
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.kill()
+
+
+def call(server, method, path, body=None, headers=None, key=KEY):
+    """(status, parsed JSON or raw bytes) of one HTTP call."""
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    request = urllib.request.Request(server.url + path, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
+    try:
+        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT) as response:
+            status, payload, kind = response.status, response.read(), response.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as error:
+        status, payload, kind = error.code, error.read(), error.headers.get("Content-Type", "")
+    return status, json.loads(payload) if kind.startswith("application/json") else payload
+
+
+def generate(server, fields, key=KEY):
+    return call(server, "POST", "/v1/images/generations", fields, key=key)
+
+
+def expect_error(server, what, answer, status, code=None, param=None):
+    got_status, body = answer
+    check(got_status == status, f"{what}: status {got_status}, expected {status}: {body}")
+    check(isinstance(body, dict) and set(body) == {"error"}, f"{what}: not an OpenAI error body: {body}")
+    error = body["error"]
+    check(set(error) == {"message", "type", "param", "code"} and error["message"], f"{what}: error fields {error}")
+    if code is not None:
+        check(error["code"] == code, f"{what}: code {error['code']}, expected {code}")
+    if param is not None:
+        check(error["param"] == param, f"{what}: param {error['param']}, expected {param}")
+    return error
+
+
+def png_chunks(png):
+    """[(type, data)] of a PNG, checking its signature and every CRC."""
+    check(png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG")
+    chunks, at = [], 8
+    while at < len(png):
+        length, kind = struct.unpack(">I4s", png[at:at + 8])
+        data = png[at + 8:at + 8 + length]
+        (crc,) = struct.unpack(">I", png[at + 8 + length:at + 12 + length])
+        check(zlib.crc32(kind + data) == crc, f"bad CRC in {kind}")
+        chunks.append((kind.decode(), data))
+        at += 12 + length
+    return chunks
+
+
+def png_facts(png):
+    """(width, height, the "dalle" iTXt chunk's JSON, the pixels' compressed stream)."""
+    chunks = png_chunks(png)
+    width, height = struct.unpack(">II", chunks[0][1][:8])
+    settings = None
+    for kind, data in chunks:
+        if kind == "iTXt" and data.startswith(b"dalle\0"):
+            # keyword, 0, compression flag 0, method, language "", 0, translated "", 0, text
+            check(data[6:7] == b"\0", "compressed text chunk")
+            settings = json.loads(data[len(b"dalle\0\0\0\0\0"):].decode())
+    pixels = b"".join(data for kind, data in chunks if kind == "IDAT")
+    return width, height, settings, zlib.decompress(pixels)
+
+
+def generated_by_dalle_generate(out, seed, candidates, n, superres):
+    """dalle-generate's PNGs for PROMPT with these settings, in rank order."""
+    command = [TOOLS / "dalle-generate", PROMPT, "--model", MODEL, "--out", out, "-n", candidates, "--keep", n,
+               "--seed", seed, "--threads", "1"]
+    if not superres:
+        command += ["--set", 'superres=""']
+    result = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=300)
+    check(result.returncode == 0, f"dalle-generate failed: {result.stdout}{result.stderr}")
+    return [(pathlib.Path(out) / f"0000-{rank:02d}.png").read_bytes() for rank in range(n)]
+
+
+def test_openai_client(server, scratch):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=CALL_TIMEOUT)
+    check([model.id for model in client.models.list()] == [MODEL_ID], "GET /v1/models lists the served model")
+    answer = client.images.generate(model=MODEL_ID, prompt=PROMPT, n=2, size="64x64", response_format="b64_json",
+                                    extra_body={"seed": 7, "candidates": 2})
+    check(abs(answer.created - time.time()) < 600, f"created {answer.created}")
+    check(len(answer.data) == 2, f"{len(answer.data)} images for n=2")
+    pngs = [base64.b64decode(image.b64_json) for image in answer.data]
+    expected = generated_by_dalle_generate(scratch / "generate", seed=7, candidates=2, n=2, superres=False)
+    for rank, (png, reference) in enumerate(zip(pngs, expected)):
+        check(answer.data[rank].revised_prompt is None, "no revised_prompt")
+        width, height, settings, pixels = png_facts(png)
+        check((width, height) == (64, 64), f"image {rank} is {width}x{height}, asked 64x64")
+        check(settings is not None, f"image {rank} has no dalle text chunk")
+        check(settings["prompt"] == PROMPT and settings["seed"] == 7 and settings["rank"] == rank,
+              f"image {rank}'s settings: {settings}")
+        check(settings["pipeline"]["candidates"] == "2" and settings["pipeline"]["keep"] == "2"
+              and settings["pipeline"]["superres"] == "", f"image {rank}'s pipeline settings: {settings['pipeline']}")
+        _, _, reference_settings, reference_pixels = png_facts(reference)
+        check(pixels == reference_pixels, f"image {rank} differs from dalle-generate's with the same prompt and seed")
+        check(settings == reference_settings, f"image {rank}'s settings differ from dalle-generate's:\n"
+                                              f"{settings}\n{reference_settings}")
+    # By URL, at the model's full size (with super-resolution).
+    answer = client.images.generate(prompt=PROMPT, n=1, response_format="url", extra_body={"candidates": 2})
+    url = answer.data[0].url
+    check(url.startswith(server.url + "/v1/images/") and url.endswith(".png"), f"url {url}")
+    with urllib.request.urlopen(url, timeout=CALL_TIMEOUT) as response:
+        check(response.headers["Content-Type"] == "image/png", "an image/png")
+        width, height, settings, _ = png_facts(response.read())
+    check((width, height) == (128, 128) and settings["pipeline"]["superres"].endswith("superres"),
+          f"the URL's image is {width}x{height}")
+    expect_error(server, "an unknown image id", call(server, "GET", "/v1/images/" + "0" * 32 + ".png"), 404)
+    # OpenAI's client raises its own exception types for the errors.
+    for bad, exception in (({"model": "dall-e-3"}, openai.NotFoundError), ({"size": "1024x1024"}, openai.BadRequestError)):
+        try:
+            client.images.generate(prompt=PROMPT, **bad)
+            fail(f"{bad} was accepted")
+        except exception:
+            pass
+    try:
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).images.generate(prompt=PROMPT)
+        fail("a wrong key was accepted")
+    except openai.AuthenticationError:
+        pass
+
+
+def test_batching(server):
+    """Requests sent together share generate calls and draw what each draws alone."""
+    fields = [{"prompt": prompt, "seed": seed, "response_format": "b64_json", **QUICK}
+              for prompt, seed in (("a red bag on the left", 1), ("a blue sneaker at the top", 2), (PROMPT, 3))]
+    with concurrent.futures.ThreadPoolExecutor(len(fields)) as pool:
+        together = list(pool.map(lambda body: generate(server, body), fields))
+    alone = [generate(server, body) for body in fields]
+    for (status, body), (alone_status, alone_body) in zip(together, alone):
+        check(status == 200 and alone_status == 200, f"statuses {status}, {alone_status}: {body}")
+        check(png_facts(base64.b64decode(body["data"][0]["b64_json"]))[3]
+              == png_facts(base64.b64decode(alone_body["data"][0]["b64_json"]))[3],
+              "a request batched with others draws what it draws alone")
+    check(re.search(r"generated with [12] other requests", server.log()), f"no batch formed:\n{server.log()}")
+
+
+def chunked_post(server, size):
+    """Status of a POST whose body of `size` bytes is sent in chunks (no Content-Length)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CALL_TIMEOUT)
+    chunks = (b"x" * 65536 for _ in range(size // 65536))
+    try:
+        connection.request("POST", "/v1/images/generations", body=chunks, encode_chunked=True,
+                           headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    except (BrokenPipeError, ConnectionResetError):
+        return None, None  # the server stopped reading: allowed, once it answered
+    finally:
+        connection.close()
+
+
+def test_errors(server):
+    expect_error(server, "malformed JSON", generate(server, b'{"prompt": "a red'), 400, "invalid_json")
+    expect_error(server, "not an object", generate(server, b'["a red bag"]'), 400, "invalid_json")
+    expect_error(server, "no prompt", generate(server, {"n": 1}), 400, "missing_required_parameter", "prompt")
+    expect_error(server, "prompt a number", generate(server, {"prompt": 3}), 400, "invalid_type", "prompt")
+    expect_error(server, "n a string", generate(server, {"prompt": PROMPT, "n": "2"}), 400, "invalid_type", "n")
+    expect_error(server, "superres a string", generate(server, {"prompt": PROMPT, "superres": "no"}), 400,
+                 "invalid_type", "superres")
+    expect_error(server, "n=0", generate(server, {"prompt": PROMPT, "n": 0}), 400, "invalid_value", "n")
+    expect_error(server, "n huge", generate(server, {"prompt": PROMPT, "n": 10**12}), 400, "invalid_value", "n")
+    expect_error(server, "a size it does not make", generate(server, {"prompt": PROMPT, "size": "256x256"}), 400,
+                 "invalid_value", "size")
+    expect_error(server, "a prompt too long", generate(server, {"prompt": "a" * 1001}), 400,
+                 "string_above_max_length", "prompt")
+    expect_error(server, "a 10 MB body", generate(server, b"{" + b" " * (10 << 20) + b"}"), 413, "request_too_large")
+    status, body = chunked_post(server, 4 << 20)
+    if status is not None:
+        expect_error(server, "a chunked 4 MB body", (status, body), 413, "request_too_large")
+    expect_error(server, "an unknown model", generate(server, {"prompt": PROMPT, "model": "dall-e-2"}), 404,
+                 "model_not_found", "model")
+    expect_error(server, "a wrong key", generate(server, {"prompt": PROMPT}, key="not-the-key"), 401,
+                 "invalid_api_key")
+    expect_error(server, "no key", generate(server, {"prompt": PROMPT}, key=None), 401, "invalid_api_key")
+    expect_error(server, "no key for the model list", call(server, "GET", "/v1/models", key=None), 401)
+    expect_error(server, "an unknown URL", call(server, "GET", "/v1/nothing"), 404)
+    # Still serving, with every answer counted.
+    status, body = generate(server, {"prompt": PROMPT, "response_format": "b64_json", **QUICK})
+    check(status == 200 and len(body["data"]) == 1, f"after the errors: {status} {body}")
+    status, health = call(server, "GET", "/health", key=None)
+    check(status == 200 and health["status"] == "ok", f"health {status} {health}")
+    status, metrics = call(server, "GET", "/metrics", key=None)
+    metrics = metrics.decode()
+    for line in ('dalle_http_requests_total{endpoint="/v1/images/generations",status="400"}',
+                 'dalle_http_requests_total{endpoint="/v1/images/generations",status="413"}',
+                 'dalle_http_requests_total{endpoint="/v1/images/generations",status="401"}',
+                 'dalle_http_requests_total{endpoint="/v1/images/generations",status="200"}',
+                 "dalle_queue_depth 0", "dalle_images_generated_total", "dalle_images_per_second",
+                 'dalle_image_request_seconds_bucket{le="+Inf"}', "dalle_image_request_seconds_count"):
+        check(line in metrics, f"/metrics lacks {line}:\n{metrics}")
+    status, page = call(server, "GET", "/", key=None)
+    check(status == 200 and b"/v1/images/generations" in page, "the web page")
+
+
+def wait_for(server, what, condition, seconds=60):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        health = call(server, "GET", "/health", key=None)[1]
+        if condition(health):
+            return health
+        time.sleep(0.02)
+    fail(f"waited {seconds} s for {what}: {health}\n{server.log()}")
+
+
+# Slow enough (about 2 s) to hold the model while the test queues others: 64 guided candidates.
+SLOW = {"prompt": PROMPT, "candidates": 64, "superres": False, "response_format": "b64_json"}
+
+
+def test_queue(server):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = pool.submit(generate, server, SLOW, None)
+        wait_for(server, "the slow request to run", lambda health: health["generating"] == 1)
+        # A client that leaves while queued frees its place.
+        leaving = socket.create_connection(("127.0.0.1", server.port), timeout=CALL_TIMEOUT)
+        body = json.dumps({"prompt": PROMPT, **QUICK}).encode()
+        leaving.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(server, "the request to queue", lambda health: health["queued"] == 1)
+        expect_error(server, "a full queue", generate(server, {"prompt": PROMPT, **QUICK}, key=None), 429,
+                     "rate_limit_exceeded")
+        leaving.close()
+        wait_for(server, "the client that left to free its place", lambda health: health["queued"] == 0, 10)
+        admitted = pool.submit(generate, server, {"prompt": PROMPT, **QUICK}, None)
+        check(running.result(CALL_TIMEOUT)[0] == 200, "the slow request")
+        check(admitted.result(CALL_TIMEOUT)[0] == 200, "the request admitted after the client left")
+    check("a client left before its images were ready" in server.log(), f"no word of the client that left")
+
+
+def test_drain(server):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(generate, server, SLOW, None)
+        wait_for(server, "the slow request to run", lambda health: health["generating"] == 1)
+        queued = pool.submit(generate, server, {"prompt": PROMPT, **QUICK}, None)
+        wait_for(server, "a request to queue", lambda health: health["queued"] == 1)
+        server.process.send_signal(signal.SIGTERM)
+        wait_for(server, "draining", lambda health: health["status"] == "draining")
+        expect_error(server, "a request while draining", generate(server, {"prompt": PROMPT, **QUICK}, key=None),
+                     503, "server_shutting_down")
+        check(running.result(CALL_TIMEOUT)[0] == 200, "the running request is answered")
+        check(queued.result(CALL_TIMEOUT)[0] == 200, "the queued request is answered")
+    try:
+        code = server.process.wait(60)
+    except subprocess.TimeoutExpired:
+        fail(f"dalle-serve did not exit after draining:\n{server.log()}")
+    check(code == 0, f"dalle-serve exited {code} after SIGTERM:\n{server.log()}")
+
+
+def test_bad_command_lines():
+    for arguments, message in ((["--model", MODEL, "--port", "70000"], "--port"),
+                               (["--model", MODEL, "--set", "max_queue=0"], "max_queue"),
+                               (["--model", MODEL, "--api-key-file", "/nonexistent/key"], "api_key_file")):
+        result = subprocess.run([str(TOOLS / "dalle-serve"), *map(str, arguments)], capture_output=True, text=True,
+                                timeout=120)
+        check(result.returncode != 0 and message in result.stderr,
+              f"{arguments}: exit {result.returncode}, {result.stderr}")
+    result = subprocess.run([str(TOOLS / "dalle-serve"), "--help"], capture_output=True, text=True, timeout=60)
+    check(result.returncode == 0 and "--api-key-file" in result.stdout, "--help")
+    # The shipped config reads; it gives the pipeline, so --model may not.
+    shipped = SOURCE / "configs" / "serve" / "fashion-compose.yaml"
+    result = subprocess.run([str(TOOLS / "dalle-serve"), "--config", str(shipped), "--print-config"],
+                            capture_output=True, text=True, timeout=60, cwd=SOURCE)
+    check(result.returncode == 0 and "model_id: \"fashion-compose\"" in result.stdout, f"{shipped}: {result.stderr}")
+    result = subprocess.run([str(TOOLS / "dalle-serve"), "--config", str(shipped), "--model", str(MODEL)],
+                            capture_output=True, text=True, timeout=60)
+    check(result.returncode == 2 and "both give the pipeline" in result.stderr, f"--config and --model: {result.stderr}")
+
+
+def main():
+    # A hung server fails the test here rather than holding ctest until its timeout.
+    signal.signal(signal.SIGALRM, lambda *_: fail("the test took over 480 s: a server hung"))
+    signal.alarm(480)
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = pathlib.Path(scratch)
+        (scratch / "key").write_text(KEY + "\n")
+        test_bad_command_lines()
+        with Server("--api-key-file", scratch / "key", "--set", "batch_window_ms=300") as server:
+            test_openai_client(server, scratch)
+            test_batching(server)
+            test_errors(server)
+        with Server("--set", "max_queue=1", "--set", "batch_window_ms=0") as server:
+            test_queue(server)
+            test_drain(server)
+    print("serve_test: all passed")
+
+
+if __name__ == "__main__":
+    main()

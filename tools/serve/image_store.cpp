@@ -1,0 +1,47 @@
+#include "serve/image_store.h"
+
+#include <cstdio>
+#include <utility>
+
+namespace dalle::serve {
+
+using Clock = std::chrono::steady_clock;
+
+ImageStore::ImageStore(std::chrono::seconds lifetime, int64_t capacity) : lifetime_(lifetime), capacity_(capacity) {}
+
+std::string ImageStore::new_id() {
+  std::string id;
+  for (int word = 0; word < 4; ++word) {
+    char hex[9];
+    std::snprintf(hex, sizeof hex, "%08x", static_cast<unsigned>(entropy_()));
+    id += hex;
+  }
+  return id;
+}
+
+void ImageStore::forget_expired(Clock::time_point now) {
+  while (!expiry_.empty() &&
+         (expiry_.front().first <= now || static_cast<int64_t>(expiry_.size()) > capacity_)) {
+    images_.erase(expiry_.front().second);
+    expiry_.pop_front();
+  }
+}
+
+std::string ImageStore::put(std::string png) {
+  std::lock_guard lock(mutex_);
+  auto id = new_id();
+  images_.emplace(id, std::move(png));
+  expiry_.emplace_back(Clock::now() + lifetime_, id);
+  forget_expired(Clock::now());
+  return id;
+}
+
+std::optional<std::string> ImageStore::get(const std::string& id) {
+  std::lock_guard lock(mutex_);
+  forget_expired(Clock::now());
+  const auto at = images_.find(id);
+  if (at == images_.end()) return std::nullopt;
+  return at->second;
+}
+
+}  // namespace dalle::serve

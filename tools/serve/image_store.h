@@ -1,0 +1,37 @@
+#pragma once
+// The PNGs of requests that asked for `response_format: url`, served at
+// GET /v1/images/<id>.png until they expire or, when the store is full, until newer ones push
+// the oldest out. Ids are 128 random bits: knowing one is the permission to fetch it, as
+// OpenAI's signed image URLs are.
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+
+namespace dalle::serve {
+
+class ImageStore {
+ public:
+  ImageStore(std::chrono::seconds lifetime, int64_t capacity);
+  // Keeps `png` and returns its id (32 hexadecimal digits).
+  std::string put(std::string png);
+  // The PNG under `id`, unless it expired or was pushed out.
+  std::optional<std::string> get(const std::string& id);
+
+ private:
+  void forget_expired(std::chrono::steady_clock::time_point now);  // holds the lock
+  std::string new_id();
+
+  std::chrono::seconds lifetime_;
+  int64_t capacity_;
+  std::mutex mutex_;
+  std::map<std::string, std::string> images_;
+  std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> expiry_;  // oldest first
+  std::random_device entropy_;
+};
+
+}  // namespace dalle::serve

@@ -1,0 +1,81 @@
+#pragma once
+// The queue between dalle-serve's connections and its one model: connections submit
+// requests, one worker thread takes what has queued (after a short window, so that requests
+// arriving together run together) and runs it through one Pipeline::generate call, which
+// batches their candidates. The queue is bounded: a request beyond it is refused at once.
+// One worker, because a Pipeline is not safe to call from several threads (and concurrent
+// calls would only contend for the same cores); batching is what serves many clients.
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dalle/generate/pipeline.h"
+
+namespace dalle::serve {
+
+// One request's passage through the queue. Its fields after `request` are the scheduler's,
+// read by the submitter once wait() says the job is done.
+struct Job {
+  generate::PromptRequest request;
+  std::chrono::steady_clock::time_point admitted;
+  std::vector<generate::GeneratedImage> images;  // its images, rank order
+  std::string error;                             // why it failed; empty: it did not
+  double generation_seconds = 0;                 // of the generate call it was part of
+  int64_t batched_with = 0;                      // requests in that call, itself included
+  enum class State { queued, running, done, abandoned } state = State::queued;
+};
+
+class Scheduler {
+ public:
+  using Generate = std::function<std::vector<generate::GeneratedImage>(const std::vector<generate::PromptRequest>&)>;
+  struct Options {
+    int64_t max_queue = 16;                   // queued (not running) jobs at most
+    std::chrono::milliseconds batch_window{20};
+    int64_t batch_rows = 32;                  // candidates per generate call, unless one request has more
+  };
+  enum class Refusal { none, queue_full, draining };
+
+  Scheduler(Generate generate, Options options);
+  ~Scheduler();  // drains, then stops the worker
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Queues `request`; nothing (and why) when the queue is full or the scheduler drains.
+  std::shared_ptr<Job> submit(generate::PromptRequest request, Refusal& refusal);
+  // Waits until `job` is done, `deadline` passes or `give_up` (asked every `poll`) says so;
+  // whether it is done. A job given up on is abandoned: dropped from the queue if it still
+  // waits there (freeing its place), its images thrown away if it is being generated.
+  bool wait(const std::shared_ptr<Job>& job, std::chrono::steady_clock::time_point deadline,
+            const std::function<bool()>& give_up, std::chrono::milliseconds poll = std::chrono::milliseconds(100));
+  // Refuses new jobs from now on and returns once every job admitted before is done.
+  void drain();
+  bool draining() const;
+
+  int64_t queued() const;
+  int64_t running() const;
+
+ private:
+  void work();
+  // The jobs of the next generate call, taken from the front of the queue. Holds the lock.
+  std::vector<std::shared_ptr<Job>> take_batch();
+  void run(const std::vector<std::shared_ptr<Job>>& batch);
+
+  Generate generate_;
+  Options options_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  int64_t running_ = 0;
+  bool draining_ = false;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+}  // namespace dalle::serve
