@@ -34,7 +34,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::ScratchDir;
 
-const std::string kShipped = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/";
+const std::string kShipped = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/";
 
 // Sets an environment variable for the scope of a test.
 class ScopedEnvironment {

@@ -530,14 +530,14 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 std::string copy_of_shipped(const std::string& model, const ScratchDir& dir, const std::string& name) {
-  fs::copy(kSource + "/models/fashion-compose/" + model, dir / name, fs::copy_options::recursive);
+  fs::copy(kSource + "/models/fashion-compose-f8/" + model, dir / name, fs::copy_options::recursive);
   return dir / name;
 }
 
 // `--model` runs a model folder's generate.yaml from any directory: its paths are the folder's.
 TEST(ToolsHostile, GenerateRunsAModelFolderFromAnywhere) {
   ScratchDir dir;
-  const std::string folder = kSource + "/models/fashion-compose";
+  const std::string folder = kSource + "/models/fashion-compose-f8";
   auto result = run("dalle-generate", "--model " + folder + " -n 2 --keep 1 --threads 1 --out " + (dir / "out") +
                                           " 'a red bag on the left'");
   ASSERT_EQ(result.status, 0) << result.output;
@@ -586,7 +586,7 @@ TEST(ToolsHostile, AModelFolderWithoutSizesOrWithNanWeightsIsRefused) {
   EXPECT_FALSE(fs::exists(dir / "exported"));
 
   const auto misshapen = copy_of_shipped("prior", dir, "misshapen");
-  weights = io::read_safetensors(kSource + "/models/fashion-compose/prior/model.safetensors").tensors;
+  weights = io::read_safetensors(kSource + "/models/fashion-compose-f8/prior/model.safetensors").tensors;
   auto matrix = std::find_if(weights.begin(), weights.end(), [](const auto& item) { return item.second.dim() == 2; });
   ASSERT_NE(matrix, weights.end());
   matrix->second = matrix->second.flatten();
@@ -621,7 +621,7 @@ TEST(ToolsHostile, DecompressionBombsAndEndlessCaptionsAreSkippedInDatasets) {
 
   const std::string gone = std::to_string(testing::ended_process_id());
   fs::create_directories(dir / ("tokens.tmp-" + gone + "-0/partial"));
-  const std::string shipped = kSource + "/models/fashion-compose/";
+  const std::string shipped = kSource + "/models/fashion-compose-f8/";
   start = std::chrono::steady_clock::now();
   result = run("dalle-encode-images", "--dataset " + (dir / "fc/train") + " --vqgan " + shipped + "vqgan --tokenizer " +
                                           shipped + "tokenizer.model --out " + (dir / "tokens"));
@@ -647,7 +647,7 @@ TEST(ToolsHostile, DecompressionBombsAndEndlessCaptionsAreSkippedInDatasets) {
 
 TEST(ToolsHostile, GenerateChecksItsCommandLineAndPromptsBeforeAnyWork) {
   ScratchDir dir;
-  const std::string prior = "--prior models/fashion-compose/prior --threads 1 ";
+  const std::string prior = "--prior models/fashion-compose-f8/prior --threads 1 ";
   auto result = run_in_checkout("dalle-generate", prior + "'a red bag'");
   EXPECT_EQ(result.status, 2) << result.output;
   EXPECT_THAT(result.output, ::testing::HasSubstr("--out is required"));
@@ -685,7 +685,7 @@ TEST(ToolsHostile, GenerateChecksItsCommandLineAndPromptsBeforeAnyWork) {
 
 TEST(ToolsHostile, GenerateReplacesOnlyItsOwnEarlierOutputAndWhole) {
   ScratchDir dir;
-  const std::string prior = "--prior models/fashion-compose/prior --threads 1 -n 1 --out " + (dir / "out");
+  const std::string prior = "--prior models/fashion-compose-f8/prior --threads 1 -n 1 --out " + (dir / "out");
   testing::write_text(dir / "prompts.txt", "a red bag on the left\n   \n\t\na white trouser on the right\n");
   const std::string gone = std::to_string(testing::ended_process_id());
   fs::create_directories(dir / ("out.tmp-" + gone + "-1"));

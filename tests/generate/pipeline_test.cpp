@@ -40,14 +40,14 @@ TEST(PipelineConfig, UnknownKeysAndBadValuesAreRefused) {
 
 // The shipped demo models: an 8x8 token grid from a 64-pixel VQGAN.
 PipelineConfig demo_pipeline(int64_t candidates) {
-  const std::string models = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/";
+  const std::string models = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/";
   return {.prior = models + "prior", .tokenizer = models + "tokenizer.model", .decoder = models + "vqgan",
           .candidates = candidates, .sampling = {.seed = 3}, .threads = 2};
 }
 
 // The tokens of `picture` under the demo's VQGAN, [64].
 torch::Tensor demo_tokens(const std::string& picture) {
-  auto vqgan = models::load_image_tokenizer(std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/vqgan");
+  auto vqgan = models::load_image_tokenizer(std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/vqgan");
   torch::NoGradGuard no_grad;
   return vqgan.model->encode_tokens(data::read_image(picture).unsqueeze(0)).flatten();
 }
@@ -212,7 +212,7 @@ TEST(PipelineRequests, EachRequestDrawsWhatAPipelineWithItsSettingsDraws) {
 // A request may skip super-resolution; every written PNG carries its sidecar's JSON.
 TEST(PipelineRequests, SuperResolutionPerRequestAndSettingsInThePng) {
   auto config = demo_pipeline(1);
-  config.superres = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/superres";
+  config.superres = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/superres";
   Pipeline pipeline(config);
   EXPECT_EQ(pipeline.image_size(false), 64);
   EXPECT_EQ(pipeline.image_size(true), 128);
@@ -241,7 +241,7 @@ TEST(PipelineRequests, SuperResolutionPerRequestAndSettingsInThePng) {
 // A random prior of ruDALL-E's layout at a tiny size, reading the YouTokenToMe fixture's ids
 // (600 of them, 32 per caption) and drawing for the demo's VQGAN.
 std::string random_rudalle_prior(const testing::ScratchDir& dir) {
-  const std::string vqgan = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/vqgan";
+  const std::string vqgan = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/vqgan";
   const std::string yaml =
       "kind: prior\nmodel: {text_length: 32, text_vocab_size: 600, grid_size: 8, image_vocab_size: 512, layers: 2,\n"
       "        width: 32, heads: 2, layer_pattern: rudalle, sandwich_norm: true, head_norm: true, gelu: tanh}\n"
@@ -266,10 +266,10 @@ TEST(PipelineYttm, RudallesTokenizerFeedsThePrior) {
   EXPECT_TRUE(torch::equal(upper, drawn("  красная сумка слева"))) << "the same caption once lower-cased and stripped";
   EXPECT_FALSE(torch::equal(upper, drawn("синие кроссовки"))) << "another caption, other tokens";
 
-  config.tokenizer = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/tokenizer.model";
+  config.tokenizer = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/tokenizer.model";
   EXPECT_NO_THROW(Pipeline{config}) << "a SentencePiece model is still read as one";
   config.tokenizer.clear();
-  config.clip = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/clip";
+  config.clip = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/clip";
   EXPECT_THROW_WITH(Pipeline{config}, Error, "cannot read ruDALL-E's caption ids");
   auto demo = demo_pipeline(1);
   demo.tokenizer = testing::fixture_path("yttm_bpe.model");

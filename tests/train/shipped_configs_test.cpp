@@ -162,7 +162,7 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
         << "a fashion-compose prior reads the tokens of exactly one fashion-compose VQGAN recipe";
     ++demo_recipes;
   }
-  EXPECT_EQ(demo_recipes, 3);
+  EXPECT_EQ(demo_recipes, 4);
   EXPECT_EQ(bart_recipes, 1);
 }
 
@@ -180,7 +180,7 @@ TEST(ShippedConfigs, ClipRecipesFitTheDemoTokenizer) {
     EXPECT_GE(config.model.context_length, tokenizer.text_length);
     ++recipes;
   }
-  EXPECT_EQ(recipes, 1);
+  EXPECT_EQ(recipes, 2);
 }
 
 TEST(ShippedConfigs, KindIsCheckedLikeAnyKey) {
