@@ -53,6 +53,29 @@ ConnectionSocket::ConnectionSocket(const std::string& local_address, int local_p
   closedir(descriptors);
 }
 
+bool set_listen_backlog(int port, int backlog) {
+  DIR* descriptors = opendir("/proc/self/fd");
+  if (!descriptors) return false;
+  bool done = false;
+  while (const dirent* entry = readdir(descriptors)) {
+    char* end = nullptr;
+    const long number = std::strtol(entry->d_name, &end, 10);
+    if (end == entry->d_name || *end != '\0') continue;
+    const int descriptor = static_cast<int>(number);
+    if (descriptor == dirfd(descriptors) || !is_socket(descriptor)) continue;
+    int listening = 0;
+    socklen_t length = sizeof listening;
+    if (getsockopt(descriptor, SOL_SOCKET, SO_ACCEPTCONN, &listening, &length) != 0 || !listening) continue;
+    const auto local = address_of(descriptor, false);
+    if (local && local->second == port && listen(descriptor, backlog) == 0) {
+      done = true;
+      break;
+    }
+  }
+  closedir(descriptors);
+  return done;
+}
+
 bool ConnectionSocket::client_gone() const {
   if (descriptor_ < 0) return false;
   pollfd watch{.fd = descriptor_, .events = POLLIN | POLLRDHUP, .revents = 0};

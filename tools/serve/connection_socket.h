@@ -24,4 +24,13 @@ class ConnectionSocket {
   int descriptor_ = -1;
 };
 
+// Sets the accept backlog of this process's listening TCP socket on `port` to `backlog` (the
+// kernel caps it at net.core.somaxconn); false when no such socket is found. cpp-httplib
+// 0.11.4 listens with a backlog of 5 (CPPHTTPLIB_LISTEN_BACKLOG, compiled into Debian's
+// libcpp-httplib.so, so not ours to define): a burst of more simultaneous connections than
+// that overflows the accept queue, and on Linux with SYN cookies some of them are reset
+// instead of being answered (bench/serve_load.py's 32 clients saw it). Linux takes a second
+// listen() on a listening socket as a new backlog.
+bool set_listen_backlog(int port, int backlog);
+
 }  // namespace dalle::serve

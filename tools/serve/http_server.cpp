@@ -1,6 +1,7 @@
 #include "serve/http_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <chrono>
 #include <ctime>
@@ -352,6 +353,11 @@ int HttpServer::bind() {
                 " (in use, or not an address of this machine)");
   }
   s.port = port;
+  // httplib's own backlog is 5: a burst of connections would be reset (connection_socket.h).
+  if (!set_listen_backlog(port, SOMAXCONN)) {
+    log::warn("serve: could not widen the listening socket's backlog from httplib's 5; a burst of more "
+              "simultaneous connections may see some of them reset");
+  }
   return port;
 }
 

@@ -1,0 +1,428 @@
+#!/usr/bin/env python3
+"""dalle-serve under load, and its throughput against dalle-generate (docs/serve.md, "Load").
+
+Usage (with the project's venv python, ~/.cache/dalle/venv/bin/python; standard library only):
+  serve_load.py load  [--quick] [--clients 32] [--requests 20] [--max-queue 16] [--model DIR]
+  serve_load.py bench [--levels 1,4,16] [--images 32] [--candidates 2] [--config FILE]
+Both take --source (the checkout; default this script's parent's parent) and --tools (the
+built dalle-serve and dalle-generate; default SOURCE/build/tools).
+
+load: starts dalle-serve on a free port of 127.0.0.1 and lets CLIENTS threads send REQUESTS
+  requests each, all at once (n=1, one candidate, no super-resolution; every other one by URL,
+  whose PNG is then fetched). Every request must be answered 200 with its image or refused
+  429 with OpenAI's rate_limit_exceeded and Retry-After (a refused client waits 50 ms and
+  goes on); anything else (another status, a dropped connection, a timeout) is counted as
+  lost and fails the run. The server's own /metrics must count the same 200s and 429s, it
+  must still answer /health, and its RSS (/proc/PID/status, VmRSS) after the loop may exceed
+  the RSS after a warm-up round (every client once) by at most --max-rss-growth-mib. Then
+  SIGTERM must drain it to exit status 0. Prints one JSON line; exit status 1 on a failure.
+  --quick (the ctest version): 32 clients x 2 requests with a two-place queue, and at least
+  one 429 is required (the queue must have been full at least once).
+
+bench: images/s and p50/p99 latency of fixed requests (n=1, --candidates candidates, no
+  super-resolution) at each level of concurrent clients, --images requests per level, against
+  one dalle-generate call drawing as many images with the same settings (as many prompts,
+  -n CANDIDATES --keep 1). dalle-generate's time is its pipeline call alone (from its last
+  "generate:" progress line: tokens drawn / rate), so that neither side counts loading the
+  models; its wall time is given too. Prints a JSON line per level, one for dalle-generate, and
+  a summary with the ratio at the highest level. Meant for a quiet machine (it reports the
+  load average before and after); it asserts nothing (docs/benchmarks.md).
+"""
+import argparse
+import base64
+import http.client
+import json
+import math
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+PROMPTS = ["a red sandal on the right", "a blue bag on the left", "a white sneaker at the top",
+           "a green shirt at the bottom", "a yellow trouser on the left and a red bag on the right",
+           "a cyan sandal at the top", "a magenta dress on the right", "a white coat on the left"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def fail(message):
+    print(f"serve_load: FAILED: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def percentile(values, p):
+    """Nearest-rank percentile (p in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def rss_mib(pid):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+class Server:
+    """dalle-serve on a free port of 127.0.0.1, run in the checkout (a config's paths are
+    relative to it); its log is kept for messages."""
+
+    def __init__(self, tools, source, arguments, start_timeout=180):
+        self.command = [str(tools / "dalle-serve"), "--port", "0", *map(str, arguments)]
+        self.process = subprocess.Popen(self.command, cwd=source, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+        self.lines, self.port = [], None
+        found = threading.Event()
+
+        def read_log():
+            for line in self.process.stdout:
+                self.lines.append(line)
+                match = re.search(r"at http://127\.0\.0\.1:(\d+)/", line)
+                if match and self.port is None:
+                    self.port = int(match.group(1))
+                    found.set()
+            found.set()
+
+        threading.Thread(target=read_log, daemon=True).start()
+        if not found.wait(start_timeout) or self.port is None:
+            self.kill()
+            fail(f"dalle-serve did not start: {' '.join(self.command)}\n{self.log()}")
+
+    def log(self):
+        return "".join(self.lines)
+
+    def kill(self):
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def request(self, method, path, body=None, timeout=300):
+        """(status, headers, body bytes) of one call on a connection of its own."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            headers = {"Connection": "close"}
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+                body = json.dumps(body).encode()
+            connection.request(method, path, body=body, headers=headers)
+            response = connection.getresponse()
+            return response.status, response.headers, response.read()
+        finally:
+            connection.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        self.kill()
+
+
+def served_counts(server):
+    """{status: count} of POST /v1/images/generations answers, from /metrics."""
+    status, _, text = server.request("GET", "/metrics", timeout=30)
+    if status != 200:
+        fail(f"/metrics answered {status}")
+    counts = {}
+    for match in re.finditer(r'^dalle_http_requests_total\{endpoint="/v1/images/generations",status="(\d+)"\} (\d+)',
+                             text.decode(), re.MULTILINE):
+        counts[int(match.group(1))] = int(match.group(2))
+    return counts
+
+
+# ---- load ----------------------------------------------------------------------------------------
+
+class Tally:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ok = self.refused = 0
+        self.lost = []  # (what, detail) of every request answered otherwise or not at all
+        self.latencies = []
+
+    def add(self, outcome, latency=None, detail=""):
+        with self.lock:
+            if outcome == "ok":
+                self.ok += 1
+                self.latencies.append(latency)
+            elif outcome == "refused":
+                self.refused += 1
+            else:
+                self.lost.append(f"{outcome}: {detail}"[:300])
+
+
+def one_request(server, body, timeout):
+    """'ok', 'refused', or ('lost' reason, detail), with the latency of an answered request."""
+    started = time.monotonic()
+    try:
+        status, headers, payload = server.request("POST", "/v1/images/generations", body, timeout)
+        if status == 429:
+            error = json.loads(payload).get("error", {})
+            if error.get("code") != "rate_limit_exceeded" or headers.get("Retry-After") != "1":
+                return "malformed 429", f"{headers.get('Retry-After')} {payload[:200]!r}", None
+            return "refused", "", None
+        if status != 200:
+            return f"status {status}", payload[:200], None
+        data = json.loads(payload)["data"]
+        if len(data) != body["n"]:
+            return "wrong count", f"{len(data)} images for n={body['n']}", None
+        if body["response_format"] == "url":
+            path = data[0]["url"].split(f":{server.port}", 1)[1]
+            status, headers, png = server.request("GET", path, timeout=timeout)
+            if status != 200:
+                return f"image URL status {status}", path, None
+        else:
+            png = base64.b64decode(data[0]["b64_json"])
+        if not png.startswith(PNG_SIGNATURE):
+            return "not a PNG", png[:16], None
+        return "ok", "", time.monotonic() - started
+    except Exception as error:  # a dropped connection or a timeout: the request is lost
+        return f"exception {type(error).__name__}", str(error), None
+
+
+def run_clients(server, clients, requests, tally, seed_base, timeout, backoff=0.05):
+    barrier = threading.Barrier(clients)
+
+    def client(index):
+        barrier.wait()
+        for number in range(requests):
+            seed = seed_base + index * requests + number
+            body = {"prompt": PROMPTS[seed % len(PROMPTS)], "n": 1, "candidates": 1, "superres": False,
+                    "seed": seed, "response_format": "url" if seed % 2 else "b64_json"}
+            outcome, detail, latency = one_request(server, body, timeout)
+            tally.add(outcome, latency, detail)
+            if outcome == "refused":
+                time.sleep(backoff)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - started
+
+
+def load(args):
+    source, tools = args.source, args.tools
+    if args.quick:
+        args.clients, args.requests, args.max_queue = 32, 2, 2
+        args.deadline = min(args.deadline, 240)
+    signal.signal(signal.SIGALRM, lambda *_: fail(f"the run took over {args.deadline} s: a server or client hung"))
+    signal.alarm(args.deadline)
+    server_arguments = ["--model", args.model, "--threads", args.threads, "--set", f"max_queue={args.max_queue}",
+                        "--set", f"batch_window_ms={args.batch_window_ms}"]
+    with Server(tools, source, server_arguments) as server:
+        pid = server.process.pid
+        loaded = rss_mib(pid)
+        # Warm-up: every client once, so that torch's buffers and every connection thread's
+        # allocations exist before the RSS the loop is measured against.
+        warmup = Tally()
+        run_clients(server, args.clients, 1, warmup, 10**6, args.request_timeout)
+        before = rss_mib(pid)
+        tally = Tally()
+        # RSS every 0.1 s during the loop: its peak, and where it stood when half the requests
+        # were answered (a leak keeps growing through the second half; warming up does not).
+        samples, done = [], threading.Event()
+
+        def sample_rss():
+            while not done.wait(0.1):
+                try:
+                    samples.append((tally.ok + tally.refused + len(tally.lost), rss_mib(pid)))
+                except (OSError, RuntimeError):
+                    return
+
+        sampler = threading.Thread(target=sample_rss, daemon=True)
+        sampler.start()
+        seconds = run_clients(server, args.clients, args.requests, tally, 0, args.request_timeout)
+        done.set()
+        sampler.join()
+        after = rss_mib(pid)
+        half = next((rss for answered, rss in samples if answered >= args.clients * args.requests / 2), after)
+        peak = max([after] + [rss for _, rss in samples])
+        alive = server.process.poll() is None
+        health_status, _, health = server.request("GET", "/health", timeout=30) if alive else (None, None, b"")
+        health = json.loads(health) if health_status == 200 else health.decode(errors="replace")
+        counted = served_counts(server) if alive else {}
+        if alive:
+            server.process.send_signal(signal.SIGTERM)
+        try:
+            exit_code = server.process.wait(120)
+        except subprocess.TimeoutExpired:
+            exit_code = None
+    total = args.clients * args.requests
+    expected = {200: tally.ok + warmup.ok, 429: tally.refused + warmup.refused}
+    result = {
+        "test": "serve_load", "model": pathlib.Path(args.model).name, "clients": args.clients,
+        "requests_per_client": args.requests, "max_queue": args.max_queue, "requests": total,
+        "ok": tally.ok, "refused_429": tally.refused, "lost": len(tally.lost),
+        "warmup": {"requests": args.clients, "ok": warmup.ok, "refused_429": warmup.refused,
+                   "lost": len(warmup.lost)},
+        "seconds": round(seconds, 2), "images_per_second": round(tally.ok / seconds, 3),
+        "latency_p50_s": round(percentile(tally.latencies, 50), 3) if tally.latencies else None,
+        "latency_p99_s": round(percentile(tally.latencies, 99), 3) if tally.latencies else None,
+        "rss_mib": {"loaded": round(loaded, 1), "after_warmup": round(before, 1), "at_half": round(half, 1),
+                    "after_loop": round(after, 1), "peak_during_loop": round(peak, 1)},
+        "rss_growth_mib": round(after - before, 1), "max_rss_growth_mib": args.max_rss_growth_mib,
+        "server_counted": {str(status): count for status, count in sorted(counted.items())},
+        "health_after": health.get("status") if isinstance(health, dict) else health,
+        "exit_status_after_sigterm": exit_code,
+    }
+    problems = []
+    if tally.lost or warmup.lost:
+        problems.append(f"{len(tally.lost) + len(warmup.lost)} requests lost: {(warmup.lost + tally.lost)[:5]}")
+    if tally.ok + tally.refused != total:
+        problems.append(f"{tally.ok} + {tally.refused} answers for {total} requests")
+    if not alive:
+        problems.append(f"the server died during the loop (exit {server.process.returncode})")
+    if health_status != 200 or not isinstance(health, dict) or health.get("status") != "ok":
+        problems.append(f"/health after the loop: {health_status} {health}")
+    if counted and {status: counted.get(status, 0) for status in (200, 429)} != expected:
+        problems.append(f"the server counted {counted}, the clients {expected}")
+    if set(counted) - {200, 429}:
+        problems.append(f"the server answered other statuses: {counted}")
+    if after - before > args.max_rss_growth_mib:
+        problems.append(f"RSS grew by {after - before:.1f} MiB over the loop (bound {args.max_rss_growth_mib})")
+    if exit_code != 0:
+        problems.append(f"exit status {exit_code} after SIGTERM")
+    if args.quick and tally.refused + warmup.refused == 0:
+        problems.append("no request was refused with 429: the two-place queue was never full")
+    result["passed"] = not problems
+    print(json.dumps(result), flush=True)
+    if problems:
+        fail("; ".join(problems) + "\n--- server log (tail) ---\n" + "".join(server.lines[-30:]))
+
+
+# ---- bench ---------------------------------------------------------------------------------------
+
+def bench_level(server, clients, images, candidates, timeout):
+    """One level: `images` requests spread over `clients` clients started together."""
+    per_client = images // clients
+    latencies, problems, lock = [], [], threading.Lock()
+    barrier = threading.Barrier(clients)
+
+    def client(index):
+        barrier.wait()
+        for number in range(per_client):
+            seed = index * per_client + number
+            body = {"prompt": PROMPTS[seed % len(PROMPTS)], "n": 1, "candidates": candidates, "superres": False,
+                    "seed": seed, "response_format": "b64_json"}
+            started = time.monotonic()
+            status, _, payload = server.request("POST", "/v1/images/generations", body, timeout)
+            with lock:
+                (latencies.append(time.monotonic() - started) if status == 200
+                 else problems.append(f"{status} {payload[:200]!r}"))
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.monotonic() - started
+    if problems:
+        fail(f"{clients} clients: {len(problems)} requests failed: {problems[:3]}")
+    return {"bench": "serve", "clients": clients, "images": clients * per_client, "seconds": round(seconds, 2),
+            "images_per_second": round(clients * per_client / seconds, 3),
+            "latency_p50_s": round(percentile(latencies, 50), 2), "latency_p99_s": round(percentile(latencies, 99), 2)}
+
+
+def generate_baseline(args, images, scratch):
+    """One dalle-generate call drawing `images` images with the requests' settings."""
+    prompts = scratch / "prompts.txt"
+    prompts.write_text("".join(PROMPTS[i % len(PROMPTS)] + "\n" for i in range(images)))
+    model = ["--model", args.model] if args.model else ["--config", args.generate_config]
+    command = [str(args.tools / "dalle-generate"), *model, "--out", str(scratch / "out"), "--prompts-file", str(prompts),
+               "-n", str(args.candidates), "--keep", "1", "--seed", "0", "--threads", str(args.threads),
+               "--set", f"batch_size={args.batch_size}", "--set", 'superres=""', "--log-level", "info"]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=args.source, capture_output=True, text=True, timeout=args.deadline)
+    wall = time.monotonic() - started
+    if result.returncode != 0:
+        fail(f"dalle-generate failed: {' '.join(command)}\n{result.stdout}{result.stderr}")
+    # The pipeline call alone, as on the server's side: the last progress line of the
+    # "generate" stage says how many tokens were drawn and at what rate.
+    lines = re.findall(r"\] generate: (\d+)/\d+ \(100\.0%\) ([0-9.]+) it/s", result.stdout + result.stderr)
+    if not lines:
+        fail(f"no final progress line in dalle-generate's log:\n{result.stdout}{result.stderr}")
+    tokens, rate = lines[-1]
+    generate_seconds = int(tokens) / float(rate)
+    return {"bench": "dalle-generate", "images": images, "candidates": args.candidates, "wall_seconds": round(wall, 2),
+            "generate_seconds": round(generate_seconds, 2), "images_per_second": round(images / generate_seconds, 3),
+            "images_per_second_wall": round(images / wall, 3)}
+
+
+def bench(args):
+    signal.signal(signal.SIGALRM, lambda *_: fail(f"the benchmark took over {args.deadline} s"))
+    signal.alarm(args.deadline)
+    levels = [int(level) for level in args.levels.split(",")]
+    for level in levels:
+        if args.images % level:
+            fail(f"--images {args.images} is not a multiple of {level} clients")
+    with open("/proc/loadavg") as loadavg:
+        load_before = float(loadavg.read().split()[0])
+    lines = []
+    model = ["--model", args.model] if args.model else ["--config", args.config]
+    server_arguments = [*model, "--threads", args.threads, "--set", f"max_queue={max(levels)}",
+                        "--set", f"pipeline.batch_size={args.batch_size}"]
+    with Server(args.tools, args.source, server_arguments) as server:
+        if server.request("POST", "/v1/images/generations", {"prompt": PROMPTS[0], "candidates": args.candidates,
+                                                             "superres": False})[0] != 200:
+            fail("the warm-up request failed")
+        for level in levels:
+            line = bench_level(server, level, args.images, args.candidates, args.request_timeout)
+            line["candidates"] = args.candidates
+            print(json.dumps(line), flush=True)
+            lines.append(line)
+    with tempfile.TemporaryDirectory() as scratch:
+        baseline = generate_baseline(args, args.images, pathlib.Path(scratch))
+    print(json.dumps(baseline), flush=True)
+    with open("/proc/loadavg") as loadavg:
+        load_after = float(loadavg.read().split()[0])
+    top = lines[-1]
+    ratio = top["images_per_second"] / baseline["images_per_second"]
+    print(json.dumps({"bench": "serve-summary", "clients": top["clients"], "ratio_to_dalle_generate": round(ratio, 3),
+                      "ratio_to_dalle_generate_wall": round(top["images_per_second"] / baseline["images_per_second_wall"], 3),
+                      "target": 0.8, "met": ratio >= 0.8, "threads": args.threads, "batch_size": args.batch_size,
+                      "loadavg_1min": {"before": load_before, "after": load_after}}), flush=True)
+
+
+def main():
+    here = pathlib.Path(__file__).resolve().parent.parent
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", type=pathlib.Path, default=here)
+    parser.add_argument("--tools", type=pathlib.Path)
+    parser.add_argument("--threads", default="1", help="torch threads of dalle-serve and dalle-generate")
+    parser.add_argument("--request-timeout", type=float, default=300)
+    commands = parser.add_subparsers(dest="mode", required=True)
+    load_parser = commands.add_parser("load", help="concurrent clients against a small queue")
+    load_parser.add_argument("--quick", action="store_true", help="32 clients x 2 requests, a two-place queue")
+    load_parser.add_argument("--clients", type=int, default=32)
+    load_parser.add_argument("--requests", type=int, default=20, help="requests per client")
+    load_parser.add_argument("--max-queue", type=int, default=16)
+    load_parser.add_argument("--batch-window-ms", type=int, default=20)
+    load_parser.add_argument("--model", default="models/fashion-compose-f8", help="a model folder")
+    load_parser.add_argument("--max-rss-growth-mib", type=float, default=64)
+    load_parser.add_argument("--deadline", type=int, default=1200, help="seconds for the whole run")
+    bench_parser = commands.add_parser("bench", help="images/s and latency against dalle-generate")
+    bench_parser.add_argument("--levels", default="1,4,16", help="concurrent clients, comma-separated")
+    bench_parser.add_argument("--images", type=int, default=32, help="requests (one image each) per level")
+    bench_parser.add_argument("--candidates", type=int, default=2)
+    bench_parser.add_argument("--batch-size", type=int, default=64, help="the pipeline's batch_size")
+    bench_parser.add_argument("--config", default="configs/serve/fashion-compose.yaml",
+                              help="dalle-serve's config (the demo models)")
+    bench_parser.add_argument("--generate-config", default="configs/generate/fashion-compose-demo.yaml",
+                              help="dalle-generate's config, the same pipeline")
+    bench_parser.add_argument("--model", help="a model folder for both, in place of the two configs")
+    bench_parser.add_argument("--deadline", type=int, default=1800, help="seconds for the whole run")
+    args = parser.parse_args()
+    args.source = args.source.resolve()
+    args.tools = (args.tools or args.source / "build" / "tools").resolve()
+    (load if args.mode == "load" else bench)(args)
+
+
+if __name__ == "__main__":
+    main()
