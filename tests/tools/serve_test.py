@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Serve: dalle-serve with the 8x8 demo models (models/fashion-compose-f8), driven as its users will.
+"""Serve: dalle-serve with the demo models (models/fashion-compose), driven as its users will.
 
 Usage: serve_test.py SOURCE_DIR TOOLS_DIR  (ctest runs it with the project's venv, which has
 the pinned `openai` package)
@@ -39,8 +39,8 @@ import zlib
 import openai
 
 SOURCE, TOOLS = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-MODEL = SOURCE / "models" / "fashion-compose-f8"
-MODEL_ID = "fashion-compose-f8"
+MODEL = SOURCE / "models" / "fashion-compose"
+MODEL_ID = "fashion-compose"
 KEY = "test-key-0123456789"
 CALL_TIMEOUT = 120  # seconds, any one HTTP call
 PROMPT = "a red sandal on the right"
