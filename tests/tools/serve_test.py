@@ -342,6 +342,14 @@ def test_drain(server):
     check(code == 0, f"dalle-serve exited {code} after SIGTERM:\n{server.log()}")
 
 
+def test_deadline(server):
+    """A request past request_timeout_seconds gets 504; the server goes on serving."""
+    expect_error(server, "a request past its deadline", generate(server, SLOW, key=None), 504, "timeout")
+    health = wait_for(server, "the model to be free again", lambda health: health["generating"] == 0)
+    check(health["status"] == "ok", f"health after a 504: {health}")
+    check(call(server, "GET", "/v1/models", key=None)[0] == 200, "the server still answers after a 504")
+
+
 def test_bad_command_lines():
     for arguments, message in ((["--model", MODEL, "--port", "70000"], "--port"),
                                (["--model", MODEL, "--set", "max_queue=0"], "max_queue"),
@@ -377,6 +385,8 @@ def main():
         with Server("--set", "max_queue=1", "--set", "batch_window_ms=0") as server:
             test_queue(server)
             test_drain(server)
+        with Server("--set", "request_timeout_seconds=0.3", "--set", "batch_window_ms=0") as server:
+            test_deadline(server)
     print("serve_test: all passed")
 
 
