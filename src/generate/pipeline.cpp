@@ -270,11 +270,11 @@ std::vector<std::vector<size_t>> group_requests(const std::vector<PromptRequest>
 struct Pipeline::Stages {
   PipelineConfig config;
   torch::Device device = torch::kCPU;
-  models::TrainedPrior prior;               // the sparse transformer, with
-  std::optional<text::Tokenizer> tokenizer;  // ours, or
-  std::optional<text::YttmTokenizer> yttm;   // ruDALL-E's,
-  models::TrainedImageTokenizer decoder;     // and a dVAE or VQGAN; or instead
-  std::optional<MegaStages> mega;            // DALL-E Mega / Mini's
+  models::TrainedPrior prior{};               // the sparse transformer, with
+  std::optional<text::Tokenizer> tokenizer{};  // ours, or
+  std::optional<text::YttmTokenizer> yttm{};   // ruDALL-E's,
+  models::TrainedImageTokenizer decoder{};     // and a dVAE or VQGAN; or instead
+  std::optional<MegaStages> mega{};            // DALL-E Mega / Mini's
   models::Clip clip{nullptr};
   std::optional<text::ClipTokenizer> clip_tokenizer{};
   models::RrdbNet superres{nullptr};
