@@ -43,6 +43,9 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
+from serve_process import ServeProcess  # noqa: E402
+
 PROMPTS = ["a red sandal on the right", "a blue bag on the left", "a white sneaker at the top",
            "a green shirt at the bottom", "a yellow trouser on the left and a red bag on the right",
            "a cyan sandal at the top", "a magenta dress on the right", "a white coat on the left"]
@@ -60,6 +63,17 @@ def percentile(values, p):
     return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
+def on_threads(clients, client):
+    """Runs client(0) .. client(clients - 1) on threads of their own; the seconds until all are done."""
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - started
+
+
 def rss_mib(pid):
     with open(f"/proc/{pid}/status") as status:
         for line in status:
@@ -68,38 +82,14 @@ def rss_mib(pid):
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-class Server:
-    """dalle-serve on a free port of 127.0.0.1, run in the checkout (a config's paths are
-    relative to it); its log is kept for messages."""
+class Server(ServeProcess):
+    """dalle-serve run in the checkout (a config's paths are relative to it)."""
 
     def __init__(self, tools, source, arguments, start_timeout=180):
-        self.command = [str(tools / "dalle-serve"), "--port", "0", *map(str, arguments)]
-        self.process = subprocess.Popen(self.command, cwd=source, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
-        self.lines, self.port = [], None
-        found = threading.Event()
-
-        def read_log():
-            for line in self.process.stdout:
-                self.lines.append(line)
-                match = re.search(r"at http://127\.0\.0\.1:(\d+)/", line)
-                if match and self.port is None:
-                    self.port = int(match.group(1))
-                    found.set()
-            found.set()
-
-        threading.Thread(target=read_log, daemon=True).start()
-        if not found.wait(start_timeout) or self.port is None:
-            self.kill()
-            fail(f"dalle-serve did not start: {' '.join(self.command)}\n{self.log()}")
-
-    def log(self):
-        return "".join(self.lines)
-
-    def kill(self):
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        try:
+            super().__init__(tools, arguments, cwd=source, start_timeout=start_timeout)
+        except RuntimeError as error:
+            fail(str(error))
 
     def request(self, method, path, body=None, timeout=300):
         """(status, headers, body bytes) of one call on a connection of its own."""
@@ -114,12 +104,6 @@ class Server:
             return response.status, response.headers, response.read()
         finally:
             connection.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exception):
-        self.kill()
 
 
 def served_counts(server):
@@ -197,13 +181,7 @@ def run_clients(server, clients, requests, tally, seed_base, timeout, backoff=0.
             if outcome == "refused":
                 time.sleep(backoff)
 
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return time.monotonic() - started
+    return on_threads(clients, client)
 
 
 def load(args):
@@ -316,13 +294,7 @@ def bench_level(server, clients, images, candidates, timeout):
                 (latencies.append(time.monotonic() - started) if status == 200
                  else problems.append(f"{status} {payload[:200]!r}"))
 
-    threads = [threading.Thread(target=client, args=(index,)) for index in range(clients)]
-    started = time.monotonic()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    seconds = time.monotonic() - started
+    seconds = on_threads(clients, client)
     if problems:
         fail(f"{clients} clients: {len(problems)} requests failed: {problems[:3]}")
     return {"bench": "serve", "clients": clients, "images": clients * per_client, "seconds": round(seconds, 2),

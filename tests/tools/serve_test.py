@@ -30,7 +30,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +38,8 @@ import zlib
 import openai
 
 SOURCE, TOOLS = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+sys.path.insert(0, str(SOURCE / "scripts"))
+from serve_process import ServeProcess  # noqa: E402
 MODEL = SOURCE / "models" / "fashion-compose"
 MODEL_ID = "fashion-compose"
 KEY = "test-key-0123456789"
@@ -57,44 +58,14 @@ def check(condition, message):
         fail(message)
 
 
-class Server:
-    """dalle-serve on a free port of 127.0.0.1; its log is kept for messages."""
+class Server(ServeProcess):
+    """dalle-serve with the demo models, one torch thread."""
 
     def __init__(self, *arguments):
-        command = [str(TOOLS / "dalle-serve"), "--model", str(MODEL), "--port", "0", "--threads", "1", *arguments]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines = []
-        self.port = None
-        found = threading.Event()
-
-        def read_log():
-            for line in self.process.stdout:
-                self.lines.append(line)
-                match = re.search(r"at http://127\.0\.0\.1:(\d+)/", line)
-                if match and self.port is None:
-                    self.port = int(match.group(1))
-                    found.set()
-            found.set()
-
-        threading.Thread(target=read_log, daemon=True).start()
-        if not found.wait(120) or self.port is None:
-            self.kill()
-            fail(f"dalle-serve did not start: {' '.join(command)}\n{self.log()}")
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def log(self):
-        return "".join(self.lines)
-
-    def kill(self):
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exception):
-        self.kill()
+        try:
+            super().__init__(TOOLS, ["--model", MODEL, "--threads", "1", *arguments])
+        except RuntimeError as error:
+            fail(str(error))
 
 
 def call(server, method, path, body=None, headers=None, key=KEY):
