@@ -161,6 +161,17 @@ TEST_F(ClipTrainerTest, ThroughTokenizerTrainsOnTheDecodersImagesAndResumes) {
   EXPECT_THAT(testing::read_text(runs / "decoded/config.yaml"), ::testing::HasSubstr("through_tokenizer:"));
   testing::expect_exact_resume<ClipTrainer>(config);
 
+  // Later epochs read the kept round trips (48 images, 6 updates an epoch): the same
+  // losses as round-tripping every image at every use.
+  config.run.steps = 14;
+  ClipTrainer(config, runs / "kept").run();
+  config.through_tokenizer_cache_mb = 0;
+  ClipTrainer(config, runs / "every-time").run();
+  const auto kept = training_lines(runs / "kept"), every_time = training_lines(runs / "every-time");
+  for (int64_t step = 1; step <= 14; ++step) {
+    EXPECT_NEAR(kept.at(step)["loss"].get<double>(), every_time.at(step)["loss"].get<double>(), 1e-5) << step;
+  }
+
   config.data.image_size = 32;
   EXPECT_THROW_WITH(ClipTrainer(config, runs / "sizes"), Error, "was trained on 16px images, data.image_size is 32");
   EXPECT_FALSE(std::filesystem::exists(runs / "sizes"));

@@ -35,6 +35,7 @@ struct ClipTrainConfig {
   data::ImageDataConfig data;
   std::string tokenizer;  // SentencePiece model (its <model>.yaml sets the caption length)
   std::string through_tokenizer;  // image tokenizer whose round trip every image takes; empty: none
+  int64_t through_tokenizer_cache_mb = 4096;  // round trips kept after their first use (0: none)
   double hard_negatives = 0.0;    // share of each batch replaced by caption neighbours of the rest
   int64_t warmup_steps = 100;
   CosineSchedule learning_rate{5e-4, 0.0, 10'000};
