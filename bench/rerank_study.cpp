@@ -1,0 +1,165 @@
+// Which score picks a right candidate: CLIP's, or the prior's own. For each prompt of a
+// dalle-generate folder made with keep = candidates (every candidate's sidecar has its image
+// tokens and CLIP score) and each candidate judged by `dalle-eval score --details`, prints
+// one JSON line per score: how often the candidate it ranks first is right, seen and
+// held-out prompts apart. The prior's scores are log p(image | caption) and the pointwise
+// mutual information log p(image | caption) - log p(image | empty caption), which by Bayes
+// ranks one caption's candidates as the prior's posterior of the caption given each image
+// (CogView's self-reranking, without a second, image-first model). Given CLIP runs or
+// checkpoints after the tokenizer, each also scores the candidates' PNGs (a line per CLIP):
+// other CLIPs compared on the same candidates without drawing them again.
+//   dalle_rerank_study GENERATED DETAILS.jsonl PRIOR TOKENIZER [CLIP ...]
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <stdexcept>
+#include <nlohmann/json.hpp>
+
+#include "dalle/data/image.h"
+#include "dalle/models/clip_rerank.h"
+#include "dalle/models/prior.h"
+#include "dalle/models/trained.h"
+#include "dalle/text/tokenizer.h"
+
+namespace {
+
+using torch::indexing::Slice;
+
+struct Candidate {
+  double clip = 0, conditional = 0, unconditional = 0;
+  std::vector<double> other_clips;  // the extra CLIPs' scores of the PNG
+  bool right = false, heldout = false;
+};
+
+// log p(tokens | caption) summed over the image positions, per row of tokens [B, grid * grid].
+torch::Tensor image_log_likelihood(dalle::models::Prior& prior, const torch::Tensor& caption,
+                                   const torch::Tensor& tokens) {
+  torch::NoGradGuard no_grad;
+  const auto& config = prior->config();
+  const auto input = torch::cat({caption.unsqueeze(0).expand({tokens.size(0), -1}), tokens}, 1);
+  const auto logits = prior->forward(input.index({Slice(), Slice(0, -1)}));
+  const auto image_logits = logits.index({Slice(), Slice(config.text_length - 1), Slice(config.text_classes())});
+  return torch::log_softmax(image_logits, -1).gather(2, tokens.unsqueeze(2)).squeeze(2).sum(1);
+}
+
+std::map<std::string, nlohmann::json> read_details(const std::string& path) {
+  std::map<std::string, nlohmann::json> details;
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path + ": cannot read the details file");
+  for (std::string line; std::getline(in, line);) {
+    auto judged = nlohmann::json::parse(line);
+    details[judged["image"].get<std::string>()] = judged;
+  }
+  return details;
+}
+
+// Each prompt's candidates in `generated` that `details` judged, with their scores.
+std::vector<std::vector<Candidate>> score_candidates(const std::filesystem::path& generated,
+                                                    const std::map<std::string, nlohmann::json>& details,
+                                                    dalle::models::Prior& prior,
+                                                    const dalle::text::Tokenizer& tokenizer,
+                                                    std::vector<dalle::models::Clip>& clips) {
+  const auto empty = dalle::models::empty_caption(prior->config().text_length).squeeze(0);
+  std::map<std::string, std::vector<std::pair<nlohmann::json, std::string>>> sidecars;  // by prompt
+  for (const auto& entry : std::filesystem::directory_iterator(generated)) {
+    const auto png = entry.path().stem().string() + ".png";
+    if (entry.path().extension() != ".json" || !details.count(png)) continue;
+    std::ifstream in(entry.path());
+    auto sidecar = nlohmann::json::parse(in);
+    sidecars[sidecar["prompt"].get<std::string>()].emplace_back(std::move(sidecar), png);
+  }
+  std::vector<std::vector<Candidate>> prompts;
+  for (const auto& [prompt, candidates] : sidecars) {
+    const auto caption = torch::tensor(tokenizer.encode(prompt).ids, torch::kInt64);
+    std::vector<torch::Tensor> tokens, images;
+    for (const auto& [sidecar, png] : candidates) {
+      tokens.push_back(torch::tensor(sidecar["image_tokens"].get<std::vector<int64_t>>()));
+      if (!clips.empty()) images.push_back(dalle::data::read_image(generated / png));
+    }
+    std::vector<torch::Tensor> other_clips;
+    for (auto& clip : clips) other_clips.push_back(dalle::models::clip_scores(clip, torch::stack(images), caption));
+    const auto stacked = torch::stack(tokens);
+    const auto conditional = image_log_likelihood(prior, caption, stacked);
+    const auto unconditional = image_log_likelihood(prior, empty, stacked);
+    auto& scored = prompts.emplace_back();
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      const auto& judged = details.at(candidates[i].second);
+      std::vector<double> others;
+      for (const auto& scores : other_clips) others.push_back(scores[static_cast<int64_t>(i)].item<double>());
+      scored.push_back({candidates[i].first["clip_score"].get<double>(), conditional[i].item<double>(),
+                        unconditional[i].item<double>(), others, judged["correct"].get<bool>(),
+                        judged["heldout"].get<bool>()});
+    }
+  }
+  return prompts;
+}
+
+// One JSON line per score: how often the candidate it ranks first is right.
+void print_rankings(const std::vector<std::vector<Candidate>>& prompts, const std::vector<std::string>& clip_paths) {
+  std::map<std::string, std::function<double(const Candidate&)>> scores = {
+      {"clip", [](const Candidate& c) { return c.clip; }},
+      {"prior_log_likelihood", [](const Candidate& c) { return c.conditional; }},
+      {"prior_pointwise_mutual_information", [](const Candidate& c) { return c.conditional - c.unconditional; }},
+  };
+  for (size_t c = 0; c < clip_paths.size(); ++c) {
+    scores["clip " + clip_paths[c]] = [c](const Candidate& candidate) { return candidate.other_clips[c]; };
+  }
+  for (const auto& [name, score] : scores) {
+    std::map<bool, std::pair<int, int>> right_of;  // heldout -> (right, prompts)
+    for (const auto& candidates : prompts) {
+      const auto best = std::max_element(candidates.begin(), candidates.end(),
+                                         [&](const auto& a, const auto& b) { return score(a) < score(b); });
+      right_of[best->heldout].first += best->right;
+      right_of[best->heldout].second += 1;
+    }
+    const auto share = [&](bool heldout) {
+      const auto [right, total] = right_of[heldout];
+      return total ? static_cast<double>(right) / total : 0.0;
+    };
+    std::cout << nlohmann::json{{"ranked_by", name}, {"seen", share(false)}, {"heldout", share(true)},
+                                {"prompts", prompts.size()}}
+                     .dump()
+              << "\n";
+  }
+}
+
+}  // namespace
+
+int study(int argc, char** argv) {
+  const std::string usage = "usage: dalle_rerank_study GENERATED DETAILS.jsonl PRIOR TOKENIZER [CLIP ...]\n";
+  if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::cout << usage;
+    return 0;
+  }
+  if (argc < 5) {
+    std::cerr << usage;
+    return 2;
+  }
+  const std::filesystem::path generated = argv[1];
+  const auto details = read_details(argv[2]);
+  auto prior = dalle::models::load_trained_prior(argv[3], torch::kFloat32);
+  const auto tokenizer = dalle::text::Tokenizer::load(argv[4]);
+  std::vector<std::string> clip_paths(argv + 5, argv + argc);
+  std::vector<dalle::models::Clip> clips;
+  for (const auto& path : clip_paths) clips.push_back(dalle::models::load_trained_clip(path));
+
+  const auto prompts = score_candidates(generated, details, prior.model, tokenizer, clips);
+  if (prompts.empty()) {
+    throw std::runtime_error(generated.string() + ": no candidate sidecar matches an image of the details file");
+  }
+  print_rankings(prompts, clip_paths);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return study(argc, argv);
+  } catch (const std::exception& error) {
+    std::cerr << "dalle_rerank_study: " << error.what() << "\n";
+    return 1;
+  }
+}
