@@ -171,6 +171,16 @@ TEST_F(ClipTrainerTest, ThroughTokenizerTrainsOnTheDecodersImagesAndResumes) {
   for (int64_t step = 1; step <= 14; ++step) {
     EXPECT_NEAR(kept.at(step)["loss"].get<double>(), every_time.at(step)["loss"].get<double>(), 1e-5) << step;
   }
+  const auto last_validation = [](const std::filesystem::path& run) {
+    nlohmann::json last;
+    std::ifstream in(run / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      if (auto record = nlohmann::json::parse(line); record.contains("kept_round_trips")) last = record;
+    }
+    return last;
+  };
+  EXPECT_EQ(last_validation(runs / "kept")["kept_round_trips"], 48 + 16) << "every training and validation image";
+  EXPECT_EQ(last_validation(runs / "every-time")["kept_round_trips"], 0);
 
   config.data.image_size = 32;
   EXPECT_THROW_WITH(ClipTrainer(config, runs / "sizes"), Error, "was trained on 16px images, data.image_size is 32");

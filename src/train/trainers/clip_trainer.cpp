@@ -116,6 +116,7 @@ class RoundTrips {
     }
     return torch::stack(rows);
   }
+  int64_t kept() const { return static_cast<int64_t>(kept_.size()); }
 
  private:
   static std::pair<Split, int64_t> key(Split split, const data::ImageCaptionExample& example) {
@@ -397,11 +398,13 @@ ClipValidation ClipTrainer::validate() {
   result.image_to_text /= static_cast<double>(result.images);
   result.text_to_image /= static_cast<double>(result.images);
   result.loss = clip_contrastive_loss(logits).item<double>();
-  s.metrics_log.append({{"step", s.step},
-                        {"validation_images", result.images},
-                        {"validation_image_to_text", result.image_to_text},
-                        {"validation_text_to_image", result.text_to_image},
-                        {"validation_loss", result.loss}});
+  nlohmann::json line = {{"step", s.step},
+                         {"validation_images", result.images},
+                         {"validation_image_to_text", result.image_to_text},
+                         {"validation_text_to_image", result.text_to_image},
+                         {"validation_loss", result.loss}};
+  if (s.round_trips) line["kept_round_trips"] = s.round_trips->kept();
+  s.metrics_log.append(line);
   return result;
 }
 
