@@ -106,8 +106,9 @@ class RoundTrips {
     for (size_t m = 0; m < missing.size(); ++m) {
       rows[missing[m]] = made[static_cast<int64_t>(m)];
       const auto bytes = static_cast<int64_t>(rows[missing[m]].nbytes());
-      if (keep && used_bytes_ + bytes <= budget_bytes_) {
-        kept_.emplace(key(split, examples[missing[m]]), rows[missing[m]].clone());
+      // An image twice in one batch is kept (and counted) once.
+      if (keep && used_bytes_ + bytes <= budget_bytes_ &&
+          kept_.emplace(key(split, examples[missing[m]]), rows[missing[m]].clone()).second) {
         used_bytes_ += bytes;
       }
     }
