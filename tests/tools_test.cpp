@@ -312,6 +312,11 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_THAT(wrong_type.output, ::testing::HasSubstr("has 'run.steps' as an integer, and the new value is text"));
   EXPECT_FALSE(std::filesystem::exists(dir / "typo"));
 
+  const auto too_many = run("dalle-export", (dir / "prior") + " --out " + (dir / "typo") + " --average 1000");
+  EXPECT_EQ(too_many.status, 1);
+  EXPECT_THAT(too_many.output, ::testing::HasSubstr("fewer than the 1000 to average"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "typo"));
+
   const auto onto_a_run = run("dalle-export", (dir / "prior") + " --out " + (dir / "dvae"));
   EXPECT_EQ(onto_a_run.status, 1);
   EXPECT_THAT(onto_a_run.output, ::testing::HasSubstr("is not a checkpoint directory"));

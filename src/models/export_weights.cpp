@@ -1,6 +1,9 @@
 #include "dalle/models/export_weights.h"
 
 #include <filesystem>
+#include <map>
+
+#include <torch/torch.h>
 
 #include "dalle/config.h"
 #include "dalle/error.h"
@@ -32,12 +35,76 @@ void check_loadable(const std::string& directory, const std::string& config_yaml
   }
 }
 
+// What inference reads from a checkpoint: its moving average when it keeps one.
+io::TensorMap inference_weights(io::Checkpoint& checkpoint, bool& moving_average) {
+  auto ema = io::with_prefix_removed(checkpoint.state, "ema.");
+  moving_average = !ema.empty();
+  return moving_average ? std::move(ema) : std::move(checkpoint.weights);
+}
+
+// The run's newest `count` checkpoint directories, oldest first.
+std::vector<std::string> newest_checkpoints(const std::string& run, int64_t count) {
+  if (fs::exists(fs::path(run) / "model.safetensors")) {
+    throw Error(run + ": averaging " + std::to_string(count) +
+                " checkpoints needs the run directory, not one checkpoint");
+  }
+  const io::CheckpointStore store((fs::path(run) / "checkpoints").string());
+  const auto steps = store.steps();
+  if (static_cast<int64_t>(steps.size()) < count) {
+    throw Error(run + ": has " + std::to_string(steps.size()) + " checkpoints, fewer than the " +
+                std::to_string(count) + " to average (run.keep_checkpoints keeps that many)");
+  }
+  std::vector<std::string> directories;
+  for (auto step = steps.end() - count; step != steps.end(); ++step) directories.push_back(store.directory_for(*step));
+  return directories;
+}
+
+// Adds `other`'s floating-point tensors into `sum` (float64), refusing any name or shape
+// that differs: checkpoints of different models must not be blended.
+void accumulate(io::TensorMap& sum, const io::TensorMap& other, const std::string& where) {
+  if (other.size() != sum.size()) {
+    throw Error(where + ": has " + std::to_string(other.size()) + " tensors where the newest checkpoint has " +
+                std::to_string(sum.size()) + "; only checkpoints of one model are averaged");
+  }
+  for (auto& [name, total] : sum) {
+    const auto found = other.find(name);
+    if (found == other.end() || !found->second.sizes().equals(total.sizes())) {
+      throw Error(where + ": tensor " + name + " is missing or has another shape than in the newest checkpoint");
+    }
+    if (total.is_floating_point()) total.add_(found->second.to(torch::kFloat64));
+  }
+}
+
+io::TensorMap averaged_weights(const std::vector<std::string>& directories, io::TensorMap newest) {
+  std::map<std::string, torch::ScalarType> types;
+  for (auto& [name, tensor] : newest) {
+    types[name] = tensor.scalar_type();
+    if (tensor.is_floating_point()) tensor = tensor.to(torch::kFloat64);
+  }
+  for (size_t i = 0; i + 1 < directories.size(); ++i) {
+    auto checkpoint = io::load_checkpoint(directories[i]);
+    bool moving_average = false;
+    accumulate(newest, inference_weights(checkpoint, moving_average), directories[i]);
+  }
+  for (auto& [name, tensor] : newest) {
+    if (tensor.is_floating_point()) tensor = tensor.div(static_cast<double>(directories.size())).to(types[name]);
+  }
+  return newest;
+}
+
 }  // namespace
 
 ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
-                               const std::vector<std::string>& config_overrides) {
+                               const std::vector<std::string>& config_overrides, int64_t average_last) {
+  if (average_last < 1) throw Error("the number of checkpoints to average must be at least 1");
   ExportedWeights exported;
-  exported.checkpoint = io::resolve_checkpoint(run_or_checkpoint, "trained model");
+  if (average_last > 1) {
+    exported.averaged = newest_checkpoints(run_or_checkpoint, average_last);
+    exported.checkpoint = exported.averaged.back();
+  } else {
+    exported.checkpoint = io::resolve_checkpoint(run_or_checkpoint, "trained model");
+    exported.averaged = {exported.checkpoint};
+  }
   // Only an empty folder or an earlier export may be replaced, never a run or the source.
   if (fs::exists(out) && !fs::is_empty(out) && !fs::exists(fs::path(out) / "model.safetensors")) {
     throw Error(out + ": exists and is not a checkpoint directory; choose another output folder");
@@ -53,10 +120,9 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
     for (const auto& assignment : config_overrides) config.replace(assignment);
     checkpoint.config_yaml = config.yaml();
   }
-  auto ema = io::with_prefix_removed(checkpoint.state, "ema.");
-  exported.moving_average = !ema.empty();
-  io::Checkpoint weights_only{std::move(checkpoint.config_yaml),
-                              exported.moving_average ? std::move(ema) : std::move(checkpoint.weights), {}, {}};
+  auto weights = inference_weights(checkpoint, exported.moving_average);
+  if (exported.averaged.size() > 1) weights = averaged_weights(exported.averaged, std::move(weights));
+  io::Checkpoint weights_only{std::move(checkpoint.config_yaml), std::move(weights), {}, {}};
   exported.tensors = static_cast<int64_t>(weights_only.weights.size());
   io::save_checkpoint(out, weights_only);
   return exported;

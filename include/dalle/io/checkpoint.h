@@ -66,9 +66,10 @@ class CheckpointStore {
   // The newest complete checkpoint's directory, if any.
   std::optional<std::string> latest() const;
   std::vector<int64_t> steps() const;
+  // The directory of `step`'s checkpoint (one of steps()).
+  std::string directory_for(int64_t step) const;
 
  private:
-  std::string directory_for(int64_t step) const;
   void prune() const;
 
   std::string root_;

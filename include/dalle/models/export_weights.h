@@ -4,14 +4,17 @@
 // and an empty state.safetensors: a third to a quarter of a training checkpoint's size, and
 // loadable wherever a run or checkpoint is (dalle-generate, dalle-encode-images, ...). The
 // checkpoint is loaded as its kind of model first, so that weights no tool could load are
-// refused rather than shipped.
+// refused rather than shipped. The weights can be the mean of a run's newest checkpoints'
+// (latest weight averaging, as fairseq's average_checkpoints): late in a schedule the
+// mean of a few checkpoints generalises at least as well as the last, for free.
 #include <string>
 #include <vector>
 
 namespace dalle::models {
 
 struct ExportedWeights {
-  std::string checkpoint;  // the checkpoint directory that was read
+  std::string checkpoint;  // the checkpoint directory that was read (the newest, when averaged)
+  std::vector<std::string> averaged;  // every checkpoint directory whose weights were averaged
   bool moving_average = false;  // true when the weights written are the EMA
   int64_t tensors = 0;
 };
@@ -21,7 +24,11 @@ struct ExportedWeights {
 // one is complete. `config_overrides` ("key.path=value") rewrite keys of the exported
 // config.yaml, such as the paths a prior names for its tokenizers once they are shipped
 // beside it; a key the run's config does not have, or a value of another kind, is refused.
+// `average_last` > 1 writes the mean of the inference weights of the run's newest
+// `average_last` checkpoints (its config, and any integer tensor, are the newest's); a
+// checkpoint directory, a run with fewer checkpoints, or checkpoints whose tensors differ in
+// name or shape are refused.
 ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
-                               const std::vector<std::string>& config_overrides = {});
+                               const std::vector<std::string>& config_overrides = {}, int64_t average_last = 1);
 
 }  // namespace dalle::models

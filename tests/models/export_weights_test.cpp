@@ -1,0 +1,101 @@
+#include "dalle/models/export_weights.h"
+
+#include <torch/torch.h>
+
+#include "dalle/error.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/io/safetensors.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/models/clip.h"
+#include "dalle/models/trained.h"
+#include "test_support.h"
+
+namespace dalle::models {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* const kClipYaml =
+    "kind: clip\nmodel:\n  embed_dim: 8\n  image_size: 16\n  patch_size: 8\n  vision_width: 16\n"
+    "  vision_layers: 1\n  vision_heads: 2\n  context_length: 8\n  vocab_size: 16\n  text_width: 16\n"
+    "  text_layers: 1\n  text_heads: 2\n  eos_id: 3\n";
+
+// A freshly initialised tiny CLIP's weights: each seed a different point to average.
+io::TensorMap clip_weights(uint64_t seed) {
+  torch::manual_seed(seed);
+  Clip clip(ClipConfig{.embed_dim = 8, .image_size = 16, .patch_size = 8, .vision_width = 16, .vision_layers = 1,
+                       .vision_heads = 2, .context_length = 8, .vocab_size = 16, .text_width = 16, .text_layers = 1,
+                       .text_heads = 2, .eos_id = 3});
+  return io::state_dict(*clip);
+}
+
+// A run whose checkpoints at updates 100, 200, 300 hold the weights of seeds 1, 2, 3, and
+// with `ema` a moving average (seeds 11, 12, 13) in their state, as a trainer writes it.
+std::string make_run(const testing::ScratchDir& dir, bool ema) {
+  io::CheckpointStore store(dir / "run/checkpoints", 0);
+  for (uint64_t i = 1; i <= 3; ++i) {
+    io::TensorMap state;
+    if (ema) {
+      for (auto& [name, tensor] : clip_weights(10 + i)) state.emplace("ema." + name, tensor);
+    }
+    store.save(static_cast<int64_t>(100 * i), {kClipYaml, clip_weights(i), state, {}});
+  }
+  return dir / "run";
+}
+
+torch::Tensor mean_of(const std::vector<uint64_t>& seeds, const std::string& name) {
+  auto sum = torch::zeros_like(clip_weights(seeds[0]).at(name), torch::kFloat64);
+  for (auto seed : seeds) sum += clip_weights(seed).at(name).to(torch::kFloat64);
+  return (sum / static_cast<double>(seeds.size())).to(torch::kFloat32);
+}
+
+TEST(ExportWeights, AveragesTheNewestCheckpointsOfARun) {
+  testing::ScratchDir dir;
+  const auto run = make_run(dir, /*ema=*/false);
+  const auto exported = export_weights(run, dir / "two", {}, 2);
+  ASSERT_EQ(exported.averaged.size(), 2u);
+  EXPECT_EQ(exported.checkpoint, exported.averaged.back());
+  EXPECT_THAT(exported.averaged.front(), ::testing::HasSubstr("step-000000200"));
+  EXPECT_THAT(exported.checkpoint, ::testing::HasSubstr("step-000000300"));
+  const auto two = io::read_safetensors(dir / "two/model.safetensors").tensors;
+  for (const char* name : {"visual.conv1.weight", "token_embedding.weight", "logit_scale"}) {
+    EXPECT_TRUE(torch::allclose(two.at(name), mean_of({2, 3}, name), 1e-6, 1e-7)) << name;
+  }
+  EXPECT_FALSE(torch::equal(two.at("visual.conv1.weight"), clip_weights(3).at("visual.conv1.weight")));
+  export_weights(run, dir / "three", {}, 3);
+  EXPECT_TRUE(torch::allclose(io::read_safetensors(dir / "three/model.safetensors").tensors.at("visual.proj"),
+                              mean_of({1, 2, 3}, "visual.proj"), 1e-6, 1e-7));
+  // One checkpoint "averaged" is the plain export of the newest.
+  export_weights(run, dir / "one", {}, 1);
+  EXPECT_TRUE(torch::equal(io::read_safetensors(dir / "one/model.safetensors").tensors.at("visual.proj"),
+                           clip_weights(3).at("visual.proj")));
+  // The average loads as the model it is.
+  EXPECT_NO_THROW(load_trained_clip(dir / "three"));
+}
+
+TEST(ExportWeights, AveragesTheMovingAveragesWhenTheRunKeepsThem) {
+  testing::ScratchDir dir;
+  const auto exported = export_weights(make_run(dir, /*ema=*/true), dir / "out", {}, 2);
+  EXPECT_TRUE(exported.moving_average);
+  EXPECT_TRUE(torch::allclose(io::read_safetensors(dir / "out/model.safetensors").tensors.at("visual.proj"),
+                              mean_of({12, 13}, "visual.proj"), 1e-6, 1e-7));
+}
+
+TEST(ExportWeights, AveragingRefusesTooFewOrMismatchedCheckpointsAndWritesNothing) {
+  testing::ScratchDir dir;
+  const auto run = make_run(dir, /*ema=*/false);
+  EXPECT_THROW_WITH(export_weights(run, dir / "out", {}, 4), Error, "has 3 checkpoints, fewer than the 4");
+  EXPECT_THROW_WITH(export_weights(run + "/checkpoints/step-000000300", dir / "out", {}, 2), Error,
+                    "needs the run directory, not one checkpoint");
+  EXPECT_THROW_WITH(export_weights(run, dir / "out", {}, 0), Error, "at least 1");
+  // A checkpoint of another model among the newest is refused by name.
+  auto other = clip_weights(4);
+  other["visual.proj"] = torch::zeros({16, 4});
+  io::CheckpointStore(dir / "run/checkpoints", 0).save(250, {kClipYaml, other, {}, {}});
+  EXPECT_THROW_WITH(export_weights(run, dir / "out", {}, 2), Error, "step-000000250",
+                    "tensor visual.proj is missing or has another shape");
+  EXPECT_FALSE(fs::exists(dir / "out"));
+}
+
+}  // namespace
+}  // namespace dalle::models
