@@ -75,7 +75,10 @@ void accumulate(io::TensorMap& sum, const io::TensorMap& other, const std::strin
   }
 }
 
-io::TensorMap averaged_weights(const std::vector<std::string>& directories, io::TensorMap newest) {
+// `newest` is the last of `directories`' inference weights; an older checkpoint must hold the
+// same kind (moving average or weights), or the mean would blend two different things.
+io::TensorMap averaged_weights(const std::vector<std::string>& directories, io::TensorMap newest,
+                               bool newest_is_moving_average) {
   std::map<std::string, torch::ScalarType> types;
   for (auto& [name, tensor] : newest) {
     types[name] = tensor.scalar_type();
@@ -84,7 +87,12 @@ io::TensorMap averaged_weights(const std::vector<std::string>& directories, io::
   for (size_t i = 0; i + 1 < directories.size(); ++i) {
     auto checkpoint = io::load_checkpoint(directories[i]);
     bool moving_average = false;
-    accumulate(newest, inference_weights(checkpoint, moving_average), directories[i]);
+    auto weights = inference_weights(checkpoint, moving_average);
+    if (moving_average != newest_is_moving_average) {
+      throw Error(directories[i] + ": " + (moving_average ? "keeps" : "keeps no") +
+                  " moving average of the weights, unlike the newest checkpoint; only like checkpoints are averaged");
+    }
+    accumulate(newest, weights, directories[i]);
   }
   for (auto& [name, tensor] : newest) {
     if (tensor.is_floating_point()) tensor = tensor.div(static_cast<double>(directories.size())).to(types[name]);
@@ -109,8 +117,10 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
   if (fs::exists(out) && !fs::is_empty(out) && !fs::exists(fs::path(out) / "model.safetensors")) {
     throw Error(out + ": exists and is not a checkpoint directory; choose another output folder");
   }
-  if (fs::exists(out) && fs::equivalent(out, exported.checkpoint)) {
-    throw Error(out + ": is the checkpoint being exported; choose another output folder");
+  for (const auto& source : exported.averaged) {
+    if (fs::exists(out) && fs::equivalent(out, source)) {
+      throw Error(out + ": is a checkpoint being exported; choose another output folder");
+    }
   }
   auto checkpoint = io::load_checkpoint(exported.checkpoint);
   check_loadable(exported.checkpoint, checkpoint.config_yaml);
@@ -121,7 +131,7 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
     checkpoint.config_yaml = config.yaml();
   }
   auto weights = inference_weights(checkpoint, exported.moving_average);
-  if (exported.averaged.size() > 1) weights = averaged_weights(exported.averaged, std::move(weights));
+  if (exported.averaged.size() > 1) weights = averaged_weights(exported.averaged, std::move(weights), exported.moving_average);
   io::Checkpoint weights_only{std::move(checkpoint.config_yaml), std::move(weights), {}, {}};
   exported.tensors = static_cast<int64_t>(weights_only.weights.size());
   io::save_checkpoint(out, weights_only);

@@ -88,6 +88,15 @@ TEST(ExportWeights, AveragingRefusesTooFewOrMismatchedCheckpointsAndWritesNothin
   EXPECT_THROW_WITH(export_weights(run + "/checkpoints/step-000000300", dir / "out", {}, 2), Error,
                     "needs the run directory, not one checkpoint");
   EXPECT_THROW_WITH(export_weights(run, dir / "out", {}, 0), Error, "at least 1");
+  EXPECT_THROW_WITH(export_weights(run, run + "/checkpoints/step-000000200", {}, 2), Error,
+                    "is a checkpoint being exported");
+  // A moving average is not blended with another checkpoint's raw weights.
+  io::TensorMap ema;
+  for (auto& [name, tensor] : clip_weights(5)) ema.emplace("ema." + name, tensor);
+  io::CheckpointStore(dir / "run/checkpoints", 0).save(400, {kClipYaml, clip_weights(5), ema, {}});
+  EXPECT_THROW_WITH(export_weights(run, dir / "out", {}, 2), Error, "step-000000300",
+                    "keeps no moving average of the weights, unlike the newest");
+  fs::remove_all(dir / "run/checkpoints/step-000000400");
   // A checkpoint of another model among the newest is refused by name.
   auto other = clip_weights(4);
   other["visual.proj"] = torch::zeros({16, 4});
