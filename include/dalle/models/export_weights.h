@@ -5,8 +5,8 @@
 // loadable wherever a run or checkpoint is (dalle-generate, dalle-encode-images, ...). The
 // checkpoint is loaded as its kind of model first, so that weights no tool could load are
 // refused rather than shipped. The weights can be the mean of a run's newest checkpoints'
-// (latest weight averaging, as fairseq's average_checkpoints): late in a schedule the
-// mean of a few checkpoints generalises at least as well as the last, for free.
+// (latest weight averaging, as fairseq's average_checkpoints), which costs nothing at
+// inference; whether it beats the last checkpoint is for each run to measure.
 #include <string>
 #include <vector>
 
