@@ -7,8 +7,13 @@
 // ranks one caption's candidates as the prior's posterior of the caption given each image
 // (CogView's self-reranking, without a second, image-first model). Given CLIP runs or
 // checkpoints after the tokenizer, each also scores the candidates' PNGs (a line per CLIP):
-// other CLIPs compared on the same candidates without drawing them again.
-//   dalle_rerank_study GENERATED DETAILS.jsonl PRIOR TOKENIZER [CLIP ...]
+// other CLIPs compared on the same candidates without drawing them again. Given two or more,
+// one more line ranks by the mean of their scores: an ensemble of CLIPs.
+// With --scores FILE first, every candidate's scores are also written to FILE, one JSON line
+// each, for combinations the lines above do not try. The details file must be newer than
+// every candidate it judges: the PNGs are named by rank, so a folder regenerated with another
+// CLIP holds other images under the same names.
+//   dalle_rerank_study [--scores FILE] GENERATED DETAILS.jsonl PRIOR TOKENIZER [CLIP ...]
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -30,6 +35,7 @@ namespace {
 using torch::indexing::Slice;
 
 struct Candidate {
+  std::string image;
   double clip = 0, conditional = 0, unconditional = 0;
   std::vector<double> other_clips;  // the extra CLIPs' scores of the PNG
   bool right = false, heldout = false;
@@ -60,6 +66,7 @@ std::map<std::string, nlohmann::json> read_details(const std::string& path) {
 // Each prompt's candidates in `generated` that `details` judged, with their scores.
 std::vector<std::vector<Candidate>> score_candidates(const std::filesystem::path& generated,
                                                     const std::map<std::string, nlohmann::json>& details,
+                                                    std::filesystem::file_time_type details_written,
                                                     dalle::models::Prior& prior,
                                                     const dalle::text::Tokenizer& tokenizer,
                                                     std::vector<dalle::models::Clip>& clips) {
@@ -68,6 +75,9 @@ std::vector<std::vector<Candidate>> score_candidates(const std::filesystem::path
   for (const auto& entry : std::filesystem::directory_iterator(generated)) {
     const auto png = entry.path().stem().string() + ".png";
     if (entry.path().extension() != ".json" || !details.count(png)) continue;
+    if (std::filesystem::last_write_time(generated / png) > details_written) {
+      throw std::runtime_error(png + " is newer than the details file: it judged other images");
+    }
     std::ifstream in(entry.path());
     auto sidecar = nlohmann::json::parse(in);
     sidecars[sidecar["prompt"].get<std::string>()].emplace_back(std::move(sidecar), png);
@@ -90,7 +100,7 @@ std::vector<std::vector<Candidate>> score_candidates(const std::filesystem::path
       const auto& judged = details.at(candidates[i].second);
       std::vector<double> others;
       for (const auto& scores : other_clips) others.push_back(scores[static_cast<int64_t>(i)].item<double>());
-      scored.push_back({candidates[i].first["clip_score"].get<double>(), conditional[i].item<double>(),
+      scored.push_back({candidates[i].second, candidates[i].first["clip_score"].get<double>(), conditional[i].item<double>(),
                         unconditional[i].item<double>(), others, judged["correct"].get<bool>(),
                         judged["heldout"].get<bool>()});
     }
@@ -107,6 +117,13 @@ void print_rankings(const std::vector<std::vector<Candidate>>& prompts, const st
   };
   for (size_t c = 0; c < clip_paths.size(); ++c) {
     scores["clip " + clip_paths[c]] = [c](const Candidate& candidate) { return candidate.other_clips[c]; };
+  }
+  if (clip_paths.size() > 1) {
+    scores["clip ensemble (mean of the given CLIPs' scores)"] = [](const Candidate& candidate) {
+      double sum = 0;
+      for (const double score : candidate.other_clips) sum += score;
+      return sum / static_cast<double>(candidate.other_clips.size());
+    };
   }
   for (const auto& [name, score] : scores) {
     std::map<bool, std::pair<int, int>> right_of;  // heldout -> (right, prompts)
@@ -127,13 +144,34 @@ void print_rankings(const std::vector<std::vector<Candidate>>& prompts, const st
   }
 }
 
+void write_scores(const std::vector<std::vector<Candidate>>& prompts, const std::string& path) {
+  std::ofstream out(path);
+  for (const auto& candidates : prompts) {
+    for (const auto& c : candidates) {
+      out << nlohmann::json{{"image", c.image}, {"clip", c.clip}, {"prior_log_likelihood", c.conditional},
+                            {"prior_unconditional", c.unconditional}, {"other_clips", c.other_clips},
+                            {"right", c.right}, {"heldout", c.heldout}}
+                 .dump()
+          << "\n";
+    }
+  }
+  if (!out) throw std::runtime_error(path + ": cannot write the scores");
+}
+
 }  // namespace
 
 int study(int argc, char** argv) {
-  const std::string usage = "usage: dalle_rerank_study GENERATED DETAILS.jsonl PRIOR TOKENIZER [CLIP ...]\n";
+  const std::string usage =
+      "usage: dalle_rerank_study [--scores FILE] GENERATED DETAILS.jsonl PRIOR TOKENIZER [CLIP ...]\n";
   if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
     std::cout << usage;
     return 0;
+  }
+  std::string scores_path;
+  if (argc > 2 && std::string(argv[1]) == "--scores") {
+    scores_path = argv[2];
+    argc -= 2;
+    argv += 2;
   }
   if (argc < 5) {
     std::cerr << usage;
@@ -147,11 +185,13 @@ int study(int argc, char** argv) {
   std::vector<dalle::models::Clip> clips;
   for (const auto& path : clip_paths) clips.push_back(dalle::models::load_trained_clip(path));
 
-  const auto prompts = score_candidates(generated, details, prior.model, tokenizer, clips);
+  const auto prompts = score_candidates(generated, details, std::filesystem::last_write_time(argv[2]), prior.model,
+                                        tokenizer, clips);
   if (prompts.empty()) {
     throw std::runtime_error(generated.string() + ": no candidate sidecar matches an image of the details file");
   }
   print_rankings(prompts, clip_paths);
+  if (!scores_path.empty()) write_scores(prompts, scores_path);
   return 0;
 }
 
