@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dalle/data/image.h"
+#include "dalle/io/atomic_file.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/prior.h"
 #include "dalle/models/trained.h"
@@ -100,9 +101,9 @@ std::vector<std::vector<Candidate>> score_candidates(const std::filesystem::path
       const auto& judged = details.at(candidates[i].second);
       std::vector<double> others;
       for (const auto& scores : other_clips) others.push_back(scores[static_cast<int64_t>(i)].item<double>());
-      scored.push_back({candidates[i].second, candidates[i].first["clip_score"].get<double>(), conditional[i].item<double>(),
-                        unconditional[i].item<double>(), others, judged["correct"].get<bool>(),
-                        judged["heldout"].get<bool>()});
+      scored.push_back({candidates[i].second, candidates[i].first["clip_score"].get<double>(),
+                        conditional[i].item<double>(), unconditional[i].item<double>(), others,
+                        judged["correct"].get<bool>(), judged["heldout"].get<bool>()});
     }
   }
   return prompts;
@@ -144,18 +145,19 @@ void print_rankings(const std::vector<std::vector<Candidate>>& prompts, const st
   }
 }
 
+// Written whole or not at all, as every file the tools write.
 void write_scores(const std::vector<std::vector<Candidate>>& prompts, const std::string& path) {
-  std::ofstream out(path);
-  for (const auto& candidates : prompts) {
-    for (const auto& c : candidates) {
-      out << nlohmann::json{{"image", c.image}, {"clip", c.clip}, {"prior_log_likelihood", c.conditional},
-                            {"prior_unconditional", c.unconditional}, {"other_clips", c.other_clips},
-                            {"right", c.right}, {"heldout", c.heldout}}
-                 .dump()
-          << "\n";
+  dalle::io::write_file_atomic(path, [&](std::ostream& out) {
+    for (const auto& candidates : prompts) {
+      for (const auto& c : candidates) {
+        out << nlohmann::json{{"image", c.image}, {"clip", c.clip}, {"prior_log_likelihood", c.conditional},
+                              {"prior_unconditional", c.unconditional}, {"other_clips", c.other_clips},
+                              {"right", c.right}, {"heldout", c.heldout}}
+                   .dump()
+            << "\n";
+      }
     }
-  }
-  if (!out) throw std::runtime_error(path + ": cannot write the scores");
+  });
 }
 
 }  // namespace
