@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -155,6 +156,38 @@ TEST_F(PriorTrainerTest, RefusesADatasetThatDoesNotFitTheModel) {
   config = tiny(1);
   config.model.image_vocab_size = 8;
   EXPECT_THROW_WITH(PriorTrainer(config, runs / "b"), Error, "image vocabulary 16 (model 8)");
+}
+
+// init_from fine-tunes a trained prior: the run starts from its moving average, with a fresh
+// optimizer and the run's own schedule, and a resumed run starts from its own checkpoint.
+TEST_F(PriorTrainerTest, InitFromStartsFromTheTrainedWeightsAndResumesFromItsOwnCheckpoint) {
+  ScratchDir runs;
+  PriorTrainer(tiny(40), runs / "base").run();
+  auto config = tiny(8);
+  config.init_from = runs / "base";
+  PriorTrainer tuned(config, runs / "tuned");
+  const auto base = models::load_trained_prior(runs / "base");
+  const auto base_weights = base.model->named_parameters();
+  for (const auto& item : tuned.model()->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), base_weights[item.key()])) << item.key();
+  }
+  const double untrained = PriorTrainer(tiny(8), runs / "fresh").validate().image_loss;
+  EXPECT_LT(tuned.validate().image_loss, 0.5 * untrained) << "its moving average starts from the trained weights";
+  testing::expect_exact_resume<PriorTrainer>(config);
+}
+
+TEST_F(PriorTrainerTest, InitFromRefusesAnotherModelOrAMissingRunBeforeWritingAnything) {
+  ScratchDir runs;
+  PriorTrainer(tiny(2), runs / "base").run();
+  auto config = tiny(1);
+  config.init_from = runs / "base";
+  config.model.conv_kernel = 5;
+  EXPECT_THROW_WITH(PriorTrainer(config, runs / "a"), Error, "is another model", "model.conv_kernel 3 (run 5)");
+  EXPECT_FALSE(std::filesystem::exists(runs / "a"));
+  config = tiny(1);
+  config.init_from = runs / "nowhere";
+  EXPECT_THROW_WITH(PriorTrainer(config, runs / "b"), Error, "nowhere");
+  EXPECT_FALSE(std::filesystem::exists(runs / "b"));
 }
 
 TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {

@@ -36,6 +36,16 @@ Config shipped(const std::string& path) {
   return load_config<Config>(ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/" + path));
 }
 
+// A recipe that fine-tunes (init_from) must have the model section of what it starts from.
+template <class ModelConfig>
+void expect_model_of(ModelConfig model, const std::string& init_from) {
+  SCOPED_TRACE(init_from);
+  ModelConfig from;
+  bind_config_parts(ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/" + init_from + "/config.yaml"),
+                    [&from](ConfigVisitor& v) { v.section("model", "", from); }, {"model"});
+  EXPECT_EQ(flatten_config(visit_of(model)), flatten_config(visit_of(from)));
+}
+
 TEST(ShippedConfigs, EveryTrainerReadsTheSharedSectionsAndNamesWhereOldKeysWent) {
   const auto source = [](const std::string& yaml) { return ConfigSource::from_string(yaml, "old.yaml"); };
   EXPECT_THROW_WITH(load_config<train::PriorTrainConfig>(source("model: {layers: 2}\nsteps: 5\n")), ConfigError,
@@ -63,14 +73,7 @@ TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
         auto config = load_config<train::VqganTrainConfig>(source);
         EXPECT_NO_THROW(config.model.validate());
         EXPECT_EQ(config.data.image_size % config.model.downsampling_factor(), 0);
-        if (!config.init_from.empty()) {
-          // The tuned network must have the sizes of the one it starts from.
-          models::VqganConfig from;
-          bind_config_parts(
-              ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/" + config.init_from + "/config.yaml"),
-              [&from](ConfigVisitor& v) { v.section("model", "", from); }, {"model"});
-          EXPECT_EQ(flatten_config(visit_of(config.model)), flatten_config(visit_of(from)));
-        }
+        if (!config.init_from.empty()) expect_model_of(config.model, config.init_from);
         ++vqgans;
       } else {
         const auto config = load_config<train::DvaeTrainConfig>(source);
@@ -155,6 +158,7 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
     }
     const auto config = load_config<train::PriorTrainConfig>(ConfigSource::from_file(path));
     EXPECT_NO_THROW(config.model.validate());
+    if (!config.init_from.empty()) expect_model_of(config.model, config.init_from);
     if (path.find("fashion-compose") == std::string::npos) continue;
     EXPECT_EQ(config.model.text_length, tokenizer.text_length);
     EXPECT_EQ(config.model.text_vocab_size, tokenizer.vocab_size);
@@ -162,7 +166,7 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
         << "a fashion-compose prior reads the tokens of exactly one fashion-compose VQGAN recipe";
     ++demo_recipes;
   }
-  EXPECT_EQ(demo_recipes, 4);
+  EXPECT_EQ(demo_recipes, 5);
   EXPECT_EQ(bart_recipes, 1);
 }
 

@@ -61,6 +61,9 @@ double PriorLearningRate::at(int64_t step, int64_t total_steps, int64_t reductio
 
 void PriorTrainConfig::visit(ConfigVisitor& v) {
   v.section("model", "transformer sizes and options", model);
+  v.field("init_from", init_from,
+          "prior run or checkpoint whose weights (its moving average) the run starts from, with a fresh optimizer "
+          "and this schedule, instead of a random initialisation; its model section must be this one (empty: random)");
   v.section("data", "token datasets and batching", data);
   v.section("learning_rate", "warmup, then cosine or plateau decay", learning_rate);
   visit_shared_sections(v, {optimizer, run, precision, distributed});
@@ -178,6 +181,23 @@ std::vector<torch::optim::OptimizerParamGroup> parameter_groups(
   return decay_groups(std::move(decayed), std::move(undecayed), weight_decay);
 }
 
+// The moving average of a trained prior of the same sizes and options, into `model`.
+void initialise_from(models::PriorImpl& model, const PriorTrainConfig& config) {
+  auto trained = models::load_trained_prior(config.init_from);
+  auto wanted = config.model;
+  const auto ours = flatten_config(visit_of(wanted)), theirs = flatten_config(visit_of(trained.config));
+  std::string differences;
+  for (size_t i = 0; i < ours.size() && i < theirs.size(); ++i) {
+    if (ours[i] == theirs[i]) continue;
+    differences += " model." + ours[i].first + " " + theirs[i].second + " (run " + ours[i].second + ")";
+  }
+  if (!differences.empty()) {
+    throw Error("prior training: init_from " + config.init_from + " is another model:" + differences +
+                "; copy its model section into the config");
+  }
+  io::load_state_dict(model, io::state_dict(*trained.model), config.init_from + " (init_from)");
+}
+
 }  // namespace
 
 PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
@@ -192,6 +212,8 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
     check_dataset(s.validation_set->info(), s.config.model, s.config.data.validation);
   }
   s.model = models::Prior(s.config.model);
+  // A resumed run has its own weights; init_from is read only to start one.
+  if (!s.config.init_from.empty() && !s.checkpoints.latest()) initialise_from(*s.model, s.config);
   s.place_model();
   s.build_update(parameter_groups(*s.model, s.config.optimizer.weight_decay), s.config.learning_rate.peak,
                  std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),

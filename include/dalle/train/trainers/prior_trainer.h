@@ -56,6 +56,7 @@ struct PriorLearningRate {
 
 struct PriorTrainConfig {
   models::PriorConfig model;
+  std::string init_from;  // prior run or checkpoint whose weights start the run ("" -> random)
   PriorDataConfig data;
   PriorLearningRate learning_rate;
   // DALL-E's AdamW: betas 0.9, 0.96, weight decay 4.5e-2 on the weight matrices only
