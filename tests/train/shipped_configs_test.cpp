@@ -166,7 +166,7 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
         << "a fashion-compose prior reads the tokens of exactly one fashion-compose VQGAN recipe";
     ++demo_recipes;
   }
-  EXPECT_EQ(demo_recipes, 5);
+  EXPECT_EQ(demo_recipes, 6);
   EXPECT_EQ(bart_recipes, 1);
 }
 
