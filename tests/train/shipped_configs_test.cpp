@@ -190,7 +190,7 @@ TEST(ShippedConfigs, ClipRecipesFitTheDemoTokenizer) {
     EXPECT_GE(config.model.context_length, tokenizer.text_length);
     ++recipes;
   }
-  EXPECT_EQ(recipes, 2);
+  EXPECT_EQ(recipes, 3);
 }
 
 TEST(ShippedConfigs, KindIsCheckedLikeAnyKey) {
