@@ -193,6 +193,12 @@ TEST(ShippedConfigs, ClipRecipesFitTheDemoTokenizer) {
   EXPECT_EQ(recipes, 3);
 }
 
+TEST(ShippedConfigs, TheShippedClipIsTheModelOfItsRecipe) {
+  // scripts/train-demo-models exports configs/clip/fashion-compose-f4-60k.yaml's run there.
+  expect_model_of(shipped<train::ClipTrainConfig>("clip/fashion-compose-f4-60k.yaml").model,
+                  "models/fashion-compose/clip");
+}
+
 TEST(ShippedConfigs, KindIsCheckedLikeAnyKey) {
   const auto source = ConfigSource::from_string("model: {}\nkind: vqgn\n", "recipe.yaml");
   EXPECT_THROW_WITH(peek_choice(source, "kind", "dvae", {"dvae", "vqgan"}), ConfigError,
