@@ -202,6 +202,20 @@ TEST_F(ClipTrainerTest, HardNegativesChangeTheBatchesAndResume) {
   testing::expect_exact_resume<ClipTrainer>(hard);
 }
 
+// word_dropout shows half the captions of the halves set without their colour ("a bag on the
+// left"); the batches differ, and the run still resumes exactly.
+TEST_F(ClipTrainerTest, WordDropoutChangesTheCaptionsAndResumes) {
+  ScratchDir runs;
+  auto plain = tiny(2), dropped = tiny(2);
+  plain.data.train = dropped.data.train = *data_ / "halves";
+  dropped.word_dropout = 0.5;
+  dropped.dropped_words = {"red", "orange", "yellow", "green", "cyan", "blue", "purple", "white"};
+  ClipTrainer(plain, runs / "plain").run();
+  ClipTrainer(dropped, runs / "dropped").run();
+  EXPECT_NE(training_lines(runs / "dropped").at(1)["loss"], training_lines(runs / "plain").at(1)["loss"]);
+  testing::expect_exact_resume<ClipTrainer>(dropped);
+}
+
 TEST(ClipTraining, ContrastiveLossAndSchedule) {
   EXPECT_NEAR(clip_contrastive_loss(torch::zeros({5, 5})).item<double>(), std::log(5.0), 1e-6);
   EXPECT_LT(clip_contrastive_loss(torch::eye(4) * 50).item<double>(), 1e-6);
@@ -242,6 +256,9 @@ TEST_F(ClipTrainerTest, BadSettingsAreRefused) {
   config = tiny(2);
   config.hard_negatives = 0.6;
   EXPECT_THROW_WITH(ClipTrainer(config, runs / "f"), Error, "hard_negatives must be between 0 and 0.5");
+  config = tiny(2);
+  config.word_dropout = 0.25;
+  EXPECT_THROW_WITH(ClipTrainer(config, runs / "g"), Error, "word_dropout needs the words to drop");
   testing::write_text(runs / "notes.txt", "a user's file");
   EXPECT_THROW_WITH(ClipTrainer(tiny(2), runs.path().string()), Error, "not a CLIP run directory");
   EXPECT_FALSE(std::filesystem::exists(runs / "a/config.yaml"));

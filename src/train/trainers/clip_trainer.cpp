@@ -10,8 +10,10 @@
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/caption_neighbours.h"
+#include "dalle/data/caption_words.h"
 #include "dalle/data/loader.h"
 #include "dalle/device.h"
+#include "dalle/seed.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/log.h"
 #include "dalle/text/tokenizer.h"
@@ -51,6 +53,13 @@ void ClipTrainConfig::visit(ConfigVisitor& v) {
           "first images in one span of up to three words (another item, colour or position): negatives that "
           "a random batch seldom holds (0: random batches, as CLIP)",
           {.min = 0.0, .max = 0.5});
+  v.field("word_dropout", word_dropout,
+          "share of training captions shown without the words of dropped_words, each drawn per image and "
+          "update: with the colour names, CLIP also learns what an item looks like whatever its colour, and "
+          "a reranker can ask it so of a combination it never saw (0: captions as they are)",
+          {.min = 0.0, .max = 1.0});
+  v.field("dropped_words", dropped_words,
+          "the words word_dropout leaves out of a caption, matched whole (e.g. the dataset's colour names)");
   v.section("learning_rate", "cosine learning-rate schedule after the warmup (CLIP: 5e-4 -> 0)", learning_rate);
   visit_shared_sections(v, {optimizer, run, precision, distributed});
   v.field("max_logit_scale", max_logit_scale,
@@ -172,6 +181,9 @@ void validate_settings(const ClipTrainConfig& config) {
     throw Error("clip training: learning_rate.start and learning_rate.end cannot be negative");
   }
   if (config.data.batch_size < 2) throw Error("clip training: data.batch_size must be at least 2 (negatives)");
+  if (config.word_dropout > 0.0 && config.dropped_words.empty()) {
+    throw Error("clip training: word_dropout needs the words to drop: set dropped_words");
+  }
   if (config.hard_negatives < 0.0 || config.hard_negatives > 0.5) {
     throw Error("clip training: hard_negatives must be between 0 and 0.5 (at most half of a batch are neighbours "
                 "of the other half)");
@@ -261,12 +273,19 @@ torch::Tensor ClipTrainer::State::tokenize(const std::vector<std::string>& capti
 }
 
 // The loader's next batch, its last hard_negatives share replaced by neighbours of its first
-// captions. The draws are seeded by the update so that a resumed run sees the same batches.
+// captions, a word_dropout share of its captions shortened. The draws are seeded by the
+// update so that a resumed run sees the same batches.
 data::Batch<data::ImageCaptionExample> ClipTrainer::State::next_batch() {
   auto batch = detail::next_nonempty_batch(images);
   if (neighbours) {
     data::replace_with_neighbours(batch.examples, config.hard_negatives, *neighbours, *images.train,
                                   static_cast<uint64_t>(config.run.seed), static_cast<uint64_t>(step));
+  }
+  if (config.word_dropout > 0.0) {
+    constexpr uint64_t kWordDropoutStream = 0x776f7264;  // "word": draws apart from the neighbours'
+    data::drop_words(batch.examples, config.word_dropout, config.dropped_words,
+                     mix_seed(static_cast<uint64_t>(config.run.seed), kWordDropoutStream),
+                     static_cast<uint64_t>(step));
   }
   return batch;
 }

@@ -6,11 +6,13 @@
 // with a linear warmup and a cosine learning rate, an optional EMA, and the shared
 // precision section. Validation logs image->text and text->image top-1 retrieval accuracy
 // on held-out images. hard_negatives fills part of each batch with images whose captions
-// differ from another's in one span (data::CaptionNeighbours). The run directory,
+// differ from another's in one span (data::CaptionNeighbours); word_dropout shows a share
+// of the captions without dropped_words (data::caption_words.h). The run directory,
 // checkpoints and exact resume are the other trainers'.
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dalle/config.h"
 #include "dalle/models/clip.h"
@@ -37,6 +39,8 @@ struct ClipTrainConfig {
   std::string through_tokenizer;  // image tokenizer whose round trip every image takes; empty: none
   int64_t through_tokenizer_cache_mb = 4096;  // round trips kept after their first use (0: none)
   double hard_negatives = 0.0;    // share of each batch replaced by caption neighbours of the rest
+  double word_dropout = 0.0;      // share of training captions shown without dropped_words
+  std::vector<std::string> dropped_words;
   int64_t warmup_steps = 100;
   CosineSchedule learning_rate{5e-4, 0.0, 10'000};
   // CLIP's AdamW for ViTs: betas 0.9, 0.98, epsilon 1e-6, weight decay 0.2 on the matrices
