@@ -212,7 +212,9 @@ std::vector<std::vector<Candidate>> score_candidates(const std::filesystem::path
       if (!clips.empty()) images.push_back(dalle::data::read_image(generated / png));
     }
     std::vector<ClipScores> other_clips;
-    for (auto& clip : clips) other_clips.push_back(score_with_clip(clip, torch::stack(images), tokenizer, prompt, colour_invariant));
+    for (auto& clip : clips) {
+      other_clips.push_back(score_with_clip(clip, torch::stack(images), tokenizer, prompt, colour_invariant));
+    }
     const auto stacked = torch::stack(tokens);
     const auto conditional = image_log_likelihood(prior, caption, stacked);
     const auto unconditional = image_log_likelihood(prior, empty, stacked);
