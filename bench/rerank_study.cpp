@@ -114,12 +114,11 @@ torch::Tensor grey_levels(const torch::Tensor& images) {
   return (dots / norms).gather(1, nearest).clamp(0, 1);
 }
 
-// CLIP's logits of `caption` against image features [N, D] (L2-normalised): [N].
+// CLIP's logits of `caption` against image features [N, D]: [N].
 torch::Tensor caption_logits(dalle::models::Clip& clip, const torch::Tensor& features,
                              const dalle::text::Tokenizer& tokenizer, const std::string& caption) {
   const auto tokens = torch::tensor(tokenizer.encode(caption).ids, torch::kInt64).unsqueeze(0);
-  const auto text = clip->encode_text(tokens, /*normalize=*/true);
-  return clip->logit_scale.exp() * torch::matmul(features, text.t()).squeeze(1);
+  return clip->logits_from_features(features, clip->encode_text(tokens)).per_image.squeeze(1);
 }
 
 struct ClipScores {
@@ -147,7 +146,7 @@ torch::Tensor colour_invariant_logits(dalle::models::Clip& clip, const torch::Te
   for (const auto& colour : dalle::data::fashion_compose_colours()) {
     for (auto& object : objects) object.colour = colour.name;
     const auto features = clip->encode_image(
-        dalle::models::clip_preprocess(levels * rgb_of(colour).view({1, 3, 1, 1}), clip->config().image_size), true);
+        dalle::models::clip_preprocess(levels * rgb_of(colour).view({1, 3, 1, 1}), clip->config().image_size));
     sum += caption_logits(clip, features, tokenizer, caption_of(objects));
   }
   return sum / static_cast<double>(dalle::data::fashion_compose_colours().size());
@@ -157,8 +156,7 @@ ClipScores score_with_clip(dalle::models::Clip& clip, const torch::Tensor& image
                            const dalle::text::Tokenizer& tokenizer, const std::string& caption,
                            bool colour_invariant) {
   torch::NoGradGuard no_grad;
-  const auto features =
-      clip->encode_image(dalle::models::clip_preprocess(images, clip->config().image_size), /*normalize=*/true);
+  const auto features = clip->encode_image(dalle::models::clip_preprocess(images, clip->config().image_size));
   const auto logits = caption_logits(clip, features, tokenizer, caption);
   auto contrast = torch::zeros_like(logits);
   for (const auto& alternatives : item_variants(caption)) {
