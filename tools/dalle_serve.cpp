@@ -27,16 +27,17 @@ sigset_t stop_signals() {
   return signals;
 }
 
-// Waits for the first stop signal and drains the server; a second one ends the process.
+// Waits for the first stop signal and drains the server; a ^C after it ends the process. A
+// repeated SIGTERM does not: `timeout` and service managers may deliver one twice.
 void drain_on_signals(serve::HttpServer& server) {
   std::thread([&server] {
     const auto signals = stop_signals();
     int signal = 0;
     sigwait(&signals, &signal);
-    log::info("serve: signal ", signal, ": draining (a second signal ends the server at once)");
+    log::info("serve: signal ", signal, ": draining (^C ends the server at once)");
     std::thread([signals] {
       int second = 0;
-      sigwait(&signals, &second);
+      while (second != SIGINT) sigwait(&signals, &second);
       std::_Exit(128 + second);
     }).detach();
     server.drain_and_stop();

@@ -26,7 +26,10 @@ namespace {
 volatile std::sig_atomic_t signals_received = 0;
 volatile std::sig_atomic_t last_signal = 0;
 
+// Counts the stop requests: the first signal, then each ^C. A repeated SIGTERM is the same
+// request delivered again (`timeout` sends it to the launcher and again to its group).
 void count_signal(int signal) {
+  if (signals_received > 0 && signal != SIGINT) return;
   last_signal = signal;
   signals_received = signals_received + 1;
 }
@@ -148,7 +151,7 @@ LocalRanksOutcome run_local_ranks(const LocalRanksOptions& options) {
   };
   while (!running.empty()) {
     if (signals_received > signals_passed_on) {
-      // The first ^C or SIGTERM asks the ranks to checkpoint and stop; a second ends them.
+      // The first ^C or SIGTERM asks the ranks to checkpoint and stop; a ^C after it ends them.
       signals_passed_on = signals_received;
       signal_all(signals_passed_on == 1 ? static_cast<int>(last_signal) : SIGKILL);
       stop_status = 128 + last_signal;

@@ -23,10 +23,13 @@ StopOnSignals::StopOnSignals() {
   struct sigaction action {};
   action.sa_handler = on_signal;
   sigemptyset(&action.sa_mask);
-  // The second signal takes the default action; reads interrupted by the first go on.
+  // Reads interrupted by the signal go on. A second ^C takes the default action; SIGTERM
+  // keeps asking, since `timeout` sends it to the process and again to its process group,
+  // and a second delivery must not cost the checkpoint the first one asked for.
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, &previous_terminate_);
   action.sa_flags = SA_RESETHAND | SA_RESTART;
   sigaction(SIGINT, &action, &previous_interrupt_);
-  sigaction(SIGTERM, &action, &previous_terminate_);
 }
 
 StopOnSignals::~StopOnSignals() {

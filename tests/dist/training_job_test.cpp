@@ -338,6 +338,16 @@ TEST_F(TrainingJob, SigintToTheLauncherStopsEveryRankOnce) {
   EXPECT_EQ(io::CheckpointStore(dir / "job/checkpoints").steps().size(), 1u);
 }
 
+// `timeout` sends SIGTERM to the launcher and again to its process group: the second is the
+// same request, not the "end them now" of a second ^C, so the ranks still checkpoint.
+TEST_F(TrainingJob, ARepeatedSigtermToTheLauncherStillStopsEveryRankWithACheckpoint) {
+  ScratchDir dir;
+  auto stopped = stop_a_job(dir, "kill -TERM $pid; sleep 0.05; kill -TERM $pid");
+  EXPECT_EQ(stopped.status, 143) << stopped.output;
+  EXPECT_THAT(testing::read_text(dir / "job.rank1.log"), ::testing::HasSubstr("stopped by SIGTERM after update"));
+  EXPECT_EQ(io::CheckpointStore(dir / "job/checkpoints").steps().size(), 1u);
+}
+
 // A port nobody listens on now, for ranks started by hand.
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -16,20 +16,24 @@ void (*current_handler(int signal))(int) {
   return action.sa_handler;
 }
 
-TEST(StopRequest, AFirstSignalRequestsAStopAndTheEarlierHandlersComeBack) {
+TEST(StopRequest, SignalsRequestAStopASecondCtrlCEndsAndTheEarlierHandlersComeBack) {
   clear_stop_request();
   std::signal(SIGTERM, earlier_handler);
   std::signal(SIGINT, earlier_handler);
   {
     StopOnSignals stop_on_signals;
+    const auto stop_handler = current_handler(SIGTERM);
     EXPECT_FALSE(stop_requested());
     std::raise(SIGTERM);
     EXPECT_TRUE(stop_requested());
     EXPECT_EQ(stop_signal(), SIGTERM);
-    EXPECT_EQ(current_handler(SIGTERM), SIG_DFL) << "a second SIGTERM would end the process";
+    std::raise(SIGTERM);  // as `timeout` sends it: to the process, then to its group
+    EXPECT_EQ(stop_signal(), SIGTERM) << "a second SIGTERM only asks again";
     EXPECT_NE(current_handler(SIGINT), SIG_DFL) << "SIGINT still only asks";
     std::raise(SIGINT);
     EXPECT_EQ(stop_signal(), SIGINT);
+    EXPECT_EQ(current_handler(SIGINT), SIG_DFL) << "a second ^C would end the process";
+    EXPECT_EQ(current_handler(SIGTERM), stop_handler);
   }
   EXPECT_EQ(earlier_handler_calls, 0);
   EXPECT_EQ(current_handler(SIGTERM), earlier_handler);

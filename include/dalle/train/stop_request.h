@@ -17,8 +17,10 @@ int stop_signal();
 // Lets the next run() train again.
 void clear_stop_request();
 
-// While alive, the first SIGINT or SIGTERM requests a stop; a second one has its default
-// effect and ends the process at once. Restores the earlier handlers when destroyed.
+// While alive, the first SIGINT or SIGTERM requests a stop; a second SIGINT has its default
+// effect and ends the process at once. Further SIGTERMs only ask again: `timeout` and batch
+// schedulers may deliver one twice, and end a run that will not stop with SIGKILL.
+// Restores the earlier handlers when destroyed.
 class StopOnSignals {
  public:
   StopOnSignals();
