@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <set>
@@ -21,6 +22,8 @@ struct ConfigSource::Impl {
   YAML::Node root;
   // Key path -> the `--set` text that gave it, to name the override in errors.
   std::map<std::string, std::string> overrides;
+  // Key path -> the `base:` file that gave it, to name that file in errors.
+  std::map<std::string, std::string> from_base;
 };
 
 namespace {
@@ -183,7 +186,8 @@ class YamlReader final : public ConfigVisitor {
       throw ConfigError(std::string("--set ").append(override_text->second).append(": ").append(message));
     }
     const YAML::Mark mark = node.Mark();
-    std::string where = source_.name;
+    const auto base = source_.from_base.find(path);
+    std::string where = base == source_.from_base.end() ? source_.name : base->second;
     if (!mark.is_null()) {
       // Appended piecewise for the same GCC 12 false warning.
       where.append(":").append(std::to_string(mark.line + 1)).append(":").append(std::to_string(mark.column + 1));
@@ -415,12 +419,90 @@ void require_mapping(const ConfigSource::Impl& impl) {
 
 ConfigSource::ConfigSource(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-ConfigSource ConfigSource::from_file(const std::string& path) {
-  auto impl = std::make_shared<Impl>();
+namespace {
+
+constexpr int kMaxBaseDepth = 8;
+
+// Every key path under `node` (sections too) -> `file`, unless `inherited` names an older one.
+void note_origins(const YAML::Node& node, const std::string& prefix, const std::string& file,
+                  const std::map<std::string, std::string>& inherited, std::map<std::string, std::string>& origins) {
+  if (!node.IsMap()) return;
+  for (const auto& entry : node) {
+    const auto path = join_path(prefix, entry.first.as<std::string>());
+    const auto older = inherited.find(path);
+    origins[path] = older == inherited.end() ? file : older->second;
+    note_origins(entry.second, path, file, inherited, origins);
+  }
+}
+
+void forget_origins(const std::string& path, std::map<std::string, std::string>& origins) {
+  for (auto it = origins.lower_bound(path); it != origins.end();) {
+    const bool under = it->first == path || it->first.rfind(path + ".", 0) == 0;
+    if (!under) break;
+    it = origins.erase(it);
+  }
+}
+
+// `into` (a copy of the base) takes each key of `over`: sections merge key by key, anything
+// else (values, lists) replaces the base's whole.
+void merge_over(YAML::Node into, const YAML::Node& over, const std::string& prefix,
+                std::map<std::string, std::string>& origins) {
+  for (const auto& entry : over) {
+    const auto key = entry.first.as<std::string>();
+    const auto path = join_path(prefix, key);
+    YAML::Node existing = into[key];
+    if (existing.IsMap() && entry.second.IsMap()) {
+      origins.erase(path);
+      merge_over(existing, entry.second, path, origins);
+    } else {
+      forget_origins(path, origins);
+      into[key] = entry.second;
+    }
+  }
+}
+
+std::shared_ptr<ConfigSource::Impl> load_file(const std::string& path, std::vector<std::filesystem::path>& chain) {
+  auto impl = std::make_shared<ConfigSource::Impl>();
   impl->name = path;
   impl->root = parse_yaml({}, path, /*is_file=*/true);
   require_mapping(*impl);
-  return ConfigSource(impl);
+  const YAML::Node& root = impl->root;  // const: looking up a key must not add it
+  if (!root.IsMap() || !root["base"]) return impl;
+  const YAML::Node base_node = root["base"];
+  if (!base_node.IsScalar() || base_node.Scalar().empty()) {
+    throw ConfigError(path + ":" + std::to_string(base_node.Mark().line + 1) +
+                      ": base: expected the path of a config file to start from");
+  }
+  const auto base_path = (std::filesystem::path(path).parent_path() / base_node.Scalar()).lexically_normal();
+  std::error_code error;
+  const auto canonical = std::filesystem::weakly_canonical(base_path, error);
+  for (const auto& seen : chain) {
+    if (seen == canonical) throw ConfigError(path + ": base: " + base_path.string() + " starts from this file again (a cycle)");
+  }
+  if (chain.size() >= kMaxBaseDepth) {
+    throw ConfigError(path + ": base: more than " + std::to_string(kMaxBaseDepth) + " files deep");
+  }
+  chain.push_back(canonical);
+  const auto base = load_file(base_path.string(), chain);
+  chain.pop_back();
+
+  // Handles moved with reset, never assigned: assigning a YAML::Node rewrites the node it
+  // refers to, and cloning drops the line numbers that errors cite.
+  YAML::Node own;
+  own.reset(impl->root);
+  own.remove("base");
+  impl->root.reset(base->root);
+  note_origins(impl->root, "", base->name, base->from_base, impl->from_base);
+  merge_over(impl->root, own, "", impl->from_base);
+  return impl;
+}
+
+}  // namespace
+
+ConfigSource ConfigSource::from_file(const std::string& path) {
+  std::error_code error;
+  std::vector<std::filesystem::path> chain{std::filesystem::weakly_canonical(path, error)};
+  return ConfigSource(load_file(path, chain));
 }
 
 ConfigSource ConfigSource::from_string(const std::string& text, const std::string& name) {

@@ -212,6 +212,53 @@ TEST(Config, SaveConfigWritesTheEffectiveConfig) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), {}), 1) << "a temporary was left";
 }
 
+// A recipe that changes a few keys of another names it as `base`, relative to itself; its
+// own keys win, sections merge key by key, a list replaces the base's whole, --set wins last.
+TEST(Config, BaseFilesMergeUnderTheOwnKeysAndSetWinsLast) {
+  ScratchDir dir;
+  std::filesystem::create_directories(dir / "recipes/variants");
+  testing::write_text(dir / "recipes/grand.yaml", "layers: 3\nattention: conv\ncaptions: [a, b]\nfp16: true\n");
+  testing::write_text(dir / "recipes/parent.yaml",
+                      "base: grand.yaml\nlayers: 4\noptimizer:\n  learning_rate: 0.2\n  decays: [0.1]\n");
+  testing::write_text(dir / "recipes/variants/child.yaml",
+                      "base: ../parent.yaml\noptimizer:\n  learning_rate: 0.3\ncaptions: [x]\n");
+  auto source = ConfigSource::from_file(dir / "recipes/variants/child.yaml");
+  auto config = load_config<ExampleConfig>(source);
+  EXPECT_EQ(config.layers, 4);
+  EXPECT_EQ(config.attention, "conv");
+  EXPECT_TRUE(config.fp16);
+  EXPECT_DOUBLE_EQ(config.optimizer.learning_rate, 0.3);
+  EXPECT_EQ(config.optimizer.decays, (std::vector<double>{0.1}));
+  EXPECT_EQ(config.captions, (std::vector<std::string>{"x"}));
+  source.set("layers=6");
+  EXPECT_EQ(load_config<ExampleConfig>(source).layers, 6);
+  EXPECT_FALSE(names_key(source, "base")) << "base is resolved, not a key of the config";
+}
+
+TEST(Config, BaseFileErrorsNameTheFileThatGaveTheKey) {
+  ScratchDir dir;
+  testing::write_text(dir / "base.yaml", "layers: 3\nlayres: 4\n");
+  testing::write_text(dir / "child.yaml", "base: base.yaml\nfp16: true\n");
+  EXPECT_THROW_WITH(load_config<ExampleConfig>(ConfigSource::from_file(dir / "child.yaml")), ConfigError,
+                    std::string(dir / "base.yaml:2:1"), std::string("unknown key 'layres'"));
+  testing::write_text(dir / "base.yaml", "optimizer:\n  decays: [2]\n");
+  testing::write_text(dir / "child.yaml", "base: base.yaml\nfp16: true\noptimizer:\n  learning_rate: 0.1\n");
+  EXPECT_THROW_WITH(load_config<ExampleConfig>(ConfigSource::from_file(dir / "child.yaml")), ConfigError,
+                    std::string(dir / "base.yaml:2:"), std::string("optimizer.decays"));
+  testing::write_text(dir / "child.yaml", "base: base.yaml\nlayers: 0\n");
+  EXPECT_THROW_WITH(load_config<ExampleConfig>(ConfigSource::from_file(dir / "child.yaml")), ConfigError,
+                    std::string(dir / "child.yaml:2:"), std::string("layers"));
+
+  testing::write_text(dir / "child.yaml", "base: missing.yaml\n");
+  EXPECT_THROW_WITH(ConfigSource::from_file(dir / "child.yaml"), ConfigError, "missing.yaml", "cannot read");
+  testing::write_text(dir / "child.yaml", "base: [a, b]\n");
+  EXPECT_THROW_WITH(ConfigSource::from_file(dir / "child.yaml"), ConfigError, "child.yaml:1",
+                    "base: expected the path of a config file");
+  testing::write_text(dir / "a.yaml", "base: b.yaml\n");
+  testing::write_text(dir / "b.yaml", "base: ./a.yaml\n");
+  EXPECT_THROW_WITH(ConfigSource::from_file(dir / "a.yaml"), ConfigError, "a cycle");
+}
+
 TEST(Config, ReferenceListsEveryKeyWithDefaultsAndLimits) {
   ExampleConfig config;
   const std::string reference = config_reference(visit_of(config));
