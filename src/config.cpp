@@ -421,7 +421,7 @@ ConfigSource::ConfigSource(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) 
 
 namespace {
 
-constexpr int kMaxBaseDepth = 8;
+constexpr size_t kMaxBaseDepth = 8;
 
 // Every key path under `node` (sections too) -> `file`, unless `inherited` names an older one.
 void note_origins(const YAML::Node& node, const std::string& prefix, const std::string& file,
@@ -443,7 +443,7 @@ void forget_origins(const std::string& path, std::map<std::string, std::string>&
   }
 }
 
-// `into` (a copy of the base) takes each key of `over`: sections merge key by key, anything
+// `into` (the base's document) takes each key of `over`: sections merge key by key, anything
 // else (values, lists) replaces the base's whole.
 void merge_over(YAML::Node into, const YAML::Node& over, const std::string& prefix,
                 std::map<std::string, std::string>& origins) {
@@ -461,6 +461,26 @@ void merge_over(YAML::Node into, const YAML::Node& over, const std::string& pref
   }
 }
 
+// The file that `base_node` (a `base:` value in `path`) names, relative to `path`, refused
+// when it is no path, would start a cycle or goes too deep.
+std::filesystem::path base_file(const std::string& path, const YAML::Node& base_node,
+                                const std::vector<std::filesystem::path>& chain) {
+  if (!base_node.IsScalar() || base_node.Scalar().empty()) {
+    throw ConfigError(path + ":" + std::to_string(base_node.Mark().line + 1) +
+                      ": base: expected the path of a config file to start from");
+  }
+  const auto base = (std::filesystem::path(path).parent_path() / base_node.Scalar()).lexically_normal();
+  std::error_code error;
+  if (std::find(chain.begin(), chain.end(), std::filesystem::weakly_canonical(base, error)) != chain.end()) {
+    throw ConfigError(path + ": base: " + base.string() + " starts from this file again (a cycle)");
+  }
+  if (chain.size() >= kMaxBaseDepth) {
+    throw ConfigError(path + ": base: more than " + std::to_string(kMaxBaseDepth) + " files deep");
+  }
+  return base;
+}
+
+// `chain`: the files being read, outermost first, to refuse cycles.
 std::shared_ptr<ConfigSource::Impl> load_file(const std::string& path, std::vector<std::filesystem::path>& chain) {
   auto impl = std::make_shared<ConfigSource::Impl>();
   impl->name = path;
@@ -468,21 +488,9 @@ std::shared_ptr<ConfigSource::Impl> load_file(const std::string& path, std::vect
   require_mapping(*impl);
   const YAML::Node& root = impl->root;  // const: looking up a key must not add it
   if (!root.IsMap() || !root["base"]) return impl;
-  const YAML::Node base_node = root["base"];
-  if (!base_node.IsScalar() || base_node.Scalar().empty()) {
-    throw ConfigError(path + ":" + std::to_string(base_node.Mark().line + 1) +
-                      ": base: expected the path of a config file to start from");
-  }
-  const auto base_path = (std::filesystem::path(path).parent_path() / base_node.Scalar()).lexically_normal();
+  const auto base_path = base_file(path, root["base"], chain);
   std::error_code error;
-  const auto canonical = std::filesystem::weakly_canonical(base_path, error);
-  for (const auto& seen : chain) {
-    if (seen == canonical) throw ConfigError(path + ": base: " + base_path.string() + " starts from this file again (a cycle)");
-  }
-  if (chain.size() >= kMaxBaseDepth) {
-    throw ConfigError(path + ": base: more than " + std::to_string(kMaxBaseDepth) + " files deep");
-  }
-  chain.push_back(canonical);
+  chain.push_back(std::filesystem::weakly_canonical(base_path, error));
   const auto base = load_file(base_path.string(), chain);
   chain.pop_back();
 

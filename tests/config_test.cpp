@@ -233,6 +233,10 @@ TEST(Config, BaseFilesMergeUnderTheOwnKeysAndSetWinsLast) {
   source.set("layers=6");
   EXPECT_EQ(load_config<ExampleConfig>(source).layers, 6);
   EXPECT_FALSE(names_key(source, "base")) << "base is resolved, not a key of the config";
+
+  testing::write_text(dir / "recipes/empty.yaml", "");
+  testing::write_text(dir / "recipes/on-empty.yaml", "base: empty.yaml\nlayers: 5\n");
+  EXPECT_EQ(load_config<ExampleConfig>(ConfigSource::from_file(dir / "recipes/on-empty.yaml")).layers, 5);
 }
 
 TEST(Config, BaseFileErrorsNameTheFileThatGaveTheKey) {
