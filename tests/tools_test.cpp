@@ -422,6 +422,52 @@ TEST(Tools, JudgeAgreementComparesTwoClassifiersVerdicts) {
   EXPECT_THAT(result.output, ::testing::HasSubstr("describe different images"));
 }
 
+// scripts/compare-candidates pairs two folders' candidates prompt by prompt: two seen
+// prompts of two candidates; A's first pick draws a coat for the red bag.
+TEST(Tools, CompareCandidatesPairsTwoFoldersPromptByPrompt) {
+  ScratchDir dir;
+  const auto line = [](int prompt, int rank, const char* caption, bool correct) {
+    const std::string image = "000" + std::to_string(prompt) + "-0" + std::to_string(rank) + ".png";
+    return nlohmann::json{{"image", image},   {"prompt", caption}, {"rank", rank},
+                          {"heldout", false}, {"correct", correct}, {"objects", {{{"item", correct}}}}}
+               .dump() +
+           "\n";
+  };
+  const char* bag = "a red bag on the left";
+  const char* coat = "a blue coat at the top";
+  testing::write_text(dir / "a.jsonl", line(0, 0, bag, false) + line(0, 1, bag, true) + line(1, 0, coat, true) +
+                                           line(1, 1, coat, false));
+  testing::write_text(dir / "b.jsonl", line(0, 0, bag, true) + line(0, 1, bag, true) + line(1, 0, coat, true) +
+                                           line(1, 1, coat, true));
+  const std::string script = std::string(DALLE_SOURCE_DIR) + "/scripts/compare-candidates ";
+  auto result = run_command(script + (dir / "a.jsonl") + " " + (dir / "b.jsonl"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  auto seen = nlohmann::json::parse(result.output)["seen"];
+  EXPECT_EQ(seen["prompts"], 2);
+  EXPECT_DOUBLE_EQ(seen["one_candidate"]["a"].get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(seen["one_candidate"]["difference"].get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(seen["one_candidate"]["standard_error"].get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(seen["pick"]["a"].get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(seen["pick"]["b"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(seen["pick"]["standard_error"].get<double>(), 0.5);
+  EXPECT_EQ(seen["items"]["red bag"], (nlohmann::json{{"a", 0.5}, {"a_picks", 0.0}, {"b", 1.0}, {"b_picks", 1.0}}));
+
+  // Picks by another CLIP's scores: the highest other_clips[0] of each prompt.
+  const auto score = [](const char* image, double clip) {
+    return nlohmann::json{{"image", image}, {"other_clips", {clip}}}.dump() + "\n";
+  };
+  testing::write_text(dir / "scores.jsonl", score("0000-00.png", 1) + score("0000-01.png", 2) +
+                                                score("0001-00.png", 3) + score("0001-01.png", 0));
+  result = run_command(script + "--scores-a " + (dir / "scores.jsonl") + " " + (dir / "a.jsonl") + " " + (dir / "b.jsonl"));
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_DOUBLE_EQ(nlohmann::json::parse(result.output)["seen"]["pick"]["a"].get<double>(), 1.0);
+
+  testing::write_text(dir / "c.jsonl", line(0, 0, bag, false));
+  result = run_command(script + (dir / "a.jsonl") + " " + (dir / "c.jsonl"));
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("different prompts"));
+}
+
 // The same chain with a VQGAN as the image tokenizer: encode-images, the prior's sample
 // grid and dalle-generate find its kind in its checkpoint.
 TEST(Tools, GenerateDecodesWithAVqgan) {
