@@ -461,22 +461,28 @@ void merge_over(YAML::Node into, const YAML::Node& over, const std::string& pref
   }
 }
 
+std::filesystem::path canonical_of(const std::filesystem::path& path) {
+  std::error_code ignored;  // a file that cannot be resolved is reported when it is read
+  return std::filesystem::weakly_canonical(path, ignored);
+}
+
 // The file that `base_node` (a `base:` value in `path`) names, relative to `path`, refused
-// when it is no path, would start a cycle or goes too deep.
-std::filesystem::path base_file(const std::string& path, const YAML::Node& base_node,
-                                const std::vector<std::filesystem::path>& chain) {
+// when it is no path, would start a cycle or goes too deep; pushed onto `chain`.
+std::filesystem::path push_base_file(const std::string& path, const YAML::Node& base_node,
+                                     std::vector<std::filesystem::path>& chain) {
   if (!base_node.IsScalar() || base_node.Scalar().empty()) {
     throw ConfigError(path + ":" + std::to_string(base_node.Mark().line + 1) +
                       ": base: expected the path of a config file to start from");
   }
   const auto base = (std::filesystem::path(path).parent_path() / base_node.Scalar()).lexically_normal();
-  std::error_code error;
-  if (std::find(chain.begin(), chain.end(), std::filesystem::weakly_canonical(base, error)) != chain.end()) {
+  const auto canonical = canonical_of(base);
+  if (std::find(chain.begin(), chain.end(), canonical) != chain.end()) {
     throw ConfigError(path + ": base: " + base.string() + " starts from this file again (a cycle)");
   }
   if (chain.size() >= kMaxBaseDepth) {
     throw ConfigError(path + ": base: more than " + std::to_string(kMaxBaseDepth) + " files deep");
   }
+  chain.push_back(canonical);
   return base;
 }
 
@@ -488,9 +494,7 @@ std::shared_ptr<ConfigSource::Impl> load_file(const std::string& path, std::vect
   require_mapping(*impl);
   const YAML::Node& root = impl->root;  // const: looking up a key must not add it
   if (!root.IsMap() || !root["base"]) return impl;
-  const auto base_path = base_file(path, root["base"], chain);
-  std::error_code error;
-  chain.push_back(std::filesystem::weakly_canonical(base_path, error));
+  const auto base_path = push_base_file(path, root["base"], chain);
   const auto base = load_file(base_path.string(), chain);
   chain.pop_back();
 
@@ -508,8 +512,7 @@ std::shared_ptr<ConfigSource::Impl> load_file(const std::string& path, std::vect
 }  // namespace
 
 ConfigSource ConfigSource::from_file(const std::string& path) {
-  std::error_code error;
-  std::vector<std::filesystem::path> chain{std::filesystem::weakly_canonical(path, error)};
+  std::vector<std::filesystem::path> chain{canonical_of(path)};
   return ConfigSource(load_file(path, chain));
 }
 
