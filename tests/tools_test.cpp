@@ -466,6 +466,18 @@ TEST(Tools, CompareCandidatesPairsTwoFoldersPromptByPrompt) {
   result = run_command(script + (dir / "a.jsonl") + " " + (dir / "c.jsonl"));
   EXPECT_EQ(result.status, 1);
   EXPECT_THAT(result.output, ::testing::HasSubstr("different prompts"));
+
+  // A prompt without its pick is named in one line, not a traceback.
+  testing::write_text(dir / "unranked.jsonl", line(0, 1, bag, true) + line(1, 0, coat, true));
+  result = run_command(script + (dir / "unranked.jsonl") + " " + (dir / "b.jsonl"));
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("A (pair 1), prompt 0 has no rank-0 candidate"));
+  EXPECT_THAT(result.output, ::testing::Not(::testing::HasSubstr("Traceback")));
+  testing::write_text(dir / "partial.jsonl", score("0000-01.png", 2));
+  result = run_command(script + "--scores-b " + (dir / "partial.jsonl") + " " + (dir / "a.jsonl") + " " +
+                       (dir / "b.jsonl"));
+  EXPECT_EQ(result.status, 1);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("B (pair 1), prompt 1 has no pick in --scores-b"));
 }
 
 // The same chain with a VQGAN as the image tokenizer: encode-images, the prior's sample
