@@ -342,16 +342,18 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_EQ(report["accuracy"]["every_image"]["seen"]["images"], 4) << "neither prompt names a held-out pair";
   EXPECT_EQ(report["heldout_from"], (dir / "fc/config.yaml"));
   EXPECT_EQ(report["judgement"], "strict");
+  EXPECT_EQ(report["threshold"], 0.1);
   EXPECT_TRUE(report.contains("fid"));
   // The real test images through the dVAE: the ceiling of a prior drawing through it, here
   // judged as before issue 25.
   const auto through = run("dalle-eval", "--log-level off score-real " + (dir / "fc/test") + " --classifier " +
                                              (dir / "classifier") + " --through-tokenizer " + (dir / "dvae") +
-                                             " --tokenizer-run " + (dir / "dvae") + " --lenient");
+                                             " --tokenizer-run " + (dir / "dvae") + " --lenient --threshold 0.2");
   ASSERT_EQ(through.status, 0) << through.output;
   const auto ceiling = nlohmann::json::parse(through.output);
   EXPECT_EQ(ceiling["images"], 8);
   EXPECT_EQ(ceiling["judgement"], "lenient");
+  EXPECT_EQ(ceiling["threshold"], 0.1) << "the lenient judgement keeps the threshold it was published with";
   EXPECT_EQ(ceiling["through_tokenizer"], (dir / "dvae"));
   EXPECT_TRUE(ceiling["tokenizer"]["validation_psnr"].is_number());
 }

@@ -36,7 +36,8 @@ struct ScoreCommand {
     command.add_option("--real-limit", options.real_limit, "use at most this many real images for FID (0: all)")
         ->check(CLI::NonNegativeNumber);
     command.add_option("--threshold", options.measure.threshold,
-                       "a pixel belongs to an item when its brightest channel exceeds this")
+                       "a pixel belongs to an item when its brightest channel exceeds this (strict judgement; "
+                       "the lenient one always uses 0.1)")
         ->check(CLI::Range(0.0, 1.0))
         ->capture_default_str();
     command.add_flag("--lenient", options.measure.lenient,

@@ -154,18 +154,21 @@ void join_fragments(std::vector<Pixels>& parts, int64_t side, int64_t limit) {
 // How a judgement finds objects; the lenient one's settings are fixed, so that its figures
 // stay comparable with those published before issue 25.
 struct Judgement {
+  double threshold;
   int64_t join_gap, min_pixels;
   bool join_fragments;
 };
 
 Judgement judgement_of(const MeasureOptions& options) {
-  if (options.lenient) return {2, 12, true};
-  return {options.join_gap, options.min_pixels, false};
+  if (options.lenient) return {item_threshold(options), 2, 12, true};
+  return {item_threshold(options), options.join_gap, options.min_pixels, false};
 }
 
 }  // namespace
 
 std::string judgement_name(const MeasureOptions& options) { return options.lenient ? "lenient" : "strict"; }
+
+double item_threshold(const MeasureOptions& options) { return options.lenient ? 0.1 : options.threshold; }
 
 std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const MeasureOptions& options) {
   if (image.dim() != 3 || (image.size(0) != 3 && image.size(0) != 1)) {
@@ -178,12 +181,13 @@ std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const Measu
   picture = picture.contiguous();
   const float* rgb = picture.data_ptr<float>();
   const int64_t area = side * side;
+  const Judgement judgement = judgement_of(options);
 
   std::vector<float> brightness(static_cast<size_t>(area));
   std::vector<uint8_t> mask(static_cast<size_t>(area));
   for (int64_t p = 0; p < area; ++p) {
     brightness[p] = std::max({rgb[p], rgb[area + p], rgb[2 * area + p]});
-    mask[p] = brightness[p] > options.threshold;
+    mask[p] = brightness[p] > judgement.threshold;
   }
   // The composer's items are at most item_size across, and two of them touching span at
   // least twice that (their centres are 32 of 64 pixels apart, jitter aside): a component
@@ -191,7 +195,6 @@ std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const Measu
   // blurrier than real ones; the lenient judgement joins fragments while they fit one item,
   // a little slack included, which two of the composer's items never do.
   const int64_t split_limit = options.item_size * 3 / 2, join_limit = options.item_size + 4;
-  const Judgement judgement = judgement_of(options);
   std::vector<Pixels> parts;
   for (auto& component : components(mask, side, judgement.join_gap)) {
     split_oversized(std::move(component), brightness, side, split_limit, 3, parts);

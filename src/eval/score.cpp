@@ -86,6 +86,7 @@ class Scorer {
     classifier_ = models::load_item_classifier(options.classifier);
     read_dataset_config(split_near);
     report.judgement = judgement_name(measure_);
+    report.threshold = item_threshold(measure_);
     report.classifier = options.classifier;
     report.classifier_test_accuracy = classifier_.test_accuracy;
     report.heldout = heldout_;
@@ -354,6 +355,7 @@ std::string ScoreReport::to_json(int indent) const {
               {"skipped", {{"unparsed_prompts", unparsed}, {"unreadable_images", unreadable}}},
               {"reranked", reranked},
               {"judgement", judgement},
+              {"threshold", threshold},
               {"accuracy",
                {{"every_image", split_json(every)}, {"best_ranked", split_json(best)}, {"any_image", split_json(any)}}},
               {"heldout_combinations", heldout},

@@ -123,6 +123,29 @@ TEST(Measure, DetachedPiecesAreSeparateObjectsUnlessLenient) {
   }
 }
 
+// Two pieces 6 columns apart joined by a bridge of dim pixels (0.12, as a decoder draws the
+// demo grid's faint joints): one object at the default threshold (the limit docs/eval.md
+// describes), two at 0.15. The lenient judgement keeps 0.1 whatever the threshold, so its
+// figures stay comparable.
+TEST(Measure, AFaintBridgeJoinsTwoPiecesBelowItsBrightness) {
+  auto image = two_pieces(6);
+  paint(image, 44, 33, 50, 35, {0.12f, 0.03f, 0.03f});
+  const MeasureOptions strict;
+  EXPECT_EQ(item_threshold(strict), 0.1);
+  const auto bridged = find_objects(image, strict);
+  ASSERT_EQ(bridged.size(), 1u);
+  EXPECT_EQ(bridged[0].pixels, 8 * 16 + 6 * 12 + 6 * 2);
+  MeasureOptions higher = strict;
+  higher.threshold = 0.15;
+  EXPECT_EQ(find_objects(image, higher).size(), 2u);
+  MeasureOptions lenient = higher;
+  lenient.lenient = true;
+  EXPECT_EQ(item_threshold(lenient), 0.1);
+  const auto joined = find_objects(image, lenient);
+  ASSERT_EQ(joined.size(), 1u);
+  EXPECT_EQ(joined[0].pixels, 8 * 16 + 6 * 12 + 6 * 2);
+}
+
 TEST(Measure, AStrayBlobIsAnObjectUnlessLenient) {
   auto image = canvas();
   paint(image, 36, 22, 58, 42, {0.9f, 0.12f, 0.12f});  // a red item on the right

@@ -19,7 +19,10 @@ namespace dalle::eval {
 struct MeasureOptions {
   int64_t canvas_size = 64;  // pictures are resized to the composer's canvas first
   int64_t item_size = 28;    // an item's side on that canvas
-  double threshold = 0.1;    // a pixel is part of an item when its brightest channel is above this
+  // A pixel is part of an item when its brightest channel is above this. A decoder's faint
+  // bridge between two drawn pieces passes 0.1, but a higher threshold, or one relative to
+  // the item's brightest pixel, splits real items (docs/eval.md, "A faint bridge").
+  double threshold = 0.1;
   // Pixels up to this many background pixels apart are one object; pieces farther apart are
   // separate objects. 4 keeps real items whole: stripes and straps darker than the threshold
   // leave gaps of a few pixels inside them (docs/eval.md has the calibration).
@@ -29,13 +32,17 @@ struct MeasureOptions {
   int64_t min_pixels = 2;
   double colour_fraction = 0.5;  // the pixels at least this fraction of an item's brightest give its colour
   // The judgement made before issue 25, for comparing with figures published under it: pieces
-  // whose joint box still fits one item are joined into one object, with a join gap of 2 and
-  // objects under 12 pixels dropped (join_gap and min_pixels are then not used).
+  // whose joint box still fits one item are joined into one object, with a threshold of 0.1, a
+  // join gap of 2 and objects under 12 pixels dropped (threshold, join_gap and min_pixels are
+  // then not used).
   bool lenient = false;
 };
 
 // "strict" or "lenient": which judgement `options` finds objects with, for reports.
 std::string judgement_name(const MeasureOptions& options);
+// The brightness above which `options` counts a pixel as part of an item (the lenient
+// judgement's is fixed at 0.1).
+double item_threshold(const MeasureOptions& options);
 
 struct MeasuredObject {
   std::string colour;                // nearest named colour (fashion_compose_colours)

@@ -80,6 +80,7 @@ struct ScoreReport {
   double classifier_test_accuracy = 0;
   std::string through_tokenizer;     // score_real's round trip, when asked for
   std::string judgement;             // how objects were found: "strict" or "lenient" (MeasureOptions)
+  double threshold = 0;              // the brightness above which a pixel was part of an item
 
   std::string to_json(int indent = 2) const;
 };
