@@ -567,6 +567,8 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
   const auto best = nlohmann::json::parse(testing::read_text(dir / "imported-out/0000-00.json"));
   EXPECT_TRUE(best["clip_score"].is_number());
   EXPECT_EQ(best["pipeline"]["clip_tokenizer"], merges);
+  EXPECT_GE(std::stoi(best["pipeline"]["threads"].get<std::string>()), 1)
+      << "the thread count that drew the image, not the config's 0 (the samples depend on it)";
   const auto without = run("dalle-generate", imported_pipeline + " --keep 1 --out " + (dir / "refused") + " 'a red bag'");
   EXPECT_EQ(without.status, 1);
   EXPECT_THAT(without.output, ::testing::HasSubstr("set clip_tokenizer to CLIP's bpe_simple_vocab_16e6.txt.gz"));

@@ -338,7 +338,9 @@ std::unique_ptr<Pipeline::Stages> Pipeline::Stages::load_transformer(PipelineCon
 
 Pipeline::Pipeline(PipelineConfig config) {
   check_config(config);
-  set_torch_threads(config.threads);
+  // Resolved, like the device, so that each sidecar says how many threads drew it: the
+  // samples depend on it (sums taken in another order now and then pick another token).
+  config.threads = set_torch_threads(config.threads);
   const auto device = resolve_device(config.device, "pipeline");
   config.device = device.is_cuda() ? "cuda" : "cpu";
   if (models::prior_kind(config.prior) == "bart_prior") {
