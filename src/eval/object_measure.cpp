@@ -160,15 +160,15 @@ struct Judgement {
 };
 
 Judgement judgement_of(const MeasureOptions& options) {
-  if (options.lenient) return {item_threshold(options), 2, 12, true};
-  return {item_threshold(options), options.join_gap, options.min_pixels, false};
+  if (options.lenient) return {0.1, 2, 12, true};
+  return {options.threshold, options.join_gap, options.min_pixels, false};
 }
 
 }  // namespace
 
 std::string judgement_name(const MeasureOptions& options) { return options.lenient ? "lenient" : "strict"; }
 
-double item_threshold(const MeasureOptions& options) { return options.lenient ? 0.1 : options.threshold; }
+double item_threshold(const MeasureOptions& options) { return judgement_of(options).threshold; }
 
 std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const MeasureOptions& options) {
   if (image.dim() != 3 || (image.size(0) != 3 && image.size(0) != 1)) {

@@ -127,7 +127,7 @@ TEST(Measure, DetachedPiecesAreSeparateObjectsUnlessLenient) {
 // demo grid's faint joints): one object at the default threshold (the limit docs/eval.md
 // describes), two at 0.15. The lenient judgement keeps 0.1 whatever the threshold, so its
 // figures stay comparable.
-TEST(Measure, AFaintBridgeJoinsTwoPiecesBelowItsBrightness) {
+TEST(Measure, AFaintBridgeJoinsTwoPiecesAtTheDefaultThreshold) {
   auto image = two_pieces(6);
   paint(image, 44, 33, 50, 35, {0.12f, 0.03f, 0.03f});
   const MeasureOptions strict;
