@@ -125,6 +125,7 @@ TEST(ItemClassifier, ShippedRecipeLoads) {
       ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/eval/fashion-mnist-classifier.yaml"));
   EXPECT_EQ(config.model.features, 128);
   EXPECT_EQ(config.train_limit, 0) << "the shipped recipe trains on every item";
+  EXPECT_EQ(config.threads, 1) << "the seed fixes the published judge's weights only at a fixed thread count";
   EXPECT_NO_THROW(models::ItemClassifier{config.model});
 }
 
