@@ -343,6 +343,7 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_EQ(report["heldout_from"], (dir / "fc/config.yaml"));
   EXPECT_EQ(report["judgement"], "strict");
   EXPECT_EQ(report["threshold"], 0.1);
+  EXPECT_EQ(report["bridge_contrast"], 0.3);
   EXPECT_TRUE(report.contains("fid"));
   // The real test images through the dVAE: the ceiling of a prior drawing through it, here
   // judged as before issue 25.
@@ -354,6 +355,7 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_EQ(ceiling["images"], 8);
   EXPECT_EQ(ceiling["judgement"], "lenient");
   EXPECT_EQ(ceiling["threshold"], 0.1) << "the lenient judgement keeps the threshold it was published with";
+  EXPECT_EQ(ceiling["bridge_contrast"], 0);
   EXPECT_EQ(ceiling["through_tokenizer"], (dir / "dvae"));
   EXPECT_TRUE(ceiling["tokenizer"]["validation_psnr"].is_number());
 }

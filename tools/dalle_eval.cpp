@@ -40,6 +40,11 @@ struct ScoreCommand {
                        "the lenient one always uses 0.1)")
         ->check(CLI::Range(0.0, 1.0))
         ->capture_default_str();
+    command.add_option("--bridge-contrast", options.measure.bridge_contrast,
+                       "two bright pieces joined only by a thin bridge dimmer than this fraction of their "
+                       "brightest pixel are two objects (0: joined, as before 2026-11-27's calibration)")
+        ->check(CLI::Range(0.0, 1.0))
+        ->capture_default_str();
     command.add_flag("--lenient", options.measure.lenient,
                      "the older, lenient judgement, to compare with figures published under it: pieces whose joint "
                      "box fits one item are one object and objects under 12 pixels are ignored (default: strict, "

@@ -123,6 +123,50 @@ void split_oversized(Pixels pixels, const std::vector<float>& brightness, int64_
   }
 }
 
+// Each pixel goes to the seed nearest to it.
+std::vector<Pixels> share_by_nearest(const Pixels& pixels, const std::vector<Pixels>& seeds, int64_t side) {
+  std::vector<Pixels> shares(seeds.size());
+  for (const int64_t p : pixels) {
+    const int64_t y = p / side, x = p % side;
+    size_t nearest = 0;
+    int64_t best = std::numeric_limits<int64_t>::max();
+    for (size_t k = 0; k < seeds.size(); ++k) {
+      for (const int64_t q : seeds[k]) {
+        const int64_t dy = q / side - y, dx = q % side - x;
+        if (dy * dy + dx * dx < best) best = dy * dy + dx * dx, nearest = k;
+      }
+    }
+    shares[nearest].push_back(p);
+  }
+  return shares;
+}
+
+// A component whose pieces (its pixels above `contrast` x its brightest, and its dim pixels
+// inside the item) lie apart is cut between them. A faint bridge's pixels all touch the
+// background, so they belong to no piece; a dark band across an item has an inside, which
+// keeps the halves together.
+void cut_faint_bridges(Pixels pixels, const std::vector<float>& brightness, const std::vector<uint8_t>& mask,
+                       int64_t side, int64_t gap, double contrast, int64_t min_piece, std::vector<Pixels>& out) {
+  float brightest = 0;
+  for (const int64_t p : pixels) brightest = std::max(brightest, brightness[p]);
+  const auto in_mask = [&](int64_t y, int64_t x) { return y >= 0 && x >= 0 && y < side && x < side && mask[y * side + x]; };
+  std::vector<uint8_t> solid(mask.size(), 0);
+  for (const int64_t p : pixels) {
+    const int64_t y = p / side, x = p % side;
+    const bool inside_item = in_mask(y - 1, x) && in_mask(y + 1, x) && in_mask(y, x - 1) && in_mask(y, x + 1);
+    solid[p] = brightness[p] > contrast * brightest || inside_item;
+  }
+  std::vector<Pixels> pieces;
+  for (auto& piece : components(solid, side, gap)) {
+    if (static_cast<int64_t>(piece.size()) >= min_piece) pieces.push_back(std::move(piece));
+  }
+  if (pieces.size() < 2) {
+    out.push_back(std::move(pixels));
+    return;
+  }
+  for (auto& share : share_by_nearest(pixels, pieces, side)) out.push_back(std::move(share));
+}
+
 // Joins fragments whose boxes together still fit one item: the pieces of a sandal or of a
 // shirt with dark stripes. Two of the composer's items have centres half a canvas apart,
 // so together they never fit. Only the lenient judgement does this: it also joins an item
@@ -154,14 +198,14 @@ void join_fragments(std::vector<Pixels>& parts, int64_t side, int64_t limit) {
 // How a judgement finds objects; the lenient one's settings are fixed, so that its figures
 // stay comparable with those published before issue 25.
 struct Judgement {
-  double threshold;
+  double threshold, bridge_contrast;
   int64_t join_gap, min_pixels;
   bool join_fragments;
 };
 
 Judgement judgement_of(const MeasureOptions& options) {
-  if (options.lenient) return {0.1, 2, 12, true};
-  return {options.threshold, options.join_gap, options.min_pixels, false};
+  if (options.lenient) return {0.1, 0, 2, 12, true};
+  return {options.threshold, options.bridge_contrast, options.join_gap, options.min_pixels, false};
 }
 
 }  // namespace
@@ -169,6 +213,8 @@ Judgement judgement_of(const MeasureOptions& options) {
 std::string judgement_name(const MeasureOptions& options) { return options.lenient ? "lenient" : "strict"; }
 
 double item_threshold(const MeasureOptions& options) { return judgement_of(options).threshold; }
+
+double item_bridge_contrast(const MeasureOptions& options) { return judgement_of(options).bridge_contrast; }
 
 std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const MeasureOptions& options) {
   if (image.dim() != 3 || (image.size(0) != 3 && image.size(0) != 1)) {
@@ -197,7 +243,14 @@ std::vector<MeasuredObject> find_objects(const torch::Tensor& image, const Measu
   const int64_t split_limit = options.item_size * 3 / 2, join_limit = options.item_size + 4;
   std::vector<Pixels> parts;
   for (auto& component : components(mask, side, judgement.join_gap)) {
-    split_oversized(std::move(component), brightness, side, split_limit, 3, parts);
+    std::vector<Pixels> pieces;
+    if (judgement.bridge_contrast > 0) {
+      cut_faint_bridges(std::move(component), brightness, mask, side, judgement.join_gap, judgement.bridge_contrast,
+                        options.bridge_min_piece, pieces);
+    } else {
+      pieces.push_back(std::move(component));
+    }
+    for (auto& piece : pieces) split_oversized(std::move(piece), brightness, side, split_limit, 3, parts);
   }
   if (judgement.join_fragments) join_fragments(parts, side, join_limit);
   parts.erase(std::remove_if(parts.begin(), parts.end(),

@@ -87,6 +87,7 @@ class Scorer {
     read_dataset_config(split_near);
     report.judgement = judgement_name(measure_);
     report.threshold = item_threshold(measure_);
+    report.bridge_contrast = item_bridge_contrast(measure_);
     report.classifier = options.classifier;
     report.classifier_test_accuracy = classifier_.test_accuracy;
     report.heldout = heldout_;
@@ -356,6 +357,7 @@ std::string ScoreReport::to_json(int indent) const {
               {"reranked", reranked},
               {"judgement", judgement},
               {"threshold", threshold},
+              {"bridge_contrast", bridge_contrast},
               {"accuracy",
                {{"every_image", split_json(every)}, {"best_ranked", split_json(best)}, {"any_image", split_json(any)}}},
               {"heldout_combinations", heldout},

@@ -123,27 +123,50 @@ TEST(Measure, DetachedPiecesAreSeparateObjectsUnlessLenient) {
   }
 }
 
-// Two pieces 6 columns apart joined by a bridge of dim pixels (0.12, as a decoder draws the
-// demo grid's faint joints): one object at the default threshold (the limit docs/eval.md
-// describes), two at 0.15. The lenient judgement keeps 0.1 whatever the threshold, so its
-// figures stay comparable.
-TEST(Measure, AFaintBridgeJoinsTwoPiecesAtTheDefaultThreshold) {
+// Two pieces 6 columns apart joined by a bridge of dim pixels two rows high (0.12 against
+// their 0.9, as a decoder draws the demo grid's faint joints): a person sees two pieces. Above
+// the threshold, the bridge joins them into one component; the bridge cut separates them,
+// the pixels between going to the nearer piece. The lenient judgement cuts nothing.
+TEST(Measure, AFaintBridgeIsCutBetweenTwoPieces) {
   auto image = two_pieces(6);
   paint(image, 44, 33, 50, 35, {0.12f, 0.03f, 0.03f});
   const MeasureOptions strict;
-  EXPECT_EQ(item_threshold(strict), 0.1);
-  const auto bridged = find_objects(image, strict);
-  ASSERT_EQ(bridged.size(), 1u);
-  EXPECT_EQ(bridged[0].pixels, 8 * 16 + 6 * 12 + 6 * 2);
-  MeasureOptions higher = strict;
-  higher.threshold = 0.15;
-  EXPECT_EQ(find_objects(image, higher).size(), 2u);
-  MeasureOptions lenient = higher;
+  EXPECT_EQ(item_bridge_contrast(strict), 0.3);
+  const auto cut = find_objects(image, strict);
+  ASSERT_EQ(cut.size(), 2u);
+  EXPECT_EQ(cut[0].pixels + cut[1].pixels, 8 * 16 + 6 * 12 + 6 * 2);
+  EXPECT_EQ(cut[0].box, (std::array<int64_t, 4>{36, 24, 47, 40}));
+  MeasureOptions uncut = strict;
+  uncut.bridge_contrast = 0;
+  ASSERT_EQ(find_objects(image, uncut).size(), 1u);
+  MeasureOptions lenient = strict;
   lenient.lenient = true;
+  lenient.threshold = 0.15;
   EXPECT_EQ(item_threshold(lenient), 0.1);
+  EXPECT_EQ(item_bridge_contrast(lenient), 0);
   const auto joined = find_objects(image, lenient);
   ASSERT_EQ(joined.size(), 1u);
   EXPECT_EQ(joined[0].pixels, 8 * 16 + 6 * 12 + 6 * 2);
+}
+
+// A dark band across an item (a stripe) as dim as that bridge but wider than the item's edge
+// has an inside, so the two bright halves stay one object; so do a dim handle's specks.
+TEST(Measure, ADarkBandOrAFaintHandleKeepsAnItemWhole) {
+  auto image = canvas();
+  paint(image, 20, 10, 40, 20, {0.9f, 0.9f, 0.1f});
+  paint(image, 20, 20, 40, 26, {0.12f, 0.12f, 0.01f});
+  paint(image, 20, 26, 40, 36, {0.9f, 0.9f, 0.1f});
+  auto objects = find_objects(image);
+  ASSERT_EQ(objects.size(), 1u);
+  EXPECT_EQ(objects[0].pixels, 20 * 26);
+
+  image = canvas();
+  paint(image, 20, 20, 40, 36, {0.9f, 0.9f, 0.1f});  // a bag ...
+  paint(image, 27, 17, 33, 18, {0.12f, 0.12f, 0.01f});  // ... with a faint handle ...
+  paint(image, 29, 16, 31, 17, {0.9f, 0.9f, 0.1f});     // ... lit in two bright pixels
+  objects = find_objects(image);
+  ASSERT_EQ(objects.size(), 1u);
+  EXPECT_EQ(objects[0].pixels, 20 * 16 + 6 + 2);
 }
 
 TEST(Measure, AStrayBlobIsAnObjectUnlessLenient) {

@@ -23,6 +23,14 @@ struct MeasureOptions {
   // bridge between two drawn pieces passes 0.1, but a higher threshold, or one relative to
   // the item's brightest pixel, splits real items (docs/eval.md, "A faint bridge").
   double threshold = 0.1;
+  // Two bright pieces joined only by a thin bridge of dim pixels are two objects, as a person
+  // sees them: an object's pieces are its pixels brighter than this fraction of its brightest
+  // and its dim pixels inside the item (all four neighbours above the threshold), so a dark
+  // band across an item keeps it whole and a one- or two-pixel bridge does not (0: off, as
+  // before 2026-11-27's calibration in docs/eval.md, "A faint bridge").
+  double bridge_contrast = 0.3;
+  // Bright pieces smaller than this stay with the object they touch: a handle's speck.
+  int64_t bridge_min_piece = 24;
   // Pixels up to this many background pixels apart are one object; pieces farther apart are
   // separate objects. 4 keeps real items whole: stripes and straps darker than the threshold
   // leave gaps of a few pixels inside them (docs/eval.md has the calibration).
@@ -33,7 +41,7 @@ struct MeasureOptions {
   double colour_fraction = 0.5;  // the pixels at least this fraction of an item's brightest give its colour
   // The judgement made before issue 25, for comparing with figures published under it: pieces
   // whose joint box still fits one item are joined into one object, with a threshold of 0.1, a
-  // join gap of 2 and objects under 12 pixels dropped (threshold, join_gap and min_pixels are
+  // join gap of 2, no bridges cut and objects under 12 pixels dropped (the options above are
   // then not used).
   bool lenient = false;
 };
@@ -43,6 +51,9 @@ std::string judgement_name(const MeasureOptions& options);
 // The brightness above which `options` counts a pixel as part of an item (the lenient
 // judgement's is fixed at 0.1).
 double item_threshold(const MeasureOptions& options);
+// The fraction of an object's brightest pixel below which thin bridges are cut (0: none, as
+// in the lenient judgement).
+double item_bridge_contrast(const MeasureOptions& options);
 
 struct MeasuredObject {
   std::string colour;                // nearest named colour (fashion_compose_colours)

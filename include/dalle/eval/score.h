@@ -81,6 +81,7 @@ struct ScoreReport {
   std::string through_tokenizer;     // score_real's round trip, when asked for
   std::string judgement;             // how objects were found: "strict" or "lenient" (MeasureOptions)
   double threshold = 0;              // the brightness above which a pixel was part of an item
+  double bridge_contrast = 0;        // MeasureOptions::bridge_contrast as judged (0: no bridges cut)
 
   std::string to_json(int indent = 2) const;
 };
