@@ -1,7 +1,7 @@
 #pragma once
 // Measuring what a picture shows, the way fashion-compose draws it: coloured items on black.
 // Items are found from the pixels (brightest channel above a threshold, touching items split,
-// lone pixels dropped); each gets the named colour nearest to its bright pixels' hue, the
+// faint bridges between pieces cut, lone pixels dropped); each gets the named colour nearest to its bright pixels' hue, the
 // named position nearest to its box's centre, and a crop framed for the item classifier,
 // which names the item. An item drawn in detached pieces, or a stray blob, is more than one
 // object, as a person counts them (the strict judgement; `lenient` keeps the older one).
@@ -20,8 +20,8 @@ struct MeasureOptions {
   int64_t canvas_size = 64;  // pictures are resized to the composer's canvas first
   int64_t item_size = 28;    // an item's side on that canvas
   // A pixel is part of an item when its brightest channel is above this. A decoder's faint
-  // bridge between two drawn pieces passes 0.1, but a higher threshold, or one relative to
-  // the item's brightest pixel, splits real items (docs/eval.md, "A faint bridge").
+  // bridge between two drawn pieces passes 0.1, but a higher threshold splits real items;
+  // bridge_contrast cuts the bridge instead (docs/eval.md, "A faint bridge").
   double threshold = 0.1;
   // Two bright pieces joined only by a thin bridge of dim pixels are two objects, as a person
   // sees them: an object's pieces are its pixels brighter than this fraction of its brightest
