@@ -204,7 +204,8 @@ TEST(Measure, AgreesWithTheGroundTruthOfRealImages) {
   std::cout << "[ measured ] " << images << " real images (" << heldout << " held out), " << tally.objects
             << " objects: count " << tally.count_accuracy() << ", colour " << tally.colour_accuracy()
             << ", position " << tally.position_accuracy() << "\n";
-  // Strict as the judgement is, real items are not counted in pieces.
+  // Strict as the judgement is, real items are seldom counted in pieces (the bridge cut
+  // splits one of these 400).
   EXPECT_GE(tally.count_accuracy(), 0.99);
   EXPECT_GE(tally.colour_accuracy(), 0.97);
   EXPECT_GE(tally.position_accuracy(), 0.97);
