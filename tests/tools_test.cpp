@@ -428,6 +428,48 @@ TEST(Tools, JudgeAgreementComparesTwoClassifiersVerdicts) {
 
 // scripts/compare-candidates pairs two folders' candidates prompt by prompt: two seen
 // prompts of two candidates; A's first pick draws a coat for the red bag.
+// scripts/eval-demo-models' table: each row from its reports, both judges side by side, and
+// CLIP's pick pooled over every prompt set drawn (here n16 and tuning, 4 seen prompts).
+TEST(Tools, DemoResultsTableReadsBothJudgesAndPoolsThePromptSets) {
+  ScratchDir dir;
+  const auto report = [](double seen, double heldout) {
+    nlohmann::json accuracy;
+    for (const char* key : {"best_ranked", "every_image", "any_image"}) {
+      for (const auto& [split, caption] : {std::pair{"seen", seen}, std::pair{"heldout", heldout}}) {
+        accuracy[key][split] = {{"images", 1},          {"prompts", 1},          {"caption_accuracy", caption},
+                                {"colour_accuracy", 1}, {"position_accuracy", 1}, {"item_accuracy", 1}};
+      }
+    }
+    return nlohmann::json{{"accuracy", accuracy}, {"fid", nullptr}}.dump();
+  };
+  for (const char* name : {"n1", "n16", "n1-unguided", "n16-unguided", "real-test", "real-heldout"}) {
+    testing::write_text(dir / (std::string(name) + "-first.json"), report(0.85, 0.68));
+    testing::write_text(dir / (std::string(name) + "-second.json"), report(0.83, 0.65));
+  }
+  for (const char* split : {"test", "heldout"}) {
+    testing::write_text(dir / ("through-vqgan-" + std::string(split) + ".json"), report(0.785, 0.795));
+  }
+  const auto pick = [](int prompt, bool correct) {
+    return nlohmann::json{{"image", "000" + std::to_string(prompt) + "-00.png"}, {"prompt", "a red bag on the left"},
+                          {"rank", 0}, {"heldout", false},
+                          {"correct", correct}, {"measured", {{{"box", {0, 0, 9, 9}}, {"item", "bag"}}}}}
+               .dump() +
+           "\n";
+  };
+  for (const char* judge : {"first", "second"}) {
+    testing::write_text(dir / ("n16-" + std::string(judge) + ".jsonl"), pick(0, true) + pick(1, false));
+    testing::write_text(dir / ("tuning-" + std::string(judge) + ".jsonl"), pick(0, true) + pick(1, true));
+  }
+  const auto result = run_command(std::string(DALLE_SOURCE_DIR) + "/scripts/demo-results-table " + dir.path().string() +
+                                  " first a second b");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("best of 16 by CLIP, the demo's guidance: caption 85% / 68% "
+                                                  "(seen / held-out); second judge 83% / 65%"));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("real test images through the VQGAN: caption 78.5% / 79.5%"));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("over all 4 prompts, first judge: 75.0% (± 21.7) of 4 seen"));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("items both judges name alike, n16: 100.0% seen"));
+}
+
 TEST(Tools, CompareCandidatesPairsTwoFoldersPromptByPrompt) {
   ScratchDir dir;
   const auto line = [](int prompt, int rank, const char* caption, bool correct) {

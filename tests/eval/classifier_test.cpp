@@ -120,13 +120,16 @@ TEST(ItemClassifier, RefusesForeignDirectoriesAndCheckpoints) {
   EXPECT_THROW_WITH(models::load_item_classifier(dir / "other"), Error, "not an item classifier checkpoint");
 }
 
-TEST(ItemClassifier, ShippedRecipeLoads) {
-  const auto config = load_config<ClassifierTrainConfig>(
-      ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/eval/fashion-mnist-classifier.yaml"));
-  EXPECT_EQ(config.model.features, 128);
-  EXPECT_EQ(config.train_limit, 0) << "the shipped recipe trains on every item";
-  EXPECT_EQ(config.threads, 1) << "the seed fixes the published judge's weights only at a fixed thread count";
-  EXPECT_NO_THROW(models::ItemClassifier{config.model});
+// The two judges of scripts/eval-demo-models.
+TEST(ItemClassifier, ShippedRecipesLoad) {
+  for (const auto& [name, features] : {std::pair{"fashion-mnist-classifier", 128}, {"fashion-mnist-classifier-wide", 256}}) {
+    const auto config = load_config<ClassifierTrainConfig>(
+        ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/eval/" + name + ".yaml"));
+    EXPECT_EQ(config.model.features, features) << name;
+    EXPECT_EQ(config.train_limit, 0) << name << ": a shipped recipe trains on every item";
+    EXPECT_EQ(config.threads, 1) << name << ": the seed fixes a published judge's weights only at a fixed thread count";
+    EXPECT_NO_THROW(models::ItemClassifier{config.model});
+  }
 }
 
 TEST(ItemClassifier, FramesAnItemTheSameWhereverItIs) {
