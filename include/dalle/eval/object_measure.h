@@ -1,10 +1,11 @@
 #pragma once
 // Measuring what a picture shows, the way fashion-compose draws it: coloured items on black.
 // Items are found from the pixels (brightest channel above a threshold, touching items split,
-// faint bridges between pieces cut, lone pixels dropped); each gets the named colour nearest to its bright pixels' hue, the
-// named position nearest to its box's centre, and a crop framed for the item classifier,
-// which names the item. An item drawn in detached pieces, or a stray blob, is more than one
-// object, as a person counts them (the strict judgement; `lenient` keeps the older one).
+// faint bridges between pieces cut, lone pixels dropped); each gets the named colour nearest
+// to its bright pixels' hue, the named position nearest to its box's centre, and a crop
+// framed for the item classifier, which names the item. An item drawn in detached pieces,
+// or a stray blob, is more than one object, as a person counts them (the strict judgement;
+// `lenient` keeps the older one).
 #include <torch/types.h>
 
 #include <array>
