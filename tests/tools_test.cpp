@@ -426,8 +426,6 @@ TEST(Tools, JudgeAgreementComparesTwoClassifiersVerdicts) {
   EXPECT_THAT(result.output, ::testing::HasSubstr("describe different images"));
 }
 
-// scripts/compare-candidates pairs two folders' candidates prompt by prompt: two seen
-// prompts of two candidates; A's first pick draws a coat for the red bag.
 // scripts/eval-demo-models' table: each row from its reports, both judges side by side, and
 // CLIP's pick pooled over every prompt set drawn (here n16 and tuning, 4 seen prompts).
 TEST(Tools, DemoResultsTableReadsBothJudgesAndPoolsThePromptSets) {
@@ -461,7 +459,7 @@ TEST(Tools, DemoResultsTableReadsBothJudgesAndPoolsThePromptSets) {
     testing::write_text(dir / ("tuning-" + std::string(judge) + ".jsonl"), pick(0, true) + pick(1, true));
   }
   const auto result = run_command(std::string(DALLE_SOURCE_DIR) + "/scripts/demo-results-table " + dir.path().string() +
-                                  " first a second b");
+                                  " first second");
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_THAT(result.output, ::testing::HasSubstr("best of 16 by CLIP, the demo's guidance: caption 85% / 68% "
                                                   "(seen / held-out); second judge 83% / 65%"));
@@ -470,6 +468,8 @@ TEST(Tools, DemoResultsTableReadsBothJudgesAndPoolsThePromptSets) {
   EXPECT_THAT(result.output, ::testing::HasSubstr("items both judges name alike, n16: 100.0% seen"));
 }
 
+// scripts/compare-candidates pairs two folders' candidates prompt by prompt: two seen
+// prompts of two candidates; A's first pick draws a coat for the red bag.
 TEST(Tools, CompareCandidatesPairsTwoFoldersPromptByPrompt) {
   ScratchDir dir;
   const auto line = [](int prompt, int rank, const char* caption, bool correct) {
