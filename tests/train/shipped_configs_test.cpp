@@ -82,7 +82,7 @@ TEST(ShippedConfigs, ImageTokenizerRecipesLoadAsTheirKind) {
       }
     }
   }
-  EXPECT_EQ(vqgans, 5);
+  EXPECT_EQ(vqgans, 6);
   EXPECT_EQ(dvaes, 2);
 }
 
