@@ -10,10 +10,12 @@
 //             super-conditioned steps, VQGAN detokenizer), as min-dalle's 3x3 grid is timed;
 //   training: tokens per second and peak resident memory of full training steps, in a
 //             chosen precision (fp32, bf16, fp16 with per-resblock gradient scales), with
-//             or without activation checkpointing;
+//             or without activation checkpointing; on a GPU also peak CUDA memory and model
+//             FLOPs utilisation (training-xl-slice --layers=24 is the whole 1.3B layout);
 //   data-parallel: the same steps on N processes of this machine, with the bytes each rank
 //             hands to all-reduce.
 // Ratios are taken within one run, on one machine.
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <sys/resource.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -27,11 +29,11 @@
 #include <string>
 #include <unordered_set>
 
-#include "dalle/dist/data_parallel.h"
-#include "dalle/dist/job.h"
-#include "dalle/dist/local_ranks.h"
-#include "dalle/dist/powersgd.h"
-#include "dalle/dist/sharded_parameters.h"
+#include "dalle/distributed/data_parallel.h"
+#include "dalle/distributed/job.h"
+#include "dalle/distributed/local_ranks.h"
+#include "dalle/distributed/powersgd.h"
+#include "dalle/distributed/sharded_parameters.h"
 #include "dalle/device.h"
 #include "dalle/models/bart_sampling.h"
 #include "dalle/models/vqgan_detokenizer.h"
@@ -168,24 +170,38 @@ int64_t parameter_count(std::initializer_list<const torch::nn::Module*> modules)
   return count;
 }
 
+void add_weight_read_limit(nlohmann::json& line, const torch::nn::Module& decoder, const torch::Device& device);
+
 // The first `timed + 4` image tokens of `batch` images, KV-cached, the weights built directly in
 // `dtype` (as load_trained_prior builds them).
 void generation_at_layout(const models::PriorConfig& config, int64_t batch, int64_t timed, torch::ScalarType dtype,
-                          const std::string& name) {
+                          const torch::Device& device, const std::string& name) {
   const auto default_dtype = torch::get_default_dtype();
   torch::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
   torch::manual_seed(0);
   models::Prior prior(config);
   torch::set_default_dtype(default_dtype);
   prior->eval();
+  prior->to(device);
   const double rss_built = peak_rss_mib();
-  const auto captions = random_tokens(config, batch).slice(1, 0, config.text_length);
-  const double seconds = seconds_for_tokens(timed, [&](const auto& on_token) {
+  const auto captions = random_tokens(config, batch).slice(1, 0, config.text_length).to(device);
+  const auto sample = [&](const auto& on_token) {
     models::sample_image_tokens(prior, captions, {.seed = 1}, nullptr, on_token);
-  });
-  print_generation({{"benchmark", "generation-xl"}, {"model", name}, {"dtype", c10::toString(dtype)},
-                    {"batch", batch}, {"parameters", parameter_count({prior.get()})}},
-                   batch, timed, seconds, rss_built);
+  };
+  // A GPU's first pass picks kernels for every length of the growing cache: not the step's cost.
+  if (device.is_cuda()) seconds_for_tokens(timed, sample, true);
+  const double seconds = seconds_for_tokens(timed, sample, device.is_cuda());
+  nlohmann::json line = {{"benchmark", "generation-xl"}, {"model", name},  {"dtype", c10::toString(dtype)},
+                         {"device", device.str()},       {"batch", batch}, {"parameters", parameter_count({prior.get()})}};
+  if (device.is_cuda()) add_weight_read_limit(line, *prior, device);
+  print_generation(line, batch, timed, seconds, rss_built);
+}
+
+// The most bytes torch's CUDA allocator has held for tensors on `device` since the last reset.
+double peak_cuda_mib(const torch::Device& device) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+  return static_cast<double>(stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak) /
+         1048576.0;
 }
 
 // The bytes of a module's parameters: what one decoding step reads at batch 1.
@@ -205,6 +221,16 @@ double copy_bandwidth_gb_per_s(const torch::Device& device) {
     torch::cuda::synchronize();
   });
   return 2.0 * static_cast<double>(source.numel()) / seconds / 1e9;
+}
+
+// `line` with the weight-read limit of one decoding step of `decoder` at one image: its bytes
+// over the copy bandwidth measured on `device`.
+void add_weight_read_limit(nlohmann::json& line, const torch::nn::Module& decoder, const torch::Device& device) {
+  const double bandwidth = copy_bandwidth_gb_per_s(device);
+  const auto bytes = parameter_bytes(decoder);
+  line["decoder_weight_bytes"] = bytes;
+  line["copy_bandwidth_gb_per_s"] = bandwidth;
+  line["weight_read_limit_s_per_step"] = static_cast<double>(bytes) / (bandwidth * 1e9);
 }
 
 // DALL-E Mega's (or Mini's) BART prior with random weights built in `dtype`, on `device`.
@@ -244,13 +270,7 @@ void generation_mega(const models::BartPriorConfig& config, int64_t images, int6
   nlohmann::json line = {{"benchmark", "generation-mega"}, {"model", name}, {"dtype", c10::toString(dtype)},
                          {"device", device.str()}, {"images", images},
                          {"parameters", parameter_count({mega.get()})}};
-  if (device.is_cuda()) {
-    const double bandwidth = copy_bandwidth_gb_per_s(device);
-    const auto decoder_bytes = parameter_bytes(*mega->decoder);
-    line["decoder_weight_bytes"] = decoder_bytes;
-    line["copy_bandwidth_gb_per_s"] = bandwidth;
-    line["weight_read_limit_s_per_step"] = static_cast<double>(decoder_bytes) / (bandwidth * 1e9);
-  }
+  if (device.is_cuda()) add_weight_read_limit(line, *mega->decoder, device);
   print_generation(line, images, timed, seconds, rss_built);
 }
 
@@ -287,13 +307,32 @@ void grid_mega(int64_t images, torch::ScalarType dtype, const torch::Device& dev
 struct TrainingOptions {
   std::string precision = "fp32";
   int64_t checkpoint_every = 0;
+  torch::Device device = torch::kCPU;
+  double peak_tflops = 989;  // the GPU's dense 16-bit peak (H100 and H200 SXM): the MFU's denominator
 };
+
+// Model FLOPs of one trained token, forward and backward (PaLM's accounting, appendix B): 6 per
+// weight of every matrix multiply (the embeddings are lookups, not multiplies) and 6 x layers x
+// sequence x width for causal attention's scores and weighted sums, counted dense: the sparse
+// masks compute less, and recomputation under checkpointing is not counted.
+double model_flops_per_token(const models::Prior& prior, const models::PriorConfig& config) {
+  double matrix_weights = 0;
+  for (const auto& module : prior->modules()) {
+    if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(module.get())) {
+      matrix_weights += static_cast<double>(linear->weight.numel());
+    }
+  }
+  return 6.0 * matrix_weights +
+         6.0 * static_cast<double>(config.layers) * static_cast<double>(config.length()) * static_cast<double>(config.width);
+}
 
 void training(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name,
               const TrainingOptions& options) {
   torch::manual_seed(0);
   const double rss_before = peak_rss_mib();
   models::Prior prior(config);
+  prior->to(options.device);
+  const bool on_gpu = options.device.is_cuda();
   train::PrecisionConfig precision_config;
   precision_config.mode = options.precision;
   train::ModelPrecision precision(precision_config, prior->parameters(),
@@ -304,23 +343,33 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
                                                           .checkpoint_every = options.checkpoint_every}));
   train::AdamW optimizer({torch::optim::OptimizerParamGroup(prior->parameters())}, torch::optim::AdamWOptions(1e-4));
   train::UpdateStep update(optimizer, precision, {.what = "bench"});
-  const auto tokens = random_tokens(config, batch);
+  const auto tokens = random_tokens(config, batch).to(options.device);
   int64_t skipped = 0;
   auto step = [&] {
     const auto loss = models::prior_loss(prior->forward(tokens), tokens, config).total;
     skipped += update.apply(loss, 1).skipped;
+    if (on_gpu) torch::cuda::synchronize();
   };
   const double seconds = time_per_call(steps, step);
   int64_t parameters = 0;
   for (const auto& p : prior->parameters()) parameters += p.numel();
-  const nlohmann::json line = {{"benchmark", "training"},     {"model", name},
+  const double tokens_per_s = static_cast<double>(batch * config.length()) / seconds;
+  nlohmann::json line = {{"benchmark", "training"},     {"model", name}, {"device", options.device.str()},
                                {"layers", config.layers},     {"width", config.width},
                                {"parameters", parameters},    {"batch", batch},
                                {"sequence", config.length()}, {"attention_path", config.attention_path},
                                {"precision", options.precision}, {"checkpoint_every", options.checkpoint_every},
                                {"skipped_updates", skipped},
-                               {"step_s", seconds},           {"tokens_per_s", batch * config.length() / seconds},
+                               {"step_s", seconds},           {"tokens_per_s", tokens_per_s},
                                {"peak_rss_mib", peak_rss_mib()}, {"rss_before_mib", rss_before}};
+  if (on_gpu) {
+    const double flops_per_token = model_flops_per_token(prior, config);
+    line["model_flops_per_token"] = flops_per_token;
+    line["model_tflops_per_s"] = flops_per_token * tokens_per_s / 1e12;
+    line["peak_tflops"] = options.peak_tflops;
+    line["mfu"] = flops_per_token * tokens_per_s / (options.peak_tflops * 1e12);
+    line["peak_cuda_mib"] = peak_cuda_mib(options.device);
+  }
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
 }
@@ -331,14 +380,14 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
 // all-reduce of the parameters must send.
 void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name,
                    const std::vector<std::string>& arguments, int64_t ranks, bool sharded) {
-  const auto place = dist::read_launch_environment();
+  const auto place = distributed::read_launch_environment();
   if (place.launcher == "none" && ranks > 1) {
-    const auto outcome = dist::run_local_ranks({.ranks = ranks, .arguments = arguments, .threads_per_rank = 1});
+    const auto outcome = distributed::run_local_ranks({.ranks = ranks, .arguments = arguments, .threads_per_rank = 1});
     if (outcome.failed_rank >= 0) throw Error("rank " + std::to_string(outcome.failed_rank) + " " + outcome.failure);
     return;
   }
   if (place.rank > 0) log::set_console_level(log::Level::warn);
-  dist::Job job(place, {.timeout = std::chrono::minutes(10), .bucket_bytes = 25 << 20}, {});
+  distributed::Job job(place, {.timeout = std::chrono::minutes(10), .bucket_bytes = 25 << 20}, {});
   torch::manual_seed(0);
   models::Prior prior(config);
   int64_t parameters = 0;
@@ -367,9 +416,9 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   train::ModelPrecision precision(train::PrecisionConfig{}, learned, job.size());
   train::AdamW optimizer({torch::optim::OptimizerParamGroup(learned)}, torch::optim::AdamWOptions(1e-4));
   train::UpdateStep update(optimizer, precision, {.what = "bench"});
-  std::shared_ptr<dist::ShardedReducer> sharded_reducer;
+  std::shared_ptr<distributed::ShardedReducer> sharded_reducer;
   if (shards) {
-    sharded_reducer = std::make_shared<dist::ShardedReducer>(shards->parameters(), job.group(), job.within_node(),
+    sharded_reducer = std::make_shared<distributed::ShardedReducer>(shards->parameters(), job.group(), job.within_node(),
                                                               job.across_nodes(), 25 << 20);
     update.set_reducer(sharded_reducer);
   } else {
@@ -386,7 +435,7 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
     ++calls;
   };
   const double seconds = time_per_call(steps, step);
-  const auto* reducer = dynamic_cast<const dist::DataParallelReducer*>(job.reducer().get());
+  const auto* reducer = dynamic_cast<const distributed::DataParallelReducer*>(job.reducer().get());
   // Weights, gradients and the two fp32 moments this rank keeps between steps.
   int64_t state_bytes = 0;
   for (const auto& p : learned) state_bytes += p.numel() * 16;
@@ -420,7 +469,7 @@ void powersgd_compression(models::PriorConfig config, int64_t rank, int64_t per_
   const int64_t layers = config.layers;
   config.layers = 1;
   models::Prior prior(config);
-  const dist::PowerSgdOptions flat{.rank = rank}, per_shard{.rank = rank / per_machine};
+  const distributed::PowerSgdOptions flat{.rank = rank}, per_shard{.rank = rank / per_machine};
   std::unordered_set<const torch::TensorImpl*> in_blocks;
   std::vector<std::vector<std::vector<int64_t>>> groups;  // each resblock's matrices, then its rest
   for (const auto& block : prior->resblocks()) {
@@ -437,10 +486,10 @@ void powersgd_compression(models::PriorConfig config, int64_t rank, int64_t per_
     const bool in_block = in_blocks.count(p.unsafeGetTensorImpl()) > 0;
     const double times = in_block ? static_cast<double>(layers) : 1.0;
     whole += static_cast<double>(p.numel()) * times;
-    sent += static_cast<double>(dist::values_sent(p.sizes().vec(), flat)) * times;
+    sent += static_cast<double>(distributed::values_sent(p.sizes().vec(), flat)) * times;
     if (in_block) {
       block_whole += static_cast<double>(p.numel()) * times;
-      block_sent += static_cast<double>(dist::values_sent(p.sizes().vec(), flat)) * times;
+      block_sent += static_cast<double>(distributed::values_sent(p.sizes().vec(), flat)) * times;
     } else {
       outside += static_cast<double>(p.numel());
     }
@@ -452,10 +501,10 @@ void powersgd_compression(models::PriorConfig config, int64_t rank, int64_t per_
     const int64_t shard = (values + per_machine - 1) / per_machine;
     for (int64_t r = 0; r < per_machine; ++r) {
       int64_t left = shard;
-      for (const auto& rows : dist::rows_in_shard(group, r, per_machine)) {
-        if (!dist::compresses(rows.rows, rows.columns, per_shard)) continue;
+      for (const auto& rows : distributed::rows_in_shard(group, r, per_machine)) {
+        if (!distributed::compresses(rows.rows, rows.columns, per_shard)) continue;
         left -= rows.rows * rows.columns;
-        hierarchical += static_cast<double>((rows.rows + rows.columns) * dist::effective_rank(rows.rows, rows.columns, per_shard));
+        hierarchical += static_cast<double>((rows.rows + rows.columns) * distributed::effective_rank(rows.rows, rows.columns, per_shard));
       }
       hierarchical += static_cast<double>(left);
     }
@@ -541,7 +590,9 @@ int main(int argc, char** argv) {
   bool quick = false;
   for (int i = 2; i < argc; ++i) quick = quick || std::strcmp(argv[i], "--quick") == 0;
   const TrainingOptions options{.precision = option(argc, argv, "precision", "fp32"),
-                                .checkpoint_every = std::stoll(option(argc, argv, "checkpoint-every", "0"))};
+                                .checkpoint_every = std::stoll(option(argc, argv, "checkpoint-every", "0")),
+                                .device = resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"),
+                                .peak_tflops = std::stod(option(argc, argv, "peak-tflops", "989"))};
   if (which == "attention") {
     attention(256, 512, 8, quick ? 1 : 5);
   } else if (which == "generation") {
@@ -552,7 +603,8 @@ int main(int argc, char** argv) {
   } else if (which == "generation-xl") {
     generation_at_layout(rudalle_xl_slice(24), std::stoll(option(argc, argv, "batch", "1")),
                          std::stoll(option(argc, argv, "tokens", quick ? "4" : "32")),
-                         float_type_named(option(argc, argv, "dtype", "float32")), "ruDALL-E Malevich (XL) layout");
+                         float_type_named(option(argc, argv, "dtype", "float32")), options.device,
+                         "ruDALL-E Malevich (XL) layout");
   } else if (which == "generation-mega") {
     const bool mini = option(argc, argv, "model", "mega") == "mini";
     generation_mega(mini ? models::dalle_mini_config() : models::dalle_mega_config(),
@@ -589,9 +641,11 @@ int main(int argc, char** argv) {
   } else if (which == "powersgd-qr") {
     powersgd_qr(quick ? 1 : 3);
   } else if (which == "training-xl-slice") {
-    auto slice = rudalle_xl_slice(2);
+    const int64_t layers = std::stoll(option(argc, argv, "layers", "2"));
+    auto slice = rudalle_xl_slice(layers);
     slice.attention_path = option(argc, argv, "path", "sparse");
-    training(slice, 1, quick ? 1 : 2, "ruDALL-E XL layout, 2-layer slice", options);
+    training(slice, std::stoll(option(argc, argv, "batch", "1")), std::stoi(option(argc, argv, "steps", quick ? "1" : "2")),
+             "ruDALL-E XL layout, " + std::to_string(layers) + "-layer " + (layers == 24 ? "whole" : "slice"), options);
   } else {
     std::fprintf(stderr,
                  "usage: dalle_bench_prior attention|generation|generation-xl|generation-mega|grid-mega|training-tiny|"
@@ -599,8 +653,9 @@ int main(int argc, char** argv) {
                  "data-parallel|"
                  "powersgd-compression|powersgd-qr "
                  "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
-                 "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice|mega|mini] [--layers=L] "
-                 "[--dtype=float32|bfloat16|float16] [--batch=B] [--images=N] [--tokens=N] [--device=cpu|cuda]\n");
+                 "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice|mega|mini] [--layers=L] [--steps=N] "
+                 "[--dtype=float32|bfloat16|float16] [--batch=B] [--images=N] [--tokens=N] [--device=cpu|cuda] "
+                 "[--peak-tflops=989]\n");
     return 2;
   }
   return 0;

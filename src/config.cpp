@@ -398,9 +398,32 @@ class Flattener final : public ConfigVisitor {
   std::string prefix_;
 };
 
+// YAML requires a mapping's keys to be unique, but yaml-cpp keeps both and lookups find one:
+// a key given twice is refused with both lines, never resolved silently.
+void refuse_duplicate_keys(const YAML::Node& node, const std::string& prefix, const std::string& name) {
+  if (node.IsSequence()) {
+    for (const auto& item : node) refuse_duplicate_keys(item, prefix, name);
+  }
+  if (!node.IsMap()) return;
+  std::map<std::string, int> first_line;
+  for (const auto& entry : node) {
+    const auto key = entry.first.IsScalar() ? entry.first.Scalar() : YAML::Dump(entry.first);
+    const int line = entry.first.Mark().line + 1;
+    const auto [seen, inserted] = first_line.emplace(key, line);
+    if (!inserted) {
+      throw ConfigError(name + ":" + std::to_string(line) + ": key '" + join_path(prefix, key) +
+                        "' is given twice (lines " + std::to_string(seen->second) + " and " + std::to_string(line) +
+                        "); YAML keys must be unique within a mapping");
+    }
+    refuse_duplicate_keys(entry.second, join_path(prefix, key), name);
+  }
+}
+
 YAML::Node parse_yaml(const std::string& text, const std::string& name, bool is_file) {
   try {
-    return is_file ? YAML::LoadFile(name) : YAML::Load(text);
+    auto root = is_file ? YAML::LoadFile(name) : YAML::Load(text);
+    refuse_duplicate_keys(root, "", name);
+    return root;
   } catch (const YAML::BadFile&) {
     throw ConfigError(name + ": cannot read the config file");
   } catch (const YAML::ParserException& error) {

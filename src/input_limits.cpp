@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 
 #include "dalle/error.h"
@@ -82,15 +83,45 @@ std::string excerpt(std::string_view text, size_t bytes) {
   return quoted;
 }
 
-void check_prompt(std::string_view prompt, const std::string& where, size_t length) {
+int64_t max_caption_line_bytes() { return 64 * max_text_bytes(); }
+
+void check_prompt(std::string_view prompt, const std::string& where) {
   const auto limit = static_cast<size_t>(max_text_bytes());
-  length = std::max(length, prompt.size());
-  if (length > limit) {
-    throw Error(where + ": the prompt is " + std::to_string(length) + " bytes long, over the limit of " +
+  if (prompt.size() > limit) {
+    throw Error(where + ": the prompt is " + std::to_string(prompt.size()) + " bytes long, over the limit of " +
                 std::to_string(limit) + " (DALLE_MAX_TEXT_BYTES)");
   }
   if (!is_valid_utf8(prompt)) throw Error(where + ": the prompt is not valid UTF-8");
   if (prompt.find_first_not_of(" \t\r\n") == std::string_view::npos) throw Error(where + ": the prompt is blank");
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    const auto byte = static_cast<unsigned char>(prompt[i]);
+    const bool c1 = byte == 0xC2 && i + 1 < prompt.size() && static_cast<unsigned char>(prompt[i + 1]) <= 0x9F;
+    if ((byte < 0x20 && byte != '\t') || byte == 0x7F || c1) {
+      char code[8];
+      std::snprintf(code, sizeof code, "U+%04X", c1 ? static_cast<unsigned char>(prompt[i + 1]) : byte);
+      throw Error(where + ": the prompt holds a control character (" + code + " at byte " + std::to_string(i + 1) +
+                  "); a prompt is printable text on one line");
+    }
+  }
+}
+
+LineRead read_bounded_line(std::istream& in, size_t limit, std::string& line) {
+  line.clear();
+  int c = EOF;
+  while ((c = in.get()) != EOF && c != '\n') {
+    line += static_cast<char>(c);
+    if (line.size() > limit) return LineRead::too_long;
+  }
+  return c == EOF && line.empty() ? LineRead::end : LineRead::line;
+}
+
+bool read_line_within(std::istream& in, size_t limit, std::string& line, const std::string& where, int64_t number,
+                      const std::string& what) {
+  const auto read = read_bounded_line(in, limit, line);
+  if (read == LineRead::too_long) {
+    throw Error(where + ":" + std::to_string(number) + ": a line of over " + std::to_string(limit) + " bytes; " + what);
+  }
+  return read == LineRead::line;
 }
 
 }  // namespace dalle

@@ -136,6 +136,19 @@ TEST(Config, YamlSyntaxErrorNamesFileAndLine) {
   EXPECT_THROW_WITH(parse("- a list\n- at the top\n"), ConfigError, "must be a mapping");
 }
 
+TEST(Config, ADuplicateKeyIsRefusedWithBothLines) {
+  EXPECT_THROW_WITH(parse("layers: 4\nfp16: true\nlayers: 8\n"), ConfigError, "test.yaml:3:",
+                    "key 'layers' is given twice (lines 1 and 3)");
+  EXPECT_THROW_WITH(parse("optimizer:\n  learning_rate: 0.1\nlayers: 2\noptimizer:\n  decays: [0.5]\n"),
+                    ConfigError, "test.yaml:4:", "key 'optimizer' is given twice (lines 1 and 4)");
+  EXPECT_THROW_WITH(parse("optimizer: {decays: [0.5], decays: [0.25]}\n"), ConfigError,
+                    "key 'optimizer.decays' is given twice");
+  ScratchDir dir;
+  testing::write_text(dir / "twice.yaml", "layers: 2\nlayers: 3\n");
+  EXPECT_THROW_WITH(ConfigSource::from_file(dir / "twice.yaml"), ConfigError, "twice.yaml:2:",
+                    "key 'layers' is given twice (lines 1 and 2)");
+}
+
 TEST(Config, MissingFileIsReported) {
   EXPECT_THROW_WITH(ConfigSource::from_file("/nonexistent/config.yaml"), ConfigError,
                     "/nonexistent/config.yaml", "cannot read");

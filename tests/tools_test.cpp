@@ -778,8 +778,21 @@ TEST(ToolsHostile, GenerateChecksItsCommandLineAndPromptsBeforeAnyWork) {
   testing::write_text(dir / "long.txt", "a red bag\n" + std::string(2'000'000, 'x') + "\n");
   result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " --prompts-file " + (dir / "long.txt"));
   EXPECT_EQ(result.status, 1) << result.output.substr(0, 2000);
-  EXPECT_THAT(result.output, ::testing::HasSubstr("long.txt:2: the prompt is 2000000 bytes long, over the limit of 1024"));
+  EXPECT_THAT(result.output, ::testing::HasSubstr("long.txt:2: the prompt is over the limit of 1024 bytes"));
   EXPECT_LT(result.output.size(), 2000u);
+  // A file without line ends is read no further than the limit, not to its end.
+  auto zeros = std::chrono::steady_clock::now();
+  result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " --prompts-file /dev/zero");
+  EXPECT_EQ(result.status, 1) << result.output.substr(0, 2000);
+  EXPECT_THAT(result.output, ::testing::HasSubstr("/dev/zero:1: the prompt is over the limit of 1024 bytes"));
+  EXPECT_LT(seconds_since(zeros), 5);
+  result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " \"$(printf 'a red \033[2Jbag')\"");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("prompt 1: the prompt holds a control character (U+001B at byte 7)"));
+  testing::write_text(dir / "nul.txt", std::string("a red bag\na blue\0 bag\n", 22));
+  result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " --prompts-file " + (dir / "nul.txt"));
+  EXPECT_EQ(result.status, 1) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("nul.txt:2: the prompt holds a control character (U+0000 at byte 7)"));
   testing::write_text(dir / "latin1.txt", "a red bag\na blue caf\xe9\n");
   result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " --prompts-file " + (dir / "latin1.txt"));
   EXPECT_EQ(result.status, 1) << result.output;

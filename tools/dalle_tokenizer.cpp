@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "dalle/data/caption_dataset.h"
+#include "dalle/input_limits.h"
 #include "dalle/log.h"
 #include "dalle/text/tokenizer.h"
 #include "tool_support.h"
@@ -27,7 +28,12 @@ std::vector<std::string> read_captions(const std::string& path) {
   }
   std::ifstream in(path);
   if (!in) throw Error(path + ": cannot open the captions file");
-  for (std::string line; std::getline(in, line);) captions.push_back(line);
+  const auto limit = static_cast<size_t>(max_caption_line_bytes());
+  std::string line;
+  for (int64_t number = 1; read_line_within(in, limit, line, path, number, "a captions file holds one caption a line");
+       ++number) {
+    captions.push_back(line);
+  }
   return captions;
 }
 
@@ -101,7 +107,12 @@ int main(int argc, char** argv) {
     if (*encode && use_config.print_requested(visit_of(config))) return;
     auto lines = *encode ? texts : id_lists;
     if (lines.empty()) {
-      for (std::string line; std::getline(std::cin, line);) lines.push_back(line);
+      std::string line;
+      for (int64_t number = 1; read_line_within(std::cin, static_cast<size_t>(max_caption_line_bytes()), line,
+                                                "standard input", number, "one text or id list a line");
+           ++number) {
+        lines.push_back(line);
+      }
     }
     if (*encode) {
       text::Tokenizer::seed_dropout(seed);

@@ -7,7 +7,7 @@
 #include <iostream>
 #include <thread>
 
-#include "dalle/dist/local_ranks.h"
+#include "dalle/distributed/local_ranks.h"
 #include "dalle/generate/pipeline.h"
 #include "dalle/input_limits.h"
 #include "dalle/io/checkpoint.h"
@@ -116,7 +116,7 @@ void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const 
   if (no_cache_) source.set(prefix + "sampling.use_cache=false");
 }
 
-void start_run_log(const std::string& run, const dist::LaunchEnvironment& place) {
+void start_run_log(const std::string& run, const distributed::LaunchEnvironment& place) {
   if (place.world_size == 1) {
     log::add_file_sink(run + ".log");
     return;
@@ -136,7 +136,7 @@ void start_run_log(const std::string& run, const dist::LaunchEnvironment& place)
 
 void launch_local_ranks(const std::vector<std::string>& arguments, int64_t ranks, const std::string& run) {
   const auto cores = static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-  const auto outcome = dist::run_local_ranks(
+  const auto outcome = distributed::run_local_ranks(
       {.ranks = ranks, .arguments = arguments, .threads_per_rank = std::max<int64_t>(1, cores / ranks)});
   if (outcome.failed_rank < 0) {
     if (outcome.exit_status != 0) throw ExitStatus{outcome.exit_status};

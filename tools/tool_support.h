@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "dalle/config.h"
-#include "dalle/dist/launch.h"
+#include "dalle/distributed/launch.h"
 #include "dalle/log.h"
 
 namespace dalle::tools {
@@ -63,10 +63,10 @@ class PipelineShorthands {
 
 // Copies the log into `run`.log from now on; in a job of several processes, rank r > 0
 // writes `run`.rank<r>.log and shows only warnings and errors on the terminal.
-void start_run_log(const std::string& run, const dist::LaunchEnvironment& place);
+void start_run_log(const std::string& run, const distributed::LaunchEnvironment& place);
 
 // --nproc-per-node without a launcher: runs `ranks` copies of this tool's command line
-// (dist/local_ranks.h) and ends as they do. When a rank fails, throws Error naming it, how it
+// (distributed/local_ranks.h) and ends as they do. When a rank fails, throws Error naming it, how it
 // ended and the run's last complete checkpoint.
 void launch_local_ranks(const std::vector<std::string>& arguments, int64_t ranks, const std::string& run);
 
@@ -113,7 +113,7 @@ void train_recipe(const TrainRequest& request) {
   auto config = load_config<Config>(request.source);
   if (request.options.print_requested(visit_of(config))) return;
   if (request.run.empty()) throw UsageError("--out is required");
-  const auto place = dist::read_launch_environment();
+  const auto place = distributed::read_launch_environment();
   const int64_t nproc = config.distributed.nproc_per_node;
   if (place.launcher == "none" && nproc > 1) {
     launch_local_ranks(request.arguments, nproc, request.run);

@@ -6,6 +6,7 @@
 // limit for every tool at once.
 #include <cstddef>
 #include <cstdint>
+#include <istream>
 #include <string>
 #include <string_view>
 
@@ -25,9 +26,23 @@ std::string_view utf8_prefix(std::string_view text, size_t bytes);
 // its full length when cut, so that unbounded input is never echoed whole.
 std::string excerpt(std::string_view text, size_t bytes = 60);
 
-// Throws Error("<where>: ...") unless `prompt` is valid UTF-8, not blank, and within
-// max_text_bytes. `length`: the length of the line `prompt` was read from, when the reader
-// stopped early.
-void check_prompt(std::string_view prompt, const std::string& where, size_t length = 0);
+// The longest line a captions file (TSV, JSON lines or plain) may hold: 64 x max_text_bytes,
+// room for an image's path and many captions.
+int64_t max_caption_line_bytes();
+
+// Throws Error("<where>: ...") unless `prompt` is valid UTF-8, not blank, within
+// max_text_bytes and free of control characters (C0 but tab, DEL, C1): nothing a prompt
+// carries into the prior, the sidecars or a terminal may steer them.
+void check_prompt(std::string_view prompt, const std::string& where);
+
+enum class LineRead { line, end, too_long };
+// The next line of `in` into `line`, without its '\n', reading at most `limit` + 1 bytes: a
+// longer line, or a stream without line ends such as /dev/zero, ends as too_long with nothing
+// more read, so that no input costs unbounded memory or time. end: nothing was left.
+LineRead read_bounded_line(std::istream& in, size_t limit, std::string& line);
+// read_bounded_line, throwing Error("<where>:<number>: a line of over <limit> bytes; <what>")
+// on a longer one.
+bool read_line_within(std::istream& in, size_t limit, std::string& line, const std::string& where, int64_t number,
+                      const std::string& what);
 
 }  // namespace dalle

@@ -27,6 +27,8 @@ std::string trim(const std::string& text) {
   return text.substr(first, text.find_last_not_of(" \t\r\n") - first + 1);
 }
 
+constexpr const char* kLongLine = "a captions file holds one image and its captions per line (DALLE_MAX_TEXT_BYTES x 64)";
+
 // Image path -> captions, in first-seen order, gathered line by line.
 struct Collector {
   std::vector<ImageCaptionRecord> records;
@@ -66,7 +68,8 @@ struct Collector {
 
 void read_tsv(std::istream& in, const fs::path& root, const std::string& name, Collector& collector) {
   std::string line;
-  for (int64_t number = 1; std::getline(in, line); ++number) {
+  const auto limit = static_cast<size_t>(max_caption_line_bytes());
+  for (int64_t number = 1; read_line_within(in, limit, line, name, number, kLongLine); ++number) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (is_blank(line)) continue;
     const std::string where = name + ":" + std::to_string(number);
@@ -82,7 +85,8 @@ void read_tsv(std::istream& in, const fs::path& root, const std::string& name, C
 
 void read_jsonl(std::istream& in, const fs::path& root, const std::string& name, Collector& collector) {
   std::string line;
-  for (int64_t number = 1; std::getline(in, line); ++number) {
+  const auto limit = static_cast<size_t>(max_caption_line_bytes());
+  for (int64_t number = 1; read_line_within(in, limit, line, name, number, kLongLine); ++number) {
     if (is_blank(line)) continue;
     const std::string where = name + ":" + std::to_string(number);
     auto entry = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);

@@ -19,18 +19,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// One line of at most `limit` bytes (the rest of a longer line is skipped, counted in
-// `length`); false at the end of the file.
-bool read_bounded_line(std::istream& in, size_t limit, std::string& line, size_t& length) {
-  line.clear();
-  length = 0;
-  int c;
-  while ((c = in.get()) != EOF && c != '\n') {
-    if (length++ < limit) line += static_cast<char>(c);
-  }
-  return c != EOF || length > 0;
-}
-
 // What dalle-generate writes into its folder, and dalle-eval's report of it.
 bool written_by_generate(const fs::path& entry) {
   static const std::regex own(R"(\d{4,}-\d{2,}\.(png|json)|grid\.png|eval\.json)");
@@ -51,16 +39,17 @@ std::vector<std::string> read_prompts_file(const std::string& path) {
   const auto limit = static_cast<size_t>(max_text_bytes());
   std::vector<std::string> prompts;
   std::string line;
-  size_t length = 0;
-  for (int64_t number = 1; read_bounded_line(in, limit + 1, line, length); ++number) {
-    const bool whole = length == line.size();
-    if (whole && !line.empty() && line.back() == '\r') {
-      line.pop_back();
-      --length;
-    }
-    if (whole && line.find_first_not_of(" \t\r") == std::string::npos) continue;
+  for (int64_t number = 1;; ++number) {
     const std::string where = path + ":" + std::to_string(number);
-    check_prompt(line, where, length);
+    const auto read = read_bounded_line(in, limit + 1, line);  // + 1: room for a '\r' before the '\n'
+    if (read == LineRead::end) break;
+    if (read == LineRead::too_long || (line.size() > limit && line.back() != '\r')) {
+      throw Error(where + ": the prompt is over the limit of " + std::to_string(limit) +
+                  " bytes (DALLE_MAX_TEXT_BYTES); reading stopped there");
+    }
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    check_prompt(line, where);
     prompts.push_back(line);
   }
   return prompts;

@@ -60,6 +60,11 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           "allreduce: the gradients averaged whole; powersgd: each matrix averaged as a low-rank product with error "
           "feedback, between every rank (sharding none) or, sharded, on each shard between machines (DALL-E)",
           {.choices = {"allreduce", "powersgd"}});
+  v.field("backend", backend,
+          "c10d's backend for the collectives: auto (NCCL when run.device is a GPU, gloo on the CPU), gloo (also "
+          "for CUDA tensors, through the host: several ranks may then share one GPU) or nccl (GPUs only, one "
+          "each)",
+          {.choices = {"auto", "gloo", "nccl"}});
   v.section("powersgd", "PowerSGD's rank and choices (distributed.gradient_reduction powersgd)", powersgd);
 }
 

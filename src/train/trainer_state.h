@@ -18,7 +18,7 @@
 
 #include "dalle/data/loader.h"
 #include "dalle/device.h"
-#include "dalle/dist/job.h"
+#include "dalle/distributed/job.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
 #include "dalle/io/checkpoint.h"
@@ -45,7 +45,7 @@ std::unique_ptr<State> start_trainer(Config config, const std::string& run, cons
 
 // distributed.powersgd as the reducers take it.
 template <class Config>
-dist::PowerSgdOptions powersgd_options(const Config& config) {
+distributed::PowerSgdOptions powersgd_options(const Config& config) {
   const auto& p = config.distributed.powersgd;
   return {.rank = p.rank,
           .start_update = p.start_update,
@@ -56,24 +56,33 @@ dist::PowerSgdOptions powersgd_options(const Config& config) {
           .bucket_bytes = std::llround(config.distributed.bucket_megabytes * (1 << 20))};
 }
 
+// distributed.backend for a job on `device`: auto is NCCL on GPUs and gloo on the CPU.
+inline distributed::Backend job_backend(const std::string& backend, torch::Device device) {
+  if (backend == "gloo") return distributed::Backend::gloo;
+  if (backend == "nccl" && !device.is_cuda()) {
+    throw Error("distributed.backend nccl carries CUDA tensors only, but run.device is " + device.str() +
+                "; use gloo or auto");
+  }
+  return device.is_cuda() ? distributed::Backend::nccl : distributed::Backend::gloo;
+}
+
 // Joins the job the launcher started (a job of one without a launcher) before any model is
-// built, so that ranks started with another config or build are refused at once. NCCL
-// carries the collectives of a job on GPUs (`device`), gloo the others.
+// built, so that ranks started with another config or build are refused at once.
 template <class Config>
-std::shared_ptr<dist::Job> join_job(Config config, const dist::LaunchEnvironment& place, torch::Device device) {
+std::shared_ptr<distributed::Job> join_job(Config config, const distributed::LaunchEnvironment& place, torch::Device device) {
   const auto& d = config.distributed;
-  dist::JobOptions options{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
+  distributed::JobOptions options{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
                            .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20)),
-                           .backend = device.is_cuda() ? dist::Backend::nccl : dist::Backend::gloo,
+                           .backend = job_backend(d.backend, device),
                            .cuda_device = device.is_cuda() ? device.index() : 0};
   if (d.gradient_reduction == "powersgd") options.powersgd = powersgd_options(config);
-  return std::make_shared<dist::Job>(
+  return std::make_shared<distributed::Job>(
       place, options,
-      dist::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))), .code = build_fingerprint()});
+      distributed::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))), .code = build_fingerprint()});
 }
 
 // `device` for the rank at `place`: a GPU job gives each rank of a machine its own GPU.
-inline torch::Device rank_device(torch::Device device, const dist::LaunchEnvironment& place) {
+inline torch::Device rank_device(torch::Device device, const distributed::LaunchEnvironment& place) {
   if (!device.is_cuda() || place.world_size == 1) return device;
   const auto gpus = std::max<int64_t>(static_cast<int64_t>(torch::cuda::device_count()), 1);
   return {torch::kCUDA, static_cast<c10::DeviceIndex>(place.local_rank % gpus)};
@@ -83,7 +92,7 @@ template <class Config, class Model>
 struct TrainerState : RunRecord {
   Config config;
   torch::Device device;
-  std::shared_ptr<dist::Job> job;
+  std::shared_ptr<distributed::Job> job;
   Model model{nullptr}, ema_model{nullptr};
   std::unique_ptr<Ema> ema;
   std::unique_ptr<AdamW> optimizer;
@@ -93,7 +102,7 @@ struct TrainerState : RunRecord {
   // `what` names the trainer in logs and errors ("prior"); only a trainer that `can_shard`
   // accepts distributed.sharding other than none.
   TrainerState(const std::string& what, Config c, std::filesystem::path run, bool can_shard = false,
-               const dist::LaunchEnvironment& place = dist::read_launch_environment())
+               const distributed::LaunchEnvironment& place = distributed::read_launch_environment())
       : RunRecord(what, std::move(run), c.run.keep_checkpoints),
         config(std::move(c)),
         device(rank_device(resolve_device(config.run.device, what + " training"), place)),

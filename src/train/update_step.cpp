@@ -17,13 +17,13 @@ UpdateStep::UpdateStep(torch::optim::Optimizer& optimizer, ModelPrecision& preci
       options_(std::move(options)),
       ema_(ema),
       averaged_(averaged),
-      reducer_(std::make_shared<dist::LocalReducer>()) {
+      reducer_(std::make_shared<distributed::LocalReducer>()) {
   if ((ema_ == nullptr) != (averaged_ == nullptr)) {
     throw Error(options_.what + ": an update step's moving average needs both the average and its module");
   }
 }
 
-void UpdateStep::set_reducer(std::shared_ptr<dist::GradientReducer> reducer) {
+void UpdateStep::set_reducer(std::shared_ptr<distributed::GradientReducer> reducer) {
   if (!reducer) throw Error(options_.what + ": an update step needs a gradient reducer");
   reducer_ = std::move(reducer);
 }

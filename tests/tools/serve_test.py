@@ -8,7 +8,8 @@ the pinned `openai` package)
   their settings in the "dalle" text chunk, and they are dalle-generate's images for the same
   prompt and seed; requests sent together are batched and draw what each draws alone.
 - Every error path (malformed JSON, wrong types, a 10 MB body, a chunked body over the limit,
-  n=0 and huge, an unknown model, a wrong or missing key, an unknown URL) is an OpenAI-style
+  n=0 and huge, an unknown model, a wrong or missing key, an unknown URL, a known URL with
+  the wrong method (405 with Allow), control characters in the prompt) is an OpenAI-style
   JSON error with its status, and the server still serves afterwards.
 - A full queue answers 429 at once; a client that leaves frees its place in the queue.
 - SIGTERM drains: a new request gets 503, those in flight get their images, exit status 0.
@@ -242,6 +243,19 @@ def test_errors(server):
     expect_error(server, "no key", generate(server, {"prompt": PROMPT}, key=None), 401, "invalid_api_key")
     expect_error(server, "no key for the model list", call(server, "GET", "/v1/models", key=None), 401)
     expect_error(server, "an unknown URL", call(server, "GET", "/v1/nothing"), 404)
+    for method, path, allowed in (("GET", "/v1/images/generations", "POST"), ("DELETE", "/health", "GET, HEAD"),
+                                  ("POST", "/v1/models", "GET, HEAD")):
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CALL_TIMEOUT)
+        connection.request(method, path, headers={"Authorization": f"Bearer {KEY}", "Content-Length": "0"})
+        response = connection.getresponse()
+        body = json.loads(response.read())
+        connection.close()
+        expect_error(server, f"{method} {path}", (response.status, body), 405, "method_not_allowed")
+        check(response.getheader("Allow") == allowed, f"{method} {path}: Allow {response.getheader('Allow')}")
+    for prompt, code in (("a red\x1b[2J sandal", "U+001B"), ("a red\x00 sandal", "U+0000")):
+        error = expect_error(server, f"a prompt with {code}", generate(server, {"prompt": prompt}), 400,
+                             "invalid_value", "prompt")
+        check(f"control character ({code}" in error["message"], f"{code}: {error['message']}")
     # Still serving, with every answer counted.
     status, body = generate(server, {"prompt": PROMPT, "response_format": "b64_json", **QUICK})
     check(status == 200 and len(body["data"]) == 1, f"after the errors: {status} {body}")

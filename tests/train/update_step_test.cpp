@@ -29,7 +29,7 @@ PrecisionConfig fp16() {
 }
 
 // Records what the gradients are when the reducer is called, and may veto the update.
-class RecordingReducer final : public dist::GradientReducer {
+class RecordingReducer final : public distributed::GradientReducer {
  public:
   void reduce(const std::vector<torch::Tensor>& parameters) override {
     agreed_before_reduce = agreed_on.defined();

@@ -79,6 +79,14 @@ std::string endpoint_of(const httplib::Request& req) {
   return "other";
 }
 
+// The methods a known route takes ("" for an unknown one): httplib answers 404 to a known
+// route asked with another method, which becomes 405 with Allow.
+std::string allowed_methods(const std::string& path) {
+  static const std::regex get_routes(R"(/v1/models(/.+)?|/v1/images/[0-9a-f]{32}\.png|/health|/metrics|/)");
+  if (path == kGenerations) return "POST";
+  return std::regex_match(path, get_routes) ? "GET, HEAD" : "";
+}
+
 // What httplib answers by itself (a malformed request, an unknown route, a body over the
 // limit) gets OpenAI's error body.
 std::string default_error_message(const httplib::Request& req, int status, int64_t max_body_bytes) {
@@ -188,6 +196,13 @@ void HttpServer::State::route() {
   http.set_error_handler(
       httplib::Server::HandlerWithResponse([this](const httplib::Request& req, httplib::Response& res) {
         if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        const auto allowed = res.status == 404 ? allowed_methods(req.path) : "";
+        if (!allowed.empty()) {
+          res.set_header("Allow", allowed);
+          answer_error(res, ApiError(405, "Invalid method for URL (" + req.method + " " + excerpt(req.path) + "); it takes " +
+                                              allowed + ".", "", "method_not_allowed"));
+          return httplib::Server::HandlerResponse::Handled;
+        }
         res.set_content(error_json(res.status, default_error_message(req, res.status, config.max_body_bytes)), kJson);
         return httplib::Server::HandlerResponse::Handled;
       }));

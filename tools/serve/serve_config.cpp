@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "dalle/error.h"
+#include "dalle/input_limits.h"
 
 namespace dalle::serve {
 
@@ -59,7 +60,7 @@ std::string read_api_key(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw Error("api_key_file " + path + ": cannot read it");
   std::string key;
-  std::getline(in, key);
+  read_line_within(in, 4096, key, "api_key_file " + path, 1, "the key goes on the first line");
   const auto first = key.find_first_not_of(" \t\r\n");
   if (first == std::string::npos) throw Error("api_key_file " + path + ": its first line is blank; put the key there");
   key = key.substr(first, key.find_last_not_of(" \t\r\n") - first + 1);

@@ -4,7 +4,7 @@
 // them back, then grows the scale of every group whose gradients were finite and backs off
 // the others, and says whether the optimizer may step: a single non-finite gradient skips
 // the whole update. The finite flags are taken apart from the update so that data-parallel
-// replicas can agree on them first (dist/gradient_reducer.h).
+// replicas can agree on them first (distributed/gradient_reducer.h).
 #include <torch/types.h>
 
 #include <cstdint>

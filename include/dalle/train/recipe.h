@@ -35,7 +35,7 @@ struct RunConfig {
   void visit(ConfigVisitor& v);
 };
 
-// PowerSGD's choices (dist/powersgd.h).
+// PowerSGD's choices (distributed/powersgd.h).
 struct PowerSgdConfig {
   int64_t rank = 4;
   int64_t start_update = 1000;
@@ -46,13 +46,14 @@ struct PowerSgdConfig {
   void visit(ConfigVisitor& v);
 };
 
-// How the processes of a job (dist/job.h) train together. Every key may change on resume.
+// How the processes of a job (distributed/job.h) train together. Every key may change on resume.
 struct DistributedConfig {
   int64_t nproc_per_node = 1;  // >1: fork this many ranks on 127.0.0.1 when no launcher started the process
   double timeout_seconds = 300;
   double bucket_megabytes = 25;
   std::string sharding = "none";  // "within_node": ZeRO-3 resblocks (the prior only)
   std::string gradient_reduction = "allreduce";  // or "powersgd"
+  std::string backend = "auto";  // c10d's: auto (NCCL on GPUs, gloo on the CPU), gloo or nccl
   PowerSgdConfig powersgd;
 
   void visit(ConfigVisitor& v);

@@ -1,7 +1,7 @@
 #pragma once
 // ZeRO-3 for a prior's resblocks, applied from outside the model as the training runner is
 // (train/resblock_runner.h), DALL-E's layout within a machine: each resblock's parameters
-// are two sharded groups (dist/sharded_parameters.h), its matrices, which AdamW decays, and
+// are two sharded groups (distributed/sharded_parameters.h), its matrices, which AdamW decays, and
 // the rest. A block is gathered before its forward, which keeps no activations, and
 // released after it; its backward gathers it again, reruns the forward with the random and
 // autocast state of the first run (activation checkpointing: DALL-E checkpointed every
@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "dalle/dist/process_group.h"
-#include "dalle/dist/sharded_parameters.h"
+#include "dalle/distributed/process_group.h"
+#include "dalle/distributed/sharded_parameters.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/models/prior.h"
 #include "dalle/train/resblock_runner.h"
@@ -29,9 +29,9 @@ class ShardedResblocks {
   using DecayRule = std::function<bool(const std::string& name, const torch::Tensor& parameter)>;
   // Shards the blocks' current values (the same on every rank of `group`), named as in
   // `prior`'s state dict.
-  ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed, std::shared_ptr<dist::ProcessGroup> group);
+  ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group);
 
-  const std::shared_ptr<dist::ShardedParameters>& parameters() const { return sharded_; }
+  const std::shared_ptr<distributed::ShardedParameters>& parameters() const { return sharded_; }
   // The shards AdamW decays (the blocks' matrices) and those it does not.
   std::vector<torch::Tensor> decayed_shards() const;
   std::vector<torch::Tensor> undecayed_shards() const;
@@ -50,7 +50,7 @@ class ShardedResblocks {
   const std::vector<std::string>& names(size_t group) const { return names_[group]; }
 
  private:
-  std::shared_ptr<dist::ShardedParameters> sharded_;
+  std::shared_ptr<distributed::ShardedParameters> sharded_;
   std::vector<std::vector<std::string>> names_;  // of each group's tensors
   std::unordered_map<const models::ResblockImpl*, size_t> block_index_;
 };

@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "dalle/dist/gradient_reducer.h"
+#include "dalle/distributed/gradient_reducer.h"
 #include "dalle/train/ema.h"
 #include "dalle/train/model_precision.h"
 
@@ -43,8 +43,8 @@ class UpdateStep {
   // Backpropagates `loss` and updates; `update` (1-based) names it in a warning.
   UpdateResult apply(const torch::Tensor& loss, int64_t update);
   // Where the gradients of data-parallel replicas meet; a LocalReducer until set.
-  void set_reducer(std::shared_ptr<dist::GradientReducer> reducer);
-  dist::GradientReducer& reducer() { return *reducer_; }
+  void set_reducer(std::shared_ptr<distributed::GradientReducer> reducer);
+  distributed::GradientReducer& reducer() { return *reducer_; }
 
  private:
   double clip_gradients();
@@ -54,7 +54,7 @@ class UpdateStep {
   UpdateOptions options_;
   Ema* ema_;
   const torch::nn::Module* averaged_;
-  std::shared_ptr<dist::GradientReducer> reducer_;
+  std::shared_ptr<distributed::GradientReducer> reducer_;
 };
 
 }  // namespace dalle::train

@@ -13,7 +13,7 @@
 #include "dalle/data/image.h"
 #include "dalle/data/loader.h"
 #include "dalle/data/token_dataset.h"
-#include "dalle/dist/sharded_parameters.h"
+#include "dalle/distributed/sharded_parameters.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/device.h"
 #include "dalle/io/atomic_file.h"
@@ -110,7 +110,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   // distributed.sharding within_node: the resblocks' shards and their moving averages.
   std::unique_ptr<ShardedResblocks> shards;
   std::vector<torch::Tensor> shard_averages;
-  std::shared_ptr<dist::ShardedReducer> sharded_reducer;
+  std::shared_ptr<distributed::ShardedReducer> sharded_reducer;
   io::TensorMap resumed_reducer_state;  // "reducer." entries of the checkpoint resumed from, until sharded
 
   void shard_resblocks();
@@ -327,9 +327,9 @@ void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
                                                       .measure_norm = true,
                                                       .after_step = [this] { average_shards(); }},
                                         ema.get(), model.get());
-  std::optional<dist::PowerSgdOptions> powersgd;
+  std::optional<distributed::PowerSgdOptions> powersgd;
   if (config.distributed.gradient_reduction == "powersgd") powersgd = detail::powersgd_options(config);
-  sharded_reducer = std::make_shared<dist::ShardedReducer>(shards->parameters(), job->group(), job->within_node(),
+  sharded_reducer = std::make_shared<distributed::ShardedReducer>(shards->parameters(), job->group(), job->within_node(),
                                                            job->across_nodes(),
                                                            std::llround(config.distributed.bucket_megabytes * (1 << 20)),
                                                            powersgd);

@@ -1,14 +1,14 @@
-#include "dalle/dist/job.h"
+#include "dalle/distributed/job.h"
 
 #include <torch/torch.h>
 
 #include <exception>
 
-#include "dalle/dist/data_parallel.h"
+#include "dalle/distributed/data_parallel.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 namespace {
 
@@ -137,4 +137,4 @@ void Job::barrier() {
   if (group_) group_->barrier();
 }
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 // gloo carries CPU tensors (and CUDA ones, through the host); NCCL carries CUDA tensors
 // between GPUs, one GPU per rank.
@@ -64,10 +64,10 @@ class ProcessGroup {
   void reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op = ReduceOp::sum);
   void barrier();
 
-  struct Impl;  // c10d's objects, seen only by src/dist/process_group.cpp
+  struct Impl;  // c10d's objects, seen only by src/distributed/process_group.cpp
 
  private:
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

@@ -1,8 +1,8 @@
-#include "dalle/dist/gradient_reducer.h"
+#include "dalle/distributed/gradient_reducer.h"
 
 #include <torch/torch.h>
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 double GradientReducer::gradient_norm(const std::vector<torch::Tensor>& parameters) {
   std::vector<torch::Tensor> norms;
@@ -13,4 +13,4 @@ double GradientReducer::gradient_norm(const std::vector<torch::Tensor>& paramete
   return torch::linalg_vector_norm(torch::stack(norms), 2).item<double>();
 }
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

@@ -1,13 +1,13 @@
-#include "dalle/dist/data_parallel.h"
+#include "dalle/distributed/data_parallel.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
-#include "dalle/dist/job.h"
-#include "dist/on_ranks.h"
+#include "dalle/distributed/job.h"
+#include "distributed/on_ranks.h"
 #include "test_support.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 namespace {
 
 using testing::group_at;
@@ -106,4 +106,4 @@ TEST(Job, AJobOfOneNeedsNoGroup) {
 }
 
 }  // namespace
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

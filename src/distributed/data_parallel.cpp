@@ -1,10 +1,10 @@
-#include "dalle/dist/data_parallel.h"
+#include "dalle/distributed/data_parallel.h"
 
 #include <torch/torch.h>
 
 #include "dalle/error.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 DataParallelReducer::DataParallelReducer(std::shared_ptr<ProcessGroup> group, int64_t bucket_bytes)
     : group_(std::move(group)), bucket_bytes_(bucket_bytes) {
@@ -76,4 +76,4 @@ torch::Tensor DataParallelReducer::agree(const torch::Tensor& flags) {
   return agreed.to(flags.device()).to(torch::kBool);
 }
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

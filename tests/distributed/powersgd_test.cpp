@@ -1,14 +1,14 @@
-#include "dalle/dist/powersgd.h"
+#include "dalle/distributed/powersgd.h"
 
-#include "dalle/dist/sharded_parameters.h"
+#include "dalle/distributed/sharded_parameters.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
-#include "dist/on_ranks.h"
+#include "distributed/on_ranks.h"
 #include "test_support.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 namespace {
 
 using testing::group_at;
@@ -273,4 +273,4 @@ TEST(ShardedPowerSgd, AtFullRankEqualsTheFlatPathAndTheExactMean) {
 }
 
 }  // namespace
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 struct LocalRanksOptions {
   int64_t ranks = 2;
@@ -26,4 +26,4 @@ struct LocalRanksOutcome {
 // Runs the ranks to their end.
 LocalRanksOutcome run_local_ranks(const LocalRanksOptions& options);
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

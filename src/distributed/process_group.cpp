@@ -1,7 +1,7 @@
 // The one translation unit that sees c10d's gloo backend and gloo's headers
 // (third_party/gloo: the wheel ships gloo's library but not its headers); NCCL's backend is
-// made in dist/nccl_backend.cpp.
-#include "dalle/dist/process_group.h"
+// made in distributed/nccl_backend.cpp.
+#include "dalle/distributed/process_group.h"
 
 #include <gloo/context.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -13,13 +13,13 @@
 #include <thread>
 
 #include "dalle/error.h"
-#include "dist/nccl_backend.h"
+#include "distributed/nccl_backend.h"
 
 // The headers must describe the gloo compiled into the wheel: inline gloo code reads its
 // objects' layout (Debian's libgloo-dev, 2022, has a 72-byte Context).
 static_assert(sizeof(gloo::Context) == 64, "third_party/gloo does not match the gloo in the torch wheel");
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 namespace {
 
@@ -234,4 +234,4 @@ void ProcessGroup::barrier() {
   impl_->wait(impl_->start([&] { return impl_->backend->barrier(); }), "barrier");
 }
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

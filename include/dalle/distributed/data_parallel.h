@@ -8,10 +8,10 @@
 #include <memory>
 #include <vector>
 
-#include "dalle/dist/gradient_reducer.h"
-#include "dalle/dist/process_group.h"
+#include "dalle/distributed/gradient_reducer.h"
+#include "dalle/distributed/process_group.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 // Replaces every tensor of `parts` (one dtype and device, any shapes and views) by its mean
 // over the group's ranks, in one flat all-reduce; returns the payload's bytes.
@@ -42,4 +42,4 @@ class DataParallelReducer final : public GradientReducer {
   int64_t bytes_reduced_ = 0, collectives_ = 0;
 };
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

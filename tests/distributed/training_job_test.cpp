@@ -6,6 +6,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <torch/cuda.h>
+
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -216,6 +218,40 @@ TEST_F(TrainingJob, ShardedFp16ScalesAndSkipsAsDataParallelDoes) {
     EXPECT_EQ(metrics_at(dir / "job", 10)[key], metrics_at(dir / "sharded", 10)[key]) << key;
   }
   EXPECT_GE(metrics_at(dir / "sharded", 1)["grad_scale_min"].get<double>(), 2 * 8192.0);
+}
+
+// Every multi-GPU code path short of NCCL itself: two ranks share the one GPU over gloo, which
+// carries CUDA tensors through the host, plain, sharded and with PowerSGD at full rank, and
+// train as one process on the GPU does (only where torch sees a CUDA device). The GPU's
+// kernels sum in their own orders, so losses are held to 1e-4 and the weights to 1e-3.
+TEST_F(TrainingJob, TwoRanksSharingOneGpuOverGlooTrainAsOneProcessOnAGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
+  ScratchDir dir;
+  auto one = run_command(train_prior(dir / "one", "--set run.device=cuda"));
+  ASSERT_EQ(one.status, 0) << one.output;
+  const std::string two = "--set run.device=cuda --nproc-per-node 2 --set distributed.backend=gloo";
+  const std::vector<std::pair<std::string, std::string>> jobs = {
+      {"job", ""},
+      {"sharded", " --set distributed.sharding=within_node"},
+      {"powersgd", " --set distributed.gradient_reduction=powersgd --set distributed.powersgd.start_update=1"
+                   " --set distributed.powersgd.min_compression_rate=0 --set distributed.powersgd.rank=128"}};
+  for (const auto& [name, extra] : jobs) {
+    auto job = run_command(train_prior(dir / name, two + extra));
+    ASSERT_EQ(job.status, 0) << name << "\n" << job.output;
+    for (int64_t step : {1, 5, 10}) {
+      EXPECT_NEAR(metrics_at(dir / name, step)["loss"].get<double>(),
+                  metrics_at(dir / "one", step)["loss"].get<double>(), 1e-4)
+          << name << ", update " << step;
+    }
+    if (name != "powersgd") EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / name, 10)), 1e-3);
+  }
+}
+
+TEST_F(TrainingJob, NcclForAJobOnTheCpuIsRefusedNamingTheKeys) {
+  ScratchDir dir;
+  auto job = run_command(train_prior(dir / "job", "--set run.device=cpu --set distributed.backend=nccl"));
+  EXPECT_NE(job.status, 0);
+  EXPECT_THAT(job.output, ::testing::HasSubstr("distributed.backend nccl carries CUDA tensors only, but run.device is cpu"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, TrainingJobAtWorldSize, ::testing::Values(2, 4));

@@ -1,12 +1,12 @@
-#include "dalle/dist/process_group.h"
+#include "dalle/distributed/process_group.h"
 
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include "dist/on_ranks.h"
+#include "distributed/on_ranks.h"
 #include "test_support.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 namespace {
 
 // Runs `body(group)` on `world` ranks, one thread each.
@@ -78,4 +78,4 @@ TEST(ProcessGroup, NcclCarriesEveryCollectiveOnAGpu) {
 }
 
 }  // namespace
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

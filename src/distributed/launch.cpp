@@ -1,4 +1,4 @@
-#include "dalle/dist/launch.h"
+#include "dalle/distributed/launch.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -6,7 +6,7 @@
 #include "dalle/error.h"
 #include "dalle/input_limits.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 namespace {
 
@@ -199,4 +199,4 @@ std::vector<int64_t> slurm_tasks_per_node(const std::string& tasks) {
   return per_node;
 }
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

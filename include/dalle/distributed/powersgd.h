@@ -11,7 +11,7 @@
 // bucketed fp32 all-reduce; before `start_update` every gradient does.
 //
 // Two users: PowerSgdReducer, the flat reducer of data parallelism (every rank compresses
-// its whole gradients with every other rank), and ShardedReducer (dist/sharded_parameters.h),
+// its whole gradients with every other rank), and ShardedReducer (distributed/sharded_parameters.h),
 // DALL-E's hierarchy, which compresses each rank's shard across the machines.
 #include <torch/types.h>
 
@@ -20,11 +20,11 @@
 #include <memory>
 #include <vector>
 
-#include "dalle/dist/data_parallel.h"
-#include "dalle/dist/gradient_reducer.h"
-#include "dalle/dist/process_group.h"
+#include "dalle/distributed/data_parallel.h"
+#include "dalle/distributed/gradient_reducer.h"
+#include "dalle/distributed/process_group.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 struct PowerSgdOptions {
   int64_t rank = 4;                   // r of P (n x r) and Q (m x r)
@@ -113,4 +113,4 @@ class PowerSgdReducer final : public GradientReducer {
   int64_t updates_ = 0;
 };
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

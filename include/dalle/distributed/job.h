@@ -1,6 +1,6 @@
 #pragma once
 // The processes that train one model together, as this process sees them: where it stands
-// (dist/launch.h), the process group it joined, and what every rank must agree on beyond
+// (distributed/launch.h), the process group it joined, and what every rank must agree on beyond
 // gradients: that they run the same config and the same build, whether to stop, and the
 // metrics they report. A process no launcher started is a job of one, with no group.
 #include <chrono>
@@ -10,12 +10,12 @@
 #include <string>
 #include <vector>
 
-#include "dalle/dist/gradient_reducer.h"
-#include "dalle/dist/launch.h"
-#include "dalle/dist/powersgd.h"
-#include "dalle/dist/process_group.h"
+#include "dalle/distributed/gradient_reducer.h"
+#include "dalle/distributed/launch.h"
+#include "dalle/distributed/powersgd.h"
+#include "dalle/distributed/process_group.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 struct JobOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // of the rendezvous and of every collective
@@ -75,4 +75,4 @@ class Job {
   std::shared_ptr<GradientReducer> reducer_;
 };
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

@@ -13,7 +13,7 @@
 
 #include "dalle/io/safetensors.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 class GradientReducer {
  public:
@@ -48,4 +48,4 @@ class LocalReducer final : public GradientReducer {
   int64_t replicas() const override { return 1; }
 };
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

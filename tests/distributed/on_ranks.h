@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "dalle/dist/launch.h"
-#include "dalle/dist/process_group.h"
+#include "dalle/distributed/launch.h"
+#include "dalle/distributed/process_group.h"
 
 namespace dalle::testing {
 
@@ -27,7 +27,7 @@ void on_ranks(int64_t world, Body body) {
   const auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
   std::vector<std::future<void>> ranks;
   for (int64_t rank = 0; rank < world; ++rank) {
-    dist::LaunchEnvironment place;
+    distributed::LaunchEnvironment place;
     place.launcher = "test";
     place.rank = place.local_rank = rank;
     place.world_size = place.local_world_size = world;
@@ -55,8 +55,8 @@ std::vector<torch::Tensor> mean_gradients(int64_t world, Parameters parameters_o
 }
 
 // The process group of the rank at `place`, over the test's store.
-inline std::shared_ptr<dist::ProcessGroup> group_at(const dist::LaunchEnvironment& place) {
-  return std::make_shared<dist::ProcessGroup>(dist::ProcessGroupOptions{.port = place.master_port,
+inline std::shared_ptr<distributed::ProcessGroup> group_at(const distributed::LaunchEnvironment& place) {
+  return std::make_shared<distributed::ProcessGroup>(distributed::ProcessGroupOptions{.port = place.master_port,
                                                                         .rank = place.rank,
                                                                         .world_size = place.world_size,
                                                                         .serve_store = false,
@@ -65,9 +65,9 @@ inline std::shared_ptr<dist::ProcessGroup> group_at(const dist::LaunchEnvironmen
 
 // The group `name` of `size` ranks, over the test's store, in which the rank at `place` is
 // `rank` (a machine's ranks, or one rank of each machine).
-inline std::shared_ptr<dist::ProcessGroup> subgroup_at(const dist::LaunchEnvironment& place, const std::string& name,
+inline std::shared_ptr<distributed::ProcessGroup> subgroup_at(const distributed::LaunchEnvironment& place, const std::string& name,
                                                        int64_t rank, int64_t size) {
-  return std::make_shared<dist::ProcessGroup>(dist::ProcessGroupOptions{.port = place.master_port,
+  return std::make_shared<distributed::ProcessGroup>(distributed::ProcessGroupOptions{.port = place.master_port,
                                                                         .rank = rank,
                                                                         .world_size = size,
                                                                         .serve_store = false,

@@ -1,4 +1,4 @@
-#include "dalle/dist/powersgd.h"
+#include "dalle/distributed/powersgd.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Half.h>
@@ -9,7 +9,7 @@
 
 #include "dalle/error.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 namespace {
 
@@ -200,4 +200,4 @@ void PowerSgdReducer::load_state(const io::TensorMap& state, const std::string& 
   }
 }
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

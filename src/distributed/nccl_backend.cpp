@@ -1,4 +1,4 @@
-#include "dist/nccl_backend.h"
+#include "distributed/nccl_backend.h"
 
 #include "dalle/error.h"
 
@@ -7,7 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
-namespace dalle::dist::detail {
+namespace dalle::distributed::detail {
 
 #ifdef DALLE_WITH_NCCL
 
@@ -34,4 +34,4 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10
 
 #endif
 
-}  // namespace dalle::dist::detail
+}  // namespace dalle::distributed::detail

@@ -13,12 +13,12 @@
 #include <memory>
 #include <vector>
 
-#include "dalle/dist/data_parallel.h"
-#include "dalle/dist/gradient_reducer.h"
-#include "dalle/dist/powersgd.h"
-#include "dalle/dist/process_group.h"
+#include "dalle/distributed/data_parallel.h"
+#include "dalle/distributed/gradient_reducer.h"
+#include "dalle/distributed/powersgd.h"
+#include "dalle/distributed/process_group.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 // A block of whole rows of one matrix (a tensor of two or more dimensions, seen as its first
 // dimension by the rest) in one rank's shard of a group: which tensor of the group, where the
@@ -155,4 +155,4 @@ class ShardedReducer final : public GradientReducer {
   int64_t updates_ = 0, whole_bytes_ = 0, replicated_across_bytes_ = 0;
   std::optional<double> shard_square_;  // the shards' squared norm, from Q, after a compressed update
 };
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

@@ -8,7 +8,7 @@
 #include <chrono>
 #include <cstdint>
 
-namespace dalle::dist::detail {
+namespace dalle::distributed::detail {
 
 // Whether this build has NCCL.
 bool nccl_built();
@@ -17,4 +17,4 @@ bool nccl_built();
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                     std::chrono::milliseconds timeout, int device_index);
 
-}  // namespace dalle::dist::detail
+}  // namespace dalle::distributed::detail

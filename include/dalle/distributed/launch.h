@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 struct LaunchEnvironment {
   std::string launcher = "none";  // "torchrun", "mpirun", "slurm" or "none"
@@ -22,7 +22,7 @@ struct LaunchEnvironment {
   // job prefixes the store's keys with its restart count.
   bool agent_store = false;
   int64_t restart_count = 0;
-  // dalle's own --nproc-per-node (dist/local_ranks.h) sets torchrun's variables, names
+  // dalle's own --nproc-per-node (distributed/local_ranks.h) sets torchrun's variables, names
   // itself in DALLE_LAUNCHER and hands rank 0 the store's bound socket in DALLE_STORE_FD.
   int store_listen_fd = -1;
 };
@@ -42,4 +42,4 @@ std::string first_slurm_host(const std::string& node_list);
 // Slurm's tasks per node ("4(x2),3" -> {4, 4, 3}).
 std::vector<int64_t> slurm_tasks_per_node(const std::string& tasks);
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

@@ -1,4 +1,4 @@
-#include "dalle/dist/local_ranks.h"
+#include "dalle/distributed/local_ranks.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -19,7 +19,7 @@
 #include "dalle/error.h"
 #include "dalle/log.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 namespace {
 
@@ -184,4 +184,4 @@ LocalRanksOutcome run_local_ranks(const LocalRanksOptions& options) {
   return outcome;
 }
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

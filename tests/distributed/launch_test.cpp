@@ -1,10 +1,10 @@
-#include "dalle/dist/launch.h"
+#include "dalle/distributed/launch.h"
 
 #include <map>
 
 #include "test_support.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 namespace {
 
 // An environment of the given variables only.
@@ -117,4 +117,4 @@ TEST(LaunchEnvironment, MalformedOrInconsistentVariablesNameWhatIsWrong) {
 }
 
 }  // namespace
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

@@ -1,4 +1,4 @@
-#include "dalle/dist/sharded_parameters.h"
+#include "dalle/distributed/sharded_parameters.h"
 
 #include <torch/torch.h>
 
@@ -7,7 +7,7 @@
 
 #include "dalle/error.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 
 ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> groups,
                                      std::shared_ptr<ProcessGroup> group)
@@ -61,7 +61,7 @@ std::vector<ShardRows> rows_in_shard(const std::vector<std::vector<int64_t>>& sh
 }
 
 std::vector<ShardRows> ShardedParameters::rows_in_shard(size_t g) const {
-  return dist::rows_in_shard(shapes(g), group_->rank(), group_->size());
+  return distributed::rows_in_shard(shapes(g), group_->rank(), group_->size());
 }
 
 bool ShardedParameters::holds(const torch::Tensor& tensor) const {
@@ -320,4 +320,4 @@ double ShardedReducer::gradient_norm(const std::vector<torch::Tensor>& parameter
   return std::sqrt((replicated + sharded).item<double>());
 }
 
-}  // namespace dalle::dist
+}  // namespace dalle::distributed

@@ -1,13 +1,13 @@
-#include "dalle/dist/sharded_parameters.h"
+#include "dalle/distributed/sharded_parameters.h"
 
 #include <torch/torch.h>
 
 #include "dalle/train/model_precision.h"
 #include "dalle/train/update_step.h"
-#include "dist/on_ranks.h"
+#include "distributed/on_ranks.h"
 #include "test_support.h"
 
-namespace dalle::dist {
+namespace dalle::distributed {
 namespace {
 
 using testing::group_at;
@@ -116,4 +116,4 @@ TEST(ShardedReducer, AnInfOnOneRankSkipsTheUpdateEverywhereAndBacksOffOnlyItsGro
 INSTANTIATE_TEST_SUITE_P(Ranks, ShardedParametersAtWorldSize, ::testing::Values(2, 4));
 
 }  // namespace
-}  // namespace dalle::dist
+}  // namespace dalle::distributed
