@@ -59,9 +59,9 @@ std::vector<RealImage> read_real_split(const std::string& split, int64_t limit) 
   std::ifstream in(file);
   if (!in) throw Error(file.string() + ": cannot read (expected a fashion-compose split with captions.jsonl)");
   std::vector<RealImage> images;
-  const auto limit = static_cast<size_t>(max_caption_line_bytes());
+  const auto line_limit = static_cast<size_t>(max_caption_line_bytes());
   std::string line;
-  for (int64_t line_number = 1; read_line_within(in, limit, line, file.string(), line_number, "expected a caption a line");
+  for (int64_t line_number = 1; read_line_within(in, line_limit, line, file.string(), line_number, "expected a caption a line");
        ++line_number) {
     if (line.empty()) continue;
     const auto entry = json::parse(line, nullptr, false);
