@@ -16,6 +16,7 @@
 //             hands to all-reduce.
 // Ratios are taken within one run, on one machine.
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <sys/resource.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -199,7 +200,8 @@ void generation_at_layout(const models::PriorConfig& config, int64_t batch, int6
 
 // The most bytes torch's CUDA allocator has held for tensors on `device` since the last reset.
 double peak_cuda_mib(const torch::Device& device) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+  const auto index = device.has_index() ? device.index() : c10::cuda::current_device();
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
   return static_cast<double>(stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak) /
          1048576.0;
 }
