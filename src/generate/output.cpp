@@ -3,13 +3,17 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
 
+#include "dalle/data/image.h"
 #include "dalle/error.h"
+#include "dalle/generate/pipeline.h"
 #include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/io/stale_temporaries.h"
@@ -99,6 +103,66 @@ void OutputFolder::commit() {
   }
   committed_ = true;
   if (previous) fs::remove_all(*previous);
+}
+
+// The sidecars and PNGs of Pipeline's images (declared in generate/pipeline.h).
+namespace {
+
+nlohmann::json settings(PipelineConfig config) {
+  nlohmann::json json = nlohmann::json::object();
+  for (const auto& [key, value] : flatten_config(visit_of(config))) json[key] = value;
+  return json;
+}
+
+nlohmann::json sidecar(const nlohmann::json& settings, const GeneratedImage& image) {
+  const auto codes = image.tokens.flatten().contiguous();
+  return {
+      {"prompt", image.prompt},
+      {"prompt_index", image.prompt_index},
+      {"rank", image.rank},
+      {"candidate", image.candidate},
+      {"seed", image.seed},
+      {"sampling_stream", sampling_stream(image.prompt_index, image.candidate)},
+      {"top_k", image.top_k},
+      {"top_p", image.top_p},
+      {"clip_score", image.clip_score ? nlohmann::json(*image.clip_score) : nlohmann::json(nullptr)},
+      {"size", {image.image.size(1), image.image.size(2)}},
+      {"pipeline", settings},
+      {"image_tokens", std::vector<int64_t>(codes.data_ptr<int64_t>(), codes.data_ptr<int64_t>() + codes.numel())}};
+}
+
+}  // namespace
+
+void write_generation(const std::string& directory, const PipelineConfig& config,
+                      const std::vector<GeneratedImage>& images) {
+  if (images.empty()) throw Error("pipeline: no images to write");
+  fs::create_directories(directory);
+  const auto pipeline_settings = settings(config);
+  std::vector<torch::Tensor> tiles;
+  std::vector<std::string> labels;
+  for (const auto& image : images) {
+    char stem[64];
+    std::snprintf(stem, sizeof stem, "%04lld-%02lld", static_cast<long long>(image.prompt_index),
+                  static_cast<long long>(image.rank));
+    const auto metadata = sidecar(pipeline_settings, image).dump(2) + "\n";
+    io::write_file_atomic((fs::path(directory) / (std::string(stem) + ".png")).string(),
+                          data::png_with_text(data::encode_png(image.image), kPngTextKeyword, metadata));
+    io::write_file_atomic((fs::path(directory) / (std::string(stem) + ".json")).string(), metadata);
+    tiles.push_back(image.image);
+    std::string label = image.prompt;
+    if (image.clip_score) label += " (" + std::to_string(*image.clip_score).substr(0, 5) + ")";
+    labels.push_back(std::move(label));
+  }
+  data::write_png((fs::path(directory) / "grid.png").string(),
+                  data::make_grid(tiles, labels, {.columns = config.kept(), .tile_size = 128}));
+}
+
+std::string image_metadata(const PipelineConfig& config, const GeneratedImage& image) {
+  return sidecar(settings(config), image).dump(2) + "\n";
+}
+
+std::string encode_generated_png(const PipelineConfig& config, const GeneratedImage& image) {
+  return data::png_with_text(data::encode_png(image.image), kPngTextKeyword, image_metadata(config, image));
 }
 
 }  // namespace dalle::generate

@@ -1,0 +1,107 @@
+// DALL-E Mega / Mini: min-dalle's caption tokenizer, its BART prior and its VQGAN
+// detokenizer. sampling.guidance_scale is min-dalle's supercondition factor: the same mix of
+// the caption's and the empty caption's logits.
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "dalle/error.h"
+#include "dalle/models/bart_sampling.h"
+#include "dalle/models/trained.h"
+#include "dalle/runtime.h"
+#include "dalle/text/bart_tokenizer.h"
+#include "generate/prior_family.h"
+
+namespace dalle::generate {
+namespace {
+
+// What min-dalle's sampler and detokenizer cannot do is refused before anything is drawn.
+void check_mega_fits(const PipelineConfig& config, const models::BartPriorConfig& prior) {
+  const std::string mega = "pipeline: the prior " + config.prior + " is DALL-E Mega / Mini's, which ";
+  if (config.schedule.stages() > 0 || config.sampling.top_p != 1.0) {
+    throw Error(mega + "filters by top_k alone, as min-dalle does: set sampling.top_p to 1 and leave schedule empty");
+  }
+  if (config.sampling.top_k > prior.codes) {
+    throw Error(mega + "draws from " + std::to_string(prior.codes) + " codes: sampling.top_k " +
+                std::to_string(config.sampling.top_k) + " is more (0 keeps them all)");
+  }
+  if (config.image_prompt.enabled()) {
+    throw Error(mega + "decodes with min-dalle's VQGAN detokenizer: it has no encoder to turn an image prompt into "
+                "tokens");
+  }
+  if (!config.clip.empty() && config.clip_tokenizer.empty()) {
+    throw Error(mega + "reads BART's caption ids, which no CLIP reads; set clip_tokenizer to CLIP's "
+                "bpe_simple_vocab_16e6.txt.gz for imported CLIP weights");
+  }
+}
+
+class MegaFamily : public PriorFamily {
+ public:
+  MegaFamily(models::TrainedBartPrior prior, text::BartTokenizer tokenizer, models::VqganDetokenizer detokenizer)
+      : prior_(std::move(prior)), tokenizer_(std::move(tokenizer)), detokenizer_(std::move(detokenizer)) {}
+
+  std::pair<torch::Tensor, bool> caption(const std::string& prompt) const override {
+    const auto length = prior_.config.text_length;
+    return {torch::tensor(tokenizer_.caption_ids(prompt, length), torch::kInt64),
+            static_cast<int64_t>(tokenizer_.encode(prompt).size()) > length};
+  }
+
+  torch::Tensor draw(const RowBatch& batch) override {
+    const auto& sampling = batch.options;
+    const models::BartSamplingOptions options{
+        .temperature = sampling.temperature,
+        .top_k = sampling.top_k == 0 ? prior_.config.codes : sampling.top_k,
+        .supercondition_factor = sampling.guidance_scale,
+        .seed = sampling.seed};
+    return models::sample_bart_image_tokens(prior_.model->encoder, prior_.model->decoder, batch.captions, options,
+                                            batch.streams, batch.on_token, batch.seeds)
+        .view({batch.captions.size(0), side(), side()});
+  }
+
+  torch::Tensor decode(const torch::Tensor& tokens) override { return detokenizer_->forward(tokens.flatten(1)); }
+
+  void check(const PipelineConfig& config) const override { check_mega_fits(config, prior_.config); }
+
+  void check_clip_reads_captions(const models::ClipConfig&, const std::string&) const override {
+    throw Error("pipeline: no CLIP reads BART's caption ids; set clip_tokenizer");  // check_mega_fits said it first
+  }
+
+  int64_t image_length() const override { return prior_.config.image_length; }
+  int64_t image_size() const override { return side() * detokenizer_->config().downsampling_factor(); }
+  bool filters_per_batch() const override { return true; }
+
+ private:
+  int64_t side() const {
+    return static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(prior_.config.image_length))));
+  }
+
+  models::TrainedBartPrior prior_;
+  text::BartTokenizer tokenizer_;
+  models::VqganDetokenizer detokenizer_;
+};
+
+}  // namespace
+
+std::unique_ptr<PriorFamily> load_mega_family(PipelineConfig& config, torch::Device device) {
+  auto prior = models::load_trained_bart_prior(config.prior, float_type_named(config.dtype));
+  check_mega_fits(config, prior.config);
+  if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
+  if (config.decoder.empty()) config.decoder = prior.image_tokenizer;
+  if (config.tokenizer.empty() || config.decoder.empty()) {
+    throw Error("pipeline: the BART prior " + config.prior +
+                " names no tokenizer folder or detokenizer: set `tokenizer` and `decoder`");
+  }
+  const std::filesystem::path folder = config.tokenizer;
+  auto tokenizer = text::BartTokenizer::load((folder / "vocab.json").string(), (folder / "merges.txt").string());
+  if (tokenizer.vocab_size() > prior.config.text_vocab_size) {
+    throw Error("pipeline: the BART tokenizer " + config.tokenizer + " has " + std::to_string(tokenizer.vocab_size()) +
+                " ids, more than the prior's text_vocab_size " + std::to_string(prior.config.text_vocab_size));
+  }
+  auto detokenizer = models::load_trained_detokenizer(config.decoder);
+  prior.model->to(device);
+  detokenizer->to(device);
+  return std::make_unique<MegaFamily>(std::move(prior), std::move(tokenizer), std::move(detokenizer));
+}
+
+}  // namespace dalle::generate

@@ -1,0 +1,83 @@
+#include <filesystem>
+
+#include "dalle/error.h"
+#include "dalle/generate/pipeline.h"
+
+namespace dalle::generate {
+
+namespace fs = std::filesystem;
+
+void SamplingSchedule::visit(ConfigVisitor& v) {
+  v.field("top_k", top_k,
+          "top_k of each stage (ruDALL-E: 2048, 1536, 1024, 1024, 512, 384, 256, 128); empty: no schedule",
+          {.min = 0});
+  v.field("top_p", top_p, "top_p of each stage, as many as top_k (ruDALL-E: 0.995, 0.99, 0.99, 0.98, 0.97, 0.96, "
+          "0.95, 0.95)", {.min = 1e-6, .max = 1.0});
+}
+
+int64_t SamplingSchedule::stage_of(int64_t candidate, int64_t candidates) const {
+  return stages() == 0 ? 0 : candidate * stages() / candidates;
+}
+
+models::SamplingOptions SamplingSchedule::options(int64_t stage, const models::SamplingOptions& sampling) const {
+  auto options = sampling;
+  if (stages() == 0) return options;
+  options.top_k = top_k.at(static_cast<size_t>(stage));
+  options.top_p = top_p.at(static_cast<size_t>(stage));
+  return options;
+}
+
+void PipelineConfig::visit(ConfigVisitor& v) {
+  v.field("prior", prior,
+          "prior run directory or checkpoint (required): the sparse transformer, or DALL-E Mega / Mini's BART "
+          "prior (kind bart_prior)");
+  v.field("tokenizer", tokenizer,
+          "caption tokenizer model: ours (SentencePiece) or ruDALL-E's YouTokenToMe bpe.model, told apart by "
+          "content; for a BART prior, a folder with min-dalle's vocab.json and merges.txt; empty: the one the "
+          "prior was trained with");
+  v.field("decoder", decoder,
+          "dVAE or VQGAN run or checkpoint (for a BART prior, min-dalle's VQGAN detokenizer); empty: the prior's "
+          "image tokenizer");
+  v.field("clip", clip,
+          "CLIP run or checkpoint that reranks the candidates, trained by dalle-train-clip with the caption "
+          "tokenizer; empty: no reranking");
+  v.field("clip_tokenizer", clip_tokenizer,
+          "CLIP's BPE merges file (bpe_simple_vocab_16e6.txt.gz, from OpenAI CLIP or open_clip) for CLIP weights "
+          "imported by scripts/export_open_clip.py; empty: CLIP reads the caption tokenizer's ids");
+  v.field("superres", superres, "RRDBNet run or checkpoint that upscales the kept images; empty: none");
+  v.field("candidates", candidates, "images sampled per prompt (N; DALL-E: 512, most of the gain by 32)",
+          {.min = 1, .max = 65536});
+  v.field("keep", keep, "images kept per prompt, the best K by CLIP score (0: all N; needs clip when below N)",
+          {.min = 0, .max = 65536});
+  v.field("batch_size", batch_size, "images sampled at once", {.min = 1, .max = 65536});
+  v.field("dtype", dtype,
+          "the prior's weights and arithmetic: float32, or 16 bits at half the memory (bfloat16 has float32's "
+          "range and fast CPU kernels; float16 is for GPUs); the other models stay float32",
+          {.choices = {"float32", "bfloat16", "float16"}});
+  v.section("sampling", "sampling from the prior", sampling);
+  v.section("schedule",
+            "ruDALL-E's stages: each prompt's candidates split evenly between (top_k, top_p) pairs, in order, "
+            "replacing sampling.top_k and sampling.top_p",
+            schedule);
+  v.section("image_prompt", "an image whose top rows or masked cells every sample keeps (\"continue this picture\")",
+            image_prompt);
+  v.field("tile", tile, "super-resolution tile side in input pixels (0: whole images at once)", {.min = 0});
+  v.field("tile_overlap", tile_overlap, "pixels each super-resolution tile overlaps its neighbours by", {.min = 0});
+  v.field("device", device, "where the models run", {.choices = {"auto", "cpu", "cuda"}});
+  v.field("threads", threads, "torch intra-op threads (0: one per idle core)", {.min = 0, .max = 1024});
+}
+
+PipelineConfig read_model_folder(const std::string& folder) {
+  const auto file = fs::path(folder) / kModelFolderConfig;
+  if (!fs::is_regular_file(file)) {
+    throw Error(folder + ": not a model folder (it has no " + kModelFolderConfig + ", the pipeline config)");
+  }
+  auto config = load_config<PipelineConfig>(ConfigSource::from_file(file.string()));
+  for (auto* path : {&config.prior, &config.tokenizer, &config.decoder, &config.clip, &config.clip_tokenizer,
+                     &config.superres}) {
+    if (!path->empty() && fs::path(*path).is_relative()) *path = (fs::path(folder) / *path).string();
+  }
+  return config;
+}
+
+}  // namespace dalle::generate

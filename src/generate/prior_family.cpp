@@ -1,0 +1,33 @@
+#include "generate/prior_family.h"
+
+#include "dalle/models/trained.h"
+
+namespace dalle::generate {
+
+// The families, by the `kind` their checkpoints' configs give (models::prior_kind); each is
+// defined in its own file. A new family adds its file and one line here.
+std::unique_ptr<PriorFamily> load_transformer_family(PipelineConfig& config, torch::Device device);
+std::unique_ptr<PriorFamily> load_mega_family(PipelineConfig& config, torch::Device device);
+
+namespace {
+
+struct Registered {
+  const char* kind;
+  std::unique_ptr<PriorFamily> (*load)(PipelineConfig&, torch::Device);
+};
+
+const Registered kFamilies[] = {
+    {"bart_prior", load_mega_family},
+};
+
+}  // namespace
+
+std::unique_ptr<PriorFamily> load_prior_family(PipelineConfig& config, torch::Device device) {
+  const auto kind = models::prior_kind(config.prior);
+  for (const auto& family : kFamilies) {
+    if (kind == family.kind) return family.load(config, device);
+  }
+  return load_transformer_family(config, device);  // "prior", and runs older than the kind key
+}
+
+}  // namespace dalle::generate
