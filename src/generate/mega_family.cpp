@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "dalle/device.h"
 #include "dalle/error.h"
 #include "dalle/models/bart_sampling.h"
 #include "dalle/models/trained.h"

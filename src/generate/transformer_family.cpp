@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "dalle/device.h"
 #include "dalle/error.h"
 #include "dalle/generate/image_prompt.h"
 #include "dalle/models/trained.h"
