@@ -83,7 +83,7 @@ std::string excerpt(std::string_view text, size_t bytes) {
   return quoted;
 }
 
-int64_t max_caption_line_bytes() { return 64 * max_text_bytes(); }
+int64_t max_caption_line_bytes() { return 16384 * max_text_bytes(); }
 
 void check_prompt(std::string_view prompt, const std::string& where) {
   const auto limit = static_cast<size_t>(max_text_bytes());

@@ -108,7 +108,7 @@ TEST(HostileText, LongCaptionsAreCutWhereTheyAreReadAndLabelsStaySmall) {
   ScratchDir dir;
   fs::create_directories(dir / "images");
   data::write_png(dir / "images/a.png", torch::rand({3, 8, 8}));
-  const std::string long_caption = "a red bag " + std::string(50000, 'x');
+  const std::string long_caption = "a red bag " + std::string(5 << 20, 'x');
   testing::write_text(dir / "captions.tsv", "images/a.png\t" + long_caption + "\nimages/a.png\tbad \xC3\x28 utf8\n");
   const auto dataset = data::ImageCaptionDataset::open(dir.path().string());
   ASSERT_EQ(dataset->size(), 1u);
@@ -116,8 +116,9 @@ TEST(HostileText, LongCaptionsAreCutWhereTheyAreReadAndLabelsStaySmall) {
   EXPECT_EQ(dataset->record(0).captions[0].size(), static_cast<size_t>(max_text_bytes()));
   EXPECT_EQ(dataset->report().skipped_malformed_lines, 1);
   // A line past max_caption_line_bytes (or a file without line ends) is read no further.
-  testing::write_text(dir / "captions.tsv", "images/a.png\ta red bag\nimages/a.png\t" + std::string(70000, 'x') + "\n");
-  EXPECT_THROW_WITH(data::ImageCaptionDataset::open(dir.path().string()), Error, "captions.tsv:2: a line of over 65536 bytes");
+  testing::write_text(dir / "captions.tsv", "images/a.png\ta red bag\nimages/a.png\t" + std::string(17 << 20, 'x') + "\n");
+  EXPECT_THROW_WITH(data::ImageCaptionDataset::open(dir.path().string()), Error,
+                    "captions.tsv:2: a line of over 16777216 bytes");
 
   // A label of any length takes at most six lines under its tile.
   const auto short_grid = data::make_grid({torch::rand({3, 32, 32})}, {"a red bag"}, {.tile_size = 32});
@@ -125,8 +126,8 @@ TEST(HostileText, LongCaptionsAreCutWhereTheyAreReadAndLabelsStaySmall) {
   EXPECT_LE(long_grid.size(1), short_grid.size(1) + 5 * 12);
 
   EXPECT_LT(excerpt(long_caption).size(), 100u);
-  EXPECT_THAT(excerpt(long_caption), ::testing::EndsWith("... (50010 bytes)"));
-  EXPECT_THROW_WITH(check_prompt(long_caption, "prompts.txt:3"), Error, "prompts.txt:3", "50010 bytes long",
+  EXPECT_THAT(excerpt(long_caption), ::testing::EndsWith("... (5242890 bytes)"));
+  EXPECT_THROW_WITH(check_prompt(long_caption, "prompts.txt:3"), Error, "prompts.txt:3", "5242890 bytes long",
                     "limit of 1024", "DALLE_MAX_TEXT_BYTES");
   EXPECT_THROW_WITH(check_prompt("caf\xE9", "prompt 2"), Error, "prompt 2: the prompt is not valid UTF-8");
   EXPECT_THROW_WITH(check_prompt(" \t ", "prompt 1"), Error, "prompt 1: the prompt is blank");

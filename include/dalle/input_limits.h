@@ -26,8 +26,9 @@ std::string_view utf8_prefix(std::string_view text, size_t bytes);
 // its full length when cut, so that unbounded input is never echoed whole.
 std::string excerpt(std::string_view text, size_t bytes = 60);
 
-// The longest line a captions file (TSV, JSON lines or plain) may hold: 64 x max_text_bytes,
-// room for an image's path and many captions.
+// The longest line a captions file (TSV, JSON lines or plain) may hold: 16384 x
+// max_text_bytes (16 MiB), far above any real line (whose over-long captions are cut, with
+// a warning) yet a bound on a file without line ends.
 int64_t max_caption_line_bytes();
 
 // Throws Error("<where>: ...") unless `prompt` is valid UTF-8, not blank, within

@@ -17,6 +17,7 @@ struct Registered {
 };
 
 const Registered kFamilies[] = {
+    {"prior", load_transformer_family},
     {"bart_prior", load_mega_family},
 };
 
@@ -27,7 +28,9 @@ std::unique_ptr<PriorFamily> load_prior_family(PipelineConfig& config, torch::De
   for (const auto& family : kFamilies) {
     if (kind == family.kind) return family.load(config, device);
   }
-  return load_transformer_family(config, device);  // "prior", and runs older than the kind key
+  // Another kind (a dVAE's run given as the prior, say) is refused by the transformer's loader,
+  // which names what it found.
+  return load_transformer_family(config, device);
 }
 
 }  // namespace dalle::generate
