@@ -192,8 +192,9 @@ void generation_at_layout(const models::PriorConfig& config, int64_t batch, int6
   // A GPU's first pass picks kernels for every length of the growing cache: not the step's cost.
   if (device.is_cuda()) seconds_for_tokens(timed, sample, true);
   const double seconds = seconds_for_tokens(timed, sample, device.is_cuda());
-  nlohmann::json line = {{"benchmark", "generation-xl"}, {"model", name},  {"dtype", c10::toString(dtype)},
-                         {"device", device.str()},       {"batch", batch}, {"parameters", parameter_count({prior.get()})}};
+  nlohmann::json line = {
+      {"benchmark", "generation-xl"}, {"model", name},  {"dtype", c10::toString(dtype)},
+      {"device", device.str()},       {"batch", batch}, {"parameters", parameter_count({prior.get()})}};
   if (device.is_cuda()) add_weight_read_limit(line, *prior, device);
   print_generation(line, batch, timed, seconds, rss_built);
 }
@@ -202,7 +203,8 @@ void generation_at_layout(const models::PriorConfig& config, int64_t batch, int6
 double peak_cuda_mib(const torch::Device& device) {
   const auto index = device.has_index() ? device.index() : c10::cuda::current_device();
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
-  return static_cast<double>(stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak) /
+  return static_cast<double>(
+             stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak) /
          1048576.0;
 }
 
@@ -324,8 +326,8 @@ double model_flops_per_token(const models::Prior& prior, const models::PriorConf
       matrix_weights += static_cast<double>(linear->weight.numel());
     }
   }
-  return 6.0 * matrix_weights +
-         6.0 * static_cast<double>(config.layers) * static_cast<double>(config.length()) * static_cast<double>(config.width);
+  return 6.0 * matrix_weights + 6.0 * static_cast<double>(config.layers) * static_cast<double>(config.length()) *
+                                    static_cast<double>(config.width);
 }
 
 void training(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name,
@@ -356,14 +358,22 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
   int64_t parameters = 0;
   for (const auto& p : prior->parameters()) parameters += p.numel();
   const double tokens_per_s = static_cast<double>(batch * config.length()) / seconds;
-  nlohmann::json line = {{"benchmark", "training"},     {"model", name}, {"device", options.device.str()},
-                               {"layers", config.layers},     {"width", config.width},
-                               {"parameters", parameters},    {"batch", batch},
-                               {"sequence", config.length()}, {"attention_path", config.attention_path},
-                               {"precision", options.precision}, {"checkpoint_every", options.checkpoint_every},
-                               {"skipped_updates", skipped},
-                               {"step_s", seconds},           {"tokens_per_s", tokens_per_s},
-                               {"peak_rss_mib", peak_rss_mib()}, {"rss_before_mib", rss_before}};
+  nlohmann::json line = {{"benchmark", "training"},
+                         {"model", name},
+                         {"device", options.device.str()},
+                         {"layers", config.layers},
+                         {"width", config.width},
+                         {"parameters", parameters},
+                         {"batch", batch},
+                         {"sequence", config.length()},
+                         {"attention_path", config.attention_path},
+                         {"precision", options.precision},
+                         {"checkpoint_every", options.checkpoint_every},
+                         {"skipped_updates", skipped},
+                         {"step_s", seconds},
+                         {"tokens_per_s", tokens_per_s},
+                         {"peak_rss_mib", peak_rss_mib()},
+                         {"rss_before_mib", rss_before}};
   if (on_gpu) {
     const double flops_per_token = model_flops_per_token(prior, config);
     line["model_flops_per_token"] = flops_per_token;
@@ -420,8 +430,8 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   train::UpdateStep update(optimizer, precision, {.what = "bench"});
   std::shared_ptr<distributed::ShardedReducer> sharded_reducer;
   if (shards) {
-    sharded_reducer = std::make_shared<distributed::ShardedReducer>(shards->parameters(), job.group(), job.within_node(),
-                                                              job.across_nodes(), 25 << 20);
+    sharded_reducer = std::make_shared<distributed::ShardedReducer>(shards->parameters(), job.group(),
+                                                                    job.within_node(), job.across_nodes(), 25 << 20);
     update.set_reducer(sharded_reducer);
   } else {
     update.set_reducer(job.reducer());
@@ -506,7 +516,8 @@ void powersgd_compression(models::PriorConfig config, int64_t rank, int64_t per_
       for (const auto& rows : distributed::rows_in_shard(group, r, per_machine)) {
         if (!distributed::compresses(rows.rows, rows.columns, per_shard)) continue;
         left -= rows.rows * rows.columns;
-        hierarchical += static_cast<double>((rows.rows + rows.columns) * distributed::effective_rank(rows.rows, rows.columns, per_shard));
+        hierarchical += static_cast<double>((rows.rows + rows.columns) *
+                                            distributed::effective_rank(rows.rows, rows.columns, per_shard));
       }
       hierarchical += static_cast<double>(left);
     }
@@ -646,7 +657,8 @@ int main(int argc, char** argv) {
     const int64_t layers = std::stoll(option(argc, argv, "layers", "2"));
     auto slice = rudalle_xl_slice(layers);
     slice.attention_path = option(argc, argv, "path", "sparse");
-    training(slice, std::stoll(option(argc, argv, "batch", "1")), std::stoi(option(argc, argv, "steps", quick ? "1" : "2")),
+    training(slice, std::stoll(option(argc, argv, "batch", "1")),
+             std::stoi(option(argc, argv, "steps", quick ? "1" : "2")),
              "ruDALL-E XL layout, " + std::to_string(layers) + "-layer " + (layers == 24 ? "whole" : "slice"), options);
   } else {
     std::fprintf(stderr,

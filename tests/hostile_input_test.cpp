@@ -116,7 +116,8 @@ TEST(HostileText, LongCaptionsAreCutWhereTheyAreReadAndLabelsStaySmall) {
   EXPECT_EQ(dataset->record(0).captions[0].size(), static_cast<size_t>(max_text_bytes()));
   EXPECT_EQ(dataset->report().skipped_malformed_lines, 1);
   // A line past max_caption_line_bytes (or a file without line ends) is read no further.
-  testing::write_text(dir / "captions.tsv", "images/a.png\ta red bag\nimages/a.png\t" + std::string(17 << 20, 'x') + "\n");
+  testing::write_text(dir / "captions.tsv",
+                      "images/a.png\ta red bag\nimages/a.png\t" + std::string(17 << 20, 'x') + "\n");
   EXPECT_THROW_WITH(data::ImageCaptionDataset::open(dir.path().string()), Error,
                     "captions.tsv:2: a line of over 16777216 bytes");
 
@@ -138,7 +139,8 @@ TEST(HostileText, LongCaptionsAreCutWhereTheyAreReadAndLabelsStaySmall) {
       {"two\nlines", "U+000A at byte 4"},         {"a\x7f", "U+007F at byte 2"},
       {"a \xC2\x9B" "31m", "U+009B at byte 3"}};
   for (const auto& [prompt, code] : controlled) {
-    EXPECT_THROW_WITH(check_prompt(prompt, "prompt 1"), Error, "prompt 1: the prompt holds a control character (" + code);
+    EXPECT_THROW_WITH(check_prompt(prompt, "prompt 1"), Error,
+                      "prompt 1: the prompt holds a control character (" + code);
   }
   EXPECT_EQ(utf8_prefix("caf\xC3\xA9", 4), "caf") << "never half a character";
 }

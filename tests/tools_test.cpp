@@ -792,7 +792,8 @@ TEST(ToolsHostile, GenerateChecksItsCommandLineAndPromptsBeforeAnyWork) {
   testing::write_text(dir / "nul.txt", std::string("a red bag\na blue\0 bag\n", 22));
   result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " --prompts-file " + (dir / "nul.txt"));
   EXPECT_EQ(result.status, 1) << result.output;
-  EXPECT_THAT(result.output, ::testing::HasSubstr("nul.txt:2: the prompt holds a control character (U+0000 at byte 7)"));
+  EXPECT_THAT(result.output,
+              ::testing::HasSubstr("nul.txt:2: the prompt holds a control character (U+0000 at byte 7)"));
   testing::write_text(dir / "latin1.txt", "a red bag\na blue caf\xe9\n");
   result = run_in_checkout("dalle-generate", prior + "--out " + (dir / "out") + " --prompts-file " + (dir / "latin1.txt"));
   EXPECT_EQ(result.status, 1) << result.output;

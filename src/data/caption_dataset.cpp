@@ -27,7 +27,8 @@ std::string trim(const std::string& text) {
   return text.substr(first, text.find_last_not_of(" \t\r\n") - first + 1);
 }
 
-constexpr const char* kLongLine = "a captions file holds one image and its captions per line (DALLE_MAX_TEXT_BYTES x 16384)";
+constexpr const char* kLongLine =
+    "a captions file holds one image and its captions per line (DALLE_MAX_TEXT_BYTES x 16384)";
 
 // Image path -> captions, in first-seen order, gathered line by line.
 struct Collector {

@@ -61,7 +61,8 @@ std::vector<RealImage> read_real_split(const std::string& split, int64_t limit) 
   std::vector<RealImage> images;
   const auto line_limit = static_cast<size_t>(max_caption_line_bytes());
   std::string line;
-  for (int64_t line_number = 1; read_line_within(in, line_limit, line, file.string(), line_number, "expected a caption a line");
+  for (int64_t line_number = 1;
+       read_line_within(in, line_limit, line, file.string(), line_number, "one image and caption a line");
        ++line_number) {
     if (line.empty()) continue;
     const auto entry = json::parse(line, nullptr, false);

@@ -69,16 +69,18 @@ inline distributed::Backend job_backend(const std::string& backend, torch::Devic
 // Joins the job the launcher started (a job of one without a launcher) before any model is
 // built, so that ranks started with another config or build are refused at once.
 template <class Config>
-std::shared_ptr<distributed::Job> join_job(Config config, const distributed::LaunchEnvironment& place, torch::Device device) {
+std::shared_ptr<distributed::Job> join_job(Config config, const distributed::LaunchEnvironment& place,
+                                           torch::Device device) {
   const auto& d = config.distributed;
   distributed::JobOptions options{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
-                           .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20)),
-                           .backend = job_backend(d.backend, device),
-                           .cuda_device = device.is_cuda() ? device.index() : 0};
+                                  .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20)),
+                                  .backend = job_backend(d.backend, device),
+                                  .cuda_device = device.is_cuda() ? device.index() : 0};
   if (d.gradient_reduction == "powersgd") options.powersgd = powersgd_options(config);
   return std::make_shared<distributed::Job>(
       place, options,
-      distributed::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))), .code = build_fingerprint()});
+      distributed::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))),
+                               .code = build_fingerprint()});
 }
 
 // `device` for the rank at `place`: a GPU job gives each rank of a machine its own GPU.

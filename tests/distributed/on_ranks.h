@@ -56,23 +56,25 @@ std::vector<torch::Tensor> mean_gradients(int64_t world, Parameters parameters_o
 
 // The process group of the rank at `place`, over the test's store.
 inline std::shared_ptr<distributed::ProcessGroup> group_at(const distributed::LaunchEnvironment& place) {
-  return std::make_shared<distributed::ProcessGroup>(distributed::ProcessGroupOptions{.port = place.master_port,
-                                                                        .rank = place.rank,
-                                                                        .world_size = place.world_size,
-                                                                        .serve_store = false,
-                                                                        .timeout = std::chrono::seconds(30)});
+  return std::make_shared<distributed::ProcessGroup>(
+      distributed::ProcessGroupOptions{.port = place.master_port,
+                                       .rank = place.rank,
+                                       .world_size = place.world_size,
+                                       .serve_store = false,
+                                       .timeout = std::chrono::seconds(30)});
 }
 
 // The group `name` of `size` ranks, over the test's store, in which the rank at `place` is
 // `rank` (a machine's ranks, or one rank of each machine).
-inline std::shared_ptr<distributed::ProcessGroup> subgroup_at(const distributed::LaunchEnvironment& place, const std::string& name,
-                                                       int64_t rank, int64_t size) {
-  return std::make_shared<distributed::ProcessGroup>(distributed::ProcessGroupOptions{.port = place.master_port,
-                                                                        .rank = rank,
-                                                                        .world_size = size,
-                                                                        .serve_store = false,
-                                                                        .prefix = name,
-                                                                        .timeout = std::chrono::seconds(30)});
+inline std::shared_ptr<distributed::ProcessGroup> subgroup_at(const distributed::LaunchEnvironment& place,
+                                                              const std::string& name, int64_t rank, int64_t size) {
+  return std::make_shared<distributed::ProcessGroup>(
+      distributed::ProcessGroupOptions{.port = place.master_port,
+                                       .rank = rank,
+                                       .world_size = size,
+                                       .serve_store = false,
+                                       .prefix = name,
+                                       .timeout = std::chrono::seconds(30)});
 }
 
 }  // namespace dalle::testing

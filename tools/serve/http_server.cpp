@@ -199,8 +199,10 @@ void HttpServer::State::route() {
         const auto allowed = res.status == 404 ? allowed_methods(req.path) : "";
         if (!allowed.empty()) {
           res.set_header("Allow", allowed);
-          answer_error(res, ApiError(405, "Invalid method for URL (" + req.method + " " + excerpt(req.path) + "); it takes " +
-                                              allowed + ".", "", "method_not_allowed"));
+          answer_error(res, ApiError(405,
+                                     "Invalid method for URL (" + req.method + " " + excerpt(req.path) +
+                                         "); it takes " + allowed + ".",
+                                     "", "method_not_allowed"));
           return httplib::Server::HandlerResponse::Handled;
         }
         res.set_content(error_json(res.status, default_error_message(req, res.status, config.max_body_bytes)), kJson);

@@ -29,7 +29,8 @@ class ShardedResblocks {
   using DecayRule = std::function<bool(const std::string& name, const torch::Tensor& parameter)>;
   // Shards the blocks' current values (the same on every rank of `group`), named as in
   // `prior`'s state dict.
-  ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group);
+  ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
+                   std::shared_ptr<distributed::ProcessGroup> group);
 
   const std::shared_ptr<distributed::ShardedParameters>& parameters() const { return sharded_; }
   // The shards AdamW decays (the blocks' matrices) and those it does not.

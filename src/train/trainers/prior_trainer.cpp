@@ -329,10 +329,9 @@ void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
                                         ema.get(), model.get());
   std::optional<distributed::PowerSgdOptions> powersgd;
   if (config.distributed.gradient_reduction == "powersgd") powersgd = detail::powersgd_options(config);
-  sharded_reducer = std::make_shared<distributed::ShardedReducer>(shards->parameters(), job->group(), job->within_node(),
-                                                           job->across_nodes(),
-                                                           std::llround(config.distributed.bucket_megabytes * (1 << 20)),
-                                                           powersgd);
+  sharded_reducer = std::make_shared<distributed::ShardedReducer>(
+      shards->parameters(), job->group(), job->within_node(), job->across_nodes(),
+      std::llround(config.distributed.bucket_megabytes * (1 << 20)), powersgd);
   update->set_reducer(sharded_reducer);
   restore_sharded_reducer();
 }
