@@ -41,11 +41,12 @@ Job::Job(const LaunchEnvironment& place, const JobOptions& options, const Finger
       .prefix = "dalle/" + std::to_string(place_.restart_count) + "/world",
       .timeout = options.timeout,
       .backend = options.backend,
-      .cuda_device = options.cuda_device});
+      .cuda_device = options.cuda_device,
+      .link = options.link});
   if (options.powersgd) {
-    reducer_ = std::make_shared<PowerSgdReducer>(group_, *options.powersgd);
+    reducer_ = std::make_shared<PowerSgdReducer>(group_, *options.powersgd, options.overlap);
   } else {
-    reducer_ = std::make_shared<DataParallelReducer>(group_, options.bucket_bytes);
+    reducer_ = std::make_shared<DataParallelReducer>(group_, options.bucket_bytes, options.overlap);
   }
   const auto configs = ranks_differing(gather(static_cast<int64_t>(fingerprint.config)));
   const auto builds = ranks_differing(gather(static_cast<int64_t>(fingerprint.code)));
@@ -71,7 +72,8 @@ Job::~Job() {
 }
 
 // Subgroups are groups of their own over the same store, under prefixes of their own.
-std::shared_ptr<ProcessGroup> Job::subgroup(const std::string& name, int64_t rank, int64_t size) {
+std::shared_ptr<ProcessGroup> Job::subgroup(const std::string& name, int64_t rank, int64_t size,
+                                           const SimulatedLink& link) {
   return std::make_shared<ProcessGroup>(ProcessGroupOptions{
       .address = place_.master_addr,
       .port = place_.master_port,
@@ -81,13 +83,14 @@ std::shared_ptr<ProcessGroup> Job::subgroup(const std::string& name, int64_t ran
       .prefix = "dalle/" + std::to_string(place_.restart_count) + "/" + name,
       .timeout = options_.timeout,
       .backend = options_.backend,
-      .cuda_device = options_.cuda_device});
+      .cuda_device = options_.cuda_device,
+      .link = link});
 }
 
 std::shared_ptr<ProcessGroup> Job::within_node() {
   if (place_.nodes == 1) return group_;
   if (!within_node_) {
-    within_node_ = subgroup("node" + std::to_string(place_.node_rank), place_.local_rank, place_.local_world_size);
+    within_node_ = subgroup("node" + std::to_string(place_.node_rank), place_.local_rank, place_.local_world_size, {});
   }
   return within_node_;
 }
@@ -95,7 +98,8 @@ std::shared_ptr<ProcessGroup> Job::within_node() {
 std::shared_ptr<ProcessGroup> Job::across_nodes() {
   if (place_.nodes == 1) return nullptr;
   if (!across_nodes_) {
-    across_nodes_ = subgroup("local" + std::to_string(place_.local_rank), place_.node_rank, place_.nodes);
+    across_nodes_ = subgroup("local" + std::to_string(place_.local_rank), place_.node_rank, place_.nodes,
+                             options_.link);
   }
   return across_nodes_;
 }

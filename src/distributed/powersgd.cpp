@@ -111,10 +111,30 @@ double LowRankAverager::average(const std::vector<torch::Tensor>& gradients, con
   return square.item<double>();
 }
 
-PowerSgdReducer::PowerSgdReducer(std::shared_ptr<ProcessGroup> group, PowerSgdOptions options)
-    : group_(group), options_(options), whole_(group, options.bucket_bytes), low_rank_(std::move(group), options) {}
+PowerSgdReducer::PowerSgdReducer(std::shared_ptr<ProcessGroup> group, PowerSgdOptions options, bool overlap)
+    : group_(group),
+      options_(options),
+      whole_(group, options.bucket_bytes, overlap),
+      low_rank_(std::move(group), options) {}
 
-void PowerSgdReducer::reduce(const std::vector<torch::Tensor>& parameters) {
+std::vector<torch::Tensor> PowerSgdReducer::never_compressed(const std::vector<torch::Tensor>& parameters) const {
+  std::vector<torch::Tensor> whole;
+  for (const auto& parameter : parameters) {
+    if (!compresses(parameter.sizes().vec(), options_)) whole.push_back(parameter);
+  }
+  return whole;
+}
+
+void PowerSgdReducer::before_backward(const std::vector<torch::Tensor>& parameters) {
+  whole_.before_backward(never_compressed(parameters));
+}
+
+// What is never compressed carries no error feedback: it rides the buckets of backward.
+void PowerSgdReducer::reduce_scaled(const std::vector<torch::Tensor>& parameters) {
+  whole_.reduce_scaled(never_compressed(parameters));
+}
+
+void PowerSgdReducer::reduce_unscaled(const std::vector<torch::Tensor>& parameters) {
   torch::NoGradGuard no_grad;
   // An update is a reduction of the parameters that came first: a second model stepping
   // with this reducer (the VQGAN's discriminator) does not count its own.
@@ -122,12 +142,15 @@ void PowerSgdReducer::reduce(const std::vector<torch::Tensor>& parameters) {
   if (parameters.empty()) return;
   if (!first_parameter_) first_parameter_ = parameters.front().unsafeGetTensorImpl();
   if (parameters.front().unsafeGetTensorImpl() == first_parameter_) ++updates_;
-  std::vector<torch::Tensor> whole;
+  std::vector<torch::Tensor> compressible;
   for (const auto& parameter : parameters) {
-    const bool compress = updates_ >= options_.start_update && compresses(parameter.sizes().vec(), options_);
-    (compress ? compressed_ : whole).push_back(parameter);
+    if (compresses(parameter.sizes().vec(), options_)) compressible.push_back(parameter);
   }
-  whole_.reduce(whole);
+  if (updates_ < options_.start_update) {
+    whole_.reduce(compressible);
+    return;
+  }
+  compressed_ = std::move(compressible);
   std::vector<torch::Tensor> matrices;
   std::vector<LowRankState*> states;
   for (auto& parameter : compressed_) {

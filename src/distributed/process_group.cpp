@@ -10,6 +10,8 @@
 
 #include <condition_variable>
 #include <mutex>
+#include <optional>
+#include <stdexcept>
 #include <thread>
 
 #include "dalle/error.h"
@@ -45,6 +47,12 @@ std::string message_of(const std::exception& error) {
 
 constexpr auto kHeartbeat = std::chrono::seconds(1);
 
+// What one rank sends of a collective's whole in a ring: (N-1)/N.
+double ring_share(int64_t ranks) { return static_cast<double>(ranks - 1) / static_cast<double>(ranks); }
+double bytes_of(const torch::Tensor& tensor) {
+  return static_cast<double>(tensor.numel()) * static_cast<double>(tensor.element_size());
+}
+
 // torch 2.11's flight recorder, one per process, registers each process group on its first
 // collective before taking its own lock (pytorch/pytorch#179313): collectives of several
 // groups started at once from several threads (ranks as threads, as the tests run them)
@@ -68,6 +76,9 @@ struct ProcessGroup::Impl {
   std::mutex mutex;
   std::condition_variable stopping;
   bool stop = false;
+  SimulatedLink link;
+  std::mutex link_mutex;
+  std::chrono::steady_clock::time_point link_free_at;  // when the simulated link has carried what was queued
 
   void start_heartbeat() {
     heartbeat = std::thread([this] {
@@ -120,6 +131,10 @@ struct ProcessGroup::Impl {
     }
   }
 
+  // A collective handed to c10d, delayed as `link` would carry `bytes_sent`.
+  std::unique_ptr<PendingCollective> pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what,
+                                             double bytes_sent);
+
   // The collective `call` starts, started as the comment at gloo_start_mutex says.
   template <class Call>
   c10::intrusive_ptr<c10d::Work> start(Call call) {
@@ -144,6 +159,7 @@ struct ProcessGroup::Impl {
 ProcessGroup::ProcessGroup(const ProcessGroupOptions& options) : impl_(std::make_unique<Impl>()) {
   impl_->rank = options.rank;
   impl_->size = options.world_size;
+  impl_->link = options.link;
   if (options.world_size < 1 || options.rank < 0 || options.rank >= options.world_size) {
     throw Error("process group: rank " + std::to_string(options.rank) + " of a world of " +
                 std::to_string(options.world_size));
@@ -179,28 +195,49 @@ int64_t ProcessGroup::rank() const { return impl_->backend->getRank(); }
 int64_t ProcessGroup::size() const { return impl_->backend->getSize(); }
 torch::Device ProcessGroup::device() const { return impl_->device; }
 
-void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) {
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::AllreduceOptions options;
-  options.reduceOp = to_c10d(op);
-  impl_->wait(impl_->start([&] { return impl_->backend->allreduce(tensors, options); }), "all_reduce");
-}
-
 namespace {
 
 class PendingWork final : public PendingCollective {
  public:
-  PendingWork(ProcessGroup::Impl& group, c10::intrusive_ptr<c10d::Work> work, std::string what)
-      : group_(group), work_(std::move(work)), what_(std::move(what)) {}
-  void wait() override { group_.wait(work_, what_); }
+  PendingWork(ProcessGroup::Impl& group, c10::intrusive_ptr<c10d::Work> work, std::string what,
+              std::optional<std::chrono::steady_clock::time_point> not_before)
+      : group_(group), work_(std::move(work)), what_(std::move(what)), not_before_(not_before) {}
+  void wait() override {
+    group_.wait(work_, what_);
+    if (not_before_) std::this_thread::sleep_until(*not_before_);
+  }
 
  private:
   ProcessGroup::Impl& group_;
   c10::intrusive_ptr<c10d::Work> work_;
   std::string what_;
+  std::optional<std::chrono::steady_clock::time_point> not_before_;
 };
 
 }  // namespace
+
+std::unique_ptr<PendingCollective> ProcessGroup::Impl::pending(c10::intrusive_ptr<c10d::Work> work,
+                                                               const std::string& what, double bytes_sent) {
+  std::optional<std::chrono::steady_clock::time_point> not_before;
+  if (link.enabled()) {
+    const double seconds = link.latency_ms / 1e3 + bytes_sent * 8 / (link.gigabits_per_second * 1e9);
+    std::lock_guard lock(link_mutex);
+    link_free_at = std::max(link_free_at, std::chrono::steady_clock::now()) +
+                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+    not_before = link_free_at;
+  }
+  return std::make_unique<PendingWork>(*this, std::move(work), what, not_before);
+}
+
+void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) { start_all_reduce(tensor, op)->wait(); }
+
+std::unique_ptr<PendingCollective> ProcessGroup::start_all_reduce(torch::Tensor& tensor, ReduceOp op) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = to_c10d(op);
+  auto work = impl_->start([&] { return impl_->backend->allreduce(tensors, options); });
+  return impl_->pending(std::move(work), "all_reduce", 2.0 * ring_share(size()) * bytes_of(tensor));
+}
 
 void ProcessGroup::all_gather(const torch::Tensor& tensor, torch::Tensor& gathered) {
   start_all_gather(tensor.contiguous(), gathered)->wait();
@@ -215,23 +252,53 @@ std::unique_ptr<PendingCollective> ProcessGroup::start_all_gather(const torch::T
   if (!tensor.is_contiguous()) throw Error("all_gather: a tensor that is not contiguous");
   auto input = tensor;
   auto work = impl_->start([&] { return impl_->backend->_allgather_base(gathered, input); });
-  return std::make_unique<PendingWork>(*impl_, std::move(work), "all_gather");
+  return impl_->pending(std::move(work), "all_gather", ring_share(size()) * bytes_of(gathered));
 }
 
 void ProcessGroup::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op) {
+  start_reduce_scatter(input.contiguous(), output, op)->wait();
+}
+
+std::unique_ptr<PendingCollective> ProcessGroup::start_reduce_scatter(const torch::Tensor& input,
+                                                                      torch::Tensor& output, ReduceOp op) {
   if (input.numel() != output.numel() * size()) {
     throw Error("reduce_scatter: " + std::to_string(input.numel()) + " elements for " + std::to_string(size()) +
                 " ranks of " + std::to_string(output.numel()));
   }
-  auto contiguous = input.contiguous();
+  if (!input.is_contiguous()) throw Error("reduce_scatter: an input that is not contiguous");
+  auto whole = input;
   c10d::ReduceScatterOptions options;
   options.reduceOp = to_c10d(op);
-  impl_->wait(impl_->start([&] { return impl_->backend->_reduce_scatter_base(output, contiguous, options); }),
-              "reduce_scatter");
+  auto work = impl_->start([&] { return impl_->backend->_reduce_scatter_base(output, whole, options); });
+  return impl_->pending(std::move(work), "reduce_scatter", ring_share(size()) * bytes_of(input));
 }
 
 void ProcessGroup::barrier() {
-  impl_->wait(impl_->start([&] { return impl_->backend->barrier(); }), "barrier");
+  impl_->pending(impl_->start([&] { return impl_->backend->barrier(); }), "barrier", 0)->wait();
+}
+
+SimulatedLink parse_simulated_link(const std::string& text) {
+  const auto refuse = [&text](const std::string& why) {
+    return Error("a simulated link is 'gbps,latency_ms' (for instance '10,0.5')" + why + ", not '" + text + "'");
+  };
+  const auto number = [&](const std::string& part) {
+    size_t used = 0;
+    double value = 0;
+    try {
+      value = std::stod(part, &used);
+    } catch (const std::exception&) {
+      throw refuse("");
+    }
+    if (used != part.size()) throw refuse("");
+    return value;
+  };
+  const auto comma = text.find(',');
+  SimulatedLink link{.gigabits_per_second = number(text.substr(0, comma)),
+                     .latency_ms = comma == std::string::npos ? 0.0 : number(text.substr(comma + 1))};
+  if (!(link.gigabits_per_second > 0) || !(link.latency_ms >= 0)) {
+    throw refuse(" with a bandwidth above 0 and a latency of 0 or more");
+  }
+  return link;
 }
 
 }  // namespace dalle::distributed

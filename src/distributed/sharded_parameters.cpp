@@ -10,8 +10,8 @@
 namespace dalle::distributed {
 
 ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> groups,
-                                     std::shared_ptr<ProcessGroup> group)
-    : groups_(std::move(groups)), group_(std::move(group)) {
+                                     std::shared_ptr<ProcessGroup> group, bool overlap)
+    : groups_(std::move(groups)), overlap_(overlap), group_(std::move(group)) {
   if (!group_) throw Error("sharded parameters: no process group");
   torch::NoGradGuard no_grad;
   const int64_t ranks = group_->size();
@@ -145,26 +145,36 @@ void ShardedParameters::reduce_gradients(size_t g) {
     gradients.push_back(tensor.grad().defined() ? tensor.grad() : torch::zeros(layouts_[g][i].shape));
     tensor.mutable_grad() = torch::Tensor();
   }
-  auto mine = torch::empty({shard_numel_[g]}, torch::TensorOptions().device(group_->device()));
-  const auto flat = flatten(g, gradients);
-  group_->reduce_scatter(flat, mine, ReduceOp::average);
-  bytes_moved_ += flat.numel() * static_cast<int64_t>(flat.element_size());
-  auto& shard = shards_[g];
-  mine = mine.to(shard.device());
-  if (shard.grad().defined()) {
-    shard.mutable_grad().add_(mine);
-  } else {
-    shard.mutable_grad() = mine;
+  Reduction reduction{g, nullptr, flatten(g, gradients),
+                      torch::empty({shard_numel_[g]}, torch::TensorOptions().device(group_->device()))};
+  reduction.pending = group_->start_reduce_scatter(reduction.input, reduction.output, ReduceOp::average);
+  bytes_moved_ += reduction.input.numel() * static_cast<int64_t>(reduction.input.element_size());
+  reductions_.push_back(std::move(reduction));
+  if (!overlap_) finish_reductions();
+}
+
+void ShardedParameters::finish_reductions() {
+  torch::NoGradGuard no_grad;
+  for (auto& reduction : reductions_) {
+    reduction.pending->wait();
+    auto& shard = shards_[reduction.g];
+    auto mine = reduction.output.to(shard.device());
+    if (shard.grad().defined()) {
+      shard.mutable_grad().add_(mine);
+    } else {
+      shard.mutable_grad() = mine;
+    }
   }
+  reductions_.clear();
 }
 
 ShardedReducer::ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> world,
                                std::shared_ptr<ProcessGroup> within_node, std::shared_ptr<ProcessGroup> across_nodes,
-                               int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd)
+                               int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd, bool overlap)
     : sharded_(std::move(sharded)),
       within_node_(std::move(within_node)),
       across_group_(std::move(across_nodes)),
-      replicated_(std::move(world), bucket_bytes),
+      replicated_(std::move(world), bucket_bytes, overlap),
       powersgd_(powersgd) {
   if (powersgd_ && powersgd_->warm_start) {
     throw Error("powersgd.warm_start is for data parallelism: sharded PowerSGD keeps Q fixed, as DALL-E did");
@@ -210,16 +220,31 @@ void ShardedReducer::average_replicated_hierarchically(const std::vector<torch::
   }
 }
 
-void ShardedReducer::reduce(const std::vector<torch::Tensor>& parameters) {
-  std::vector<torch::Tensor> replicated, shards;
-  for (const auto& parameter : parameters) (sharded_->holds(parameter) ? shards : replicated).push_back(parameter);
-  if (across_group_) {
-    average_replicated_hierarchically(replicated);
-  } else {
-    replicated_.reduce(replicated);
+std::vector<torch::Tensor> ShardedReducer::replicated(const std::vector<torch::Tensor>& parameters) const {
+  std::vector<torch::Tensor> replicated;
+  for (const auto& parameter : parameters) {
+    if (!sharded_->holds(parameter)) replicated.push_back(parameter);
   }
+  return replicated;
+}
+
+void ShardedReducer::before_backward(const std::vector<torch::Tensor>& parameters) {
+  if (!across_group_) replicated_.before_backward(replicated(parameters));
+}
+
+void ShardedReducer::reduce_scaled(const std::vector<torch::Tensor>& parameters) {
+  sharded_->finish_reductions();
+  if (!across_group_) replicated_.reduce_scaled(replicated(parameters));
+}
+
+void ShardedReducer::reduce_unscaled(const std::vector<torch::Tensor>& parameters) {
   shard_square_.reset();
-  if (!across_nodes_) return;
+  if (!across_group_) return;
+  average_replicated_hierarchically(replicated(parameters));
+  std::vector<torch::Tensor> shards;
+  for (const auto& parameter : parameters) {
+    if (sharded_->holds(parameter)) shards.push_back(parameter);
+  }
   ++updates_;
   if (compressing()) {
     compress_shards();

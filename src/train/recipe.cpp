@@ -65,6 +65,13 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           "for CUDA tensors, through the host: several ranks may then share one GPU) or nccl (GPUs only, one "
           "each)",
           {.choices = {"auto", "gloo", "nccl"}});
+  v.field("overlap", overlap,
+          "true: each bucket of gradients is averaged (each resblock's reduce-scatter, sharded) as soon as backward "
+          "has made it, while backward goes on; false: after backward. The same bytes are summed either way: the "
+          "weights are identical");
+  v.field("simulated_link", simulated_link,
+          "for measurements: 'gbps,latency_ms' (for instance '10,0.5') delays every collective between machines "
+          "(between all ranks on one machine) as such a link would; empty: none");
   v.section("powersgd", "PowerSGD's rank and choices (distributed.gradient_reduction powersgd)", powersgd);
 }
 

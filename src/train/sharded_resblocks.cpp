@@ -63,7 +63,7 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
 }  // namespace
 
 ShardedResblocks::ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
-                                   std::shared_ptr<distributed::ProcessGroup> group) {
+                                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap) {
   std::unordered_map<const torch::TensorImpl*, std::string> name_of;
   for (const auto& item : prior.named_parameters()) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
   std::vector<std::vector<torch::Tensor>> groups;
@@ -82,7 +82,7 @@ ShardedResblocks::ShardedResblocks(models::PriorImpl& prior, const DecayRule& de
     names_.push_back(std::move(matrix_names));
     names_.push_back(std::move(rest_names));
   }
-  sharded_ = std::make_shared<distributed::ShardedParameters>(std::move(groups), std::move(group));
+  sharded_ = std::make_shared<distributed::ShardedParameters>(std::move(groups), std::move(group), overlap);
 }
 
 std::vector<torch::Tensor> ShardedResblocks::decayed_shards() const {

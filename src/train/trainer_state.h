@@ -75,7 +75,9 @@ std::shared_ptr<distributed::Job> join_job(Config config, const distributed::Lau
   distributed::JobOptions options{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
                                   .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20)),
                                   .backend = job_backend(d.backend, device),
-                                  .cuda_device = device.is_cuda() ? device.index() : 0};
+                                  .cuda_device = device.is_cuda() ? device.index() : 0,
+                                  .overlap = d.overlap};
+  if (!d.simulated_link.empty()) options.link = distributed::parse_simulated_link(d.simulated_link);
   if (d.gradient_reduction == "powersgd") options.powersgd = powersgd_options(config);
   return std::make_shared<distributed::Job>(
       place, options,

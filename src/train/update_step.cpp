@@ -45,14 +45,16 @@ double UpdateStep::clip_gradients() {
 
 UpdateResult UpdateStep::apply(const torch::Tensor& loss, int64_t update) {
   optimizer_.zero_grad();
+  reducer_->before_backward(precision_.parameters());
   precision_.scaled(loss).backward();
-  // Each replica checks and unscales its own gradients before they meet: a skipped update
-  // costs no reduction, and the reducer sees true gradients (PowerSGD's error feedback would
-  // otherwise carry one update's fp16 scale into the next).
+  // Averaging commutes with the fp16 scales, so what backward started averaging finishes
+  // first; what must see true gradients (PowerSGD's error feedback would otherwise carry one
+  // update's scale into the next) is reduced after unscaling, and only for an update taken.
+  reducer_->reduce_scaled(precision_.parameters());
   const auto finite = reducer_->agree(precision_.finite_flags());
   UpdateResult result;
   if (precision_.unscale_and_update(finite)) {
-    reducer_->reduce(precision_.parameters());
+    reducer_->reduce_unscaled(precision_.parameters());
     result.grad_norm = clip_gradients();
   } else {
     result.grad_norm = std::nan("");

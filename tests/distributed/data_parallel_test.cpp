@@ -73,6 +73,83 @@ TEST_P(DataParallelAtWorldSize, TheRanksAgreeAFlagIsTrueOnlyWhereItIsTrueOnEvery
   });
 }
 
+// Four 16 x 16 layers applied w0, w1, w2, w3, handed to the reducer last layer first, so that
+// its first guess at backward's order (reverse registration) is backward's order reversed.
+std::vector<torch::Tensor> chain_weights() {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(7);
+  std::vector<torch::Tensor> weights;
+  for (int i = 0; i < 4; ++i) weights.push_back((torch::randn({16, 16}, generator) / 4).requires_grad_());
+  return {weights.rbegin(), weights.rend()};
+}
+
+// One update's backward through the chain on rank `rank`'s batch, reduced by `reducer`.
+void backward_through_chain(DataParallelReducer& reducer, const std::vector<torch::Tensor>& registered, int64_t rank) {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(200 + static_cast<uint64_t>(rank));
+  auto x = torch::randn({4, 16}, generator);
+  for (auto layer = registered.rbegin(); layer != registered.rend(); ++layer) x = torch::tanh(x.mm(*layer));
+  for (const auto& weight : registered) weight.mutable_grad() = torch::Tensor();
+  reducer.before_backward(registered);
+  x.square().sum().backward();
+  reducer.reduce_scaled(registered);
+}
+
+size_t first_start(const std::vector<ReducerEvent>& events) {
+  for (size_t i = 0; i < events.size(); ++i) {
+    if (events[i].kind == ReducerEvent::bucket_started) return i;
+  }
+  return events.size();
+}
+
+size_t last_gradient(const std::vector<ReducerEvent>& events) {
+  size_t last = 0;
+  for (size_t i = 0; i < events.size(); ++i) {
+    if (events[i].kind == ReducerEvent::gradient_ready) last = i;
+  }
+  return last;
+}
+
+// A bucket's all-reduce starts as soon as backward has accumulated its gradients, in the
+// order backward made them once the first update showed it; without overlap the same
+// buckets start after backward, and the gradients are the same bits.
+TEST_P(DataParallelAtWorldSize, BucketsStartDuringBackwardInTheOrderItMakesGradientsWithTheSameResult) {
+  const int64_t world = GetParam();
+  testing::on_ranks(world, [world](const LaunchEnvironment& place) {
+    auto group = group_at(place);
+    DataParallelReducer overlapped(group, 1024), after(group, 1024, /*overlap=*/false);
+    const auto weights = chain_weights(), same_weights = chain_weights();
+    backward_through_chain(overlapped, weights, place.rank);
+    using E = ReducerEvent;
+    const auto first = overlapped.last_backward();
+    ASSERT_EQ(first.size(), 8u);
+    EXPECT_GT(first_start(first), last_gradient(first)) << "reverse registration guessed wrong here";
+    EXPECT_EQ(overlapped.buckets(), (std::vector<std::vector<size_t>>{{0}, {1}, {2}, {3}}));
+
+    backward_through_chain(overlapped, weights, place.rank);
+    EXPECT_EQ(overlapped.last_backward(),
+              (std::vector<E>{{E::gradient_ready, 0}, {E::bucket_started, 0}, {E::gradient_ready, 1},
+                              {E::bucket_started, 1}, {E::gradient_ready, 2}, {E::bucket_started, 2},
+                              {E::gradient_ready, 3}, {E::bucket_started, 3}}));
+    backward_through_chain(after, same_weights, place.rank);
+    backward_through_chain(after, same_weights, place.rank);
+    const auto late = after.last_backward();
+    EXPECT_GT(first_start(late), last_gradient(late));
+
+    std::vector<torch::Tensor> mean(4);
+    for (int64_t rank = 0; rank < world; ++rank) {
+      const auto alone = chain_weights();
+      auto generator = at::make_generator<at::CPUGeneratorImpl>(200 + static_cast<uint64_t>(rank));
+      auto x = torch::randn({4, 16}, generator);
+      for (auto layer = alone.rbegin(); layer != alone.rend(); ++layer) x = torch::tanh(x.mm(*layer));
+      x.square().sum().backward();
+      for (size_t i = 0; i < 4; ++i) mean[i] = (mean[i].defined() ? mean[i] : torch::zeros_like(alone[i])) + alone[i].grad() / world;
+    }
+    for (size_t i = 0; i < 4; ++i) {
+      EXPECT_TRUE(torch::equal(weights[i].grad(), same_weights[i].grad())) << i;
+      EXPECT_LT((weights[i].grad() - mean[i]).abs().max().item<double>(), 1e-6) << i;
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Ranks, DataParallelAtWorldSize, ::testing::Values(2, 4));
 
 TEST(Job, RanksStartedWithAnotherConfigOrBuildAreRefusedByName) {

@@ -54,14 +54,16 @@ std::vector<torch::Tensor> mean_gradients(int64_t world, Parameters parameters_o
   return mean;
 }
 
-// The process group of the rank at `place`, over the test's store.
-inline std::shared_ptr<distributed::ProcessGroup> group_at(const distributed::LaunchEnvironment& place) {
+// The process group of the rank at `place`, over the test's store (over `link`, when given).
+inline std::shared_ptr<distributed::ProcessGroup> group_at(const distributed::LaunchEnvironment& place,
+                                                           const distributed::SimulatedLink& link = {}) {
   return std::make_shared<distributed::ProcessGroup>(
       distributed::ProcessGroupOptions{.port = place.master_port,
                                        .rank = place.rank,
                                        .world_size = place.world_size,
                                        .serve_store = false,
-                                       .timeout = std::chrono::seconds(30)});
+                                       .timeout = std::chrono::seconds(30),
+                                       .link = link});
 }
 
 // The group `name` of `size` ranks, over the test's store, in which the rank at `place` is

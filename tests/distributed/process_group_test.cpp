@@ -43,6 +43,49 @@ TEST_P(ProcessGroupAtWorldSize, AllReduceAndAllGatherOverGlooOnLoopback) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ProcessGroupAtWorldSize, ::testing::Values(2, 4));
 
+double thread_cpu_seconds() {
+  timespec now{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+  return static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9;
+}
+
+// 0.1 Gbit/s and 40 ms: an all-reduce of 250,000 floats between 2 ranks sends 1 MB a rank
+// (2 (N-1)/N of the payload), 80 ms on the wire; two queue on the link one after the other.
+TEST(SimulatedLink, ACollectiveCompletesAfterLatencyPlusBytesOverBandwidthSpendingNoCpu) {
+  const SimulatedLink link{.gigabits_per_second = 0.1, .latency_ms = 40};
+  testing::on_ranks(2, [&](const LaunchEnvironment& place) {
+    auto group = testing::group_at(place, link);
+    auto tensor = torch::full({250000}, static_cast<double>(place.rank));
+    group->barrier();
+    const auto start = std::chrono::steady_clock::now();
+    const double cpu_before = thread_cpu_seconds();
+    group->all_reduce(tensor, ReduceOp::average);
+    const auto one = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(one, std::chrono::milliseconds(120));
+    EXPECT_LT(one, std::chrono::seconds(5));
+    EXPECT_LT(thread_cpu_seconds() - cpu_before, 0.05) << "the wait sleeps";
+    EXPECT_EQ(tensor[0].item<float>(), 0.5f);
+    auto second = torch::ones({250000});
+    const auto queued = std::chrono::steady_clock::now();
+    auto first = group->start_all_reduce(tensor);
+    auto then = group->start_all_reduce(second);
+    then->wait();
+    first->wait();
+    EXPECT_GE(std::chrono::steady_clock::now() - queued, std::chrono::milliseconds(240)) << "one link, one at a time";
+  });
+}
+
+TEST(SimulatedLink, IsReadFromGbpsAndLatencyAndRefusesAnythingElse) {
+  const auto link = parse_simulated_link("10,0.5");
+  EXPECT_EQ(link.gigabits_per_second, 10);
+  EXPECT_EQ(link.latency_ms, 0.5);
+  EXPECT_EQ(parse_simulated_link("2.5").latency_ms, 0);
+  for (const char* bad : {"", "fast", "10,", "10;1", "0,1", "10,-1", "10,1,2", "10x,1"}) {
+    SCOPED_TRACE(bad);
+    EXPECT_THROW_WITH(parse_simulated_link(bad), Error, "gbps,latency_ms");
+  }
+}
+
 TEST(ProcessGroup, ARankThatNeverJoinsEndsTheOthersWithinTheTimeout) {
   const auto start = std::chrono::steady_clock::now();
   EXPECT_THROW_WITH(ProcessGroup({.port = 0, .rank = 0, .world_size = 2, .timeout = std::chrono::seconds(2)}),

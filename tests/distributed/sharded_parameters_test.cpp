@@ -48,18 +48,23 @@ TEST_P(ShardedParametersAtWorldSize, EachRankKeepsItsShardAndGathersTheWholeBloc
   });
 }
 
+// Started in backward, the reduce-scatter is complete only once finished (with overlap);
+// without, at once.
 TEST_P(ShardedParametersAtWorldSize, GradientsBecomeTheShardOfTheirMeanOverTheRanks) {
   const int64_t world = GetParam();
-  testing::on_ranks(world, [world](const LaunchEnvironment& place) {
+  for (const bool overlap : {true, false}) {
+  testing::on_ranks(world, [world, overlap](const LaunchEnvironment& place) {
     auto tensors = model();
-    ShardedParameters sharded(tensors, group_at(place));
+    ShardedParameters sharded(tensors, group_at(place), overlap);
     for (int pass = 0; pass < 2; ++pass) {  // a second backward adds to the shard's gradient
       sharded.gather(0);
       tensors[0][0].mutable_grad() = torch::full({7}, static_cast<double>(place.rank));
       tensors[0][1].mutable_grad() = torch::full({3, 1}, 1.0);
       sharded.reduce_gradients(0);
       EXPECT_FALSE(tensors[0][0].grad().defined());
+      EXPECT_EQ(sharded.shard(0).grad().defined(), pass > 0 || !overlap);
       sharded.release(0);
+      sharded.finish_reductions();
     }
     const double mean_rank = static_cast<double>(world - 1) / 2.0;
     auto expected = torch::cat({torch::full({7}, 2 * mean_rank), torch::full({3}, 2.0)});
@@ -68,6 +73,7 @@ TEST_P(ShardedParametersAtWorldSize, GradientsBecomeTheShardOfTheirMeanOverTheRa
     EXPECT_TRUE(torch::allclose(sharded.shard(0).grad(), mine));
     EXPECT_FALSE(sharded.shard(1).grad().defined());
   });
+  }
 }
 
 TEST(ShardedReducer, AveragesTheReplicatedGradientsAndMeasuresTheNormOfEveryShard) {

@@ -154,6 +154,30 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
   EXPECT_LT(largest_difference(average, model), 1e-5) << "the moving average of data parallelism's run";
 }
 
+// Overlap changes when the bytes move, never which are summed: data parallelism, sharding
+// and PowerSGD (whole, then compressed), in fp16 with per-resblock scales, end on the same
+// bits with their buckets and reduce-scatters started during backward and after it.
+TEST_P(TrainingJobAtWorldSize, OverlappedAndAfterBackwardReductionsGiveIdenticalWeights) {
+  const int64_t ranks = GetParam();
+  ScratchDir dir;
+  const std::string job = " --nproc-per-node " + std::to_string(ranks) +
+                          " --set precision.mode=fp16 --set run.steps=4 --set run.checkpoint_every=4";
+  const std::vector<std::pair<std::string, std::string>> kinds{
+      {"data-parallel", ""},
+      {"sharded", " --set distributed.sharding=within_node"},
+      {"powersgd", " --set distributed.gradient_reduction=powersgd --set distributed.powersgd.start_update=3"
+                   " --set distributed.powersgd.rank=2 --set distributed.powersgd.min_compression_rate=0"}};
+  for (const auto& [name, setting] : kinds) {
+    auto overlapped = run_command(train_prior(dir / name, job + setting));
+    ASSERT_EQ(overlapped.status, 0) << overlapped.output;
+    auto after = run_command(train_prior(dir / (name + "-after"), job + setting + " --set distributed.overlap=false"));
+    ASSERT_EQ(after.status, 0) << after.output;
+    const auto a = weights_at(dir / name, 4), b = weights_at(dir / (name + "-after"), 4);
+    ASSERT_EQ(a.size(), b.size());
+    for (const auto& [key, tensor] : a) EXPECT_TRUE(torch::equal(tensor, b.at(key))) << name << ": " << key;
+  }
+}
+
 // PowerSGD at a rank that spans every matrix averages as data parallelism does, to the
 // rounding of the orthogonalization (which AdamW magnifies on the rows no batch reaches, so
 // the losses are compared, not the weights); at rank 2 it trains on.

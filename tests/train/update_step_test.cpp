@@ -28,10 +28,18 @@ PrecisionConfig fp16() {
   return config;
 }
 
-// Records what the gradients are when the reducer is called, and may veto the update.
+// Records what the gradients are when each part of the reducer is called, and may veto the update.
 class RecordingReducer final : public distributed::GradientReducer {
  public:
-  void reduce(const std::vector<torch::Tensor>& parameters) override {
+  void before_backward(const std::vector<torch::Tensor>& parameters) override {
+    named_before_backward = parameters.size();
+    for (const auto& parameter : parameters) gradient_before_backward |= parameter.grad().defined();
+  }
+  void reduce_scaled(const std::vector<torch::Tensor>& parameters) override {
+    agreed_before_scaled = agreed_on.defined();
+    for (const auto& parameter : parameters) seen_scaled.push_back(parameter.grad().clone());
+  }
+  void reduce_unscaled(const std::vector<torch::Tensor>& parameters) override {
     agreed_before_reduce = agreed_on.defined();
     for (const auto& parameter : parameters) seen.push_back(parameter.grad().clone());
     for (const auto& parameter : parameters) parameter.grad().mul_(0.5);  // as a mean with a zero replica
@@ -42,9 +50,10 @@ class RecordingReducer final : public distributed::GradientReducer {
   }
   int64_t replicas() const override { return 2; }
 
-  std::vector<torch::Tensor> seen;
+  std::vector<torch::Tensor> seen, seen_scaled;
   torch::Tensor agreed_on;
-  bool agreed_before_reduce = false;
+  size_t named_before_backward = 0;
+  bool gradient_before_backward = false, agreed_before_scaled = false, agreed_before_reduce = false;
   bool veto = false;
 };
 
@@ -60,7 +69,8 @@ TEST(UpdateStep, StepsWithTheGradientAndAveragesTheWeights) {
   EXPECT_TRUE(torch::allclose(ema.weights().at("weight").flatten(), torch::tensor({0.5, 0.0, -0.5})));
 }
 
-// The replicas agree on the finite flags first; the reducer then sees unscaled gradients
+// The reducer hears of the parameters before backward (to overlap), finishes what may see
+// scaled gradients before the flags are agreed on, and sees unscaled gradients after
 // (PowerSGD's error feedback must not carry one update's fp16 scale into the next).
 TEST(UpdateStep, TheReducerSeesUnscaledGradientsOnceTheFlagsAgreeAndItsResultIsWhatSteps) {
   Fixture f;
@@ -68,8 +78,14 @@ TEST(UpdateStep, TheReducerSeesUnscaledGradientsOnceTheFlagsAgreeAndItsResultIsW
   UpdateStep update(f.optimizer, precision, {.what = "test"});
   auto reducer = std::make_shared<RecordingReducer>();
   update.set_reducer(reducer);
-  ASSERT_GT(precision.scale(), 1.0);
+  const double scale = precision.scale();
+  ASSERT_GT(scale, 1.0);
   update.apply(f.loss(torch::tensor({1.0, 2.0, 3.0})), 1);
+  EXPECT_EQ(reducer->named_before_backward, 1u);
+  EXPECT_FALSE(reducer->gradient_before_backward) << "named after zero_grad";
+  ASSERT_EQ(reducer->seen_scaled.size(), 1u);
+  EXPECT_TRUE(torch::allclose(reducer->seen_scaled[0].flatten(), torch::tensor({1.0, 2.0, 3.0}) * scale));
+  EXPECT_FALSE(reducer->agreed_before_scaled);
   ASSERT_EQ(reducer->seen.size(), 1u);
   EXPECT_TRUE(torch::allclose(reducer->seen[0].flatten(), torch::tensor({1.0, 2.0, 3.0})));
   EXPECT_TRUE(reducer->agreed_before_reduce);
@@ -89,7 +105,7 @@ TEST(UpdateStep, AVetoFromTheReplicasSkipsTheUpdateAndBacksOffTheScale) {
   const double scale = precision.scale();
   const auto result = update.apply(f.loss(torch::tensor({1.0, 2.0, 3.0})), 1);
   EXPECT_TRUE(result.skipped);
-  EXPECT_TRUE(reducer->seen.empty()) << "a skipped update reduces nothing";
+  EXPECT_TRUE(reducer->seen.empty()) << "a skipped update reduces no more than what backward started";
   EXPECT_TRUE(torch::equal(f.weight(), torch::ones({3})));
   EXPECT_TRUE(torch::equal(ema.weights().at("weight").flatten(), torch::ones({3})));
   EXPECT_LT(precision.scale(), scale);

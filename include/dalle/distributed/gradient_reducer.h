@@ -1,10 +1,15 @@
 #pragma once
 // How the gradients of data-parallel replicas become one: the seam between an update step
-// (train/update_step.h) and the processes that train one model together. An update calls
-// `agree` on its finite flags after the backward pass, so that every replica skips, and
-// backs off its fp16 scales, at the same updates, and, when it does not skip, `reduce` on
-// the unscaled gradients. The trainers never see which reducer they run with, as
-// Flashlight's modules never see its Reducer.
+// (train/update_step.h) and the processes that train one model together. The update step
+// names the parameters it steps before each backward (`before_backward`), so that a reducer
+// may start averaging a bucket of gradients while backward still computes the rest; after
+// backward it calls
+// `reduce_scaled`, which finishes that part, then `agree` on its finite flags, so that every
+// replica skips, and backs off its fp16 scales, at the same updates, and, when it does not
+// skip, `reduce_unscaled` on the unscaled gradients for what must see true gradients
+// (PowerSGD's error feedback would otherwise carry one update's fp16 scale into the next).
+// The trainers never see which reducer they run with, as Flashlight's modules never see its
+// Reducer.
 #include <torch/types.h>
 
 #include <cstdint>
@@ -20,8 +25,21 @@ class GradientReducer {
   virtual ~GradientReducer() = default;
 
   // Replaces the defined gradient of every tensor of `parameters` by the replicas' mean (or,
-  // for sharded parameters, by the mean of this replica's shard), in place.
-  virtual void reduce(const std::vector<torch::Tensor>& parameters) = 0;
+  // for sharded parameters, by the mean of this replica's shard), in place: the two parts below.
+  void reduce(const std::vector<torch::Tensor>& parameters) {
+    reduce_scaled(parameters);
+    reduce_unscaled(parameters);
+  }
+  // The part of the reduction that may see the gradients as backward left them (scaled by
+  // fp16's factors, which averaging commutes with): for the attached parameters, what was
+  // started during backward is waited for here.
+  virtual void reduce_scaled(const std::vector<torch::Tensor>& parameters) = 0;
+  // The part that must see the true gradients; called only for an update that is not skipped.
+  virtual void reduce_unscaled(const std::vector<torch::Tensor>&) {}
+  // An update step is about to backpropagate into `parameters` (the list it then passes to
+  // reduce_scaled): a reducer that overlaps communication with backward hooks their
+  // gradients (the first time) and listens to them, and only them, until reduce_scaled.
+  virtual void before_backward(const std::vector<torch::Tensor>&) {}
   // `flags`: [G] booleans of this replica, one per fp16 scale group, true where its
   // gradients are finite. Returns the flags every replica agrees on: true where all are.
   virtual torch::Tensor agree(const torch::Tensor& flags) = 0;
@@ -43,7 +61,7 @@ class GradientReducer {
 // One process: its gradients and flags are already every replica's.
 class LocalReducer final : public GradientReducer {
  public:
-  void reduce(const std::vector<torch::Tensor>&) override {}
+  void reduce_scaled(const std::vector<torch::Tensor>&) override {}
   torch::Tensor agree(const torch::Tensor& flags) override { return flags; }
   int64_t replicas() const override { return 1; }
 };

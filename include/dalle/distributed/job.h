@@ -23,6 +23,9 @@ struct JobOptions {
   Backend backend = Backend::gloo;                              // NCCL for a job on GPUs
   int cuda_device = 0;                                          // NCCL: this rank's GPU
   std::optional<PowerSgdOptions> powersgd = std::nullopt;       // the gradients' reduction, else whole
+  bool overlap = true;                                          // gradients averaged during backward
+  // Delays the collectives between machines (on one machine, between all ranks) as this link would.
+  SimulatedLink link = {};
 };
 
 // What the ranks of a job must share: hashes of their config and of their code.
@@ -67,7 +70,8 @@ class Job {
 
  private:
   std::vector<int64_t> gather(int64_t value);
-  std::shared_ptr<ProcessGroup> subgroup(const std::string& name, int64_t rank, int64_t size);
+  std::shared_ptr<ProcessGroup> subgroup(const std::string& name, int64_t rank, int64_t size,
+                                         const SimulatedLink& link);
 
   LaunchEnvironment place_;
   JobOptions options_;

@@ -80,9 +80,16 @@ class LowRankAverager {
 // Flat PowerSGD for data parallelism over one group.
 class PowerSgdReducer final : public GradientReducer {
  public:
-  PowerSgdReducer(std::shared_ptr<ProcessGroup> group, PowerSgdOptions options);
+  // `overlap`: the gradients never compressed are averaged in buckets during backward.
+  PowerSgdReducer(std::shared_ptr<ProcessGroup> group, PowerSgdOptions options, bool overlap = true);
 
-  void reduce(const std::vector<torch::Tensor>& parameters) override;
+  // The gradients never compressed (vectors, small matrices) are averaged whole before
+  // unscaling, in data parallelism's buckets (overlapped with backward when attached); the
+  // compressible matrices after it, compressed from start_update, whole before (neither
+  // overlapped: the power iteration needs the whole gradient and its true scale).
+  void reduce_scaled(const std::vector<torch::Tensor>& parameters) override;
+  void reduce_unscaled(const std::vector<torch::Tensor>& parameters) override;
+  void before_backward(const std::vector<torch::Tensor>& parameters) override;
   torch::Tensor agree(const torch::Tensor& flags) override { return whole_.agree(flags); }
   int64_t replicas() const override { return whole_.replicas(); }
   // From Q and the uncompressed gradients, after a compressed reduction.
@@ -99,6 +106,7 @@ class PowerSgdReducer final : public GradientReducer {
 
  private:
   LowRankState& state_of(const torch::Tensor& parameter, int64_t n, int64_t m);
+  std::vector<torch::Tensor> never_compressed(const std::vector<torch::Tensor>& parameters) const;
 
   std::shared_ptr<ProcessGroup> group_;
   PowerSgdOptions options_;

@@ -18,6 +18,19 @@ namespace dalle::distributed {
 // between GPUs, one GPU per rank.
 enum class Backend { gloo, nccl };
 
+// A network slower than the one at hand, for measurements: each collective completes no
+// sooner than `latency + bytes / bandwidth` after it could start, where bytes are what one
+// rank sends in a ring (2 (N-1)/N of an all-reduce's payload, (N-1)/N of an all-gather's or
+// reduce-scatter's whole) and the collectives of a group queue on one link. The wait sleeps:
+// no CPU is spent, so a 2-core box shows what a real network does to a step.
+struct SimulatedLink {
+  double gigabits_per_second = 0;  // 0: no simulated link
+  double latency_ms = 0;
+  bool enabled() const { return gigabits_per_second > 0; }
+};
+// "gbps,latency_ms" (for instance "10,0.5"), as the benchmarks and dalle-train take it; throws Error otherwise.
+SimulatedLink parse_simulated_link(const std::string& text);
+
 struct ProcessGroupOptions {
   std::string address = "127.0.0.1";  // the store's host; gloo binds to it too, never to every interface
   int64_t port = 29500;
@@ -31,6 +44,7 @@ struct ProcessGroupOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   Backend backend = Backend::gloo;
   int cuda_device = 0;  // NCCL: this rank's GPU
+  SimulatedLink link = {};  // delays every collective of the group as that link would
 };
 
 enum class ReduceOp { sum, average, max, min };
@@ -53,8 +67,10 @@ class ProcessGroup {
   int64_t size() const;
   // Where the tensors of this group's collectives live: the CPU for gloo, the rank's GPU for NCCL.
   torch::Device device() const;
-  // In place, on every rank's `tensor` (CPU, contiguous).
+  // In place, on every rank's `tensor` (on device(), contiguous).
   void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::sum);
+  // The same, started: `tensor` must stay alive and untouched until wait().
+  std::unique_ptr<PendingCollective> start_all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::sum);
   // Every rank's `tensor`, in rank order, into `gathered` ([size * n] for n elements).
   void all_gather(const torch::Tensor& tensor, torch::Tensor& gathered);
   // The same, started: `tensor` and `gathered` must stay alive and untouched until wait().
@@ -62,6 +78,9 @@ class ProcessGroup {
   // `input` ([size * n]) reduced over the ranks with `op`; rank r receives part r into
   // `output` ([n]). gloo makes it an all-reduce and a copy: right, but all-reduce-sized.
   void reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op = ReduceOp::sum);
+  // The same, started: `input` and `output` must stay alive and untouched until wait().
+  std::unique_ptr<PendingCollective> start_reduce_scatter(const torch::Tensor& input, torch::Tensor& output,
+                                                          ReduceOp op = ReduceOp::sum);
   void barrier();
 
   struct Impl;  // c10d's objects, seen only by src/distributed/process_group.cpp

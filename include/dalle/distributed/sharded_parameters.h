@@ -36,8 +36,9 @@ std::vector<ShardRows> rows_in_shard(const std::vector<std::vector<int64_t>>& sh
 class ShardedParameters {
  public:
   // Takes this rank's shard of each group's current values (the same on every rank) and
-  // empties the tensors.
-  ShardedParameters(std::vector<std::vector<torch::Tensor>> groups, std::shared_ptr<ProcessGroup> group);
+  // empties the tensors. `overlap`: reduce_gradients only starts the reduce-scatter.
+  ShardedParameters(std::vector<std::vector<torch::Tensor>> groups, std::shared_ptr<ProcessGroup> group,
+                    bool overlap = true);
 
   size_t groups() const { return groups_.size(); }
   const torch::Tensor& shard(size_t g) const { return shards_[g]; }
@@ -53,8 +54,11 @@ class ShardedParameters {
   // ... and then none again.
   void release(size_t g);
   // The mean over the ranks of group g's tensors' gradients, this rank's part of it added to
-  // its shard's gradient; the tensors' gradients are dropped.
+  // its shard's gradient; the tensors' gradients are dropped. With overlap the reduce-scatter
+  // is only started (backward goes on with the next block) ...
   void reduce_gradients(size_t g);
+  // ... and the shards' gradients are complete after this.
+  void finish_reductions();
 
   // This rank's part of full values shaped as group g's tensors (the moments or moving
   // average of a model that was not sharded yet)...
@@ -92,6 +96,14 @@ class ShardedParameters {
     torch::Tensor input, output;
   };
   std::map<size_t, Prefetch> prefetched_;
+  // Reduce-scatters under way: the group, the collective, its input and this rank's part.
+  struct Reduction {
+    size_t g;
+    std::unique_ptr<PendingCollective> pending;
+    torch::Tensor input, output;
+  };
+  std::vector<Reduction> reductions_;
+  bool overlap_;
   std::shared_ptr<ProcessGroup> group_;
   mutable int64_t bytes_moved_ = 0;
 };
@@ -111,8 +123,14 @@ class ShardedReducer final : public GradientReducer {
   // of this rank's shards (null on one machine); `world`: every rank.
   ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> world,
                  std::shared_ptr<ProcessGroup> within_node, std::shared_ptr<ProcessGroup> across_nodes,
-                 int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd = std::nullopt);
-  void reduce(const std::vector<torch::Tensor>& parameters) override;
+                 int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd = std::nullopt, bool overlap = true);
+  // Before unscaling: the blocks' reduce-scatters (started in backward) waited for, and on
+  // one machine the replicated parameters' buckets (overlapped with backward when attached).
+  // After it: what crosses machines (the replicated parameters' hierarchy, the shards'
+  // averages, PowerSGD's), not overlapped.
+  void reduce_scaled(const std::vector<torch::Tensor>& parameters) override;
+  void reduce_unscaled(const std::vector<torch::Tensor>& parameters) override;
+  void before_backward(const std::vector<torch::Tensor>& parameters) override;
   torch::Tensor agree(const torch::Tensor& flags) override { return replicated_.agree(flags); }
   int64_t replicas() const override { return replicated_.replicas(); }
   double gradient_norm(const std::vector<torch::Tensor>& parameters) override;
@@ -137,6 +155,7 @@ class ShardedReducer final : public GradientReducer {
 
  private:
   bool compressing() const;
+  std::vector<torch::Tensor> replicated(const std::vector<torch::Tensor>& parameters) const;
   void average_replicated_hierarchically(const std::vector<torch::Tensor>& parameters);
   void prepare_low_rank();
   void compress_shards();

@@ -54,6 +54,8 @@ struct DistributedConfig {
   std::string sharding = "none";  // "within_node": ZeRO-3 resblocks (the prior only)
   std::string gradient_reduction = "allreduce";  // or "powersgd"
   std::string backend = "auto";  // c10d's: auto (NCCL on GPUs, gloo on the CPU), gloo or nccl
+  bool overlap = true;  // gradients averaged while backward runs
+  std::string simulated_link;  // "gbps,latency_ms": every collective across machines delayed as on that link
   PowerSgdConfig powersgd;
 
   void visit(ConfigVisitor& v);

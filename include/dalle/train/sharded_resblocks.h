@@ -29,8 +29,9 @@ class ShardedResblocks {
   using DecayRule = std::function<bool(const std::string& name, const torch::Tensor& parameter)>;
   // Shards the blocks' current values (the same on every rank of `group`), named as in
   // `prior`'s state dict.
+  // `overlap`: a block's reduce-scatter runs while backward goes on (ShardedParameters).
   ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
-                   std::shared_ptr<distributed::ProcessGroup> group);
+                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap = true);
 
   const std::shared_ptr<distributed::ShardedParameters>& parameters() const { return sharded_; }
   // The shards AdamW decays (the blocks' matrices) and those it does not.

@@ -273,7 +273,8 @@ void PriorTrainer::State::shard_resblocks() {
     return in_blocks.count(parameter.unsafeGetTensorImpl()) == 0;
   });
 
-  shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node());
+  shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node(),
+                                              config.distributed.overlap);
   const auto& sharded = *shards->parameters();
   for (size_t g = 0; g < sharded.groups(); ++g) {
     ema->forget(shards->names(g));
@@ -331,7 +332,7 @@ void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
   if (config.distributed.gradient_reduction == "powersgd") powersgd = detail::powersgd_options(config);
   sharded_reducer = std::make_shared<distributed::ShardedReducer>(
       shards->parameters(), job->group(), job->within_node(), job->across_nodes(),
-      std::llround(config.distributed.bucket_megabytes * (1 << 20)), powersgd);
+      std::llround(config.distributed.bucket_megabytes * (1 << 20)), powersgd, config.distributed.overlap);
   update->set_reducer(sharded_reducer);
   restore_sharded_reducer();
 }
