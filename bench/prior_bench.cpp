@@ -21,6 +21,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -386,12 +387,25 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
   std::fflush(stdout);
 }
 
+// How the ranks of data_parallel talk: overlapped or not, in buckets of how many bytes, and
+// over which simulated link: a fixed one, or one whose communication alone takes
+// `comm_ratio` times the step measured without it.
+struct LinkOptions {
+  bool overlap = true;
+  int64_t bucket_bytes = 25 << 20;
+  distributed::SimulatedLink link = {};
+  double comm_ratio = 0;
+};
+
 // Data-parallel training steps of `config` on `ranks` processes of this machine (this
 // program again, through dalle's --nproc-per-node launcher), with a global batch of
 // `batch`: step time, and what each rank hands to all-reduce against what a ring
-// all-reduce of the parameters must send.
+// all-reduce of the parameters must send. Under a simulated link, the step without it
+// ("compute") is measured first, then the step over the link, whose busy time per step
+// ("communication") is bytes sent over bandwidth: the share of it hidden under compute is
+// (compute + communication - step) / communication.
 void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name,
-                   const std::vector<std::string>& arguments, int64_t ranks, bool sharded) {
+                   const std::vector<std::string>& arguments, int64_t ranks, bool sharded, LinkOptions link) {
   const auto place = distributed::read_launch_environment();
   if (place.launcher == "none" && ranks > 1) {
     const auto outcome = distributed::run_local_ranks({.ranks = ranks, .arguments = arguments, .threads_per_rank = 1});
@@ -399,7 +413,8 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
     return;
   }
   if (place.rank > 0) log::set_console_level(log::Level::warn);
-  distributed::Job job(place, {.timeout = std::chrono::minutes(10), .bucket_bytes = 25 << 20}, {});
+  distributed::Job job(
+      place, {.timeout = std::chrono::minutes(10), .bucket_bytes = link.bucket_bytes, .overlap = link.overlap}, {});
   torch::manual_seed(0);
   models::Prior prior(config);
   int64_t parameters = 0;
@@ -416,7 +431,8 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
       if (!in_blocks.count(p.unsafeGetTensorImpl())) learned.push_back(p);
     }
     shards = std::make_unique<train::ShardedResblocks>(
-        *prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, job.within_node());
+        *prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, job.within_node(),
+        link.overlap);
     for (const auto& shard : shards->parameters()->shards()) learned.push_back(shard);
     prior->set_resblock_runner(shards->runner(
         [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
@@ -430,8 +446,9 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   train::UpdateStep update(optimizer, precision, {.what = "bench"});
   std::shared_ptr<distributed::ShardedReducer> sharded_reducer;
   if (shards) {
-    sharded_reducer = std::make_shared<distributed::ShardedReducer>(shards->parameters(), job.group(),
-                                                                    job.within_node(), job.across_nodes(), 25 << 20);
+    sharded_reducer = std::make_shared<distributed::ShardedReducer>(
+        shards->parameters(), job.group(), job.within_node(), job.across_nodes(), link.bucket_bytes, std::nullopt,
+        link.overlap);
     update.set_reducer(sharded_reducer);
   } else {
     update.set_reducer(job.reducer());
@@ -446,7 +463,29 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
     update.apply(models::prior_loss(prior->forward(tokens), tokens, config).total, 1);
     ++calls;
   };
-  const double seconds = time_per_call(steps, step);
+  double seconds = time_per_call(steps, step);
+  nlohmann::json over_link;
+  if (job.group() && (link.link.enabled() || link.comm_ratio > 0)) {
+    // Every rank takes the same link: from the ranks' mean compute and bytes.
+    const double sent_before = job.group()->bytes_sent();
+    step();
+    std::vector<double> measured{seconds, job.group()->bytes_sent() - sent_before};
+    job.average(measured);
+    auto simulated = link.link;
+    if (link.comm_ratio > 0) simulated.gigabits_per_second = measured[1] * 8 / (link.comm_ratio * measured[0]) / 1e9;
+    job.group()->set_simulated_link(simulated);
+    const double over = time_per_call(steps, step);
+    const double communication = measured[1] * 8 / (simulated.gigabits_per_second * 1e9);
+    over_link = {{"link_gbps", simulated.gigabits_per_second},
+                 {"link_latency_ms", simulated.latency_ms},
+                 {"bytes_sent_per_step", measured[1]},
+                 {"compute_s", measured[0]},
+                 {"communication_s", communication},
+                 {"communication_over_compute", communication / measured[0]},
+                 {"step_over_compute", over / measured[0]},
+                 {"hidden_share", std::clamp((measured[0] + communication - over) / communication, 0.0, 1.0)}};
+    seconds = over;
+  }
   const auto* reducer = dynamic_cast<const distributed::DataParallelReducer*>(job.reducer().get());
   // Weights, gradients and the two fp32 moments this rank keeps between steps.
   int64_t state_bytes = 0;
@@ -454,8 +493,9 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   std::vector<double> rss{peak_rss_mib()};
   job.average(rss);
   if (!job.is_main()) return;
-  const nlohmann::json line = {
+  nlohmann::json line = {
       {"benchmark", "data_parallel"}, {"model", name}, {"ranks", job.size()}, {"parameters", parameters},
+      {"overlap", link.overlap}, {"bucket_bytes", link.bucket_bytes},
       {"sharding", shards ? "within_node" : "none"}, {"state_mib_per_rank", state_bytes / 1048576.0},
       {"global_batch", batch}, {"step_s", seconds}, {"tokens_per_s", batch * config.length() / seconds},
       // What this rank handed to collectives: the data-parallel all-reduce of the gradients,
@@ -466,6 +506,7 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
               : (reducer ? reducer->bytes_reduced() / calls : 0)},
       {"parameter_bytes", parameters * 4},
       {"mean_peak_rss_mib_per_rank", rss[0]}};
+  if (!over_link.empty()) line["simulated_link"] = over_link;
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
 }
@@ -635,12 +676,19 @@ int main(int argc, char** argv) {
     const int64_t ranks = std::stoll(option(argc, argv, "ranks", "1"));
     const bool sharded = option(argc, argv, "sharding", "none") == "within_node";
     const std::vector<std::string> arguments(argv, argv + argc);
+    LinkOptions link{.overlap = option(argc, argv, "overlap", "1") != "0",
+                     .bucket_bytes = std::llround(std::stod(option(argc, argv, "bucket-mb", "25")) * (1 << 20)),
+                     .comm_ratio = std::stod(option(argc, argv, "comm-ratio", "0"))};
+    if (const auto fixed = option(argc, argv, "simulate-link", ""); !fixed.empty()) {
+      link.link = distributed::parse_simulated_link(fixed);
+    }
+    link.link.latency_ms = std::max(link.link.latency_ms, std::stod(option(argc, argv, "latency-ms", "0")));
     if (option(argc, argv, "model", "tiny") == "xl-slice") {
       const int64_t layers = std::stoll(option(argc, argv, "layers", "4"));
       data_parallel(rudalle_xl_slice(layers), 2, 1, "ruDALL-E XL layout, " + std::to_string(layers) + "-layer slice",
-                    arguments, ranks, sharded);
+                    arguments, ranks, sharded, link);
     } else {
-      data_parallel(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", arguments, ranks, sharded);
+      data_parallel(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", arguments, ranks, sharded, link);
     }
   } else if (which == "powersgd-compression") {
     auto xl = rudalle_xl_slice(24);

@@ -79,6 +79,7 @@ struct ProcessGroup::Impl {
   SimulatedLink link;
   std::mutex link_mutex;
   std::chrono::steady_clock::time_point link_free_at;  // when the simulated link has carried what was queued
+  double bytes_sent_so_far = 0;
 
   void start_heartbeat() {
     heartbeat = std::thread([this] {
@@ -219,9 +220,10 @@ class PendingWork final : public PendingCollective {
 std::unique_ptr<PendingCollective> ProcessGroup::Impl::pending(c10::intrusive_ptr<c10d::Work> work,
                                                                const std::string& what, double bytes_sent) {
   std::optional<std::chrono::steady_clock::time_point> not_before;
+  std::lock_guard lock(link_mutex);
+  bytes_sent_so_far += bytes_sent;
   if (link.enabled()) {
     const double seconds = link.latency_ms / 1e3 + bytes_sent * 8 / (link.gigabits_per_second * 1e9);
-    std::lock_guard lock(link_mutex);
     link_free_at = std::max(link_free_at, std::chrono::steady_clock::now()) +
                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
     not_before = link_free_at;
@@ -275,6 +277,16 @@ std::unique_ptr<PendingCollective> ProcessGroup::start_reduce_scatter(const torc
 
 void ProcessGroup::barrier() {
   impl_->pending(impl_->start([&] { return impl_->backend->barrier(); }), "barrier", 0)->wait();
+}
+
+double ProcessGroup::bytes_sent() const {
+  std::lock_guard lock(impl_->link_mutex);
+  return impl_->bytes_sent_so_far;
+}
+
+void ProcessGroup::set_simulated_link(const SimulatedLink& link) {
+  std::lock_guard lock(impl_->link_mutex);
+  impl_->link = link;
 }
 
 SimulatedLink parse_simulated_link(const std::string& text) {

@@ -83,6 +83,12 @@ class ProcessGroup {
                                                           ReduceOp op = ReduceOp::sum);
   void barrier();
 
+  // What this rank has sent in the collectives so far, as a ring sends it (the bytes a
+  // simulated link carries), and the link from now on (a benchmark sets it once it has
+  // measured the step without it).
+  double bytes_sent() const;
+  void set_simulated_link(const SimulatedLink& link);
+
   struct Impl;  // c10d's objects, seen only by src/distributed/process_group.cpp
 
  private:
