@@ -29,9 +29,10 @@
 //   log-softmax and gradient, T x classes x 12. Attention scores are not kept (SDPA's
 //   memory-efficient kernel, the sparse path's blocks). Sharding implies per-resblock
 //   checkpointing, as in the trainer; else checkpoint_activations_every k checkpoints
-//   resblocks 0, k, 2k, ... The rule gives the 1.3B layout's measured peak on an H100
-//   (docs/benchmarks.md: bf16, batch 8, 42.1 GiB uncheckpointed, 24.6 GiB checkpointed) within
-//   -2% and +5%.
+//   resblocks 0, k, 2k, ... With the benchmark's state (fp32 weights, gradients and moments,
+//   no average), the rule gives the 1.3B layout's measured peaks on an H100 (docs/benchmarks.md:
+//   bf16, batch 8, 42.1 GiB without checkpointing, 24.6 GiB with every resblock's) within -2%
+//   and +5%.
 // - 16-bit weight copies: autocast casts a block's fp32 weights to 16 bits, and keeps the
 //   copies of every block whose activations are kept.
 // - Peak memory = what is kept between updates + the larger of two phases: backward
