@@ -161,7 +161,9 @@ LowRankCost shard_low_rank(const ModelShape& shape, int64_t layers, int64_t rank
 }
 
 distributed::PowerSgdOptions powersgd_options(const PowerSgdConfig& config) {
-  return {.rank = config.rank, .start_update = config.start_update, .min_compression_rate = config.min_compression_rate};
+  return {.rank = config.rank,
+          .start_update = config.start_update,
+          .min_compression_rate = config.min_compression_rate};
 }
 
 double ring_factor(const std::string& collective, int64_t ranks) {
@@ -357,7 +359,8 @@ class Planner {
        : part.phase == MemoryPhase::backward ? plan_.backward_bytes
                                              : plan_.reduction_bytes) += part.bytes;
     }
-    const auto peak_phase = plan_.backward_bytes >= plan_.reduction_bytes ? MemoryPhase::backward : MemoryPhase::reduction;
+    const auto peak_phase =
+        plan_.backward_bytes >= plan_.reduction_bytes ? MemoryPhase::backward : MemoryPhase::reduction;
     plan_.peak_bytes = plan_.kept_bytes + std::max(plan_.backward_bytes, plan_.reduction_bytes);
     plan_.capacity_bytes = cluster_.gpu_memory_gib * kGiB;
     plan_.fits = plan_.peak_bytes <= plan_.capacity_bytes;
@@ -426,7 +429,8 @@ class Planner {
     const double part = kFp32 * static_cast<double>(ceil_div(outside, gpus_));
     const double part_whole = part * static_cast<double>(gpus_);
     const int64_t machines = cluster_.nodes;
-    add_traffic("replicated gradients reduce-scattered in the machine", "reduce-scatter", within, gpus_, part_whole, "");
+    add_traffic("replicated gradients reduce-scattered in the machine", "reduce-scatter", within, gpus_, part_whole,
+                "");
     add_traffic("replicated gradients' part across machines", "all-reduce", across, machines, part,
                 "ShardedReducer::bytes_across_nodes");
     add_traffic("replicated gradients all-gathered in the machine", "all-gather", within, gpus_, part_whole, "");
@@ -624,8 +628,8 @@ std::string capacity_plan_table(const CapacityPlan& plan) {
                  plan.peak_bytes / kGiB, plan.kept_bytes / kGiB, plan.backward_bytes / kGiB,
                  plan.reduction_bytes / kGiB);
   std::string verdict = plan.fits ? printed("fits in %.0f GiB", c.gpu_memory_gib)
-                                   : printed("does not fit in %.0f GiB (over by %.2f GiB); too large:", c.gpu_memory_gib,
-                                             (plan.peak_bytes - plan.capacity_bytes) / kGiB);
+                                   : printed("does not fit in %.0f GiB (over by %.2f GiB); too large:",
+                                             c.gpu_memory_gib, (plan.peak_bytes - plan.capacity_bytes) / kGiB);
   for (size_t i = 0; i < plan.too_large.size(); ++i) verdict += (i ? ", " : " ") + plan.too_large[i];
   out += "  " + verdict + "\n\n";
 
