@@ -42,6 +42,7 @@
 #include "dalle/error.h"
 #include "dalle/log.h"
 #include "dalle/models/prior.h"
+#include "dalle/models/prior_flops.h"
 #include "dalle/models/prior_sampling.h"
 #include "dalle/train/adamw.h"
 #include "dalle/train/model_precision.h"
@@ -316,21 +317,6 @@ struct TrainingOptions {
   double peak_tflops = 989;  // the GPU's dense 16-bit peak (H100 and H200 SXM): the MFU's denominator
 };
 
-// Model FLOPs of one trained token, forward and backward (PaLM's accounting, appendix B): 6 per
-// weight of every matrix multiply (the embeddings are lookups, not multiplies) and 6 x layers x
-// sequence x width for causal attention's scores and weighted sums, counted dense: the sparse
-// masks compute less, and recomputation under checkpointing is not counted.
-double model_flops_per_token(const models::Prior& prior, const models::PriorConfig& config) {
-  double matrix_weights = 0;
-  for (const auto& module : prior->modules()) {
-    if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(module.get())) {
-      matrix_weights += static_cast<double>(linear->weight.numel());
-    }
-  }
-  return 6.0 * matrix_weights + 6.0 * static_cast<double>(config.layers) * static_cast<double>(config.length()) *
-                                    static_cast<double>(config.width);
-}
-
 void training(const models::PriorConfig& config, int64_t batch, int steps, const std::string& name,
               const TrainingOptions& options) {
   torch::manual_seed(0);
@@ -376,7 +362,7 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
                          {"peak_rss_mib", peak_rss_mib()},
                          {"rss_before_mib", rss_before}};
   if (on_gpu) {
-    const double flops_per_token = model_flops_per_token(prior, config);
+    const double flops_per_token = models::prior_flops_per_token(models::matrix_weights(*prior), config);
     line["model_flops_per_token"] = flops_per_token;
     line["model_tflops_per_s"] = flops_per_token * tokens_per_s / 1e12;
     line["peak_tflops"] = options.peak_tflops;

@@ -46,6 +46,38 @@ TEST(Tools, HelpDescribesEverySubcommand) {
   EXPECT_THAT(run("dalle-data", "--version").output, ::testing::HasSubstr("torch 2.11"));
 }
 
+// dalle-plan over the demo's prior recipe on 2 machines x 2 GPUs: a table, the same plan as
+// JSON, and a cluster of no machines refused as a bad command line.
+TEST(Tools, PlanPrintsATableOrJsonAndRefusesABadCluster) {
+  const auto help = run("dalle-plan", "--help");
+  EXPECT_EQ(help.status, 0);
+  for (const char* option : {"--config", "--set", "--nodes", "--gpus-per-node", "--gpu-memory", "--peak-tflops",
+                             "--mfu", "--link-within-gbps", "--link-across-gbps", "--json"}) {
+    EXPECT_THAT(help.output, ::testing::HasSubstr(option));
+  }
+  const std::string recipe = "--log-level off --config " + std::string(DALLE_SOURCE_DIR) +
+                             "/configs/prior/fashion-compose-tiny.yaml --gpus-per-node 2 --gpu-memory 1 "
+                             "--set distributed.sharding=within_node";
+  const std::string plan = recipe + " --nodes 2";
+  const auto table = run("dalle-plan", plan);
+  ASSERT_EQ(table.status, 0) << table.output;
+  EXPECT_THAT(table.output, ::testing::HasSubstr("memory per rank"));
+  EXPECT_THAT(table.output, ::testing::HasSubstr("fits in 1 GiB"));
+  EXPECT_THAT(table.output, ::testing::HasSubstr("ShardedParameters::bytes_moved"));
+  const auto json = run("dalle-plan", plan + " --json");
+  ASSERT_EQ(json.status, 0) << json.output;
+  const auto parsed = nlohmann::json::parse(json.output);
+  EXPECT_EQ(parsed["cluster"]["ranks"].get<int64_t>(), 4);
+  EXPECT_TRUE(parsed["memory"]["fits"].get<bool>());
+  EXPECT_TRUE(parsed["training"]["sharded"].get<bool>());
+  const auto refused = run("dalle-plan", recipe + " --nodes 0");
+  EXPECT_EQ(refused.status, 2);
+  EXPECT_THAT(refused.output, ::testing::HasSubstr("nodes must be at least 1, not 0"));
+  const auto indivisible = run("dalle-plan", plan + " --batch 6");
+  EXPECT_EQ(indivisible.status, 1);
+  EXPECT_THAT(indivisible.output, ::testing::HasSubstr("data.batch_size 6 does not divide between 4 ranks"));
+}
+
 TEST(Tools, BadCommandLinesExitWithUsageStatus) {
   EXPECT_EQ(run("dalle-data", "").status, 2);
   EXPECT_EQ(run("dalle-data", "frobnicate").status, 2);

@@ -1,0 +1,660 @@
+#include "dalle/train/capacity_plan.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <unordered_set>
+
+#include "dalle/distributed/powersgd.h"
+#include "dalle/distributed/sharded_parameters.h"
+#include "dalle/error.h"
+#include "dalle/models/prior_flops.h"
+
+namespace dalle::train {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kMB = 1e6;  // as the metrics' across_machines_mb
+constexpr double kFp32 = 4;
+// Values per token per unit of width a resblock keeps for its backward when not
+// checkpointed (capacity_plan.h): attention's norm, q, k, v and attended; the MLP's norm and
+// its 4d hidden before and after GELU.
+constexpr double kAttentionInternals = 6, kMlpInternals = 10;
+// Logits per token and class in fp32: values, log-softmax and gradient.
+constexpr double kLogitBytes = 12;
+
+using Shape = std::vector<int64_t>;
+
+int64_t numel(const Shape& shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// One resblock as ShardedResblocks groups it: its matrices (which AdamW decays: no
+// embeddings live in a block), then the rest, each in the block's parameter order.
+struct BlockShape {
+  bool attention = false;
+  std::vector<Shape> groups[2];
+  int64_t matrix_weights = 0;  // of its matrix multiplies
+
+  int64_t values(int g) const {
+    int64_t sum = 0;
+    for (const auto& shape : groups[g]) sum += numel(shape);
+    return sum;
+  }
+  int64_t values() const { return values(0) + values(1); }
+  int64_t shard_values(int64_t ranks) const { return ceil_div(values(0), ranks) + ceil_div(values(1), ranks); }
+  std::vector<Shape> shapes() const {
+    auto all = groups[0];
+    all.insert(all.end(), groups[1].begin(), groups[1].end());
+    return all;
+  }
+};
+
+// The parameters' shapes of one layer's two resblocks and of everything outside them.
+struct ModelShape {
+  std::vector<BlockShape> layer;  // attention, then MLP
+  std::vector<Shape> outside;
+  int64_t outside_matrix_weights = 0;
+};
+
+// Built with one layer: every layer's blocks have the same parameters, whatever their mask.
+ModelShape measure(models::PriorConfig config) {
+  config.layers = 1;
+  config.attention.clear();
+  torch::NoGradGuard no_grad;
+  models::Prior prior(config);
+  ModelShape shape;
+  std::unordered_set<const torch::TensorImpl*> in_blocks;
+  int64_t block_matrix_weights = 0;
+  for (size_t b = 0; b < prior->resblocks().size(); ++b) {
+    const auto& block = prior->resblocks()[b];
+    BlockShape measured;
+    measured.attention = b % 2 == 0;
+    measured.matrix_weights = models::matrix_weights(*block);
+    block_matrix_weights += measured.matrix_weights;
+    for (const auto& parameter : block->parameters()) {
+      in_blocks.insert(parameter.unsafeGetTensorImpl());
+      measured.groups[parameter.dim() == 2 ? 0 : 1].push_back(parameter.sizes().vec());
+    }
+    shape.layer.push_back(std::move(measured));
+  }
+  for (const auto& parameter : prior->parameters()) {
+    if (!in_blocks.count(parameter.unsafeGetTensorImpl())) shape.outside.push_back(parameter.sizes().vec());
+  }
+  shape.outside_matrix_weights = models::matrix_weights(*prior) - block_matrix_weights;
+  return shape;
+}
+
+double dtype_bytes(const std::string& dtype) { return dtype == "float32" ? 4 : 2; }
+
+// What PowerSGD keeps and sends for a set of gradient matrices (per update, per rank).
+struct LowRankCost {
+  double compressed_values = 0;  // of the matrices (or blocks of rows) compressed
+  double pq_values = 0;          // (rows + columns) x rank of those
+  double q_values = 0;           // columns x rank
+  double whole_values = 0;       // the values that go uncompressed
+
+  void add_matrix(int64_t rows, int64_t columns, const distributed::PowerSgdOptions& options) {
+    const auto rank = static_cast<double>(distributed::effective_rank(rows, columns, options));
+    compressed_values += static_cast<double>(rows * columns);
+    pq_values += static_cast<double>(rows + columns) * rank;
+    q_values += static_cast<double>(columns) * rank;
+  }
+  LowRankCost& operator+=(const LowRankCost& other) {
+    compressed_values += other.compressed_values;
+    pq_values += other.pq_values;
+    q_values += other.q_values;
+    whole_values += other.whole_values;
+    return *this;
+  }
+  LowRankCost times(double factor) const {
+    return {compressed_values * factor, pq_values * factor, q_values * factor, whole_values * factor};
+  }
+};
+
+// Flat PowerSGD (PowerSgdReducer): every gradient, as its first dimension by the rest.
+LowRankCost flat_low_rank(const ModelShape& shape, int64_t layers, const distributed::PowerSgdOptions& options) {
+  const auto cost_of = [&](const Shape& parameter) {
+    LowRankCost cost;
+    if (distributed::compresses(parameter, options)) {
+      cost.add_matrix(parameter[0], numel(parameter) / parameter[0], options);
+    } else {
+      cost.whole_values += static_cast<double>(numel(parameter));
+    }
+    return cost;
+  };
+  LowRankCost total;
+  for (const auto& block : shape.layer) {
+    for (const auto& parameter : block.shapes()) total += cost_of(parameter).times(static_cast<double>(layers));
+  }
+  for (const auto& parameter : shape.outside) total += cost_of(parameter);
+  return total;
+}
+
+// DALL-E's hierarchy (ShardedReducer): local rank `rank`'s shard of every group, its whole
+// rows of matrices compressed, the rest of the shard (cut rows, vectors, padding) whole.
+LowRankCost shard_low_rank(const ModelShape& shape, int64_t layers, int64_t rank, int64_t ranks,
+                           const distributed::PowerSgdOptions& options) {
+  LowRankCost per_layer;
+  for (const auto& block : shape.layer) {
+    for (const auto& group : block.groups) {
+      int64_t values = 0;
+      for (const auto& tensor : group) values += numel(tensor);
+      double left = static_cast<double>(ceil_div(values, ranks));
+      for (const auto& rows : distributed::rows_in_shard(group, rank, ranks)) {
+        if (!distributed::compresses(rows.rows, rows.columns, options)) continue;
+        per_layer.add_matrix(rows.rows, rows.columns, options);
+        left -= static_cast<double>(rows.rows * rows.columns);
+      }
+      per_layer.whole_values += left;
+    }
+  }
+  return per_layer.times(static_cast<double>(layers));
+}
+
+distributed::PowerSgdOptions powersgd_options(const PowerSgdConfig& config) {
+  return {.rank = config.rank,
+          .start_update = config.start_update,
+          .min_compression_rate = config.min_compression_rate};
+}
+
+double ring_factor(const std::string& collective, int64_t ranks) {
+  const double n = static_cast<double>(ranks);
+  return (collective == "all-reduce" ? 2.0 : 1.0) * (n - 1.0) / n;
+}
+
+double wire_seconds(const TrafficPart& part, const ClusterShape& cluster) {
+  const double wire = ring_factor(part.collective, part.ranks) * part.payload_bytes;
+  const double within = cluster.link_within_gbps * 1e9 / 8.0, across = cluster.link_across_gbps * 1e9 / 8.0;
+  switch (part.scope) {
+    case CollectiveScope::within: return wire / within;
+    // Every local rank's group crosses at once through the machine's links.
+    case CollectiveScope::across: return wire * static_cast<double>(cluster.gpus_per_node) / across;
+    case CollectiveScope::spanning: return std::max(wire / within, wire / across);
+  }
+  return 0;
+}
+
+// The plan's pieces as they are worked out, in order.
+class Planner {
+ public:
+  Planner(const PriorTrainConfig& recipe, const ClusterShape& cluster)
+      : recipe_(recipe), cluster_(cluster), shape_(measure(recipe.model)) {
+    plan_.cluster = cluster;
+    plan_.model = recipe.model;
+    plan_.precision = recipe.precision.mode;
+    plan_.adam_moments = recipe.precision.adam_moments;
+    plan_.sharding = recipe.distributed.sharding;
+    plan_.gradient_reduction = recipe.distributed.gradient_reduction;
+    plan_.sharded = recipe.distributed.sharding == "within_node" && cluster.gpus_per_node > 1;
+    layers_ = recipe.model.layers;
+    resblocks_ = 2 * layers_;
+    gpus_ = cluster.gpus_per_node;
+    powersgd_ = recipe.distributed.gradient_reduction == "powersgd";
+  }
+
+  CapacityPlan run() {
+    batch();
+    count_parameters();
+    state_memory();
+    working_memory();
+    powersgd_memory();
+    decide_fit();
+    traffic();
+    step_time();
+    add_notes();
+    return std::move(plan_);
+  }
+
+ private:
+  void batch() {
+    const int64_t ranks = cluster_.ranks();
+    plan_.global_batch = recipe_.data.batch_size;
+    if (plan_.global_batch % ranks != 0) {
+      throw Error("data.batch_size " + std::to_string(plan_.global_batch) + " does not divide between " +
+                  std::to_string(ranks) + " ranks (it is the global batch); make it a multiple of the ranks, as " +
+                  "--set data.batch_size=" + std::to_string(ranks));
+    }
+    plan_.batch_per_rank = plan_.global_batch / ranks;
+    plan_.tokens_per_rank = plan_.batch_per_rank * recipe_.model.length();
+  }
+
+  void count_parameters() {
+    auto& counts = plan_.parameters;
+    int64_t layer_values = 0, layer_shards = 0, layer_matrix_weights = 0;
+    for (const auto& block : shape_.layer) {
+      layer_values += block.values();
+      layer_shards += block.shard_values(gpus_);
+      layer_matrix_weights += block.matrix_weights;
+      largest_block_ = std::max(largest_block_, block.values());
+      largest_block_padded_ = std::max(largest_block_padded_, gpus_ * block.shard_values(gpus_));
+    }
+    for (const auto& parameter : shape_.outside) counts.outside_resblocks += numel(parameter);
+    counts.in_resblocks = layers_ * layer_values;
+    counts.total = counts.in_resblocks + counts.outside_resblocks;
+    counts.matrix_weights = layers_ * layer_matrix_weights + shape_.outside_matrix_weights;
+    shard_values_ = layers_ * layer_shards;
+    counts.per_rank = plan_.sharded ? shard_values_ + counts.outside_resblocks : counts.total;
+  }
+
+  void add_memory(std::string name, MemoryPhase phase, double bytes, std::string rule) {
+    plan_.memory.push_back({std::move(name), phase, bytes, std::move(rule)});
+  }
+
+  // What each rank keeps from one update to the next.
+  void state_memory() {
+    const double held = static_cast<double>(plan_.parameters.per_rank);
+    const std::string what = plan_.sharded ? "1/" + std::to_string(gpus_) +
+                                                 " of every resblock (padded) and the rest whole"
+                                           : "the whole model";
+    add_memory("weights", MemoryPhase::kept, kFp32 * held, "fp32, " + what);
+    add_memory("gradients", MemoryPhase::kept, kFp32 * held, "fp32, " + what);
+    const double moment = recipe_.precision.adam_moments == "bf16" ? 2 : 4;
+    add_memory("AdamW moments", MemoryPhase::kept, 2 * moment * held,
+               "two, " + recipe_.precision.adam_moments + ", " + what);
+    add_memory("moving average", MemoryPhase::kept, kFp32 * held, "fp32, " + what);
+    add_memory("validation model", MemoryPhase::kept, kFp32 * static_cast<double>(plan_.parameters.total),
+               "fp32, whole on every rank: the moving average copied in for validation and sample grids");
+    if (recipe_.precision.precision() == Precision::fp16) {
+      add_memory("fp16 gradient scales", MemoryPhase::kept, 16.0 * static_cast<double>(resblocks_),
+                 "a scale and its last backoff per resblock (host memory, counted anyway)");
+    }
+  }
+
+  bool checkpointed(int64_t block) const {
+    if (plan_.sharded) return true;
+    const int64_t every = recipe_.checkpoint_activations_every;
+    return every > 0 && block % every == 0;
+  }
+
+  // What the forward and backward passes hold besides the state.
+  void working_memory() {
+    const double tokens = static_cast<double>(plan_.tokens_per_rank), width = static_cast<double>(recipe_.model.width);
+    const bool sixteen_bits = recipe_.precision.precision() != Precision::fp32;
+    const double activation = sixteen_bits ? 2 : 4;
+    double internals = 0, recomputed = 0, copied_weights = 0, recomputed_weights = 0;
+    int64_t checkpointed_blocks = 0;
+    for (int64_t b = 0; b < resblocks_; ++b) {
+      const auto& block = shape_.layer[b % 2];
+      const double values = (block.attention ? kAttentionInternals : kMlpInternals) * tokens * width;
+      if (checkpointed(b)) {
+        ++checkpointed_blocks;
+        recomputed = std::max(recomputed, values);
+        recomputed_weights = std::max(recomputed_weights, static_cast<double>(block.values()));
+      } else {
+        internals += values;
+        copied_weights += static_cast<double>(block.values());
+      }
+    }
+    plan_.checkpointing = plan_.sharded ? "every resblock (sharding recomputes each block)"
+                          : checkpointed_blocks == 0
+                              ? "none"
+                              : std::to_string(checkpointed_blocks) + " of " + std::to_string(resblocks_) +
+                                    " resblocks (checkpoint_activations_every " +
+                                    std::to_string(recipe_.checkpoint_activations_every) + ")";
+    const double inputs = static_cast<double>(resblocks_) * tokens * width * kFp32;
+    add_memory("activations", MemoryPhase::backward, inputs + (internals + recomputed) * activation,
+               "estimate: every resblock's fp32 input, the internals of those not checkpointed, one recomputed");
+    const double classes = static_cast<double>(recipe_.model.text_classes() + recipe_.model.image_vocab_size);
+    add_memory("logits", MemoryPhase::backward, tokens * classes * kLogitBytes,
+               "fp32 values, log-softmax and gradient per token and class");
+    if (sixteen_bits) {
+      add_memory("16-bit weight copies", MemoryPhase::backward, 2 * (copied_weights + recomputed_weights),
+                 "autocast's casts of the blocks whose activations are kept, and of one recomputed");
+    }
+    if (plan_.sharded) {
+      add_memory("gathered resblock", MemoryPhase::backward, 2 * kFp32 * static_cast<double>(largest_block_),
+                 "fp32 values and gradients of the largest block, whole");
+      add_memory("prefetched resblock", MemoryPhase::backward, kFp32 * static_cast<double>(largest_block_padded_),
+                 "fp32, the next block's all-gather in flight");
+    }
+  }
+
+  bool reduces_low_rank() const {
+    return powersgd_ && (plan_.sharded ? cluster_.nodes > 1 : cluster_.ranks() > 1);
+  }
+
+  // PowerSGD's buffers; the per-rank cost of the hierarchy differs by local rank (which
+  // rows a shard holds): memory takes the largest, traffic the mean.
+  void powersgd_memory() {
+    if (!reduces_low_rank()) return;
+    const auto options = powersgd_options(recipe_.distributed.powersgd);
+    const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
+    const auto& dtype = recipe_.distributed.powersgd.dtype;
+    LowRankCost largest;
+    double error_values = 0;
+    if (plan_.sharded) {
+      for (int64_t rank = 0; rank < gpus_; ++rank) {
+        const auto cost = shard_low_rank(shape_, layers_, rank, gpus_, options);
+        low_rank_ += cost.times(1.0 / static_cast<double>(gpus_));
+        if (cost.pq_values + cost.compressed_values > largest.pq_values + largest.compressed_values) largest = cost;
+      }
+      error_values = static_cast<double>(shard_values_);  // a buffer per shard, whole
+    } else {
+      low_rank_ = largest = flat_low_rank(shape_, layers_, options);
+      error_values = largest.compressed_values;
+    }
+    add_memory("PowerSGD error feedback", MemoryPhase::kept, bytes * error_values,
+               dtype + (plan_.sharded ? ", the size of the shards" : ", the size of the compressed gradients"));
+    add_memory("PowerSGD Q", MemoryPhase::kept, kFp32 * largest.q_values, "fp32, columns x rank per matrix");
+    add_memory("PowerSGD P and Q of an update", MemoryPhase::reduction, 2 * bytes * largest.pq_values,
+               dtype + ", each and its flat copy for the all-reduce");
+    if (dtype != "float32") {
+      add_memory("PowerSGD fp32 working copies", MemoryPhase::reduction, kFp32 * largest.compressed_values,
+                 "the 16-bit buffers read back in fp32, all at once");
+    }
+  }
+
+  void decide_fit() {
+    for (const auto& part : plan_.memory) {
+      (part.phase == MemoryPhase::kept       ? plan_.kept_bytes
+       : part.phase == MemoryPhase::backward ? plan_.backward_bytes
+                                             : plan_.reduction_bytes) += part.bytes;
+    }
+    const auto peak_phase =
+        plan_.backward_bytes >= plan_.reduction_bytes ? MemoryPhase::backward : MemoryPhase::reduction;
+    plan_.peak_bytes = plan_.kept_bytes + std::max(plan_.backward_bytes, plan_.reduction_bytes);
+    plan_.capacity_bytes = cluster_.gpu_memory_gib * kGiB;
+    plan_.fits = plan_.peak_bytes <= plan_.capacity_bytes;
+    std::vector<const MemoryPart*> at_peak;
+    for (const auto& part : plan_.memory) {
+      if (part.phase == MemoryPhase::kept || part.phase == peak_phase) at_peak.push_back(&part);
+    }
+    std::stable_sort(at_peak.begin(), at_peak.end(), [](auto* a, auto* b) { return a->bytes > b->bytes; });
+    double left = plan_.peak_bytes;
+    for (const auto* part : at_peak) {
+      if (left <= plan_.capacity_bytes) break;
+      plan_.too_large.push_back(part->name);
+      left -= part->bytes;
+    }
+    // Before sharding, each rank holds the whole model, its validation copy and its average.
+    plan_.startup_bytes = 3 * kFp32 * static_cast<double>(plan_.parameters.total);
+    plan_.fits_at_startup = !plan_.sharded || plan_.startup_bytes <= plan_.capacity_bytes;
+  }
+
+  void add_traffic(std::string name, std::string collective, CollectiveScope scope, int64_t ranks, double payload,
+                   std::string counted_by, bool hidden = false) {
+    TrafficPart part{std::move(name), std::move(collective), scope, ranks, payload, std::move(counted_by), 0, hidden};
+    part.seconds = wire_seconds(part, cluster_);
+    plan_.traffic.push_back(std::move(part));
+  }
+
+  void traffic() {
+    if (cluster_.ranks() == 1) return;
+    plan_.sharded ? sharded_traffic() : data_parallel_traffic();
+    for (const auto& part : plan_.traffic) {
+      (part.scope == CollectiveScope::within ? plan_.bytes_within : plan_.bytes_across) += part.payload_bytes;
+    }
+  }
+
+  void data_parallel_traffic() {
+    const auto scope = cluster_.nodes > 1 ? CollectiveScope::spanning : CollectiveScope::within;
+    const int64_t ranks = cluster_.ranks();
+    const double whole = kFp32 * static_cast<double>(plan_.parameters.total);
+    if (cluster_.nodes > 1) plan_.bytes_across_uncompressed = whole;
+    if (!powersgd_) {
+      add_traffic("gradients", "all-reduce", scope, ranks, whole, "DataParallelReducer::bytes_reduced");
+      return;
+    }
+    const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
+    add_traffic("gradients' P and Q", "all-reduce", scope, ranks, bytes * low_rank_.pq_values,
+                "PowerSgdReducer::bytes_reduced (LowRankAverager)");
+    add_traffic("gradients not compressed", "all-reduce", scope, ranks, kFp32 * low_rank_.whole_values,
+                "PowerSgdReducer::bytes_reduced (DataParallelReducer)");
+  }
+
+  void sharded_traffic() {
+    double padded = 0;
+    for (const auto& block : shape_.layer) padded += static_cast<double>(gpus_ * block.shard_values(gpus_));
+    const double blocks = kFp32 * static_cast<double>(layers_) * padded;
+    const auto within = CollectiveScope::within, across = CollectiveScope::across;
+    const char* moved = "ShardedParameters::bytes_moved";
+    add_traffic("resblocks gathered for forward", "all-gather", within, gpus_, blocks, moved, true);
+    add_traffic("resblocks gathered again for backward", "all-gather", within, gpus_, blocks, moved, true);
+    add_traffic("resblock gradients reduce-scattered", "reduce-scatter", within, gpus_, blocks, moved);
+    const int64_t outside = plan_.parameters.outside_resblocks;
+    if (cluster_.nodes == 1) {
+      add_traffic("replicated gradients (embeddings, output layer)", "all-reduce", within, gpus_,
+                  kFp32 * static_cast<double>(outside), "ShardedReducer::bytes_reduced (DataParallelReducer)");
+      return;
+    }
+    const double part = kFp32 * static_cast<double>(ceil_div(outside, gpus_));
+    const double part_whole = part * static_cast<double>(gpus_);
+    const int64_t machines = cluster_.nodes;
+    add_traffic("replicated gradients reduce-scattered in the machine", "reduce-scatter", within, gpus_, part_whole,
+                "");
+    add_traffic("replicated gradients' part across machines", "all-reduce", across, machines, part,
+                "ShardedReducer::bytes_across_nodes");
+    add_traffic("replicated gradients all-gathered in the machine", "all-gather", within, gpus_, part_whole, "");
+    const double shards = kFp32 * static_cast<double>(shard_values_);
+    plan_.bytes_across_uncompressed = part + shards;
+    if (!powersgd_) {
+      add_traffic("resblock shards across machines", "all-reduce", across, machines, shards,
+                  "ShardedReducer::bytes_across_nodes (DataParallelReducer)");
+      return;
+    }
+    const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
+    add_traffic("shards' P and Q across machines", "all-reduce", across, machines, bytes * low_rank_.pq_values,
+                "ShardedReducer::bytes_across_nodes (LowRankAverager)");
+    add_traffic("shards' rest across machines, whole", "all-reduce", across, machines,
+                kFp32 * low_rank_.whole_values, "ShardedReducer::bytes_across_nodes");
+  }
+
+  void step_time() {
+    plan_.flops_per_token = models::prior_flops_per_token(static_cast<double>(plan_.parameters.matrix_weights),
+                                                          recipe_.model);
+    const double sequence = static_cast<double>(recipe_.model.length());
+    plan_.flops_per_update = plan_.flops_per_token * static_cast<double>(plan_.global_batch) * sequence;
+    plan_.compute_seconds = plan_.flops_per_token * static_cast<double>(plan_.tokens_per_rank) /
+                            (cluster_.peak_tflops * 1e12 * cluster_.mfu);
+    double hidden = 0, exposed = 0;
+    for (const auto& part : plan_.traffic) (part.hidden ? hidden : exposed) += part.seconds;
+    plan_.exposed_communication_seconds = exposed + std::max(0.0, hidden - plan_.compute_seconds);
+    plan_.step_seconds = plan_.compute_seconds + plan_.exposed_communication_seconds;
+    plan_.tokens_per_second = static_cast<double>(plan_.global_batch) * sequence / plan_.step_seconds;
+  }
+
+  void add_notes() {
+    auto& notes = plan_.notes;
+    if (recipe_.distributed.sharding == "within_node" && !plan_.sharded) {
+      notes.push_back("distributed.sharding within_node changes nothing on one GPU per machine");
+    }
+    if (!plan_.fits_at_startup) {
+      char text[200];
+      std::snprintf(text, sizeof text,
+                    "at start each rank places the whole model, its validation copy and its average on its GPU "
+                    "before sharding them: %.1f GiB, more than the GPU holds",
+                    plan_.startup_bytes / kGiB);
+      notes.push_back(text);
+    }
+    if (!powersgd_) return;
+    if (plan_.sharded) {
+      notes.push_back("distributed.powersgd.rank is each shard's rank: DALL-E's 896 over 8 GPUs per machine is 112");
+      if (cluster_.nodes == 1) notes.push_back("on one machine nothing crosses machines and nothing is compressed");
+    } else {
+      notes.push_back("flat PowerSGD compresses every matrix, embeddings and output layer included");
+    }
+    if (reduces_low_rank() && recipe_.distributed.powersgd.start_update > 1) {
+      notes.push_back("before update " + std::to_string(recipe_.distributed.powersgd.start_update) +
+                      " (powersgd.start_update) every gradient goes whole, as bytes_across_uncompressed");
+    }
+  }
+
+  const PriorTrainConfig& recipe_;
+  ClusterShape cluster_;
+  ModelShape shape_;
+  CapacityPlan plan_;
+  int64_t layers_ = 0, resblocks_ = 0, gpus_ = 1;
+  int64_t shard_values_ = 0;  // of every resblock group on one rank, padding included
+  int64_t largest_block_ = 0, largest_block_padded_ = 0;
+  bool powersgd_ = false;
+  LowRankCost low_rank_;  // per rank, the mean over local ranks when sharded
+};
+
+void require(bool holds, const std::string& what) {
+  if (!holds) throw Error("the cluster: " + what);
+}
+
+std::string printed(const char* format, ...) {
+  char text[512];
+  va_list arguments;
+  va_start(arguments, format);
+  std::vsnprintf(text, sizeof text, format, arguments);
+  va_end(arguments);
+  return text;
+}
+
+std::string with_thousands(int64_t value) {
+  auto digits = std::to_string(value);
+  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(static_cast<size_t>(i), ",");
+  return digits;
+}
+
+}  // namespace
+
+void ClusterShape::validate() const {
+  require(nodes >= 1, "nodes must be at least 1, not " + std::to_string(nodes));
+  require(gpus_per_node >= 1, "gpus per node must be at least 1, not " + std::to_string(gpus_per_node));
+  require(gpu_memory_gib > 0, "GPU memory must be more than 0 GiB");
+  require(peak_tflops > 0, "peak TFLOP/s must be more than 0");
+  require(mfu > 0 && mfu <= 1, "the MFU must be in (0, 1], not " + std::to_string(mfu));
+  require(link_within_gbps > 0, "the link within a machine must be faster than 0 Gbit/s");
+  require(link_across_gbps > 0, "the link across machines must be faster than 0 Gbit/s");
+}
+
+const char* phase_name(MemoryPhase phase) {
+  switch (phase) {
+    case MemoryPhase::kept: return "kept";
+    case MemoryPhase::backward: return "backward";
+    case MemoryPhase::reduction: return "reduction";
+  }
+  return "";
+}
+
+const char* scope_name(CollectiveScope scope) {
+  switch (scope) {
+    case CollectiveScope::within: return "within";
+    case CollectiveScope::across: return "across";
+    case CollectiveScope::spanning: return "spanning";
+  }
+  return "";
+}
+
+CapacityPlan plan_capacity(const PriorTrainConfig& recipe, const ClusterShape& cluster) {
+  cluster.validate();
+  recipe.model.validate();
+  return Planner(recipe, cluster).run();
+}
+
+std::string capacity_plan_json(const CapacityPlan& plan) {
+  const auto& c = plan.cluster;
+  nlohmann::json json = {
+      {"cluster",
+       {{"nodes", c.nodes}, {"gpus_per_node", c.gpus_per_node}, {"ranks", c.ranks()},
+        {"gpu_memory_gib", c.gpu_memory_gib}, {"peak_tflops", c.peak_tflops}, {"mfu", c.mfu},
+        {"link_within_gbps", c.link_within_gbps}, {"link_across_gbps", c.link_across_gbps}}},
+      {"model",
+       {{"layers", plan.model.layers}, {"width", plan.model.width}, {"heads", plan.model.heads},
+        {"sequence", plan.model.length()}}},
+      {"training",
+       {{"precision", plan.precision}, {"adam_moments", plan.adam_moments}, {"sharding", plan.sharding},
+        {"sharded", plan.sharded}, {"gradient_reduction", plan.gradient_reduction},
+        {"checkpointing", plan.checkpointing}, {"global_batch", plan.global_batch},
+        {"batch_per_rank", plan.batch_per_rank}, {"tokens_per_rank", plan.tokens_per_rank}}},
+      {"parameters",
+       {{"total", plan.parameters.total}, {"in_resblocks", plan.parameters.in_resblocks},
+        {"outside_resblocks", plan.parameters.outside_resblocks}, {"matrix_weights", plan.parameters.matrix_weights},
+        {"per_rank", plan.parameters.per_rank}}}};
+  auto& memory = json["memory"];
+  memory["parts"] = nlohmann::json::array();
+  for (const auto& part : plan.memory) {
+    memory["parts"].push_back(
+        {{"name", part.name}, {"phase", phase_name(part.phase)}, {"bytes", part.bytes}, {"rule", part.rule}});
+  }
+  memory.update({{"kept_bytes", plan.kept_bytes}, {"backward_bytes", plan.backward_bytes},
+                 {"reduction_bytes", plan.reduction_bytes}, {"peak_bytes", plan.peak_bytes},
+                 {"capacity_bytes", plan.capacity_bytes}, {"fits", plan.fits}, {"too_large", plan.too_large},
+                 {"startup_bytes", plan.startup_bytes}, {"fits_at_startup", plan.fits_at_startup}});
+  auto& traffic = json["traffic"];
+  traffic["parts"] = nlohmann::json::array();
+  for (const auto& part : plan.traffic) {
+    traffic["parts"].push_back({{"name", part.name}, {"collective", part.collective},
+                                {"scope", scope_name(part.scope)}, {"ranks", part.ranks},
+                                {"payload_bytes", part.payload_bytes}, {"counted_by", part.counted_by},
+                                {"seconds", part.seconds}, {"hidden", part.hidden}});
+  }
+  traffic.update({{"bytes_within", plan.bytes_within}, {"bytes_across", plan.bytes_across},
+                  {"bytes_across_uncompressed", plan.bytes_across_uncompressed}});
+  json["compute"] = {{"flops_per_token", plan.flops_per_token}, {"flops_per_update", plan.flops_per_update},
+                     {"compute_seconds", plan.compute_seconds},
+                     {"exposed_communication_seconds", plan.exposed_communication_seconds},
+                     {"step_seconds", plan.step_seconds}, {"tokens_per_second", plan.tokens_per_second}};
+  json["notes"] = plan.notes;
+  return json.dump(2) + "\n";
+}
+
+std::string capacity_plan_table(const CapacityPlan& plan) {
+  const auto& c = plan.cluster;
+  const auto& p = plan.parameters;
+  std::string out;
+  out += printed("cluster: %lld machines x %lld GPUs (%lld ranks), %.0f GiB, %.0f TFLOP/s each at %.0f%% MFU; links "
+                 "%.0f Gbit/s within a machine (per GPU), %.0f across (per machine)\n",
+                 static_cast<long long>(c.nodes), static_cast<long long>(c.gpus_per_node),
+                 static_cast<long long>(c.ranks()), c.gpu_memory_gib, c.peak_tflops, 100 * c.mfu, c.link_within_gbps,
+                 c.link_across_gbps);
+  out += "model: " + with_thousands(p.total) + " parameters (" + with_thousands(p.in_resblocks) + " in " +
+         std::to_string(2 * plan.model.layers) + " resblocks, " + with_thousands(p.outside_resblocks) +
+         " outside), " + std::to_string(plan.model.layers) + " layers x " + std::to_string(plan.model.width) +
+         ", sequence " + std::to_string(plan.model.length()) + "\n";
+  out += "training: batch " + std::to_string(plan.global_batch) + " (" + std::to_string(plan.batch_per_rank) +
+         " per rank, " + std::to_string(plan.tokens_per_rank) + " tokens), " + plan.precision + ", moments " +
+         plan.adam_moments + ", sharding " + plan.sharding + (plan.sharded ? "" : " (not sharded)") + ", " +
+         plan.gradient_reduction + ", checkpointing " + plan.checkpointing + "\n\n";
+
+  out += printed("%-32s %10s  %-9s  %s\n", "memory per rank", "GiB", "when", "counted");
+  for (const auto& part : plan.memory) {
+    out += printed("  %-30s %10.2f  %-9s  %s\n", part.name.c_str(), part.bytes / kGiB, phase_name(part.phase),
+                   part.rule.c_str());
+  }
+  out += printed("  %-30s %10.2f  = kept %.2f + the larger of backward %.2f and reduction %.2f\n", "peak",
+                 plan.peak_bytes / kGiB, plan.kept_bytes / kGiB, plan.backward_bytes / kGiB,
+                 plan.reduction_bytes / kGiB);
+  std::string verdict = plan.fits ? printed("fits in %.0f GiB", c.gpu_memory_gib)
+                                   : printed("does not fit in %.0f GiB (over by %.2f GiB); too large:",
+                                             c.gpu_memory_gib, (plan.peak_bytes - plan.capacity_bytes) / kGiB);
+  for (size_t i = 0; i < plan.too_large.size(); ++i) verdict += (i ? ", " : " ") + plan.too_large[i];
+  out += "  " + verdict + "\n\n";
+
+  if (!plan.traffic.empty()) {
+    out += printed("%-52s %12s  %-14s %-8s %5s %9s  %s\n", "bytes per update per rank", "payload MB", "collective",
+                   "group", "ranks", "seconds", "counted by");
+    for (const auto& part : plan.traffic) {
+      out += printed("  %-50s %12.2f  %-14s %-8s %5lld %9.4f%s  %s\n", part.name.c_str(), part.payload_bytes / kMB,
+                     part.collective.c_str(), scope_name(part.scope), static_cast<long long>(part.ranks), part.seconds,
+                     part.hidden ? "*" : " ", part.counted_by.empty() ? "(no counter)" : part.counted_by.c_str());
+    }
+    out += printed("  within machines %.2f MB, across machines %.2f MB", plan.bytes_within / kMB,
+                   plan.bytes_across / kMB);
+    if (plan.bytes_across_uncompressed > plan.bytes_across * 1.0001) {
+      out += printed(" (whole: %.2f MB; %.1f%% fewer)", plan.bytes_across_uncompressed / kMB,
+                     100 * (1 - plan.bytes_across / plan.bytes_across_uncompressed));
+    }
+    out += "\n  * overlaps computation (a block's gather is prefetched one block ahead)\n\n";
+  }
+  out += printed("compute: %.3g FLOP per token, %.3g per update; %.3f s at %.0f%% MFU\n", plan.flops_per_token,
+                 plan.flops_per_update, plan.compute_seconds, 100 * c.mfu);
+  out += printed("step: %.3f s = compute %.3f s + communication not hidden %.3f s; %.0f tokens/s\n", plan.step_seconds,
+                 plan.compute_seconds, plan.exposed_communication_seconds, plan.tokens_per_second);
+  for (const auto& note : plan.notes) out += "note: " + note + "\n";
+  return out;
+}
+
+}  // namespace dalle::train
