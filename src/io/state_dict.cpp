@@ -31,8 +31,10 @@ std::string first_names(const std::vector<std::string>& names) {
 
 }  // namespace
 
-void load_state_dict(torch::nn::Module& module, const TensorMap& tensors, const std::string& source) {
+void load_state_dict(torch::nn::Module& module, const TensorMap& tensors, const std::string& source,
+                     const std::unordered_set<std::string>& filled_elsewhere) {
   auto targets = state_dict(module);
+  for (const auto& name : filled_elsewhere) targets.erase(name);
   std::vector<std::string> missing, unexpected, misshapen;
   for (const auto& [name, target] : targets) {
     auto found = tensors.find(name);
@@ -42,7 +44,7 @@ void load_state_dict(torch::nn::Module& module, const TensorMap& tensors, const 
     }
   }
   for (const auto& [name, tensor] : tensors) {
-    if (!targets.count(name)) unexpected.push_back(name);
+    if (!targets.count(name) && !filled_elsewhere.count(name)) unexpected.push_back(name);
   }
   std::string problems;
   if (!missing.empty()) problems += "\n  missing: " + first_names(missing);

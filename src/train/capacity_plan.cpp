@@ -199,6 +199,7 @@ class Planner {
     resblocks_ = 2 * layers_;
     gpus_ = cluster.gpus_per_node;
     powersgd_ = recipe.distributed.gradient_reduction == "powersgd";
+    overlap_ = recipe.distributed.overlap;
   }
 
   CapacityPlan run() {
@@ -401,14 +402,14 @@ class Planner {
     const double whole = kFp32 * static_cast<double>(plan_.parameters.total);
     if (cluster_.nodes > 1) plan_.bytes_across_uncompressed = whole;
     if (!powersgd_) {
-      add_traffic("gradients", "all-reduce", scope, ranks, whole, "DataParallelReducer::bytes_reduced");
+      add_traffic("gradients", "all-reduce", scope, ranks, whole, "DataParallelReducer::bytes_reduced", overlap_);
       return;
     }
     const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
     add_traffic("gradients' P and Q", "all-reduce", scope, ranks, bytes * low_rank_.pq_values,
                 "PowerSgdReducer::bytes_reduced (LowRankAverager)");
     add_traffic("gradients not compressed", "all-reduce", scope, ranks, kFp32 * low_rank_.whole_values,
-                "PowerSgdReducer::bytes_reduced (DataParallelReducer)");
+                "PowerSgdReducer::bytes_reduced (DataParallelReducer)", overlap_);
   }
 
   void sharded_traffic() {
@@ -419,11 +420,12 @@ class Planner {
     const char* moved = "ShardedParameters::bytes_moved";
     add_traffic("resblocks gathered for forward", "all-gather", within, gpus_, blocks, moved, true);
     add_traffic("resblocks gathered again for backward", "all-gather", within, gpus_, blocks, moved, true);
-    add_traffic("resblock gradients reduce-scattered", "reduce-scatter", within, gpus_, blocks, moved);
+    add_traffic("resblock gradients reduce-scattered", "reduce-scatter", within, gpus_, blocks, moved, overlap_);
     const int64_t outside = plan_.parameters.outside_resblocks;
     if (cluster_.nodes == 1) {
       add_traffic("replicated gradients (embeddings, output layer)", "all-reduce", within, gpus_,
-                  kFp32 * static_cast<double>(outside), "ShardedReducer::bytes_reduced (DataParallelReducer)");
+                  kFp32 * static_cast<double>(outside), "ShardedReducer::bytes_reduced (DataParallelReducer)",
+                  overlap_);
       return;
     }
     const double part = kFp32 * static_cast<double>(ceil_div(outside, gpus_));
@@ -496,6 +498,7 @@ class Planner {
   int64_t shard_values_ = 0;  // of every resblock group on one rank, padding included
   int64_t largest_block_ = 0, largest_block_padded_ = 0;
   bool powersgd_ = false;
+  bool overlap_ = true;  // distributed.overlap: buckets and reduce-scatters start during backward
   LowRankCost low_rank_;  // per rank, the mean over local ranks when sharded
 };
 
@@ -647,7 +650,8 @@ std::string capacity_plan_table(const CapacityPlan& plan) {
       out += printed(" (whole: %.2f MB; %.1f%% fewer)", plan.bytes_across_uncompressed / kMB,
                      100 * (1 - plan.bytes_across / plan.bytes_across_uncompressed));
     }
-    out += "\n  * overlaps computation (a block's gather is prefetched one block ahead)\n\n";
+    out += "\n  * overlaps computation (a block's gather is prefetched one block ahead; with distributed.overlap,\n"
+           "    buckets and reduce-scatters start during backward)\n\n";
   }
   out += printed("compute: %.3g FLOP per token, %.3g per update; %.3f s at %.0f%% MFU\n", plan.flops_per_token,
                  plan.flops_per_update, plan.compute_seconds, 100 * c.mfu);

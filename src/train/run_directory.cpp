@@ -188,6 +188,10 @@ RestoredProgress restore_checkpoint(const io::Checkpoint& checkpoint, const std:
   io::load_state_dict(model, checkpoint.weights, directory + "/model.safetensors");
   ema.load(io::with_prefix_removed(checkpoint.state, "ema."));
   load_adamw_state(optimizer, model, io::with_prefix_removed(checkpoint.state, "adamw."));
+  return restore_progress(checkpoint);
+}
+
+RestoredProgress restore_progress(const io::Checkpoint& checkpoint) {
   auto torch_generator = at::detail::getDefaultCPUGenerator();  // a handle: setting its state sets torch's
   torch_generator.set_state(checkpoint.state.at("rng.torch"));
   const auto& meta = checkpoint.state_metadata;

@@ -119,6 +119,8 @@ at::Generator seeded_generator(torch::Device device, uint64_t seed);
 // one saved on the other kind of device: the generator keeps its seed, with a warning.
 void restore_generator(at::Generator& generator, const torch::Tensor& state, const std::string& what);
 
+// torch's generator, the update count and the loader's position, from a checkpoint.
+RestoredProgress restore_progress(const io::Checkpoint& checkpoint);
 // The inverse of make_checkpoint, into an already built model, EMA and optimizer.
 RestoredProgress restore_checkpoint(const io::Checkpoint& checkpoint, const std::string& directory,
                                     torch::nn::Module& model, Ema& ema, torch::optim::AdamW& optimizer);

@@ -211,7 +211,7 @@ struct TrainerState : RunRecord {
     save(checkpoint);
   }
 
-  void resume(const std::string& directory) {
+  virtual void resume(const std::string& directory) {
     auto checkpoint = io::load_checkpoint(directory);
     check_resumable<Config>(config, checkpoint.config_yaml, directory + "/config.yaml",
                             [this](const std::string& key) { return may_change_on_resume(key); });

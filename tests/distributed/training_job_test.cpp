@@ -288,12 +288,23 @@ INSTANTIATE_TEST_SUITE_P(Ranks, TrainingJobAtWorldSize, ::testing::Values(2, 4))
 TEST_F(TrainingJob, ShardedAndDataParallelRanksResumeEachOthersCheckpointsOnOtherWorldSizes) {
   ScratchDir dir;
   const std::string sharded = " --set distributed.sharding=within_node";
+  // Sharded on 4, on 4 again (each rank reads its own shard file), on 2 (slices of the 4
+  // files), data-parallel on 2 (whole), sharded on 2 from that.
   const std::vector<std::pair<int64_t, std::string>> legs{
-      {5, "--nproc-per-node 4" + sharded}, {8, "--nproc-per-node 2"}, {10, "--nproc-per-node 2" + sharded}};
+      {3, "--nproc-per-node 4" + sharded}, {5, "--nproc-per-node 4" + sharded}, {7, "--nproc-per-node 2" + sharded},
+      {8, "--nproc-per-node 2"}, {10, "--nproc-per-node 2" + sharded}};
   for (const auto& [steps, job_ranks] : legs) {
     for (const auto& [run, ranks] : {std::pair{std::string("job"), job_ranks}, std::pair{std::string("one"), std::string()}}) {
       auto leg = run_command(train_prior(dir / run, ranks + " --set run.steps=" + std::to_string(steps)));
       ASSERT_EQ(leg.status, 0) << leg.output;
+    }
+    if (steps != 5) continue;
+    for (int64_t rank = 0; rank < 4; ++rank) {
+      const auto log = testing::read_text(dir / (rank == 0 ? std::string("job.log") : "job.rank" + std::to_string(rank) + ".log"));
+      EXPECT_THAT(log, ::testing::HasSubstr("rank " + std::to_string(rank) + " of the machine read its part of the "
+                                            "resblocks"));
+      EXPECT_THAT(log, ::testing::HasSubstr("from the shard file of rank " + std::to_string(rank) + "\n"))
+          << "no byte of another rank's shard";
     }
   }
   EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);

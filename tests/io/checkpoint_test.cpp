@@ -76,6 +76,83 @@ TEST(CheckpointStore, AShardedCheckpointIsStagedPublishedAndReadWhole) {
   EXPECT_EQ(store.steps(), std::vector<int64_t>{5});
 }
 
+// One group of 10 values (a 2x4 matrix and a vector of 2) and the kinds a sharded job keeps.
+ShardLayout block_layout(int64_t ranks) {
+  return {.ranks = ranks,
+          .groups = {{{"block.weight", {2, 4}}, {"block.bias", {2}}}},
+          .kinds = {{"weights", {.into_weights = true}},
+                    {"ema", {.prefix = "ema."}},
+                    {"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}}}};
+}
+
+// A checkpoint written by 4 ranks (3 values each, 2 of padding): weights 0..9, average -0..-9.
+std::string four_rank_checkpoint(const ScratchDir& dir) {
+  const auto staging = dir / "ckpt";
+  fs::create_directories(staging);
+  auto layout = block_layout(4);
+  layout.kinds.erase("exp_avg");  // written before the first update
+  write_checkpoint_files(staging, make_checkpoint(3), layout);
+  const auto values = torch::constant_pad_nd(torch::arange(10.0f), {0, 2});
+  for (int64_t rank = 0; rank < 4; ++rank) {
+    write_checkpoint_shard(staging, rank, 4,
+                           {{"weights.0", values.slice(0, 3 * rank, 3 * rank + 3)},
+                            {"ema.0", -values.slice(0, 3 * rank, 3 * rank + 3)}});
+  }
+  return staging;
+}
+
+// On the world size it was written with, a rank reads its own shard file and no byte of
+// another's; on another, the slices of the files that hold its part; a kind the checkpoint
+// lacks has no slices; the replicated part comes whole, without the group's parameters.
+TEST(Checkpoint, ARankReadsOnlyTheSlicesItWillHold) {
+  ScratchDir dir;
+  const auto directory = four_rank_checkpoint(dir);
+  const auto padded = torch::constant_pad_nd(torch::arange(10.0f), {0, 2});
+  for (int64_t rank = 0; rank < 4; ++rank) {
+    const auto read = load_checkpoint_for_rank(directory, block_layout(4), rank, 4);
+    const int64_t values = std::min<int64_t>(3, 10 - 3 * rank);  // the padding is not read
+    EXPECT_EQ(read.shard_bytes_read, (std::map<int64_t, int64_t>{{rank, 2 * values * 4}})) << "rank " << rank;
+    EXPECT_TRUE(torch::equal(read.slices.at("weights.0"), padded.slice(0, 3 * rank, 3 * rank + 3)));
+    EXPECT_TRUE(torch::equal(read.slices.at("ema.0"), -padded.slice(0, 3 * rank, 3 * rank + 3)));
+    EXPECT_EQ(read.slices.count("exp_avg.0"), 0u);
+    EXPECT_TRUE(torch::equal(read.replicated.weights.at("layer.weight"), torch::full({2, 2}, 3.0f)));
+    EXPECT_EQ(read.replicated.weights.count("block.weight"), 0u);
+    EXPECT_EQ(read.replicated.state_metadata.count("shard_layout"), 0u);
+  }
+  // 2 ranks of 5 values: rank 0 takes 3 from writer 0 and 2 from writer 1; rank 1 the rest.
+  const auto first = load_checkpoint_for_rank(directory, block_layout(2), 0, 2);
+  EXPECT_EQ(first.shard_bytes_read, (std::map<int64_t, int64_t>{{0, 2 * 3 * 4}, {1, 2 * 2 * 4}}));
+  EXPECT_TRUE(torch::equal(first.slices.at("weights.0"), torch::arange(5.0f)));
+  const auto second = load_checkpoint_for_rank(directory, block_layout(2), 1, 2);
+  EXPECT_EQ(second.shard_bytes_read, (std::map<int64_t, int64_t>{{1, 2 * 1 * 4}, {2, 2 * 3 * 4}, {3, 2 * 1 * 4}}));
+  EXPECT_TRUE(torch::equal(second.slices.at("ema.0"), -torch::arange(5.0f, 10.0f)));
+  // 3 ranks of 4 values: the last is padded with zeros.
+  EXPECT_TRUE(torch::equal(load_checkpoint_for_rank(directory, block_layout(3), 2, 3).slices.at("weights.0"),
+                           torch::tensor({8.0f, 9.0f, 0.0f, 0.0f})));
+}
+
+TEST(Checkpoint, ARankTakesItsSlicesOfACheckpointThatWasNotSharded) {
+  ScratchDir dir;
+  auto whole = make_checkpoint(3);
+  whole.weights.emplace("block.weight", torch::arange(8.0f).view({2, 4}));
+  whole.weights.emplace("block.bias", torch::tensor({8.0f, 9.0f}));
+  whole.state.emplace("ema.block.weight", -torch::arange(8.0f).view({2, 4}));
+  whole.state.emplace("ema.block.bias", -torch::tensor({8.0f, 9.0f}));
+  whole.state.emplace("adamw.block.weight.exp_avg", torch::ones({2, 4}));
+  save_checkpoint(dir / "ckpt", whole);
+  auto without_moments = block_layout(3);
+  without_moments.kinds.erase("exp_avg");
+  const auto read = load_checkpoint_for_rank(dir / "ckpt", without_moments, 1, 3);
+  EXPECT_TRUE(torch::equal(read.slices.at("weights.0"), torch::arange(4.0f, 8.0f)));
+  EXPECT_TRUE(torch::equal(read.slices.at("ema.0"), -torch::arange(4.0f, 8.0f)));
+  EXPECT_TRUE(read.shard_bytes_read.empty());
+  EXPECT_EQ(read.replicated.weights.count("block.bias"), 0u);
+  EXPECT_EQ(read.replicated.state.count("ema.block.weight"), 0u);
+  EXPECT_TRUE(read.replicated.weights.count("layer.weight"));
+  EXPECT_THROW_WITH(load_checkpoint_for_rank(dir / "ckpt", block_layout(3), 0, 3), Error,
+                    "'exp_avg' for some of group 0's parameters only");
+}
+
 TEST(CheckpointStore, TracksLatestAndPrunesOldSteps) {
   ScratchDir dir;
   CheckpointStore store(dir / "checkpoints", /*keep=*/2);

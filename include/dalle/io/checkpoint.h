@@ -43,6 +43,23 @@ struct ShardLayout {
   std::vector<std::vector<Parameter>> groups = {};
   std::map<std::string, Kind> kinds = {};
 };
+// A checkpoint as one rank of a sharded job needs it, reading only what that rank will hold:
+// rank 0's files (the replicated parameters and the state; in a checkpoint that was not
+// sharded, every parameter, mapped and left unread until used) and, of each group of
+// `wanted` (the job's resblock groups and the kinds it restores), the slice of the group's
+// flat values that rank `rank` of `ranks` holds (values / ranks rounded up, zero-padded at
+// the end, as distributed::ShardedParameters cuts them). In a sharded checkpoint the slices
+// are read from the shard files that hold them, on any world size; in another, from the
+// whole tensors. A kind the checkpoint lacks (moments before the first update) has no slices.
+struct RankCheckpoint {
+  Checkpoint replicated;  // the shard layout's own parameters absent
+  TensorMap slices;       // "<kind>.<group>"
+  // The bytes of values read from each shard file, by the rank that wrote it.
+  std::map<int64_t, int64_t> shard_bytes_read;
+};
+RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
+                                        int64_t ranks);
+
 // Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata.
 void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout);
 // Rank `rank`'s shard into `staging`.

@@ -46,8 +46,11 @@
 //   within a machine runs at `link_within_gbps`; one across machines, made by all GPUs of a
 //   machine at once (one group per local rank), shares the machine's `link_across_gbps`; a
 //   flat one over every rank is held back by the slower of the two. Latency is not modelled.
-//   Hidden: the sharded blocks' gathers (prefetched one block ahead), up to the compute
-//   time; not hidden: the reduce-scatters and every reduction in the update step.
+//   Hidden, up to the compute time: the sharded blocks' gathers (prefetched one block
+//   ahead) and, with distributed.overlap, what starts during backward (data parallelism's
+//   buckets, PowerSGD's uncompressed gradients, the blocks' reduce-scatters, on one machine
+//   the replicated gradients); not hidden: what crosses machines after unscaling (the
+//   hierarchy's replicated gradients, the shards' averages, PowerSGD's P and Q).
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <unordered_set>
 
 #include "dalle/data/image.h"
@@ -111,13 +112,17 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   std::unique_ptr<ShardedResblocks> shards;
   std::vector<torch::Tensor> shard_averages;
   std::shared_ptr<distributed::ShardedReducer> sharded_reducer;
-  io::TensorMap resumed_reducer_state;  // "reducer." entries of the checkpoint resumed from, until sharded
 
+  // Sharded, a rank reads of a checkpoint only the replicated part and its own slices.
+  void resume(const std::string& directory) override;
+  void restore_shards(io::TensorMap& slices, const io::TensorMap& moments);
+  void log_shard_reads(const std::map<int64_t, int64_t>& bytes_by_writer) const;
+  io::ShardLayout shard_layout(bool moments, bool errors) const;
+  std::unordered_set<std::string> block_names() const;
   void shard_resblocks();
   void shard_optimizer(std::vector<torch::optim::OptimizerParamGroup> groups, const io::TensorMap& replicated_moments,
                        const io::TensorMap& moments);
   void shard_update(const io::TensorMap& scales);
-  void restore_sharded_reducer();
   void average_shards();
   void save_checkpoint() override;
   void write_own_shards(const std::string& staging, bool moments, const std::vector<torch::Tensor>& errors) const;
@@ -223,9 +228,9 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
       s.train_set, data::LoaderOptions{.batch_size = s.rank_batch(s.config.data.batch_size),
                                        .workers = s.config.data.workers,
                                        .sampler = s.shard()});
-  s.open_run(/*samples=*/true);
-  // After a resume: the checkpoint is whole, and each rank keeps its shard of it.
+  // Sharded before the resume, which then reads only this rank's part of the checkpoint.
   s.shard_resblocks();
+  s.open_run(/*samples=*/true);
   s.install_resblock_runner();
 }
 
@@ -256,10 +261,7 @@ void PriorTrainer::State::install_resblock_runner() {
 }
 
 void PriorTrainer::State::shard_resblocks() {
-  if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) {
-    resumed_reducer_state.clear();  // restored by the reducer of data parallelism
-    return;
-  }
+  if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
   // What the update held whole: the moments by parameter, the fp16 scales, the average.
   const auto moments = adamw_state(*optimizer, *model);
   io::TensorMap scales;
@@ -334,23 +336,103 @@ void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
       shards->parameters(), job->group(), job->within_node(), job->across_nodes(),
       std::llround(config.distributed.bucket_megabytes * (1 << 20)), powersgd, config.distributed.overlap);
   update->set_reducer(sharded_reducer);
-  restore_sharded_reducer();
 }
 
-// PowerSGD's update count and error feedback, from the checkpoint resumed from (saved by a
-// sharded run: "reducer.error.<parameter>"; another run's feedback starts afresh).
-void PriorTrainer::State::restore_sharded_reducer() {
-  sharded_reducer->load_state(resumed_reducer_state, "reducer.");
-  io::TensorMap errors;
-  for (const auto& [name, tensor] : resumed_reducer_state) {
-    if (name.starts_with(kReducerErrors)) errors.emplace(name.substr(std::string_view(kReducerErrors).size()), tensor);
-  }
+std::unordered_set<std::string> PriorTrainer::State::block_names() const {
+  std::unordered_set<std::string> names;
+  for (size_t g = 0; g < shards->parameters()->groups(); ++g) names.insert(shards->names(g).begin(), shards->names(g).end());
+  return names;
+}
+
+// The resblocks' groups and the kinds of values a sharded checkpoint keeps of them.
+io::ShardLayout PriorTrainer::State::shard_layout(bool moments, bool errors) const {
   const auto& sharded = *shards->parameters();
-  for (size_t g = 0; g < sharded.groups(); ++g) {
-    if (shards->names(g).empty() || !errors.count(shards->names(g).front())) continue;
-    sharded_reducer->set_shard_error(g, shards->shard_of(g, errors));
+  io::ShardLayout layout{.ranks = job->place().local_world_size};
+  layout.kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}};
+  if (errors) layout.kinds.insert({"powersgd_error", {.prefix = kReducerErrors}});
+  if (moments) {
+    layout.kinds.insert({{"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}},
+                         {"exp_avg_sq", {.prefix = "adamw.", .suffix = ".exp_avg_sq"}}});
   }
-  resumed_reducer_state.clear();
+  for (size_t g = 0; g < sharded.groups(); ++g) {
+    const auto shapes = sharded.shapes(g);
+    std::vector<io::ShardLayout::Parameter> parameters;
+    for (size_t i = 0; i < shapes.size(); ++i) parameters.push_back({shards->names(g)[i], shapes[i]});
+    layout.groups.push_back(std::move(parameters));
+  }
+  return layout;
+}
+
+// As TrainerState::resume, with the resblocks' weights, average, moments and PowerSGD error
+// feedback read as this rank's slices (from the shard files that hold them, on any world
+// size, or from a checkpoint that was not sharded). Each file's mapping is dropped once
+// restored, so that a rank never holds more than its own state and one part of the rest.
+void PriorTrainer::State::resume(const std::string& directory) {
+  if (!shards) return TrainerState::resume(directory);
+  auto read = io::load_checkpoint_for_rank(directory, shard_layout(true, true), job->place().local_rank,
+                                           job->place().local_world_size);
+  log_shard_reads(read.shard_bytes_read);
+  auto& checkpoint = read.replicated;
+  check_resumable<PriorTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
+                                    [this](const std::string& key) { return may_change_on_resume(key); });
+  io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors", block_names());
+  checkpoint.weights.clear();
+  ema->load(io::with_prefix_removed(checkpoint.state, "ema."));
+  const auto moments = io::with_prefix_removed(checkpoint.state, "adamw.");
+  load_adamw_state(*optimizer, *model, moments);
+  restore_shards(read.slices, moments);
+  const auto progress = restore_progress(checkpoint);
+  keep_threads_of(checkpoint);
+  precision->load_state(checkpoint.state, "gradient_scaler.");
+  sharded_reducer->load_state(checkpoint.state, "reducer.");
+  restore_extra(checkpoint, directory);
+  seek_loader(progress.position);
+  resumed(directory, progress.step);
+}
+
+void PriorTrainer::State::log_shard_reads(const std::map<int64_t, int64_t>& bytes_by_writer) const {
+  int64_t bytes = 0;
+  std::string writers;
+  for (const auto& [writer, read] : bytes_by_writer) {
+    bytes += read;
+    writers += (writers.empty() ? "" : ", ") + std::to_string(writer);
+  }
+  log::info(what, ": rank ", job->place().local_rank, " of the machine read its part of the resblocks, ", bytes,
+            " bytes, ",
+            writers.empty() ? std::string("from the checkpoint's whole tensors")
+                            : (bytes_by_writer.size() == 1 ? "from the shard file of rank " : "from the shard files of ranks ") +
+                                  writers);
+}
+
+// Each group's slices into its shard, its average, its AdamW state (with the step of the
+// group's first parameter) and PowerSGD's error feedback; each slice freed once used.
+void PriorTrainer::State::restore_shards(io::TensorMap& slices, const io::TensorMap& moments) {
+  torch::NoGradGuard no_grad;
+  const auto& sharded = *shards->parameters();
+  const auto take = [&slices](const std::string& kind, size_t g) {
+    auto found = slices.find(kind + "." + std::to_string(g));
+    if (found == slices.end()) return torch::Tensor();
+    auto slice = std::move(found->second);
+    slices.erase(found);
+    return slice;
+  };
+  for (size_t g = 0; g < sharded.groups(); ++g) {
+    const auto weights = take("weights", g), average = take("ema", g);
+    if (!weights.defined() || !average.defined()) {
+      throw Error("the checkpoint lacks resblock group " + std::to_string(g) + "'s weights or moving average");
+    }
+    sharded.shard(g).detach().copy_(weights);
+    shard_averages[g].copy_(average);
+    if (const auto error = take("powersgd_error", g); error.defined()) sharded_reducer->set_shard_error(g, error);
+    const auto exp_avg = take("exp_avg", g), exp_avg_sq = take("exp_avg_sq", g);
+    if (!exp_avg.defined() || !exp_avg_sq.defined() || shards->names(g).empty()) continue;
+    auto adam = std::make_unique<torch::optim::AdamWParamState>();
+    adam->step(moments.at(shards->names(g).front() + ".step").item<int64_t>());
+    const auto options = sharded.shard(g).options().dtype(optimizer->moments());
+    adam->exp_avg(exp_avg.to(options));
+    adam->exp_avg_sq(exp_avg_sq.to(options));
+    optimizer->state()[sharded.shard(g).unsafeGetTensorImpl()] = std::move(adam);
+  }
 }
 
 void PriorTrainer::State::average_shards() {
@@ -413,28 +495,17 @@ void PriorTrainer::State::write_own_shards(const std::string& staging, bool mome
 
 void PriorTrainer::State::write_checkpoint_files(const std::string& staging, bool moments, bool errors) {
   const auto& sharded = *shards->parameters();
-  io::ShardLayout layout{.ranks = job->place().local_world_size};
-  layout.kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}};
-  if (errors) layout.kinds.insert({"powersgd_error", {.prefix = kReducerErrors}});
-  if (moments) {
-    layout.kinds.insert({{"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}},
-                         {"exp_avg_sq", {.prefix = "adamw.", .suffix = ".exp_avg_sq"}}});
-  }
+  const auto layout = shard_layout(moments, errors);
   auto weights = io::state_dict(*model);
   auto replicated_moments = adamw_state(*optimizer, *model);
   for (size_t g = 0; g < sharded.groups(); ++g) {
-    const auto shapes = sharded.shapes(g);
-    std::vector<io::ShardLayout::Parameter> parameters;
-    for (size_t i = 0; i < shapes.size(); ++i) {
-      const auto& name = shards->names(g)[i];
-      parameters.push_back({name, shapes[i]});
+    for (const auto& name : shards->names(g)) {
       weights.erase(name);
       if (!moments) continue;
       const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
           *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
       replicated_moments.emplace(name + ".step", torch::tensor(adam.step(), torch::kInt64));
     }
-    layout.groups.push_back(std::move(parameters));
   }
   auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), ema->weights(),
                                     replicated_moments, step, loader_position());
@@ -597,9 +668,6 @@ void PriorTrainer::State::restore_extra(const io::Checkpoint& checkpoint, const 
   best_validation = std::stod(meta.at("best_validation"));
   validations_since_best = std::stoll(meta.at("validations_since_best"));
   reductions = std::stoll(meta.at("reductions"));
-  for (const auto& [name, tensor] : checkpoint.state) {
-    if (name.starts_with("reducer.")) resumed_reducer_state.emplace(name, tensor);
-  }
 }
 
 }  // namespace dalle::train
