@@ -1,5 +1,8 @@
 #include "train/training_loop.h"
 
+#include <fstream>
+#include <string>
+
 #include "dalle/log.h"
 #include "dalle/train/stop_request.h"
 
@@ -14,6 +17,15 @@ void save_before_stopping(const RunRecord& record, const LoopIntervals& interval
   const int64_t step = record.step;
   if (step > first && step % intervals.log_every != 0) actions.log();
   if (step > checkpointed) actions.checkpoint();
+}
+
+// A field of /proc/self/status in MiB ("VmRSS", "VmHWM"); -1 where there is none.
+double process_memory_mib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
+  }
+  return -1;
 }
 
 void log_stop(const RunRecord& record, const LoopIntervals& intervals) {
@@ -34,8 +46,10 @@ void run_training_loop(const RunRecord& record, const LoopIntervals& intervals, 
   log::Progress progress(record.what, intervals.steps - step);
   const int64_t first = step;
   int64_t checkpointed = step;
+  double resident_after_update = -1;
   while (step < intervals.steps && !record.should_stop()) {
     const double loss = actions.update();
+    resident_after_update = process_memory_mib("VmRSS");
     progress.advance();
     progress.set_loss(loss);
     const bool last = step == intervals.steps;
@@ -49,6 +63,9 @@ void run_training_loop(const RunRecord& record, const LoopIntervals& intervals, 
   const bool stopped = step < intervals.steps;
   if (stopped) save_before_stopping(record, intervals, actions, first, checkpointed);
   progress.finish();
+  // Each rank's own memory: what a user sizing a machine (or checking dalle-plan) needs.
+  log::info(record.what, ": resident memory ", static_cast<int64_t>(resident_after_update),
+            " MiB after the last update, peak ", static_cast<int64_t>(process_memory_mib("VmHWM")), " MiB");
   if (stopped) log_stop(record, intervals);
 }
 
