@@ -5,7 +5,6 @@
 #include <torch/torch.h>
 
 #include <mutex>
-#include <unordered_map>
 
 #include "dalle/error.h"
 
@@ -67,8 +66,9 @@ void DataParallelReducer::Attached::make_buckets(const std::vector<size_t>& orde
   int64_t bytes = 0;
   for (const size_t i : order) {
     const auto& parameter = parameters[i];
-    const bool other_kind = !buckets.empty() && (parameters[buckets.back().front()].scalar_type() != parameter.scalar_type() ||
-                                                 parameters[buckets.back().front()].device() != parameter.device());
+    const auto* first = buckets.empty() ? nullptr : &parameters[buckets.back().front()];
+    const bool other_kind =
+        first && (first->scalar_type() != parameter.scalar_type() || first->device() != parameter.device());
     if (buckets.empty() || bytes >= bucket_bytes || other_kind) {
       buckets.emplace_back();
       bytes = 0;
@@ -227,7 +227,8 @@ std::vector<size_t> DataParallelReducer::order_of_rank_0(const std::vector<size_
   for (size_t i = count; i-- > 0;) {
     if (!came[i]) order.push_back(static_cast<int64_t>(i));
   }
-  auto shared = group_->rank() == 0 ? torch::tensor(order, torch::kInt64) : torch::zeros({static_cast<int64_t>(count)}, torch::kInt64);
+  auto shared = group_->rank() == 0 ? torch::tensor(order, torch::kInt64)
+                                    : torch::zeros({static_cast<int64_t>(count)}, torch::kInt64);
   shared = shared.to(group_->device());
   group_->all_reduce(shared, ReduceOp::sum);
   ++collectives_;

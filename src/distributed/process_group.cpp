@@ -224,8 +224,9 @@ std::unique_ptr<PendingCollective> ProcessGroup::Impl::pending(c10::intrusive_pt
   bytes_sent_so_far += bytes_sent;
   if (link.enabled()) {
     const double seconds = link.latency_ms / 1e3 + bytes_sent * 8 / (link.gigabits_per_second * 1e9);
+    using Duration = std::chrono::steady_clock::duration;
     link_free_at = std::max(link_free_at, std::chrono::steady_clock::now()) +
-                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+                   std::chrono::duration_cast<Duration>(std::chrono::duration<double>(seconds));
     not_before = link_free_at;
   }
   return std::make_unique<PendingWork>(*this, std::move(work), what, not_before);

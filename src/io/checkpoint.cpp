@@ -219,7 +219,9 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
     auto found = shard_files.find(writer);
     if (found == shard_files.end()) {
       const auto path = root / shard_file(writer, written->ranks);
-      if (!fs::exists(path)) throw Error(directory + ": incomplete checkpoint, " + path.filename().string() + " is missing");
+      if (!fs::exists(path)) {
+        throw Error(directory + ": incomplete checkpoint, " + path.filename().string() + " is missing");
+      }
       found = shard_files.emplace(writer, read_safetensors(path.string())).first;
     }
     return found->second.tensors;
@@ -272,6 +274,12 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
     }
   }
   return result;
+}
+
+std::string checkpoint_config(const std::string& directory) {
+  const auto path = fs::path(directory) / kConfigFile;
+  if (!fs::exists(path)) throw Error(directory + ": incomplete checkpoint, " + kConfigFile + " is missing");
+  return read_text(path);
 }
 
 Checkpoint load_checkpoint(const std::string& directory) {

@@ -141,7 +141,9 @@ TEST_P(DataParallelAtWorldSize, BucketsStartDuringBackwardInTheOrderItMakesGradi
       auto x = torch::randn({4, 16}, generator);
       for (auto layer = alone.rbegin(); layer != alone.rend(); ++layer) x = torch::tanh(x.mm(*layer));
       x.square().sum().backward();
-      for (size_t i = 0; i < 4; ++i) mean[i] = (mean[i].defined() ? mean[i] : torch::zeros_like(alone[i])) + alone[i].grad() / world;
+      for (size_t i = 0; i < 4; ++i) {
+        mean[i] = (mean[i].defined() ? mean[i] : torch::zeros_like(alone[i])) + alone[i].grad() / world;
+      }
     }
     for (size_t i = 0; i < 4; ++i) {
       EXPECT_TRUE(torch::equal(weights[i].grad(), same_weights[i].grad())) << i;

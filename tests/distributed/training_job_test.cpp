@@ -300,7 +300,8 @@ TEST_F(TrainingJob, ShardedAndDataParallelRanksResumeEachOthersCheckpointsOnOthe
     }
     if (steps != 5) continue;
     for (int64_t rank = 0; rank < 4; ++rank) {
-      const auto log = testing::read_text(dir / (rank == 0 ? std::string("job.log") : "job.rank" + std::to_string(rank) + ".log"));
+      const auto name = rank == 0 ? std::string("job.log") : "job.rank" + std::to_string(rank) + ".log";
+      const auto log = testing::read_text(dir / name);
       EXPECT_THAT(log, ::testing::HasSubstr("rank " + std::to_string(rank) + " of the machine read its part of the "
                                             "resblocks"));
       EXPECT_THAT(log, ::testing::HasSubstr("from the shard file of rank " + std::to_string(rank) + "\n"))

@@ -24,6 +24,8 @@ struct Checkpoint {
 void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint);
 // A checkpoint, whole: one written in shards (below) comes back as if written by one process.
 Checkpoint load_checkpoint(const std::string& directory);
+// The config a checkpoint was written with (its config.yaml), read alone.
+std::string checkpoint_config(const std::string& directory);
 
 // A checkpoint that the ranks of a job write together (a model whose parameters are sharded
 // between them). Rank 0 writes the checkpoint's own files, with the shard layout in its state

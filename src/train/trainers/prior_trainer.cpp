@@ -340,7 +340,9 @@ void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
 
 std::unordered_set<std::string> PriorTrainer::State::block_names() const {
   std::unordered_set<std::string> names;
-  for (size_t g = 0; g < shards->parameters()->groups(); ++g) names.insert(shards->names(g).begin(), shards->names(g).end());
+  for (size_t g = 0; g < shards->parameters()->groups(); ++g) {
+    names.insert(shards->names(g).begin(), shards->names(g).end());
+  }
   return names;
 }
 
@@ -369,12 +371,12 @@ io::ShardLayout PriorTrainer::State::shard_layout(bool moments, bool errors) con
 // restored, so that a rank never holds more than its own state and one part of the rest.
 void PriorTrainer::State::resume(const std::string& directory) {
   if (!shards) return TrainerState::resume(directory);
+  check_resumable<PriorTrainConfig>(config, io::checkpoint_config(directory), directory + "/config.yaml",
+                                    [this](const std::string& key) { return may_change_on_resume(key); });
   auto read = io::load_checkpoint_for_rank(directory, shard_layout(true, true), job->place().local_rank,
                                            job->place().local_world_size);
   log_shard_reads(read.shard_bytes_read);
   auto& checkpoint = read.replicated;
-  check_resumable<PriorTrainConfig>(config, checkpoint.config_yaml, directory + "/config.yaml",
-                                    [this](const std::string& key) { return may_change_on_resume(key); });
   io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors", block_names());
   checkpoint.weights.clear();
   ema->load(io::with_prefix_removed(checkpoint.state, "ema."));
@@ -397,11 +399,9 @@ void PriorTrainer::State::log_shard_reads(const std::map<int64_t, int64_t>& byte
     bytes += read;
     writers += (writers.empty() ? "" : ", ") + std::to_string(writer);
   }
+  const std::string files = bytes_by_writer.size() == 1 ? "the shard file of rank " : "the shard files of ranks ";
   log::info(what, ": rank ", job->place().local_rank, " of the machine read its part of the resblocks, ", bytes,
-            " bytes, ",
-            writers.empty() ? std::string("from the checkpoint's whole tensors")
-                            : (bytes_by_writer.size() == 1 ? "from the shard file of rank " : "from the shard files of ranks ") +
-                                  writers);
+            " bytes, from ", writers.empty() ? std::string("the checkpoint's whole tensors") : files + writers);
 }
 
 // Each group's slices into its shard, its average, its AdamW state (with the step of the
