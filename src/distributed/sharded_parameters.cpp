@@ -176,9 +176,6 @@ ShardedReducer::ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::
       across_group_(std::move(across_nodes)),
       replicated_(std::move(world), bucket_bytes, overlap),
       powersgd_(powersgd) {
-  if (powersgd_ && powersgd_->warm_start) {
-    throw Error("powersgd.warm_start is for data parallelism: sharded PowerSGD keeps Q fixed, as DALL-E did");
-  }
   if (!across_group_) return;
   across_nodes_ = std::make_unique<DataParallelReducer>(across_group_, bucket_bytes);
   if (powersgd_) low_rank_ = std::make_unique<LowRankAverager>(across_group_, *powersgd_);
@@ -316,6 +313,30 @@ torch::Tensor ShardedReducer::shard_error(size_t g) {
   auto error = errors_[g].to(across_group_->device(), torch::kFloat32).contiguous();
   across_group_->all_reduce(error, ReduceOp::average);
   return error;
+}
+
+std::vector<torch::Tensor> ShardedReducer::shard_q(size_t g) {
+  if (!low_rank_) return {};
+  prepare_low_rank();
+  std::vector<torch::Tensor> qs;
+  for (const auto& state : states_[g]) qs.push_back(state.q);
+  return qs;
+}
+
+void ShardedReducer::set_shard_q(size_t g, const std::vector<torch::Tensor>& qs) {
+  if (!low_rank_) return;
+  prepare_low_rank();
+  if (qs.size() != states_[g].size()) {
+    throw Error("the checkpoint's PowerSGD Q holds " + std::to_string(qs.size()) + " blocks of rows for shard " +
+                std::to_string(g) + ", which has " + std::to_string(states_[g].size()));
+  }
+  for (size_t k = 0; k < qs.size(); ++k) {
+    if (qs[k].sizes() != states_[g][k].q.sizes()) {
+      throw Error("the checkpoint's PowerSGD Q does not fit block " + std::to_string(k) + " of shard " +
+                  std::to_string(g) + " (powersgd.rank changed?)");
+    }
+    states_[g][k].q.copy_(qs[k]);
+  }
 }
 
 void ShardedReducer::set_shard_error(size_t g, const torch::Tensor& error) {

@@ -266,6 +266,15 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
       result.slices.emplace(slice_key(kind, g), std::move(slice));
     }
   }
+  if (written && written->ranks == ranks) {
+    const auto in_layout = [&](const std::string& key) {
+      const auto dot = key.rfind('.');
+      return dot != std::string::npos && written->kinds.count(key.substr(0, dot)) > 0;
+    };
+    for (const auto& [key, tensor] : shard_of_rank(rank)) {
+      if (!in_layout(key)) result.own.emplace(key, tensor.clone());
+    }
+  }
   // What the slices came from is not the replicated part.
   for (const auto& [kind, where] : wanted.kinds) {
     auto& source = where.into_weights ? checkpoint.weights : checkpoint.state;

@@ -33,8 +33,10 @@ void PowerSgdConfig::visit(ConfigVisitor& v) {
           {.min = 1});
   v.field("min_compression_rate", min_compression_rate,
           "compress a matrix only when n m > this x (n + m) r; the others go whole", {.min = 0.0, .max = 1e6});
-  v.field("warm_start", warm_start, "false: Q stays the first seeded Gaussian (DALL-E); true: the last Q starts the "
-                                    "next power iteration (PyTorch's hook; data parallelism only)");
+  v.field("warm_start", warm_start,
+          "false: Q stays the first seeded Gaussian (DALL-E); true: the last Q starts the next power iteration "
+          "(PyTorch's hook; sharded, each rank's blocks of rows keep theirs, in its shard file of the checkpoints, "
+          "and start afresh on another number of ranks per machine)");
   v.field("dtype", dtype,
           "of P and Q on the wire and of the error buffers: float32, or 16 bits as DALL-E kept them (bfloat16 has "
           "fp32's range; float16's infinities are clamped to 65504, and unscaled gradients below 6e-8 vanish)",

@@ -272,5 +272,46 @@ TEST(ShardedPowerSgd, AtFullRankEqualsTheFlatPathAndTheExactMean) {
   });
 }
 
+// Warm-started Q under sharding: each block's Q after an update starts the next power
+// iteration; at full rank every update is still the exact mean, and the Q kept is the last.
+TEST(ShardedPowerSgd, WarmQAtFullRankStaysTheExactMeanAndIsKept) {
+  testing::on_ranks(4, [&](const LaunchEnvironment& place) {
+    const int64_t node = place.rank / 2, local = place.rank % 2;
+    auto world = group_at(place);
+    auto within = testing::subgroup_at(place, "node" + std::to_string(node), local, 2);
+    auto across = testing::subgroup_at(place, "local" + std::to_string(local), node, 2);
+    const PowerSgdOptions options{.rank = 5, .start_update = 1, .min_compression_rate = 0.0, .warm_start = true};
+    std::vector<std::vector<torch::Tensor>> tensors{{}};
+    for (const auto& parameter : cut_group_of_rank(0)) tensors[0].push_back(torch::zeros_like(parameter).requires_grad_());
+    auto sharded = std::make_shared<ShardedParameters>(tensors, within);
+    ShardedReducer reducer(sharded, world, within, across, 1 << 20, options);
+    const auto first_q = reducer.shard_q(0);
+    ASSERT_FALSE(first_q.empty());
+    std::vector<torch::Tensor> before;
+    for (const auto& q : first_q) before.push_back(q.clone());
+    for (int64_t update = 0; update < 2; ++update) {
+      // Each update's gradients are another draw: ranks 4u .. 4u + 3 of cut_group_of_rank.
+      const auto of = [update](int64_t rank) { return cut_group_of_rank(4 * update + rank); };
+      const auto mean = testing::mean_gradients(4, of);
+      sharded->gather(0);
+      const auto own = of(place.rank);
+      for (size_t i = 0; i < own.size(); ++i) tensors[0][i].mutable_grad() = own[i].grad();
+      sharded->reduce_gradients(0);
+      sharded->release(0);
+      sharded->shard(0).mutable_grad() = torch::Tensor();
+      sharded->finish_reductions();
+      reducer.reduce(sharded->shards());
+      EXPECT_LT(testing::relative_error(sharded->shard(0).grad(), sharded->shard_of(0, mean)), 1e-5) << update;
+      sharded->shard(0).mutable_grad() = torch::Tensor();
+    }
+    const auto kept = reducer.shard_q(0);
+    ASSERT_EQ(kept.size(), before.size());
+    EXPECT_FALSE(torch::allclose(kept[0], before[0])) << "the last Q, not the first";
+    reducer.set_shard_q(0, before);
+    EXPECT_TRUE(torch::equal(reducer.shard_q(0)[0], before[0]));
+    EXPECT_THROW_WITH(reducer.set_shard_q(0, {}), Error, "blocks of rows for shard 0");
+  });
+}
+
 }  // namespace
 }  // namespace dalle::distributed

@@ -498,6 +498,27 @@ TEST_F(TrainingJob, ShardedPowerSgdAcrossMachinesTrainsAsDataParallelAtFullRankA
   EXPECT_LT(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10)), 1e-5);
 }
 
+// Warm-started Q under sharding: each rank keeps its blocks' Q in its shard file, so that a
+// resume on as many ranks per machine continues the same power iterations (a resume that left
+// Q out would restart them from the seeded Gaussian and end elsewhere).
+TEST_F(TrainingJob, ShardedPowerSgdWithWarmQResumesExactly) {
+  ScratchDir dir;
+  const std::string warm = "--set distributed.sharding=within_node --set distributed.gradient_reduction=powersgd"
+                           " --set distributed.powersgd.start_update=1 --set distributed.powersgd.min_compression_rate=0"
+                           " --set distributed.powersgd.rank=2 --set distributed.powersgd.warm_start=true"
+                           " --set learning_rate.decay=plateau";  // a schedule that run.steps leaves alone
+  auto uninterrupted = run_command(on_two_machines_of_two(train_prior(dir / "whole", warm)));
+  ASSERT_EQ(uninterrupted.status, 0) << uninterrupted.output;
+  for (const char* steps : {"5", "10"}) {
+    auto leg = run_command(on_two_machines_of_two(train_prior(dir / "resumed", warm + " --set run.steps=" + steps)));
+    ASSERT_EQ(leg.status, 0) << leg.output;
+    EXPECT_THAT(leg.output, ::testing::Not(::testing::HasSubstr("warm Q starts afresh")));
+  }
+  EXPECT_TRUE(io::read_safetensors(dir / "resumed/checkpoints/step-000000005/shard-00001-of-00002.safetensors")
+                  .tensors.count("powersgd_q.0.0"));
+  EXPECT_LT(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10)), 1e-6);
+}
+
 // Ranks started as torchrun starts them (its variables), one with another recipe.
 TEST_F(TrainingJob, RanksStartedWithDifferentConfigsRefuseToStart) {
   ScratchDir dir;

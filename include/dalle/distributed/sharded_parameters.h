@@ -116,7 +116,8 @@ class ShardedParameters {
 // shard. With PowerSGD options, the shards' whole rows of matrices cross the machines
 // compressed (DALL-E's hierarchy: reduce-scatter within the machine, PowerSGD across
 // machines on each shard; the all-gather within the machine is the next forward's), the
-// rest of each shard whole in one all-reduce.
+// rest of each shard whole in one all-reduce. Q stays fixed (DALL-E) or, with warm_start,
+// each block's last Q starts its next power iteration.
 class ShardedReducer final : public GradientReducer {
  public:
   // `within_node`: the group the parameters are sharded over; `across_nodes`: the replicas
@@ -144,6 +145,11 @@ class ShardedReducer final : public GradientReducer {
   // PowerSGD across machines. Every rank calls it for every group.
   torch::Tensor shard_error(size_t g);
   void set_shard_error(size_t g, const torch::Tensor& error);
+  // Q of each compressed block of rows of this rank's shard of group g (the same on every
+  // machine), what warm_start carries into the next update, and the same set back from a
+  // checkpoint written by as many ranks per machine; empty without PowerSGD across machines.
+  std::vector<torch::Tensor> shard_q(size_t g);
+  void set_shard_q(size_t g, const std::vector<torch::Tensor>& qs);
 
   // The all-reduce payload so far: the replicated parameters' on one machine, and what
   // crossed machines on several.

@@ -58,6 +58,9 @@ struct RankCheckpoint {
   TensorMap slices;       // "<kind>.<group>"
   // The bytes of values read from each shard file, by the rank that wrote it.
   std::map<int64_t, int64_t> shard_bytes_read;
+  // The other entries of this rank's own shard file (what is cut by the ranks' blocks of
+  // rows, such as PowerSGD's Q), when the checkpoint was written by `ranks` ranks.
+  TensorMap own;
 };
 RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
                                         int64_t ranks);

@@ -117,6 +117,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void resume(const std::string& directory) override;
   void restore_shards(io::TensorMap& slices, const io::TensorMap& moments);
   void log_shard_reads(const std::map<int64_t, int64_t>& bytes_by_writer) const;
+  void restore_warm_q(const io::TensorMap& own);
   io::ShardLayout shard_layout(bool moments, bool errors) const;
   std::unordered_set<std::string> block_names() const;
   void shard_resblocks();
@@ -134,8 +135,10 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
 
 namespace {
 
-// Where a sharded checkpoint keeps PowerSGD's error feedback, by parameter name.
+// Where a sharded checkpoint keeps PowerSGD's error feedback, by parameter name, and, in each
+// rank's shard file, the warm Q of its blocks of rows ("powersgd_q.<group>.<block>").
 constexpr const char* kReducerErrors = "reducer.error.";
+constexpr const char* kShardQ = "powersgd_q.";
 
 void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig& model, const std::string& where) {
   std::string problems;
@@ -383,6 +386,7 @@ void PriorTrainer::State::resume(const std::string& directory) {
   const auto moments = io::with_prefix_removed(checkpoint.state, "adamw.");
   load_adamw_state(*optimizer, *model, moments);
   restore_shards(read.slices, moments);
+  restore_warm_q(read.own);
   const auto progress = restore_progress(checkpoint);
   keep_threads_of(checkpoint);
   precision->load_state(checkpoint.state, "gradient_scaler.");
@@ -390,6 +394,32 @@ void PriorTrainer::State::resume(const std::string& directory) {
   restore_extra(checkpoint, directory);
   seek_loader(progress.position);
   resumed(directory, progress.step);
+}
+
+// PowerSGD's warm Q of this rank's blocks of rows, from its own shard file: only a checkpoint
+// written by as many ranks per machine has Q for the same blocks; any other starts afresh.
+void PriorTrainer::State::restore_warm_q(const io::TensorMap& own) {
+  if (config.distributed.gradient_reduction != "powersgd" || !config.distributed.powersgd.warm_start ||
+      !job->across_nodes()) {
+    return;
+  }
+  const auto& sharded = *shards->parameters();
+  bool restored = false;
+  for (size_t g = 0; g < sharded.groups(); ++g) {
+    std::vector<torch::Tensor> qs;
+    for (size_t k = 0;; ++k) {
+      const auto found = own.find(kShardQ + std::to_string(g) + "." + std::to_string(k));
+      if (found == own.end()) break;
+      qs.push_back(found->second);
+    }
+    if (qs.empty()) continue;
+    sharded_reducer->set_shard_q(g, qs);
+    restored = true;
+  }
+  if (!restored) {
+    log::warn(what, ": PowerSGD's warm Q starts afresh: the checkpoint holds none for this rank's blocks of rows "
+                    "(written without warm_start, or by another number of ranks per machine)");
+  }
 }
 
 void PriorTrainer::State::log_shard_reads(const std::map<int64_t, int64_t>& bytes_by_writer) const {
@@ -484,6 +514,12 @@ void PriorTrainer::State::write_own_shards(const std::string& staging, bool mome
     mine.emplace("weights" + index, sharded.shard(g).detach().cpu());
     mine.emplace("ema" + index, shard_averages[g].cpu());
     if (errors[g].defined()) mine.emplace("powersgd_error" + index, errors[g].cpu());
+    if (config.distributed.powersgd.warm_start) {
+      const auto qs = sharded_reducer->shard_q(g);
+      for (size_t k = 0; k < qs.size(); ++k) {
+        mine.emplace(kShardQ + index.substr(1) + "." + std::to_string(k), qs[k].cpu());
+      }
+    }
     if (!moments) continue;
     const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
         *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
