@@ -376,8 +376,9 @@ class Planner {
       plan_.too_large.push_back(part->name);
       left -= part->bytes;
     }
-    // Before sharding, each rank holds the whole model, its validation copy and its average.
-    plan_.startup_bytes = 3 * kFp32 * static_cast<double>(plan_.parameters.total);
+    // Before sharding, each rank holds the whole model and its validation copy (the blocks are
+    // cut before the moving average is made).
+    plan_.startup_bytes = 2 * kFp32 * static_cast<double>(plan_.parameters.total);
     plan_.fits_at_startup = !plan_.sharded || plan_.startup_bytes <= plan_.capacity_bytes;
   }
 
@@ -472,8 +473,8 @@ class Planner {
     if (!plan_.fits_at_startup) {
       char text[200];
       std::snprintf(text, sizeof text,
-                    "at start each rank places the whole model, its validation copy and its average on its GPU "
-                    "before sharding them: %.1f GiB, more than the GPU holds",
+                    "at start each rank places the whole model and its validation copy on its GPU before "
+                    "sharding: %.1f GiB, more than the GPU holds",
                     plan_.startup_bytes / kGiB);
       notes.push_back(text);
     }

@@ -132,14 +132,4 @@ io::TensorMap ShardedResblocks::whole(const std::vector<torch::Tensor>& shard_li
   return named;
 }
 
-torch::Tensor ShardedResblocks::shard_of(size_t group, const io::TensorMap& named, const std::string& suffix) const {
-  std::vector<torch::Tensor> full;
-  for (const auto& name : names_[group]) {
-    const auto found = named.find(name + suffix);
-    if (found == named.end()) throw Error("sharded resblocks: no '" + name + suffix + "' to shard");
-    full.push_back(found->second);
-  }
-  return sharded_->shard_of(group, full);
-}
-
 }  // namespace dalle::train

@@ -117,7 +117,7 @@ struct CapacityPlan {
   double kept_bytes = 0, backward_bytes = 0, reduction_bytes = 0, peak_bytes = 0, capacity_bytes = 0;
   bool fits = false;
   std::vector<std::string> too_large;  // the fewest largest parts without which the rest would fit
-  double startup_bytes = 0;            // the whole model, its validation copy and average, before sharding
+  double startup_bytes = 0;            // the whole model and its validation copy, before sharding
   bool fits_at_startup = false;
 
   std::vector<TrafficPart> traffic;

@@ -47,8 +47,6 @@ class ShardedResblocks {
   // Full values named by parameter, from a shard-shaped counterpart per group (the shards
   // themselves, their moving averages, a moment), in group order; `suffix` ends the names.
   io::TensorMap whole(const std::vector<torch::Tensor>& shard_like, const std::string& suffix = "") const;
-  // The shard counterpart of full values named by parameter (a checkpoint's moments).
-  torch::Tensor shard_of(size_t group, const io::TensorMap& named, const std::string& suffix = "") const;
   const std::vector<std::string>& names(size_t group) const { return names_[group]; }
 
  private:

@@ -120,9 +120,8 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void restore_warm_q(const io::TensorMap& own);
   io::ShardLayout shard_layout(bool moments, bool errors) const;
   std::unordered_set<std::string> block_names() const;
+  void cut_resblocks();
   void shard_resblocks();
-  void shard_optimizer(std::vector<torch::optim::OptimizerParamGroup> groups, const io::TensorMap& replicated_moments,
-                       const io::TensorMap& moments);
   void shard_update(const io::TensorMap& scales);
   void average_shards();
   void save_checkpoint() override;
@@ -130,7 +129,6 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void write_checkpoint_files(const std::string& staging, bool moments, bool errors);
   // The moving average of the weights, whole, into `target`.
   void copy_average_to(models::Prior& target);
-  io::TensorMap whole_average() const;
 };
 
 namespace {
@@ -223,6 +221,9 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   // A resumed run has its own weights; init_from is read only to start one.
   if (!s.config.init_from.empty() && !s.checkpoints.latest()) initialise_from(*s.model, s.config);
   s.place_model();
+  // Sharded, the blocks are cut before the update state is built, so that no rank ever holds
+  // a whole average of them.
+  s.cut_resblocks();
   s.build_update(parameter_groups(*s.model, s.config.optimizer.weight_decay), s.config.learning_rate.peak,
                  std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
                                                   resblock_parameter_groups(s.model->resblocks()), s.replicas()),
@@ -263,59 +264,40 @@ void PriorTrainer::State::install_resblock_runner() {
   if (runner) model->set_resblock_runner(std::move(runner));
 }
 
-void PriorTrainer::State::shard_resblocks() {
+// Each rank of a machine keeps 1/N of every resblock (distributed.sharding within_node); the
+// blocks' own tensors are emptied.
+void PriorTrainer::State::cut_resblocks() {
   if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
-  // What the update held whole: the moments by parameter, the fp16 scales, the average.
-  const auto moments = adamw_state(*optimizer, *model);
+  shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node(),
+                                              config.distributed.overlap);
+}
+
+// The update state moved to the shards, before any resume, on a fresh update: no moments
+// yet, an average equal to the weights (each shard's starts as the shard), the first scales.
+void PriorTrainer::State::shard_resblocks() {
+  if (!shards) return;
   io::TensorMap scales;
   precision->save_state(scales, "");
-  const auto averages = ema->weights();
+  const auto& sharded = *shards->parameters();
   std::unordered_set<const torch::TensorImpl*> in_blocks;
   for (const auto& block : model->resblocks()) {
     for (const auto& parameter : block->parameters()) in_blocks.insert(parameter.unsafeGetTensorImpl());
   }
-  auto replicated = parameter_groups(*model, config.optimizer.weight_decay, [&](const torch::Tensor& parameter) {
+  auto groups = parameter_groups(*model, config.optimizer.weight_decay, [&](const torch::Tensor& parameter) {
     return in_blocks.count(parameter.unsafeGetTensorImpl()) == 0;
   });
-
-  shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node(),
-                                              config.distributed.overlap);
-  const auto& sharded = *shards->parameters();
   for (size_t g = 0; g < sharded.groups(); ++g) {
     ema->forget(shards->names(g));
-    shard_averages.push_back(shards->shard_of(g, averages).to(sharded.shard(g).device()));
+    shard_averages.push_back(sharded.shard(g).detach().clone());
   }
-  std::unordered_set<std::string> block_names;
-  for (size_t g = 0; g < sharded.groups(); ++g) block_names.insert(shards->names(g).begin(), shards->names(g).end());
-  io::TensorMap replicated_moments;  // "<parameter>.exp_avg", ... of the parameters outside the blocks
-  for (const auto& [name, tensor] : moments) {
-    if (!block_names.count(name.substr(0, name.rfind('.')))) replicated_moments.emplace(name, tensor);
-  }
-  shard_optimizer(std::move(replicated), replicated_moments, moments);
+  for (const auto& shard : shards->decayed_shards()) groups[0].params().push_back(shard);
+  for (const auto& shard : shards->undecayed_shards()) groups[1].params().push_back(shard);
+  optimizer = make_adamw(std::move(groups), config.learning_rate.peak);
   shard_update(scales);
   const int64_t ranks = job->place().local_world_size;
   log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
             " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
             job->place().nodes > 1 ? ", replicated on the " + std::to_string(job->place().nodes) + " machines" : "");
-}
-
-// AdamW over the replicated parameters and the shards, with the moments it had whole.
-void PriorTrainer::State::shard_optimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
-                                          const io::TensorMap& replicated_moments, const io::TensorMap& moments) {
-  const auto& sharded = *shards->parameters();
-  for (const auto& shard : shards->decayed_shards()) groups[0].params().push_back(shard);
-  for (const auto& shard : shards->undecayed_shards()) groups[1].params().push_back(shard);
-  optimizer = make_adamw(std::move(groups), config.learning_rate.peak);
-  load_adamw_state(*optimizer, *model, replicated_moments);
-  for (size_t g = 0; g < sharded.groups(); ++g) {
-    if (shards->names(g).empty() || !moments.count(shards->names(g).front() + ".step")) continue;
-    auto adam = std::make_unique<torch::optim::AdamWParamState>();
-    adam->step(moments.at(shards->names(g).front() + ".step").item<int64_t>());
-    const auto options = sharded.shard(g).options().dtype(optimizer->moments());
-    adam->exp_avg(shards->shard_of(g, moments, ".exp_avg").to(options));
-    adam->exp_avg_sq(shards->shard_of(g, moments, ".exp_avg_sq").to(options));
-    optimizer->state()[sharded.shard(g).unsafeGetTensorImpl()] = std::move(adam);
-  }
 }
 
 // The precision (per-resblock fp16 scales over each block's shards, as `scales` left them)
@@ -473,15 +455,16 @@ void PriorTrainer::State::average_shards() {
   }
 }
 
-io::TensorMap PriorTrainer::State::whole_average() const {
-  auto averages = ema->weights();
-  averages.merge(shards->whole(shard_averages));
-  return averages;
-}
-
+// Sharded, one block's average is gathered whole at a time.
 void PriorTrainer::State::copy_average_to(models::Prior& target) {
   if (!shards) return ema->copy_to(*target);
-  io::load_state_dict(*target, whole_average(), "EMA weights");
+  torch::NoGradGuard no_grad;
+  auto named = io::state_dict(*target);
+  for (const auto& [name, average] : ema->weights()) named.at(name).copy_(average);
+  for (size_t g = 0; g < shards->parameters()->groups(); ++g) {
+    const auto whole = shards->parameters()->unshard(g, shard_averages[g]);
+    for (size_t i = 0; i < whole.size(); ++i) named.at(shards->names(g)[i]).copy_(whole[i]);
+  }
 }
 
 void PriorTrainer::State::save_checkpoint() {
