@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <mutex>
+#include <numeric>
 
 #include "dalle/error.h"
 
@@ -244,45 +245,16 @@ std::vector<std::vector<size_t>> DataParallelReducer::buckets() const {
   return attached_.empty() ? std::vector<std::vector<size_t>>{} : attached_.front()->buckets;
 }
 
+// Parameters no update step named: the same buckets, in their order, started at once.
 void DataParallelReducer::reduce_at_once(const std::vector<torch::Tensor>& parameters) {
-  torch::NoGradGuard no_grad;
-  // Which gradients some rank has: one small collective, so that every rank then makes the
-  // same buckets in the same order.
-  auto local = torch::empty({static_cast<int64_t>(parameters.size())}, torch::kFloat32);
-  for (size_t i = 0; i < parameters.size(); ++i) local.data_ptr<float>()[i] = parameters[i].grad().defined() ? 1.0f : 0.0f;
-  auto any = local.to(group_->device());
-  group_->all_reduce(any, ReduceOp::max);
-  ++collectives_;
-  const auto defined = any.cpu();
-  const auto* flag = defined.data_ptr<float>();
-
-  std::vector<torch::Tensor> bucket;
-  int64_t bucket_bytes = 0;
-  const auto flush = [&] {
-    if (!bucket.empty()) reduce_bucket(bucket);
-    bucket.clear();
-    bucket_bytes = 0;
-  };
-  for (size_t i = 0; i < parameters.size(); ++i) {
-    if (flag[i] == 0.0f) continue;
-    auto parameter = parameters[i];
-    if (!parameter.grad().defined()) parameter.mutable_grad() = torch::zeros_like(parameter);
-    const auto& gradient = parameter.grad();
-    // One bucket holds one dtype and one device, as one flat tensor does.
-    if (!bucket.empty() && (bucket.front().scalar_type() != gradient.scalar_type() ||
-                            bucket.front().device() != gradient.device())) {
-      flush();
-    }
-    bucket.push_back(gradient);
-    bucket_bytes += gradient.numel() * static_cast<int64_t>(gradient.element_size());
-    if (bucket_bytes >= bucket_bytes_) flush();
-  }
-  flush();
-}
-
-void DataParallelReducer::reduce_bucket(const std::vector<torch::Tensor>& gradients) {
-  bytes_reduced_ += average_together(*group_, gradients);
-  ++collectives_;
+  Attached once;
+  once.reducer = this;
+  once.parameters = parameters;
+  once.reordered = true;
+  std::vector<size_t> order(parameters.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  once.make_buckets(order, bucket_bytes_);
+  finish(once);
 }
 
 int64_t average_together(ProcessGroup& group, const std::vector<torch::Tensor>& parts) {

@@ -42,8 +42,8 @@ class DataParallelReducer final : public GradientReducer {
 
   // Gradients a rank lacks (a parameter its batch did not reach) count as zeros; they stay
   // undefined only where every rank lacks them, so that AdamW treats them alike everywhere.
-  // Parameters named to before_backward use their buckets (made then); any others are bucketed in
-  // their order, at once.
+  // Parameters named to before_backward use their buckets (made then); any others are bucketed
+  // in their order and started at once.
   void reduce_scaled(const std::vector<torch::Tensor>& parameters) override;
   void before_backward(const std::vector<torch::Tensor>& parameters) override;
   torch::Tensor agree(const torch::Tensor& flags) override;
@@ -61,7 +61,6 @@ class DataParallelReducer final : public GradientReducer {
   struct Attached;  // one attached list's buckets and hooks (data_parallel.cpp)
 
  private:
-  void reduce_bucket(const std::vector<torch::Tensor>& gradients);
   void reduce_at_once(const std::vector<torch::Tensor>& parameters);
   void finish(Attached& attached);
   Attached* attached_as(const std::vector<torch::Tensor>& parameters);
