@@ -79,6 +79,10 @@ struct RunRecord {
   io::CheckpointStore checkpoints;
   MetricsLog metrics_log;
   int64_t step = 0;
+  // Wall time of the updates since the last metrics line (the loop times them; validation and
+  // checkpoints are not in it), which the next metrics line reports per update.
+  mutable double update_seconds = 0;
+  mutable int64_t updates_timed = 0;
   RunLock lock;  // from open() on
   bool writes_files = true;
   // Whether to stop before the next update: this process's stop request (train/stop_request.h)

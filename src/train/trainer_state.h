@@ -242,6 +242,7 @@ struct TrainerState : RunRecord {
   // the same update: its fractional values (losses, ...) become the mean over the ranks.
   void append_metrics(nlohmann::json line) const {
     add_traffic(line);
+    add_update_time(line);
     std::vector<double> values;
     for (const auto& item : line.items()) {
       if (item.value().is_number_float()) values.push_back(item.value().get<double>());
@@ -273,6 +274,14 @@ struct TrainerState : RunRecord {
     line["across_machines_mb"] =
         static_cast<double>(bytes - traffic_.bytes) / 1e6 / static_cast<double>(step - traffic_.step);
     traffic_ = {step, bytes};
+  }
+  // The mean wall time of the updates since the last line (every rank times the same
+  // updates, so the line's average over the ranks is theirs).
+  void add_update_time(nlohmann::json& line) const {
+    if (updates_timed == 0) return;
+    line["update_seconds"] = update_seconds / static_cast<double>(updates_timed);
+    update_seconds = 0;
+    updates_timed = 0;
   }
   struct Traffic {
     int64_t step = 0, bytes = 0;

@@ -1,5 +1,6 @@
 #include "train/training_loop.h"
 
+#include <chrono>
 #include <fstream>
 #include <string>
 
@@ -48,7 +49,10 @@ void run_training_loop(const RunRecord& record, const LoopIntervals& intervals, 
   int64_t checkpointed = step;
   double resident_after_update = -1;
   while (step < intervals.steps && !record.should_stop()) {
+    const auto started = std::chrono::steady_clock::now();
     const double loss = actions.update();
+    record.update_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    ++record.updates_timed;
     resident_after_update = process_memory_mib("VmRSS");
     progress.advance();
     progress.set_loss(loss);

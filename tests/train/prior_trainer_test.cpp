@@ -72,6 +72,11 @@ TEST_F(PriorTrainerTest, LossGoesDownAndTheRunLoads) {
   const auto trained = trainer.validate();
   EXPECT_LT(trained.image_loss, 0.5 * untrained.image_loss)
       << "validation image loss " << untrained.image_loss << " -> " << trained.image_loss;
+  const auto lines = testing::training_lines(runs / "run", /*with_time=*/true);
+  ASSERT_FALSE(lines.empty());
+  for (const auto& [step, line] : lines) {
+    EXPECT_GT(line.value("update_seconds", 0.0), 0.0) << "update " << step << ": " << line.dump();
+  }
   auto loaded = models::load_trained_prior(runs / "run");
   EXPECT_EQ(loaded.config.layers, 2);
   torch::NoGradGuard no_grad;

@@ -57,14 +57,16 @@ class TrainerSuite : public ::testing::Test {
   static inline ScratchDir* data_ = nullptr;
 };
 
-// update -> the metrics line of each update that logged a training loss; an update logged
-// twice fails the test.
-inline std::map<int64_t, nlohmann::json> training_lines(const std::string& run) {
+// update -> the metrics line of each update that logged a training loss, without its wall
+// time (`update_seconds`, which no rerun repeats) unless `with_time`; an update logged twice
+// fails the test.
+inline std::map<int64_t, nlohmann::json> training_lines(const std::string& run, bool with_time = false) {
   std::map<int64_t, nlohmann::json> out;
   std::ifstream in(run + "/metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
     auto entry = nlohmann::json::parse(line);
     if (!entry.contains("loss")) continue;
+    if (!with_time) entry.erase("update_seconds");
     const bool first = out.emplace(entry["step"].get<int64_t>(), entry).second;
     EXPECT_TRUE(first) << "update " << entry["step"] << " logged twice in " << run;
   }
