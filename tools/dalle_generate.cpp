@@ -1,6 +1,9 @@
 // dalle-generate: captions in, images out, through dalle::generate::Pipeline: N samples
 // per prompt from the prior, decoded, optionally reranked by CLIP to the best K and
 // upscaled; one PNG and JSON sidecar per kept image and a grid.
+#include <filesystem>
+
+#include "dalle/data/image.h"
 #include "dalle/generate/output.h"
 #include "dalle/generate/pipeline.h"
 #include "dalle/input_limits.h"
@@ -8,6 +11,34 @@
 #include "tool_support.h"
 
 using namespace dalle;
+
+namespace {
+
+// Where the previews of the candidates being drawn go: beside the output folder, since the
+// folder itself is replaced whole at the end.
+std::filesystem::path preview_path(const std::string& out) {
+  auto folder = std::filesystem::path(out).lexically_normal();
+  if (folder.filename().empty()) folder = folder.parent_path();
+  return folder.string() + ".preview.png";
+}
+
+// Writes the batch's previews as one grid, a row per prompt's candidates, each labelled with
+// its prompt and how far it is drawn.
+generate::PreviewCallback preview_writer(const std::filesystem::path& path, const std::vector<std::string>& prompts,
+                                         int64_t columns) {
+  return [=](const std::vector<generate::Preview>& previews) {
+    std::vector<torch::Tensor> tiles;
+    std::vector<std::string> labels;
+    for (const auto& preview : previews) {
+      tiles.push_back(preview.image);
+      labels.push_back(prompts[static_cast<size_t>(preview.request)] + " (" + std::to_string(preview.drawn) + "/" +
+                       std::to_string(preview.total) + ")");
+    }
+    data::write_png(path.string(), data::make_grid(tiles, labels, {.columns = columns, .tile_size = 128}));
+  };
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Draws images for captions: samples from a trained prior, decodes, and optionally reranks with "
@@ -27,6 +58,11 @@ int main(int argc, char** argv) {
   app.add_option("--out", out,
                  "output folder: one PNG and JSON per image, grid.png (new, empty, or an earlier output, "
                  "which is replaced whole)");
+  int64_t preview_every = 0;
+  app.add_option("--preview-every", preview_every,
+                 "every N image tokens, write the candidates being drawn (rows not drawn yet blank) to "
+                 "<out>.preview.png beside the output folder, removed once the images are written (0: none)")
+      ->check(CLI::NonNegativeNumber);
   tools::PipelineShorthands shorthands;
   shorthands.add_to(app);
 
@@ -56,9 +92,17 @@ int main(int argc, char** argv) {
     if (prompts.empty()) throw tools::UsageError("no captions: give them as arguments or with --prompts-file");
     generate::OutputFolder output(out);
     generate::Pipeline pipeline(config);
-    const auto images = pipeline.generate(prompts);
+    std::vector<generate::PromptRequest> requests;
+    for (size_t index = 0; index < prompts.size(); ++index) {
+      requests.push_back(pipeline.request(prompts[index], static_cast<int64_t>(index)));
+      requests.back().preview_every = preview_every;
+    }
+    const auto preview = preview_path(out);
+    const auto images = pipeline.generate(
+        requests, preview_every > 0 ? preview_writer(preview, prompts, config.candidates) : generate::PreviewCallback());
     generate::write_generation(output.staging(), pipeline.config(), images);
     output.commit();
+    if (preview_every > 0) std::filesystem::remove(preview);
     log::info("generate: ", images.size(), " images and grid.png in ", out);
   });
 }

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -88,9 +89,15 @@ struct Pipeline::Stages {
   std::optional<text::ClipTokenizer> clip_tokenizer{};
   models::RrdbNet superres{nullptr};
 
-  // Samples and decodes the candidates `rows`, requests' prompts encoded in `captions`.
+  // Samples and decodes the candidates `rows`, requests' prompts encoded in `captions`,
+  // showing `on_preview` those whose request asks for previews.
   std::vector<GeneratedImage> sample(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
-                                     const std::vector<torch::Tensor>& captions, log::Progress& progress);
+                                     const std::vector<torch::Tensor>& captions, log::Progress& progress,
+                                     const PreviewCallback& on_preview);
+  // The previews of the batch's `rows` due after `done` of `total` positions, whose codes
+  // so far are `drawn`, one [B] tensor per position.
+  std::vector<Preview> previews(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
+                                const std::vector<torch::Tensor>& drawn, int64_t total);
   // Refuses what generate cannot do of `request`; `where` begins the messages.
   void check(const PromptRequest& request, const std::string& where) const;
   // Reranks (with CLIP), keeps and upscales the candidates of one request.
@@ -169,19 +176,82 @@ RowBatch batch_of(const std::vector<Row>& rows, const std::vector<PromptRequest>
   return batch;
 }
 
+bool wants_preview(const PromptRequest& request, int64_t done, int64_t total) {
+  return request.preview_every > 0 && (done % request.preview_every == 0 || done == total);
+}
+
+// `images` [B, 3, H, W] blank (white) but for the pixels of the first `done` of the grid's
+// positions.
+torch::Tensor blank_undrawn(const torch::Tensor& images, int64_t done, int64_t total) {
+  const auto side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(total))));
+  const auto scale = images.size(-1) / side;
+  const auto drawn = (torch::arange(total) < done).to(images.dtype()).view({side, side});
+  const auto mask = drawn.repeat_interleave(scale, 0).repeat_interleave(scale, 1);
+  return images * mask + (1 - mask);
+}
+
+// The previews of the rows whose request asks for them once every position is drawn: the
+// images as drawn, before reranking and super-resolution.
+void show_final_previews(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
+                         const torch::Tensor& tokens, const torch::Tensor& decoded, const PreviewCallback& on_preview) {
+  const auto total = tokens.size(1) * tokens.size(2);
+  std::vector<Preview> out;
+  for (size_t index = 0; index < rows.size(); ++index) {
+    const auto& row = rows[index];
+    if (requests[row.request].preview_every == 0) continue;
+    const auto i = static_cast<int64_t>(index);
+    out.push_back({.request = static_cast<int64_t>(row.request), .candidate = row.candidate, .drawn = total,
+                   .total = total, .tokens = tokens[i].to(torch::kCPU), .image = decoded[i]});
+  }
+  on_preview(out);
+}
+
 }  // namespace
+
+std::vector<Preview> Pipeline::Stages::previews(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
+                                                const std::vector<torch::Tensor>& drawn, int64_t total) {
+  const auto done = static_cast<int64_t>(drawn.size());
+  std::vector<int64_t> due;
+  for (size_t index = 0; index < rows.size(); ++index) {
+    if (wants_preview(requests[rows[index].request], done, total)) due.push_back(static_cast<int64_t>(index));
+  }
+  if (due.empty()) return {};
+  torch::NoGradGuard no_grad;
+  const auto so_far = torch::stack(drawn, 1).index_select(0, torch::tensor(due).to(drawn.front().device()));
+  const auto side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(total))));
+  const auto tokens = torch::constant_pad_nd(so_far, {0, total - done}).view({-1, side, side});
+  const auto images = blank_undrawn(family->decode(tokens).to(torch::kCPU).to(torch::kFloat32), done, total);
+  std::vector<Preview> out;
+  for (size_t i = 0; i < due.size(); ++i) {
+    const auto& row = rows[static_cast<size_t>(due[i])];
+    out.push_back({.request = static_cast<int64_t>(row.request), .candidate = row.candidate, .drawn = done,
+                   .total = total, .tokens = tokens[static_cast<int64_t>(i)].to(torch::kCPU),
+                   .image = images[static_cast<int64_t>(i)]});
+  }
+  return out;
+}
 
 std::vector<GeneratedImage> Pipeline::Stages::sample(const std::vector<Row>& rows,
                                                      const std::vector<PromptRequest>& requests,
                                                      const std::vector<torch::Tensor>& captions,
-                                                     log::Progress& progress) {
+                                                     log::Progress& progress, const PreviewCallback& on_preview) {
   models::RowFilters filters;
   auto batch = batch_of(rows, requests, captions, filters);
   const auto count = static_cast<int64_t>(rows.size());
-  batch.on_token = [&](int64_t, int64_t) { progress.advance(count); };
+  const bool shows_previews = on_preview && std::any_of(rows.begin(), rows.end(), [&](const Row& row) {
+                                return requests[row.request].preview_every > 0;
+                              });
+  std::vector<torch::Tensor> drawn;
+  batch.on_token = [&](int64_t done, int64_t total, const torch::Tensor& codes) {
+    progress.advance(count);
+    if (!shows_previews || done == total) return;  // the last one comes from the decoded images
+    drawn.push_back(codes);
+    if (auto due = previews(rows, requests, drawn, total); !due.empty()) on_preview(due);
+  };
   const auto tokens = family->draw(batch);
   torch::NoGradGuard no_grad;
   const auto decoded = family->decode(tokens).to(torch::kCPU);
+  if (shows_previews) show_final_previews(rows, requests, tokens, decoded, on_preview);
   std::vector<GeneratedImage> images;
   for (size_t index = 0; index < rows.size(); ++index) {
     const auto& row = rows[index];
@@ -261,6 +331,8 @@ int64_t Pipeline::image_size(bool superres) const {
   return superres && s.superres ? decoded * s.superres->config().scale : decoded;
 }
 
+int64_t Pipeline::image_tokens() const { return stages_->family->image_length(); }
+
 void Pipeline::check(const PromptRequest& request) const { stages_->check(request, "pipeline"); }
 
 void Pipeline::Stages::check(const PromptRequest& request, const std::string& where) const {
@@ -278,6 +350,10 @@ void Pipeline::Stages::check(const PromptRequest& request, const std::string& wh
       throw Error("pipeline: candidates must be at least 1, and it and stream_index fit the 32 bits of a "
                   "sampling stream's halves");
     }
+    if (request.preview_every < 0) {
+      throw Error("pipeline: preview_every is " + std::to_string(request.preview_every) +
+                  "; give the image positions between previews, or 0 for none");
+    }
   } catch (const Error& error) {
     if (where == "pipeline") throw;
     throw Error(std::string(error.what()) + " (" + where.substr(std::string("pipeline: ").size()) + ")");
@@ -292,7 +368,8 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& p
   return generate(requests);
 }
 
-std::vector<GeneratedImage> Pipeline::generate(const std::vector<PromptRequest>& requests) {
+std::vector<GeneratedImage> Pipeline::generate(const std::vector<PromptRequest>& requests,
+                                               const PreviewCallback& on_preview) {
   auto& s = *stages_;
   if (requests.empty()) throw Error("pipeline: no prompts");
   // Before any sampling: a request the sidecars cannot hold must not cost a run.
@@ -324,7 +401,7 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<PromptRequest>&
       const auto last = std::min(group_rows.size(), first + static_cast<size_t>(s.config.batch_size));
       const std::vector<Row> batch(group_rows.begin() + static_cast<std::ptrdiff_t>(first),
                                    group_rows.begin() + static_cast<std::ptrdiff_t>(last));
-      for (auto& image : s.sample(batch, requests, captions, progress)) {
+      for (auto& image : s.sample(batch, requests, captions, progress, on_preview)) {
         const auto index = static_cast<size_t>(image.request);
         auto& candidates = pending[index];
         candidates.push_back(std::move(image));

@@ -26,7 +26,7 @@ struct RowBatch {
   const models::RowFilters* filters;       // each row's top_k and top_p; null when all rows share options'
   std::vector<uint64_t> streams;           // each row's sampling stream
   std::vector<int64_t> seeds;              // each row's seed
-  std::function<void(int64_t, int64_t)> on_token;  // (done, total) after each image position
+  models::TokenCallback on_token;          // after each image position
 };
 
 class PriorFamily {

@@ -32,7 +32,7 @@ torch::Tensor supercondition_weights(const torch::Tensor& logits, const BartSamp
 
 torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decoder, const torch::Tensor& captions,
                                        const BartSamplingOptions& options, const std::vector<uint64_t>& streams,
-                                       const std::function<void(int64_t, int64_t)>& on_token,
+                                       const TokenCallback& on_token,
                                        const std::vector<int64_t>& row_seeds) {
   const auto& config = decoder->config();
   if (captions.dim() != 2 || captions.size(1) != config.text_length) {
@@ -77,7 +77,7 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
     previous = options.torch_draws ? torch::multinomial(weights, 1)
                                    : draw_codes(weights, uniforms.select(1, position)).unsqueeze(1);
     codes.push_back(previous);
-    if (on_token) on_token(position + 1, config.image_length);
+    if (on_token) on_token(position + 1, config.image_length, previous.squeeze(1));
   }
   return torch::cat(codes, 1);
 }

@@ -140,8 +140,7 @@ void check_inputs(const PriorConfig& config, const torch::Tensor& captions, cons
 }  // namespace
 
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
-                                  const ImagePrompt* prompt,
-                                  const std::function<void(int64_t, int64_t)>& on_token,
+                                  const ImagePrompt* prompt, const TokenCallback& on_token,
                                   const std::vector<uint64_t>& streams, const RowFilters* row_filters,
                                   const std::vector<int64_t>& row_seeds) {
   const auto& config = prior->config();
@@ -188,7 +187,7 @@ torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, c
     }
     codes.push_back(next);
     if (position + 1 < total) source.append(guided ? torch::cat({next, next}) : next);
-    if (on_token) on_token(position + 1, total);
+    if (on_token) on_token(position + 1, total, next);
   }
   return torch::stack(codes, 1).view({batch, config.grid_size, config.grid_size});
 }

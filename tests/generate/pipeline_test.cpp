@@ -256,6 +256,45 @@ std::string random_rudalle_prior(const testing::ScratchDir& dir) {
 }
 
 // Prompts reach a ruDALL-E prior through its own tokenizer, lower-cased as rudalle does.
+TEST(PipelinePreviews, ShowTheRowsDrawnSoFarAndTheLastIsTheImageWithoutChangingAnyDraw) {
+  Pipeline pipeline(demo_pipeline(2));
+  auto previewed = pipeline.request("a red bag on the left"), plain = pipeline.request("a blue sneaker at the top", 1);
+  previewed.preview_every = 24;
+  std::vector<Preview> shown;
+  const auto images = pipeline.generate({previewed, plain}, [&](const std::vector<Preview>& previews) {
+    shown.insert(shown.end(), previews.begin(), previews.end());
+  });
+  // 64 positions: after 24 and 48, then the last; only the request that asked, both candidates.
+  ASSERT_EQ(shown.size(), 6u);
+  for (size_t i = 0; i < shown.size(); ++i) {
+    EXPECT_EQ(shown[i].request, 0);
+    EXPECT_EQ(shown[i].candidate, static_cast<int64_t>(i % 2));
+    EXPECT_EQ(shown[i].drawn, std::vector<int64_t>({24, 48, 64})[i / 2]);
+    EXPECT_EQ(shown[i].total, 64);
+  }
+  // After 24 positions: three rows of tokens, then none; three rows of 8 pixels, then white.
+  const auto& early = shown[0];
+  const auto& final_image = images.at(0);
+  ASSERT_EQ(final_image.request, 0);
+  EXPECT_TRUE(torch::equal(early.tokens.flatten().narrow(0, 0, 24), final_image.tokens.flatten().narrow(0, 0, 24)));
+  EXPECT_EQ(early.tokens.flatten().narrow(0, 24, 40).count_nonzero().item<int64_t>(), 0);
+  EXPECT_TRUE(torch::all(early.image.narrow(1, 24, 40) == 1).item<bool>()) << "not drawn yet: blank";
+  EXPECT_FALSE(torch::all(early.image.narrow(1, 0, 24) == 1).item<bool>());
+  for (int64_t candidate = 0; candidate < 2; ++candidate) {
+    const auto& last = shown[4 + static_cast<size_t>(candidate)];
+    const auto& image = images.at(static_cast<size_t>(candidate));
+    EXPECT_TRUE(torch::equal(last.tokens, image.tokens)) << "the last preview is the image's tokens";
+    EXPECT_TRUE(torch::equal(last.image, image.image)) << "and its pixels";
+  }
+  const auto unpreviewed = pipeline.generate({pipeline.request("a red bag on the left"), plain});
+  ASSERT_EQ(unpreviewed.size(), images.size());
+  for (size_t i = 0; i < images.size(); ++i) {
+    EXPECT_TRUE(torch::equal(unpreviewed[i].tokens, images[i].tokens)) << "previews change no draw: image " << i;
+  }
+  previewed.preview_every = -1;
+  EXPECT_THROW_WITH(pipeline.generate({previewed}), Error, "preview_every is -1");
+}
+
 TEST(PipelineYttm, RudallesTokenizerFeedsThePrior) {
   testing::ScratchDir dir;
   PipelineConfig config{.prior = random_rudalle_prior(dir), .candidates = 2, .threads = 2};

@@ -14,7 +14,9 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 // A stand-in for Pipeline::generate: records each call's requests, takes `delay`, and
-// returns kept() images per request whose pixel value is the request's seed.
+// returns kept() images per request whose pixel value is the request's seed. Its images have
+// kPositions positions: a request with preview_every is shown after each such number of them
+// and at the last.
 struct FakeModel {
   std::chrono::milliseconds delay{0};
   std::mutex mutex;
@@ -22,7 +24,10 @@ struct FakeModel {
   std::promise<void> first_call_started;
   std::atomic<bool> started{false};
 
-  std::vector<generate::GeneratedImage> operator()(const std::vector<generate::PromptRequest>& requests) {
+  static constexpr int64_t kPositions = 8;
+
+  std::vector<generate::GeneratedImage> operator()(const std::vector<generate::PromptRequest>& requests,
+                                                   const generate::PreviewCallback& on_preview = {}) {
     {
       std::lock_guard lock(mutex);
       calls.emplace_back();
@@ -30,6 +35,16 @@ struct FakeModel {
     }
     if (!started.exchange(true)) first_call_started.set_value();
     std::this_thread::sleep_for(delay);
+    for (int64_t done = 1; on_preview && done <= kPositions; ++done) {
+      std::vector<generate::Preview> due;
+      for (size_t index = 0; index < requests.size(); ++index) {
+        const auto every = requests[index].preview_every;
+        if (every > 0 && (done % every == 0 || done == kPositions)) {
+          due.push_back({.request = static_cast<int64_t>(index), .drawn = done, .total = kPositions});
+        }
+      }
+      if (!due.empty()) on_preview(due);
+    }
     std::vector<generate::GeneratedImage> images;
     for (size_t index = 0; index < requests.size(); ++index) {
       if (requests[index].prompt == "fail") throw Error("the model failed");
@@ -50,7 +65,9 @@ generate::PromptRequest request(const std::string& prompt, int64_t seed = 0, int
 }
 
 Scheduler::Generate through(FakeModel& model) {
-  return [&model](const std::vector<generate::PromptRequest>& requests) { return model(requests); };
+  return [&model](const std::vector<generate::PromptRequest>& requests, const generate::PreviewCallback& on_preview) {
+    return model(requests, on_preview);
+  };
 }
 
 const auto kNever = Clock::now() + std::chrono::hours(1);
@@ -76,6 +93,28 @@ TEST(Scheduler, RequestsArrivingTogetherShareOneGenerateCall) {
   EXPECT_EQ(model.calls[1].size(), 2u);
   EXPECT_EQ(model.calls[2].size(), 1u);
   EXPECT_EQ(model.calls[3], std::vector<std::string>{"big"});
+}
+
+TEST(Scheduler, AJobsPreviewsReachItsWaiterInOrderBeforeItIsDoneAndNoOtherJobsDo) {
+  FakeModel model;
+  Scheduler scheduler(through(model), {.max_queue = 8, .batch_window = 200ms, .batch_rows = 8});
+  Scheduler::Refusal refusal;
+  auto previewed = request("previewed", 1);
+  previewed.preview_every = 3;
+  const auto first = scheduler.submit(previewed, refusal), second = scheduler.submit(request("plain", 2), refusal);
+  std::vector<int64_t> shown;
+  ASSERT_TRUE(scheduler.wait(first, kNever, {}, 100ms, [&](const std::vector<generate::Preview>& previews) {
+    for (const auto& preview : previews) shown.push_back(preview.drawn);
+    return true;
+  }));
+  EXPECT_EQ(shown, (std::vector<int64_t>{3, 6})) << "every 3 of 8 positions; the last is the image itself";
+  EXPECT_EQ(first->images.size(), 1u);
+  bool other_shown = false;
+  ASSERT_TRUE(scheduler.wait(second, kNever, {}, 100ms, [&](const std::vector<generate::Preview>&) {
+    return other_shown = true;
+  }));
+  EXPECT_FALSE(other_shown);
+  EXPECT_EQ(model.calls.size(), 1u) << "both in one call";
 }
 
 TEST(Scheduler, AFullQueueRefusesAtOnceAndAGivenUpRequestFreesItsPlace) {

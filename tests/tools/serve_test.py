@@ -11,6 +11,9 @@ the pinned `openai` package)
   n=0 and huge, an unknown model, a wrong or missing key, an unknown URL, a known URL with
   the wrong method (405 with Allow), control characters in the prompt) is an OpenAI-style
   JSON error with its status, and the server still serves afterwards.
+- `stream: true` with `partial_images` answers as server-sent events that OpenAI's client
+  reads: the partial images of each candidate as it is drawn, then the image, which is the
+  one the same request draws unstreamed.
 - A full queue answers 429 at once; a client that leaves frees its place in the queue.
 - SIGTERM drains: a new request gets 503, those in flight get their images, exit status 0.
 
@@ -186,6 +189,30 @@ def test_openai_client(server, scratch):
         fail("a wrong key was accepted")
     except openai.AuthenticationError:
         pass
+
+
+def test_streaming(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=CALL_TIMEOUT)
+    fields = {"prompt": PROMPT, "n": 1, "size": "64x64"}
+    events = list(client.images.generate(**fields, stream=True, partial_images=3, extra_body={"seed": 5, **QUICK}))
+    partial = [event for event in events if event.type == "image_generation.partial_image"]
+    completed = [event for event in events if event.type == "image_generation.completed"]
+    check(len(events) == len(partial) + len(completed), f"events of other types: {events}")
+    # 64 positions, 3 partial images each: after 16, 32 and 48 of them, for both candidates.
+    indices = sorted((event.model_extra["candidate"], event.partial_image_index) for event in partial)
+    check(indices == [(c, i) for c in (0, 1) for i in range(3)], f"partial images {indices}")
+    check(events.index(completed[0]) == len(events) - 1 and len(completed) == 1, "one image, last")
+    partial_pngs = [base64.b64decode(event.b64_json) for event in partial]
+    for png in partial_pngs:
+        check(png_facts(png)[:2] == (64, 64), "a partial image of the image's size")
+    check(len({png_facts(png)[3] for png in partial_pngs}) == len(partial_pngs), "each partial image shows more")
+    unstreamed = client.images.generate(**fields, response_format="b64_json", extra_body={"seed": 5, **QUICK})
+    check(png_facts(base64.b64decode(completed[0].b64_json))[3] == png_facts(base64.b64decode(unstreamed.data[0].b64_json))[3],
+          "the streamed image is the one drawn without streaming")
+    expect_error(server, "partial images unstreamed", generate(server, {"prompt": PROMPT, "partial_images": 2}), 400,
+                 "invalid_value", "partial_images")
+    expect_error(server, "4 partial images", generate(server, {"prompt": PROMPT, "stream": True, "partial_images": 4}),
+                 400, "invalid_value", "partial_images")
 
 
 def test_batching(server):
@@ -367,6 +394,7 @@ def main():
         test_bad_command_lines()
         with Server("--api-key-file", scratch / "key", "--set", "batch_window_ms=300") as server:
             test_openai_client(server, scratch)
+            test_streaming(server)
             test_batching(server)
             test_errors(server)
         with Server("--set", "max_queue=1", "--set", "batch_window_ms=0") as server:

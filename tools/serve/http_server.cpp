@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <ctime>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -12,6 +13,7 @@
 #include <thread>
 #include <utility>
 
+#include "dalle/data/image.h"
 #include "dalle/input_limits.h"
 #include "dalle/log.h"
 #include "serve/api_error.h"
@@ -102,6 +104,19 @@ std::string default_error_message(const httplib::Request& req, int status, int64
   }
 }
 
+// One server-sent event as OpenAI's streams send them: its type twice, as the event's name
+// and in the data.
+std::string sse_event(const std::string& type, json data) {
+  data["type"] = type;
+  return "event: " + type + "\ndata: " + data.dump() + "\n\n";
+}
+
+// The fields OpenAI's image stream events share, for an image of `side` pixels.
+json image_event(std::string b64_png, int64_t side) {
+  return {{"b64_json", std::move(b64_png)}, {"created_at", std::time(nullptr)}, {"size", side_by_side(side)},
+          {"quality", "auto"}, {"background", "opaque"}, {"output_format", "png"}};
+}
+
 }  // namespace
 
 struct HttpServer::State {
@@ -113,6 +128,18 @@ struct HttpServer::State {
   std::string read_body(const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& reader);
   std::shared_ptr<Job> admit(const ImageRequest& request);
   json answer(const httplib::Request& req, const ImageRequest& request, const Job& job);
+  // Answers `job` as server-sent events (`stream`): each candidate's partial images as it is
+  // drawn, then each kept image; what fails after the first event comes as an `error` event.
+  void stream(const httplib::Request& req, httplib::Response& res, const ImageRequest& request,
+              const std::shared_ptr<Job>& job, Clock::time_point arrived);
+  // Writes the job's events to `sink` until it is done; false when the client left.
+  bool stream_events(httplib::DataSink& sink, const ConnectionSocket& connection, const ImageRequest& request,
+                     const std::shared_ptr<Job>& job, Clock::time_point deadline);
+  Clock::time_point deadline_of(Clock::time_point arrived) const {
+    return arrived +
+           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(config.request_timeout_seconds));
+  }
+  void log_answered(const ImageRequest& request, const Job& job, Clock::time_point arrived);
   std::string base_url(const httplib::Request& req) const;
   json model_object() const;
   int64_t random_seed();
@@ -137,13 +164,15 @@ HttpServer::State::State(const ServeConfig& config_, generate::Pipeline& pipelin
       pipeline(pipeline_),
       api_key(std::move(api_key_)),
       images(std::chrono::seconds(config_.image_ttl_seconds), config_.max_stored_images),
-      scheduler([&pipeline_](const std::vector<generate::PromptRequest>& requests) { return pipeline_.generate(requests); },
+      scheduler([&pipeline_](const std::vector<generate::PromptRequest>& requests,
+                             const generate::PreviewCallback& on_preview) { return pipeline_.generate(requests, on_preview); },
                 {.max_queue = config_.max_queue,
                  .batch_window = std::chrono::milliseconds(config_.batch_window_ms),
                  .batch_rows = pipeline_.config().batch_size}) {
   model = {.id = std::move(model_id),
            .plain_size = pipeline.image_size(false),
            .superres_size = pipeline.config().superres.empty() ? 0 : pipeline.image_size(true),
+           .image_tokens = pipeline.image_tokens(),
            .has_clip = !pipeline.config().clip.empty(),
            .default_candidates = pipeline.config().candidates,
            .max_n = config.max_n,
@@ -290,6 +319,7 @@ std::shared_ptr<Job> HttpServer::State::admit(const ImageRequest& request) {
   } catch (const Error& error) {
     throw ApiError(400, error.what(), "", "invalid_value");
   }
+  prompt.preview_every = request.preview_every(model);
   Scheduler::Refusal refusal = Scheduler::Refusal::none;
   auto job = scheduler.submit(std::move(prompt), refusal);
   if (refusal == Scheduler::Refusal::queue_full) {
@@ -329,9 +359,12 @@ void HttpServer::State::generations(const httplib::Request& req, httplib::Respon
     }
     const auto request = read_image_request(body, model);
     const auto job = admit(request);
+    if (request.stream) {
+      stream(req, res, request, job, arrived);
+      return;
+    }
     const ConnectionSocket connection(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
-    const auto deadline = arrived + std::chrono::duration_cast<Clock::duration>(
-                                        std::chrono::duration<double>(config.request_timeout_seconds));
+    const auto deadline = deadline_of(arrived);
     if (!scheduler.wait(job, deadline, [&] { return connection.client_gone(); })) {
       if (Clock::now() < deadline) {
         log::info("serve: a client left before its images were ready (", req.remote_addr, ")");
@@ -343,14 +376,77 @@ void HttpServer::State::generations(const httplib::Request& req, httplib::Respon
     }
     if (!job->error.empty()) throw ApiError(500, "Generation failed: " + job->error, "", "generation_failed");
     answer_json(res, 200, answer(req, request, *job).dump());
-    metrics.count_images(static_cast<int64_t>(job->images.size()));
-    metrics.observe_request_seconds(std::chrono::duration<double>(Clock::now() - arrived).count());
-    log::info("serve: ", job->images.size(), " images for ", excerpt(request.prompt), " in ",
-              std::chrono::duration<double>(Clock::now() - arrived).count(), " s (generated with ",
-              job->batched_with - 1, " other requests in ", job->generation_seconds, " s)");
+    log_answered(request, *job, arrived);
   } catch (const ApiError& error) {
     answer_error(res, error);
   }
+}
+
+void HttpServer::State::log_answered(const ImageRequest& request, const Job& job, Clock::time_point arrived) {
+  const auto seconds = std::chrono::duration<double>(Clock::now() - arrived).count();
+  metrics.count_images(static_cast<int64_t>(job.images.size()));
+  metrics.observe_request_seconds(seconds);
+  log::info("serve: ", job.images.size(), " images for ", excerpt(request.prompt), " in ", seconds,
+            " s (generated with ", job.batched_with - 1, " other requests in ", job.generation_seconds, " s)",
+            request.stream ? ", streamed" : "");
+}
+
+void HttpServer::State::stream(const httplib::Request& req, httplib::Response& res, const ImageRequest& request,
+                               const std::shared_ptr<Job>& job, Clock::time_point arrived) {
+  res.status = 200;
+  res.set_header("Cache-Control", "no-cache");
+  // The provider runs on this connection's thread once the handler returns, while httplib
+  // still holds the connection open.
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [this, request, job, arrived, local = std::pair(req.local_addr, req.local_port),
+       remote = std::pair(req.remote_addr, req.remote_port)](size_t, httplib::DataSink& sink) {
+        const ConnectionSocket connection(local.first, local.second, remote.first, remote.second);
+        if (stream_events(sink, connection, request, job, deadline_of(arrived))) {
+          log_answered(request, *job, arrived);
+        } else {
+          log::info("serve: a client left its stream before its images were ready (", remote.first, ")");
+        }
+        sink.done();
+        return true;
+      });
+}
+
+bool HttpServer::State::stream_events(httplib::DataSink& sink, const ConnectionSocket& connection,
+                                      const ImageRequest& request, const std::shared_ptr<Job>& job,
+                                      Clock::time_point deadline) {
+  const auto send = [&](const std::string& event) { return sink.write(event.data(), event.size()); };
+  std::map<int64_t, int64_t> partials_sent;  // by candidate
+  const auto send_previews = [&](const std::vector<generate::Preview>& previews) {
+    for (const auto& preview : previews) {
+      auto event = image_event(base64(data::encode_png(preview.image)), preview.image.size(-1));
+      event["partial_image_index"] = partials_sent[preview.candidate]++;
+      event["candidate"] = preview.candidate;
+      if (!send(sse_event("image_generation.partial_image", std::move(event)))) return false;
+    }
+    return true;
+  };
+  if (!scheduler.wait(job, deadline, [&] { return connection.client_gone(); }, std::chrono::milliseconds(100),
+                      send_previews)) {
+    if (Clock::now() < deadline) return false;
+    const ApiError timeout(504, "The request took longer than this server allows (" +
+                                    json(config.request_timeout_seconds).dump() + " s).", "", "timeout");
+    send(sse_event("error", json::parse(timeout.json())));
+    return true;
+  }
+  if (!job->error.empty()) {
+    send(sse_event("error", json::parse(ApiError(500, "Generation failed: " + job->error, "", "generation_failed").json())));
+    return true;
+  }
+  const auto settings = pipeline.config_of(job->request);
+  for (const auto& image : job->images) {
+    auto event = image_event(base64(generate::encode_generated_png(settings, image)), image.image.size(-1));
+    event["candidate"] = image.candidate;
+    event["usage"] = {{"input_tokens", 0}, {"output_tokens", model.image_tokens}, {"total_tokens", model.image_tokens},
+                      {"input_tokens_details", {{"text_tokens", 0}, {"image_tokens", 0}}}};
+    if (!send(sse_event("image_generation.completed", std::move(event)))) return false;
+  }
+  return true;
 }
 
 HttpServer::HttpServer(const ServeConfig& config, generate::Pipeline& pipeline, std::string model_id,

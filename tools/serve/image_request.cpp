@@ -139,7 +139,6 @@ std::string read_prompt(const json& body, const ServedModel& model) {
   return *prompt;
 }
 
-std::string side_by_side(int64_t side) { return std::to_string(side) + "x" + std::to_string(side); }
 
 // Whether the image is upscaled: `superres` when given, else what `size` names, else yes
 // when the model can.
@@ -187,6 +186,8 @@ int64_t read_candidates(const json& body, const ServedModel& model, int64_t n) {
 
 }  // namespace
 
+std::string side_by_side(int64_t side) { return std::to_string(side) + "x" + std::to_string(side); }
+
 ImageRequest read_image_request(std::string_view body, const ServedModel& model) {
   const auto parsed = parse_body(body);
   ImageRequest request;
@@ -209,7 +210,18 @@ ImageRequest read_image_request(std::string_view body, const ServedModel& model)
   request.temperature = number_field(parsed, "temperature", 1e-4, 100.0);
   request.top_k = integer_field(parsed, "top_k", 0, int64_t{1} << 30);
   request.top_p = number_field(parsed, "top_p", 1e-6, 1.0);
+  request.stream = bool_field(parsed, "stream").value_or(false);
+  request.partial_images = integer_field(parsed, "partial_images", 0, 3).value_or(0);
+  if (request.partial_images > 0 && !request.stream) {
+    throw ApiError(400, "'partial_images' are streamed: send 'stream': true with them.", "partial_images",
+                   "invalid_value");
+  }
   return request;
+}
+
+int64_t ImageRequest::preview_every(const ServedModel& model) const {
+  // ceil(tokens / (k + 1)): k previews before the last position, none at it.
+  return partial_images == 0 ? 0 : (model.image_tokens + partial_images) / (partial_images + 1);
 }
 
 generate::PromptRequest to_prompt_request(const ImageRequest& request, generate::PromptRequest defaults,

@@ -1,7 +1,7 @@
 #pragma once
 // The body of POST /v1/images/generations as OpenAI's clients send it, read and checked:
-// OpenAI's fields (prompt, n, size, response_format, user, model; others ignored, as a
-// client may send fields of newer models) and the framework's own (seed, candidates,
+// OpenAI's fields (prompt, n, size, response_format, stream, partial_images, user, model;
+// others ignored, as a client may send fields of newer models) and the framework's own (seed, candidates,
 // guidance_scale, top_k, top_p, temperature, superres). Whatever is wrong is an ApiError
 // naming the field, before the request costs the model anything.
 #include <cstdint>
@@ -18,6 +18,7 @@ struct ServedModel {
   std::string id;                  // what `model` must be, when given
   int64_t plain_size = 0;          // the side of the images without super-resolution
   int64_t superres_size = 0;       // and with it (0: the pipeline has none)
+  int64_t image_tokens = 0;        // tokens drawn per image
   bool has_clip = false;           // whether candidates beyond n can be reranked away
   int64_t default_candidates = 1;  // the pipeline config's candidates
   int64_t max_n = 4;
@@ -35,9 +36,17 @@ struct ImageRequest {
   std::optional<int64_t> seed;
   std::optional<double> guidance_scale, temperature, top_p;
   std::optional<int64_t> top_k;
+  bool stream = false;         // answer as server-sent events
+  int64_t partial_images = 0;  // previews of each candidate streamed while it is drawn (0-3)
+
+  // The image positions between previews that make `partial_images` of them (0: none).
+  int64_t preview_every(const ServedModel& model) const;
 
   int64_t image_size(const ServedModel& model) const { return superres ? model.superres_size : model.plain_size; }
 };
+
+// A square size as OpenAI names it: "256x256".
+std::string side_by_side(int64_t side);
 
 // Reads `body` (JSON); throws ApiError: 400 for malformed JSON, a missing prompt, a wrong
 // type or a value out of range, 404 (model_not_found) for another model.

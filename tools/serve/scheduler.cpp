@@ -38,27 +38,45 @@ std::shared_ptr<Job> Scheduler::submit(generate::PromptRequest request, Refusal&
 }
 
 bool Scheduler::wait(const std::shared_ptr<Job>& job, Clock::time_point deadline, const std::function<bool()>& give_up,
-                     std::chrono::milliseconds poll) {
+                     std::chrono::milliseconds poll, const PreviewSink& on_previews) {
   std::unique_lock lock(mutex_);
-  while (job->state != Job::State::done) {
+  size_t shown = 0;
+  while (true) {
+    if (on_previews && job->previews.size() > shown) {
+      const std::vector<generate::Preview> fresh(job->previews.begin() + static_cast<std::ptrdiff_t>(shown),
+                                                 job->previews.end());
+      shown = job->previews.size();
+      lock.unlock();  // the sink writes to a socket
+      const bool taken = on_previews(fresh);
+      lock.lock();
+      if (!taken && job->state != Job::State::done) {
+        abandon(job);
+        return false;
+      }
+      continue;
+    }
+    if (job->state == Job::State::done) return true;
     const auto now = Clock::now();
     bool stop = now >= deadline;
     if (!stop && give_up) {
       lock.unlock();  // the question may take a system call; the worker need not wait for it
       stop = give_up();
       lock.lock();
-      if (job->state == Job::State::done) break;
+      if (job->state == Job::State::done) continue;
     }
     if (stop) {
-      const auto at = std::find(queue_.begin(), queue_.end(), job);
-      if (at != queue_.end()) queue_.erase(at);
-      job->state = Job::State::abandoned;
-      changed_.notify_all();  // drain() may be waiting for the queue to empty
+      abandon(job);
       return false;
     }
     changed_.wait_until(lock, std::min(deadline, now + poll));
   }
-  return true;
+}
+
+void Scheduler::abandon(const std::shared_ptr<Job>& job) {
+  const auto at = std::find(queue_.begin(), queue_.end(), job);
+  if (at != queue_.end()) queue_.erase(at);
+  job->state = Job::State::abandoned;
+  changed_.notify_all();  // drain() may be waiting for the queue to empty
 }
 
 void Scheduler::drain() {
@@ -127,8 +145,17 @@ void Scheduler::run(const std::vector<std::shared_ptr<Job>>& batch) {
   const auto start = Clock::now();
   std::vector<generate::GeneratedImage> images;
   std::string error;
+  // A preview goes to its job; the last of each candidate is its image, which the job gets whole.
+  const auto to_jobs = [&](const std::vector<generate::Preview>& previews) {
+    std::lock_guard lock(mutex_);
+    for (const auto& preview : previews) {
+      auto& job = *batch.at(static_cast<size_t>(preview.request));
+      if (preview.drawn < preview.total && job.state != Job::State::abandoned) job.previews.push_back(preview);
+    }
+    changed_.notify_all();
+  };
   try {
-    images = generate_(requests);
+    images = generate_(requests, to_jobs);
   } catch (const std::exception& failure) {
     error = failure.what();
     log::error("serve: generating ", batch.size(), " requests failed: ", error);

@@ -26,6 +26,7 @@ struct Job {
   generate::PromptRequest request;
   std::chrono::steady_clock::time_point admitted;
   std::vector<generate::GeneratedImage> images;  // its images, rank order
+  std::vector<generate::Preview> previews;       // while it is drawn (request.preview_every), the last excepted
   std::string error;                             // why it failed; empty: it did not
   double generation_seconds = 0;                 // of the generate call it was part of
   int64_t batched_with = 0;                      // requests in that call, itself included
@@ -34,7 +35,10 @@ struct Job {
 
 class Scheduler {
  public:
-  using Generate = std::function<std::vector<generate::GeneratedImage>(const std::vector<generate::PromptRequest>&)>;
+  using Generate = std::function<std::vector<generate::GeneratedImage>(const std::vector<generate::PromptRequest>&,
+                                                                       const generate::PreviewCallback&)>;
+  // Takes a job's previews as they come; false when it can take no more (its client left).
+  using PreviewSink = std::function<bool(const std::vector<generate::Preview>&)>;
   struct Options {
     int64_t max_queue = 16;                   // queued (not running) jobs at most
     std::chrono::milliseconds batch_window{20};
@@ -50,10 +54,13 @@ class Scheduler {
   // Queues `request`; nothing (and why) when the queue is full or the scheduler drains.
   std::shared_ptr<Job> submit(generate::PromptRequest request, Refusal& refusal);
   // Waits until `job` is done, `deadline` passes or `give_up` (asked every `poll`) says so;
-  // whether it is done. A job given up on is abandoned: dropped from the queue if it still
-  // waits there (freeing its place), its images thrown away if it is being generated.
+  // whether it is done. Meanwhile `on_previews` is given the job's previews as they come, all
+  // of them before a done job returns. A job given up on (or whose sink refuses) is
+  // abandoned: dropped from the queue if it still waits there (freeing its place), its
+  // images thrown away if it is being generated.
   bool wait(const std::shared_ptr<Job>& job, std::chrono::steady_clock::time_point deadline,
-            const std::function<bool()>& give_up, std::chrono::milliseconds poll = std::chrono::milliseconds(100));
+            const std::function<bool()>& give_up, std::chrono::milliseconds poll = std::chrono::milliseconds(100),
+            const PreviewSink& on_previews = {});
   // Refuses new jobs from now on and returns once every job admitted before is done.
   void drain();
   bool draining() const;
@@ -66,6 +73,8 @@ class Scheduler {
   // The jobs of the next generate call, taken from the front of the queue. Holds the lock.
   std::vector<std::shared_ptr<Job>> take_batch();
   void run(const std::vector<std::shared_ptr<Job>>& batch);
+  // Drops `job` from the queue if it waits there and marks it abandoned. Holds the lock.
+  void abandon(const std::shared_ptr<Job>& job);
 
   Generate generate_;
   Options options_;

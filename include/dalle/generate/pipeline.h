@@ -78,6 +78,9 @@ struct PromptRequest {
   models::SamplingOptions sampling;
   SamplingSchedule schedule;  // replaces sampling.top_k and top_p per candidate when not empty
   bool superres = true;       // upscale, when the pipeline has a super-resolution model
+  // Image positions between previews of its candidates while they are drawn (0: none); the
+  // last preview comes when they are all drawn, before reranking and super-resolution.
+  int64_t preview_every = 0;
 
   int64_t kept() const { return keep == 0 ? candidates : keep; }
 };
@@ -95,6 +98,18 @@ struct GeneratedImage {
   torch::Tensor image;    // [3, H, W] in [0, 1], after super-resolution when it is on
   std::optional<double> clip_score;  // cosine similarity x CLIP's logit scale
 };
+
+// A candidate as drawn so far (PromptRequest::preview_every).
+struct Preview {
+  int64_t request = 0;    // which of generate's requests
+  int64_t candidate = 0;  // which of its N samples
+  int64_t drawn = 0;      // image positions drawn so far, of `total`
+  int64_t total = 0;
+  torch::Tensor tokens;   // [grid, grid] int64: the tokens drawn, 0 where none is yet
+  torch::Tensor image;    // [3, H, W] in [0, 1]: the tokens drawn decoded, blank (white) where none is yet
+};
+// Called on generate's thread with the previews of a batch's rows at one position.
+using PreviewCallback = std::function<void(const std::vector<Preview>&)>;
 
 // The key of the PNG text chunk (iTXt) in which every written image carries its sidecar JSON.
 inline constexpr const char* kPngTextKeyword = "dalle";
@@ -122,7 +137,10 @@ class Pipeline {
   std::vector<GeneratedImage> generate(const std::vector<std::string>& prompts);
   // For each request, in order, its K images in rank order; each request is checked before
   // anything is drawn. generate(prompts) is generate of request(prompts[i], i) for each i.
-  std::vector<GeneratedImage> generate(const std::vector<PromptRequest>& requests);
+  // Requests with a preview_every are shown to `on_preview` as they are drawn; previews
+  // change no draw.
+  std::vector<GeneratedImage> generate(const std::vector<PromptRequest>& requests,
+                                       const PreviewCallback& on_preview = {});
 
   // The request the config makes of `prompt` at prompt index `stream_index`.
   PromptRequest request(std::string prompt, int64_t stream_index = 0) const;
@@ -132,6 +150,8 @@ class Pipeline {
   // The side of the square images generate returns, with or without super-resolution
   // (the same when the pipeline has none).
   int64_t image_size(bool superres) const;
+  // The image positions (tokens) each candidate is drawn in.
+  int64_t image_tokens() const;
   // Refuses, naming the field, what generate would refuse of `request`.
   void check(const PromptRequest& request) const;
 

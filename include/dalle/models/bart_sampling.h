@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dalle/models/bart_prior.h"
+#include "dalle/models/prior_sampling.h"
 
 namespace dalle::models {
 
@@ -36,10 +37,10 @@ torch::Tensor supercondition_weights(const torch::Tensor& logits, const BartSamp
 
 // Image tokens [B, image_length] for `captions` [B, text_length], one image each. Row b draws
 // from stream `streams[b]` (empty: b) of seed `row_seeds[b]` (empty: options.seed) unless
-// options.torch_draws. `on_token(done, total)` follows each position.
+// options.torch_draws. `on_token` follows each position.
 torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decoder, const torch::Tensor& captions,
                                        const BartSamplingOptions& options, const std::vector<uint64_t>& streams = {},
-                                       const std::function<void(int64_t, int64_t)>& on_token = {},
+                                       const TokenCallback& on_token = {},
                                        const std::vector<int64_t>& row_seeds = {});
 
 }  // namespace dalle::models

@@ -61,13 +61,16 @@ std::vector<int64_t> seeds_of_rows(int64_t seed, const std::vector<int64_t>& row
 // interval of the cumulative sum holds `uniforms` [B]. A code of probability 0 is never drawn.
 torch::Tensor draw_codes(const torch::Tensor& probabilities, const torch::Tensor& uniforms);
 
+// Called by the samplers after each image position with the positions done, their total and
+// the codes just drawn ([B] int64 on the sampler's device; progress, previews).
+using TokenCallback = std::function<void(int64_t done, int64_t total, const torch::Tensor& drawn)>;
+
 // captions [B, text_length] (0 = padding) -> image tokens [B, grid, grid]. Row b draws from
 // stream `streams[b]` (empty: stream b) of seed `row_seeds[b]` (empty: options.seed), filtered
-// by `row_filters` in place of the options' top_k and top_p when given. `on_token` is called
-// after each image position (for progress).
+// by `row_filters` in place of the options' top_k and top_p when given. `on_token` follows
+// each image position.
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
-                                  const ImagePrompt* prompt = nullptr,
-                                  const std::function<void(int64_t done, int64_t total)>& on_token = {},
+                                  const ImagePrompt* prompt = nullptr, const TokenCallback& on_token = {},
                                   const std::vector<uint64_t>& streams = {}, const RowFilters* row_filters = nullptr,
                                   const std::vector<int64_t>& row_seeds = {});
 
