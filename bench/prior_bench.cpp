@@ -25,6 +25,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <numeric>
 #include <nlohmann/json.hpp>
@@ -38,6 +39,7 @@
 #include "dalle/distributed/sharded_parameters.h"
 #include "dalle/device.h"
 #include "dalle/models/bart_sampling.h"
+#include "dalle/models/linear.h"
 #include "dalle/models/vqgan_detokenizer.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
@@ -72,6 +74,16 @@ double peak_rss_mib() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;
+}
+
+// The process's resident memory now (VmRSS), in MiB: what the model holds once built, after
+// any float weights an int8 model was made from are freed.
+double resident_mib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return -1;
 }
 
 torch::Tensor random_tokens(const models::PriorConfig& config, int64_t batch) {
@@ -130,8 +142,8 @@ void generation(const models::PriorConfig& config, int64_t batch, const std::str
 // Thrown from the sampler's progress callback once the tokens to time are drawn.
 struct EnoughTokens {};
 
-// A token sampler given a progress callback, (done, total) after each image position.
-using TokenSampler = std::function<void(const std::function<void(int64_t, int64_t)>&)>;
+// A token sampler given the samplers' callback after each image position.
+using TokenSampler = std::function<void(const models::TokenCallback&)>;
 
 // Seconds between the 4th and the (4 + timed)-th image token `sample` draws, so that the
 // caption's prefill does not count; the sampling stops there.
@@ -141,7 +153,7 @@ double seconds_for_tokens(int64_t timed, const TokenSampler& sample, bool on_gpu
   Clock::time_point first;
   double seconds = 0;
   try {
-    sample([&](int64_t done, int64_t) {
+    sample([&](int64_t done, int64_t, const torch::Tensor&) {
       if (on_gpu) torch::cuda::synchronize();
       if (done == kUntimed) first = Clock::now();
       if (done < kUntimed + timed) return;
@@ -175,17 +187,30 @@ int64_t parameter_count(std::initializer_list<const torch::nn::Module*> modules)
 
 void add_weight_read_limit(nlohmann::json& line, const torch::nn::Module& decoder, const torch::Device& device);
 
+// The type the weights of a `dtype` model are built in: int8 quantizes float32 ones after.
+torch::ScalarType built_type(const std::string& dtype) {
+  return dtype == "int8" ? torch::kFloat32 : float_type_named(dtype);
+}
+
+// With dtype int8, quantizes the model's linear layers (as the pipeline does on load).
+void quantize_if_int8(torch::nn::Module& model, const std::string& dtype) {
+  if (dtype == "int8") models::quantize_linears_int8(model);
+}
+
 // The first `timed + 4` image tokens of `batch` images, KV-cached, the weights built directly in
 // `dtype` (as load_trained_prior builds them).
-void generation_at_layout(const models::PriorConfig& config, int64_t batch, int64_t timed, torch::ScalarType dtype,
+void generation_at_layout(const models::PriorConfig& config, int64_t batch, int64_t timed, const std::string& dtype,
                           const torch::Device& device, const std::string& name) {
   const auto default_dtype = torch::get_default_dtype();
-  torch::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
+  torch::set_default_dtype(c10::scalarTypeToTypeMeta(built_type(dtype)));
   torch::manual_seed(0);
   models::Prior prior(config);
   torch::set_default_dtype(default_dtype);
   prior->eval();
   prior->to(device);
+  const auto parameters = parameter_count({prior.get()});
+  quantize_if_int8(*prior, dtype);
+  const double rss_ready = resident_mib();
   const double rss_built = peak_rss_mib();
   const auto captions = random_tokens(config, batch).slice(1, 0, config.text_length).to(device);
   const auto sample = [&](const auto& on_token) {
@@ -195,8 +220,8 @@ void generation_at_layout(const models::PriorConfig& config, int64_t batch, int6
   if (device.is_cuda()) seconds_for_tokens(timed, sample, true);
   const double seconds = seconds_for_tokens(timed, sample, device.is_cuda());
   nlohmann::json line = {
-      {"benchmark", "generation-xl"}, {"model", name},  {"dtype", c10::toString(dtype)},
-      {"device", device.str()},       {"batch", batch}, {"parameters", parameter_count({prior.get()})}};
+      {"benchmark", "generation-xl"}, {"model", name},  {"dtype", dtype},
+      {"device", device.str()},       {"batch", batch}, {"parameters", parameters}, {"rss_mib_ready", rss_ready}};
   if (device.is_cuda()) add_weight_read_limit(line, *prior, device);
   print_generation(line, batch, timed, seconds, rss_built);
 }
@@ -239,7 +264,8 @@ void add_weight_read_limit(nlohmann::json& line, const torch::nn::Module& decode
   line["weight_read_limit_s_per_step"] = static_cast<double>(bytes) / (bandwidth * 1e9);
 }
 
-// DALL-E Mega's (or Mini's) BART prior with random weights built in `dtype`, on `device`.
+// DALL-E Mega's (or Mini's) BART prior with random weights built in the type `dtype` names,
+// on `device`.
 models::BartPrior random_mega(const models::BartPriorConfig& config, torch::ScalarType dtype,
                               const torch::Device& device) {
   const auto default_dtype = torch::get_default_dtype();
@@ -262,9 +288,12 @@ torch::Tensor mega_captions(const models::BartPriorConfig& config, int64_t image
 // The first `timed + 4` image tokens of `images` images of one caption, super-conditioned,
 // as scripts/bench-mindalle-generation.py times min-dalle's loop. On a GPU the line adds the
 // decoder's weight-read limit: its bytes over the measured copy bandwidth.
-void generation_mega(const models::BartPriorConfig& config, int64_t images, int64_t timed, torch::ScalarType dtype,
+void generation_mega(const models::BartPriorConfig& config, int64_t images, int64_t timed, const std::string& dtype,
                      const torch::Device& device, const std::string& name) {
-  auto mega = random_mega(config, dtype, device);
+  auto mega = random_mega(config, built_type(dtype), device);
+  const auto parameters = parameter_count({mega.get()});
+  quantize_if_int8(*mega, dtype);
+  const double rss_ready = resident_mib();
   const double rss_built = peak_rss_mib();
   const auto captions = mega_captions(config, images);
   const auto sample = [&](const auto& on_token) {
@@ -273,9 +302,9 @@ void generation_mega(const models::BartPriorConfig& config, int64_t images, int6
   // A GPU's first pass picks kernels for every length of the growing cache: not the step's cost.
   if (device.is_cuda()) seconds_for_tokens(timed, sample, true);
   const double seconds = seconds_for_tokens(timed, sample, device.is_cuda());
-  nlohmann::json line = {{"benchmark", "generation-mega"}, {"model", name}, {"dtype", c10::toString(dtype)},
-                         {"device", device.str()}, {"images", images},
-                         {"parameters", parameter_count({mega.get()})}};
+  nlohmann::json line = {{"benchmark", "generation-mega"}, {"model", name}, {"dtype", dtype},
+                         {"device", device.str()}, {"images", images}, {"parameters", parameters},
+                         {"rss_mib_ready", rss_ready}};
   if (device.is_cuda()) add_weight_read_limit(line, *mega->decoder, device);
   print_generation(line, images, timed, seconds, rss_built);
 }
@@ -283,9 +312,10 @@ void generation_mega(const models::BartPriorConfig& config, int64_t images, int6
 // Seconds from caption to a grid of `images` Mega images on `device`: the encoder, all 256
 // super-conditioned steps, min-dalle's VQGAN detokenizer (float32, as min-dalle runs it) and
 // the grid on the host. The first grid warms the kernels up; the second is timed.
-void grid_mega(int64_t images, torch::ScalarType dtype, const torch::Device& device) {
+void grid_mega(int64_t images, const std::string& dtype, const torch::Device& device) {
   const auto config = models::dalle_mega_config();
-  auto mega = random_mega(config, dtype, device);
+  auto mega = random_mega(config, built_type(dtype), device);
+  quantize_if_int8(*mega, dtype);
   models::VqganDetokenizer detokenizer(models::dalle_mega_detokenizer_config());
   detokenizer->eval();
   detokenizer->to(device);
@@ -301,7 +331,7 @@ void grid_mega(int64_t images, torch::ScalarType dtype, const torch::Device& dev
   start = Clock::now();
   grid();
   const double seconds = seconds_since(start);
-  nlohmann::json line = {{"benchmark", "grid-mega"}, {"model", "DALL-E Mega layout"}, {"dtype", c10::toString(dtype)},
+  nlohmann::json line = {{"benchmark", "grid-mega"}, {"model", "DALL-E Mega layout"}, {"dtype", dtype},
                          {"device", device.str()}, {"images", images}, {"image_tokens", config.image_length},
                          {"seconds_first_grid", first}, {"seconds_per_grid", seconds},
                          {"image_tokens_per_s", static_cast<double>(images * 256) / seconds},
@@ -643,18 +673,17 @@ int main(int argc, char** argv) {
   } else if (which == "generation-xl") {
     generation_at_layout(rudalle_xl_slice(24), std::stoll(option(argc, argv, "batch", "1")),
                          std::stoll(option(argc, argv, "tokens", quick ? "4" : "32")),
-                         float_type_named(option(argc, argv, "dtype", "float32")), options.device,
-                         "ruDALL-E Malevich (XL) layout");
+                         option(argc, argv, "dtype", "float32"), options.device, "ruDALL-E Malevich (XL) layout");
   } else if (which == "generation-mega") {
     const bool mini = option(argc, argv, "model", "mega") == "mini";
     generation_mega(mini ? models::dalle_mini_config() : models::dalle_mega_config(),
                     std::stoll(option(argc, argv, "images", "1")),
                     std::stoll(option(argc, argv, "tokens", quick ? "4" : "16")),
-                    float_type_named(option(argc, argv, "dtype", "float32")),
+                    option(argc, argv, "dtype", "float32"),
                     resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"),
                     mini ? "DALL-E Mini layout" : "DALL-E Mega layout");
   } else if (which == "grid-mega") {
-    grid_mega(std::stoll(option(argc, argv, "images", "9")), float_type_named(option(argc, argv, "dtype", "float32")),
+    grid_mega(std::stoll(option(argc, argv, "images", "9")), option(argc, argv, "dtype", "float32"),
               resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"));
   } else if (which == "training-tiny") {
     training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", options);
@@ -702,7 +731,7 @@ int main(int argc, char** argv) {
                  "powersgd-compression|powersgd-qr "
                  "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
                  "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice|mega|mini] [--layers=L] [--steps=N] "
-                 "[--dtype=float32|bfloat16|float16] [--batch=B] [--images=N] [--tokens=N] [--device=cpu|cuda] "
+                 "[--dtype=float32|bfloat16|float16|int8 (CPU)] [--batch=B] [--images=N] [--tokens=N] [--device=cpu|cuda] "
                  "[--peak-tflops=989]\n");
     return 2;
   }

@@ -85,7 +85,8 @@ class MegaFamily : public PriorFamily {
 }  // namespace
 
 std::unique_ptr<PriorFamily> load_mega_family(PipelineConfig& config, torch::Device device) {
-  auto prior = models::load_trained_bart_prior(config.prior, float_type_named(config.dtype));
+  auto prior = models::load_trained_bart_prior(config.prior, prior_load_type(config));
+  quantize_if_int8(*prior.model, config);
   check_mega_fits(config, prior.config);
   if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
   if (config.decoder.empty()) config.decoder = prior.image_tokenizer;

@@ -33,6 +33,10 @@ void check_config(const PipelineConfig& config) {
     throw Error("pipeline: schedule.top_k has " + std::to_string(schedule.top_k.size()) + " stages, schedule.top_p " +
                 std::to_string(schedule.top_p.size()) + "; give one top_p per top_k");
   }
+  if (config.dtype == "int8" && config.device == "cuda") {
+    throw Error("pipeline: dtype int8 runs on the CPU (FBGEMM's kernels): set device cpu or auto, or use bfloat16 "
+                "on a GPU");
+  }
   if (config.kept() > config.candidates) {
     throw Error("pipeline: keep (" + std::to_string(config.keep) + ") exceeds candidates (" +
                 std::to_string(config.candidates) + ")");
@@ -120,7 +124,8 @@ Pipeline::Pipeline(PipelineConfig config) {
   // Resolved, like the device, so that each sidecar says how many threads drew it: the
   // samples depend on it (sums taken in another order now and then pick another token).
   config.threads = set_torch_threads(config.threads);
-  const auto device = resolve_device(config.device, "pipeline");
+  // int8 has CPU kernels only: `auto` means the CPU for it.
+  const auto device = resolve_device(config.dtype == "int8" ? "cpu" : config.device, "pipeline");
   config.device = device.is_cuda() ? "cuda" : "cpu";
   auto family = load_prior_family(config, device);
   stages_ = std::make_unique<Stages>(Stages{std::move(config), device, std::move(family)});
@@ -180,10 +185,13 @@ bool wants_preview(const PromptRequest& request, int64_t done, int64_t total) {
   return request.preview_every > 0 && (done % request.preview_every == 0 || done == total);
 }
 
+// The side of the square grid of `positions` tokens.
+int64_t grid_side(int64_t positions) { return std::llround(std::sqrt(static_cast<double>(positions))); }
+
 // `images` [B, 3, H, W] blank (white) but for the pixels of the first `done` of the grid's
 // positions.
 torch::Tensor blank_undrawn(const torch::Tensor& images, int64_t done, int64_t total) {
-  const auto side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(total))));
+  const auto side = grid_side(total);
   const auto scale = images.size(-1) / side;
   const auto drawn = (torch::arange(total) < done).to(images.dtype()).view({side, side});
   const auto mask = drawn.repeat_interleave(scale, 0).repeat_interleave(scale, 1);
@@ -218,7 +226,7 @@ std::vector<Preview> Pipeline::Stages::previews(const std::vector<Row>& rows, co
   if (due.empty()) return {};
   torch::NoGradGuard no_grad;
   const auto so_far = torch::stack(drawn, 1).index_select(0, torch::tensor(due).to(drawn.front().device()));
-  const auto side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(total))));
+  const auto side = grid_side(total);
   const auto tokens = torch::constant_pad_nd(so_far, {0, total - done}).view({-1, side, side});
   const auto images = blank_undrawn(family->decode(tokens).to(torch::kCPU).to(torch::kFloat32), done, total);
   std::vector<Preview> out;

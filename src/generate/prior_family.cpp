@@ -1,5 +1,8 @@
 #include "generate/prior_family.h"
 
+#include "dalle/device.h"
+#include "dalle/log.h"
+#include "dalle/models/linear.h"
 #include "dalle/models/trained.h"
 
 namespace dalle::generate {
@@ -22,6 +25,16 @@ const Registered kFamilies[] = {
 };
 
 }  // namespace
+
+torch::ScalarType prior_load_type(const PipelineConfig& config) {
+  return config.dtype == "int8" ? torch::kFloat32 : float_type_named(config.dtype);
+}
+
+void quantize_if_int8(torch::nn::Module& prior, const PipelineConfig& config) {
+  if (config.dtype != "int8") return;
+  const auto layers = models::quantize_linears_int8(prior);
+  log::info("pipeline: the prior's ", layers, " linear layers hold int8 weights");
+}
 
 std::unique_ptr<PriorFamily> load_prior_family(PipelineConfig& config, torch::Device device) {
   const auto kind = models::prior_kind(config.prior);

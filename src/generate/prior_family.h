@@ -4,6 +4,7 @@
 // batches their candidates, reranks and upscales; a family encodes captions, draws a batch of
 // rows, decodes tokens to pixels and refuses the settings it cannot honour. Each family lives
 // in its own file and is registered by its checkpoint kind in prior_family.cpp.
+#include <torch/nn/module.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -49,6 +50,12 @@ class PriorFamily {
   // Whether a batch's rows must share top_k (the family filters the whole batch by one).
   virtual bool filters_per_batch() const { return false; }
 };
+
+// The type a family loads its prior's weights in: config.dtype's, float32 for int8.
+torch::ScalarType prior_load_type(const PipelineConfig& config);
+// With dtype int8, quantizes the prior's matrices (models::quantize_linears_int8) once it is
+// loaded in float32.
+void quantize_if_int8(torch::nn::Module& prior, const PipelineConfig& config);
 
 // The family of the prior `config.prior` names, loaded with its tokenizer and decoder on
 // `device`; fills `config.tokenizer` and `config.decoder` from the prior's run when empty.

@@ -94,7 +94,8 @@ class TransformerFamily : public PriorFamily {
 }  // namespace
 
 std::unique_ptr<PriorFamily> load_transformer_family(PipelineConfig& config, torch::Device device) {
-  auto prior = models::load_trained_prior(config.prior, float_type_named(config.dtype));
+  auto prior = models::load_trained_prior(config.prior, prior_load_type(config));
+  quantize_if_int8(*prior.model, config);
   if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
   if (config.decoder.empty()) config.decoder = prior.image_tokenizer;
   if (config.tokenizer.empty() || config.decoder.empty()) {

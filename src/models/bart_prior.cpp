@@ -49,8 +49,8 @@ BartPriorConfig dalle_mini_config() {
 
 namespace {
 
-torch::nn::Linear unbiased(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+Linear unbiased(int64_t in, int64_t out) {
+  return Linear(in, out, /*bias=*/false);
 }
 
 torch::nn::LayerNorm layer_norm(int64_t width) { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})); }

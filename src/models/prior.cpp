@@ -62,7 +62,7 @@ void PriorConfig::validate() const {
 
 namespace {
 
-torch::nn::Linear linear(int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out)); }
+Linear linear(int64_t in, int64_t out) { return Linear(in, out); }
 torch::nn::LayerNorm layer_norm(int64_t width) {
   return torch::nn::LayerNorm(torch::nn::LayerNormOptions({width}).eps(1e-5));
 }

@@ -1,13 +1,13 @@
 #include "dalle/models/prior_flops.h"
 
-#include <torch/nn/modules/linear.h>
+#include "dalle/models/linear.h"
 
 namespace dalle::models {
 
 int64_t matrix_weights(const torch::nn::Module& module) {
   int64_t weights = 0;
   for (const auto& child : module.modules()) {
-    if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(child.get())) weights += linear->weight.numel();
+    if (const auto* linear = dynamic_cast<const LinearImpl*>(child.get())) weights += linear->weight.numel();
   }
   return weights;
 }

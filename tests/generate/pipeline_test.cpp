@@ -5,7 +5,9 @@
 #include "dalle/data/image.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/models/linear.h"
 #include "dalle/models/trained.h"
+#include "dalle/text/tokenizer.h"
 #include "test_support.h"
 
 namespace dalle::generate {
@@ -130,6 +132,48 @@ TEST(PipelineDtype, A16BitPriorHoldsItsWeightsIn16BitsAndDrawsNearlyTheSameImage
   same /= static_cast<double>(full.size());
   EXPECT_GT(same, 0.7) << "the same uniforms, nearly the same probabilities";
   std::printf("bfloat16 pipeline: %.0f%% of the float32 pipeline's tokens\n", 100 * same);
+}
+
+// int8 weights on the CPU: the next token as float32 picks it, at teacher-forced positions of
+// images the float32 pipeline draws, and the logits' largest difference; printed, and held to
+// bounds that a broken product (or the float weights left in use) would cross.
+TEST(PipelineDtype, AnInt8PriorPicksFloat32sNextTokenAndRefusesAGpu) {
+  auto config = demo_pipeline(4);
+  const std::vector<std::string> prompts = {"a red bag on the left", "a blue sneaker at the top",
+                                            "a white trouser on the right", "a green ankle boot at the bottom"};
+  const auto drawn = Pipeline(config).generate(prompts);
+  auto reference = models::load_trained_prior(config.prior), quantized = models::load_trained_prior(config.prior);
+  EXPECT_EQ(models::quantize_linears_int8(*quantized.model),
+            2 * static_cast<int64_t>(quantized.model->resblocks().size()) + 1)
+      << "two in each resblock and the logits' layer";
+  const auto tokenizer = text::Tokenizer::load(config.tokenizer);
+  std::vector<torch::Tensor> rows;
+  for (const auto& image : drawn) {
+    const auto caption = torch::tensor(tokenizer.encode(prompts[static_cast<size_t>(image.request)]).ids, torch::kInt64);
+    rows.push_back(torch::cat({caption, image.tokens.flatten()}));
+  }
+  const auto text_length = reference.config.text_length, classes = reference.config.text_classes();
+  torch::NoGradGuard no_grad;
+  const auto logits_of = [&](models::Prior& prior) {
+    return prior->forward(torch::stack(rows)).narrow(1, text_length - 1, 64).narrow(2, classes, 512);
+  };
+  const auto expected = logits_of(reference.model), got = logits_of(quantized.model);
+  const double agreement = (expected.argmax(-1) == got.argmax(-1)).to(torch::kFloat64).mean().item<double>();
+  const double largest = (expected - got).abs().max().item<double>();
+  const double spread = (expected.amax(-1) - expected.amin(-1)).mean().item<double>();
+  std::printf("int8 prior: next token as float32 at %.1f%% of %lld positions; logits differ by %.3g at most "
+              "(their spread: %.3g)\n", 100 * agreement, static_cast<long long>(expected.numel() / 512), largest,
+              spread);
+  EXPECT_GT(agreement, 0.9);
+  EXPECT_GT(largest, 0.0);
+  EXPECT_LT(largest, 0.1 * spread);
+
+  config.dtype = "int8";
+  const auto images = Pipeline(config).generate(prompts);
+  ASSERT_EQ(images.size(), drawn.size());
+  EXPECT_EQ(images[0].image.sizes(), drawn[0].image.sizes());
+  config.device = "cuda";
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "dtype int8 runs on the CPU");
 }
 
 // ruDALL-E's schedule: candidate c of N draws with stage c * S / N's filter, exactly as an

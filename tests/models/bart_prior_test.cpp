@@ -1,5 +1,6 @@
 #include "dalle/models/bart_prior.h"
 #include "dalle/models/bart_sampling.h"
+#include "dalle/models/linear.h"
 #include "dalle/models/vqgan_detokenizer.h"
 
 #include <torch/torch.h>
@@ -74,6 +75,30 @@ TEST_F(MinDalleParity, EveryCachedStepMatchesAndSoDoesTheWholeSequence) {
   }
   auto whole = decoder_->start(encoding, text);
   EXPECT_LT(relative_error(decoder_->forward(tokens, whole), at("decoder.output.full_logits")), 1e-5);
+}
+
+// int8 weights (dtype int8) against min-dalle's float32 logits, step by step: the next code's
+// agreement and the logits' largest difference, printed and bounded.
+TEST_F(MinDalleParity, Int8WeightsMostlyPickMinDallesNextCode) {
+  torch::NoGradGuard no_grad;
+  EXPECT_GT(quantize_linears_int8(*encoder_) + quantize_linears_int8(*decoder_), 0);
+  const auto [encoding, text] = decoder_captions();
+  const auto tokens = previous_tokens();
+  auto cache = decoder_->start(encoding, text);
+  const int64_t steps = at("decoder.output.step_logits").size(0);
+  std::vector<torch::Tensor> ours, theirs;
+  for (int64_t step = 0; step < steps; ++step) {
+    ours.push_back(decoder_->forward(tokens.index({Slice(), Slice(step, step + 1)}), cache).squeeze(1));
+    theirs.push_back(at("decoder.output.step_logits")[step]);
+  }
+  const auto got = torch::stack(ours), expected = torch::stack(theirs);
+  const double agreement = (got.argmax(-1) == expected.argmax(-1)).to(torch::kFloat64).mean().item<double>();
+  const double error = relative_error(got, expected);
+  std::printf("int8 against min-dalle: next code agrees at %.1f%% of %lld, relative error %.3g\n", 100 * agreement,
+              static_cast<long long>(got.numel() / got.size(-1)), error);
+  EXPECT_GE(agreement, 0.8);
+  EXPECT_GT(error, 1e-5) << "the int8 product, not float32's";
+  EXPECT_LT(error, 0.1);
 }
 
 // min-dalle's generate_raw_image_stream, end to end: settings (seed, grid side, temperature,

@@ -45,7 +45,7 @@ struct PipelineConfig {
   int64_t candidates = 4;  // N images sampled per prompt
   int64_t keep = 0;        // K images kept per prompt, the best by CLIP score; 0: all N
   int64_t batch_size = 32; // images sampled at once
-  std::string dtype = "float32";  // the prior's weights and arithmetic: float32, bfloat16 or float16
+  std::string dtype = "float32";  // the prior's weights and arithmetic: float32, bfloat16, float16 or int8 (CPU)
   models::SamplingOptions sampling;
   SamplingSchedule schedule;       // ruDALL-E's top_k / top_p stages; empty: `sampling` alone
   ImagePromptConfig image_prompt;  // image tokens every sample keeps

@@ -22,6 +22,7 @@
 
 #include "dalle/config.h"
 #include "dalle/io/safetensors.h"
+#include "dalle/models/linear.h"
 
 namespace dalle::models {
 
@@ -57,7 +58,7 @@ class BartAttentionImpl : public torch::nn::Module {
   // [B, L, d] -> [B, H, L, hd], head h taking features h * hd ...
   torch::Tensor split(const torch::Tensor& x) const;
 
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
 
  private:
   int64_t heads_;
@@ -70,7 +71,7 @@ class BartGluImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
 
   torch::nn::LayerNorm ln0{nullptr}, ln1{nullptr};
-  torch::nn::Linear fc0{nullptr}, fc1{nullptr}, fc2{nullptr};
+  Linear fc0{nullptr}, fc1{nullptr}, fc2{nullptr};
 };
 TORCH_MODULE(BartGlu);
 
@@ -139,7 +140,7 @@ class BartDecoderImpl : public torch::nn::Module {
   torch::nn::Embedding embed_tokens{nullptr}, embed_positions{nullptr};
   torch::nn::LayerNorm layernorm_embedding{nullptr}, final_ln{nullptr};
   torch::nn::ModuleList layers{nullptr};
-  torch::nn::Linear lm_head{nullptr};
+  Linear lm_head{nullptr};
 
  private:
   BartPriorConfig config_;

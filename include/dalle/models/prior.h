@@ -18,6 +18,7 @@
 
 #include "dalle/config.h"
 #include "dalle/io/safetensors.h"
+#include "dalle/models/linear.h"
 #include "dalle/models/sparse_attention.h"
 
 namespace dalle::models {
@@ -88,7 +89,7 @@ class AttentionResblockImpl : public ResblockImpl {
   int64_t heads_, cache_slot_;
   double dropout_;
   torch::nn::LayerNorm norm_{nullptr}, output_norm_{nullptr};
-  torch::nn::Linear qkv_{nullptr}, out_{nullptr};
+  Linear qkv_{nullptr}, out_{nullptr};
 };
 
 class MlpResblockImpl : public ResblockImpl {
@@ -100,7 +101,7 @@ class MlpResblockImpl : public ResblockImpl {
   std::string gelu_;
   double dropout_;
   torch::nn::LayerNorm norm_{nullptr}, output_norm_{nullptr};
-  torch::nn::Linear fc_in_{nullptr}, fc_out_{nullptr};
+  Linear fc_in_{nullptr}, fc_out_{nullptr};
 };
 
 // Runs one resblock; the default is x + block.branch(x). Wrappers (gradient scaling,
@@ -133,7 +134,7 @@ class PriorImpl : public torch::nn::Module {
       image_row_embedding_{nullptr}, image_column_embedding_{nullptr};
   std::vector<std::shared_ptr<ResblockImpl>> resblocks_;
   torch::nn::LayerNorm final_norm_{nullptr}, head_norm_{nullptr};
-  torch::nn::Linear to_logits_{nullptr};
+  Linear to_logits_{nullptr};
   ResblockRunner runner_;
 };
 TORCH_MODULE(Prior);
