@@ -34,9 +34,10 @@ void PowerSgdConfig::visit(ConfigVisitor& v) {
   v.field("min_compression_rate", min_compression_rate,
           "compress a matrix only when n m > this x (n + m) r; the others go whole", {.min = 0.0, .max = 1e6});
   v.field("warm_start", warm_start,
-          "false: Q stays the first seeded Gaussian (DALL-E); true: the last Q starts the next power iteration "
-          "(PyTorch's hook; sharded, each rank's blocks of rows keep theirs, in its shard file of the checkpoints, "
-          "and start afresh on another number of ranks per machine)");
+          "true: the last Q starts the next power iteration (PyTorch's hook; sharded, each rank's blocks of rows "
+          "keep theirs, in its shard file of the checkpoints, and start afresh on another number of ranks per "
+          "machine); false: Q stays the first seeded Gaussian (DALL-E). On by default: at rank 32 it ended 0.6% "
+          "above plain reduction's validation loss where a fixed Q ended 1.2% above (docs/distributed.md)");
   v.field("dtype", dtype,
           "of P and Q on the wire and of the error buffers: float32, or 16 bits as DALL-E kept them (bfloat16 has "
           "fp32's range; float16's infinities are clamped to 65504, and unscaled gradients below 6e-8 vanish)",

@@ -40,7 +40,7 @@ struct PowerSgdConfig {
   int64_t rank = 4;
   int64_t start_update = 1000;
   double min_compression_rate = 2.0;
-  bool warm_start = false;
+  bool warm_start = true;
   std::string dtype = "float32";  // of P, Q and the error buffers: float32, bfloat16 or float16
 
   void visit(ConfigVisitor& v);
