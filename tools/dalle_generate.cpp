@@ -22,19 +22,15 @@ std::filesystem::path preview_path(const std::string& out) {
   return folder.string() + ".preview.png";
 }
 
-// Writes the batch's previews as one grid, a row per prompt's candidates, each labelled with
-// its prompt and how far it is drawn.
-generate::PreviewCallback preview_writer(const std::filesystem::path& path, const std::vector<std::string>& prompts,
-                                         int64_t columns) {
+// Writes the batch's previews as one grid at the images' own size, a row per prompt's
+// candidates; not the last (the images themselves follow). Unlabelled: text and upscaling
+// made each grid cost more than the decode it shows.
+generate::PreviewCallback preview_writer(const std::filesystem::path& path, int64_t columns) {
   return [=](const std::vector<generate::Preview>& previews) {
+    if (previews.empty() || previews.front().drawn == previews.front().total) return;
     std::vector<torch::Tensor> tiles;
-    std::vector<std::string> labels;
-    for (const auto& preview : previews) {
-      tiles.push_back(preview.image);
-      labels.push_back(prompts[static_cast<size_t>(preview.request)] + " (" + std::to_string(preview.drawn) + "/" +
-                       std::to_string(preview.total) + ")");
-    }
-    data::write_png(path.string(), data::make_grid(tiles, labels, {.columns = columns, .tile_size = 128}));
+    for (const auto& preview : previews) tiles.push_back(preview.image);
+    data::write_png(path.string(), data::make_grid(tiles, {}, {.columns = columns}));
   };
 }
 
@@ -99,7 +95,7 @@ int main(int argc, char** argv) {
     }
     const auto preview = preview_path(out);
     const auto images = pipeline.generate(
-        requests, preview_every > 0 ? preview_writer(preview, prompts, config.candidates) : generate::PreviewCallback());
+        requests, preview_every > 0 ? preview_writer(preview, config.candidates) : generate::PreviewCallback());
     generate::write_generation(output.staging(), pipeline.config(), images);
     output.commit();
     if (preview_every > 0) std::filesystem::remove(preview);
