@@ -25,7 +25,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <numeric>
 #include <nlohmann/json.hpp>
@@ -46,6 +45,7 @@
 #include "dalle/models/prior.h"
 #include "dalle/models/prior_flops.h"
 #include "dalle/models/prior_sampling.h"
+#include "dalle/runtime.h"
 #include "dalle/train/adamw.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
@@ -74,16 +74,6 @@ double peak_rss_mib() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;
-}
-
-// The process's resident memory now (VmRSS), in MiB: what the model holds once built, after
-// any float weights an int8 model was made from are freed.
-double resident_mib() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  }
-  return -1;
 }
 
 torch::Tensor random_tokens(const models::PriorConfig& config, int64_t batch) {
@@ -210,7 +200,8 @@ void generation_at_layout(const models::PriorConfig& config, int64_t batch, int6
   prior->to(device);
   const auto parameters = parameter_count({prior.get()});
   quantize_if_int8(*prior, dtype);
-  const double rss_ready = resident_mib();
+  // What the model holds once built, after any float weights an int8 model was made from are freed.
+  const double rss_ready = process_memory_mib("VmRSS");
   const double rss_built = peak_rss_mib();
   const auto captions = random_tokens(config, batch).slice(1, 0, config.text_length).to(device);
   const auto sample = [&](const auto& on_token) {
@@ -293,7 +284,7 @@ void generation_mega(const models::BartPriorConfig& config, int64_t images, int6
   auto mega = random_mega(config, built_type(dtype), device);
   const auto parameters = parameter_count({mega.get()});
   quantize_if_int8(*mega, dtype);
-  const double rss_ready = resident_mib();
+  const double rss_ready = process_memory_mib("VmRSS");
   const double rss_built = peak_rss_mib();
   const auto captions = mega_captions(config, images);
   const auto sample = [&](const auto& on_token) {

@@ -74,6 +74,14 @@ int64_t set_torch_threads(int64_t threads) {
   return threads;
 }
 
+double process_memory_mib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
+  }
+  return -1;
+}
+
 uint64_t fingerprint_of(std::string_view bytes) {
   uint64_t hash = 14695981039346656037ull;
   for (const unsigned char c : bytes) {

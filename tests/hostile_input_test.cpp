@@ -48,13 +48,7 @@ class ScopedEnvironment {
 
 // The peak resident memory since the last reset, in MB (Linux's VmHWM; writing 5 to
 // clear_refs resets it).
-int64_t peak_resident_mb() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) / 1024;
-  }
-  return -1;
-}
+int64_t peak_resident_mb() { return static_cast<int64_t>(process_memory_mib("VmHWM")); }
 void reset_peak_resident() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 // A little-endian TIFF whose first directory gives only ImageWidth and ImageLength (LONG).

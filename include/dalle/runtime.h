@@ -22,6 +22,10 @@ std::string runtime_summary();
 // OMP_NUM_THREADS, when set, is taken as the default. Returns the count set.
 int64_t set_torch_threads(int64_t threads);
 
+// A field of this process's /proc/self/status in MiB: "VmRSS" (resident now), "VmHWM" (its
+// peak); -1 where there is none (not Linux).
+double process_memory_mib(const std::string& field);
+
 // A 64-bit FNV-1a hash of `bytes`.
 uint64_t fingerprint_of(std::string_view bytes);
 // A hash of this build of the library (the bytes of its shared object): the ranks of a job

@@ -198,6 +198,13 @@ torch::Tensor blank_undrawn(const torch::Tensor& images, int64_t done, int64_t t
   return images * mask + (1 - mask);
 }
 
+// `row`'s preview after `done` of `total` positions: its tokens so far and their image.
+Preview preview_of(const Row& row, int64_t done, int64_t total, const torch::Tensor& tokens,
+                   const torch::Tensor& image) {
+  return {.request = static_cast<int64_t>(row.request), .candidate = row.candidate, .drawn = done, .total = total,
+          .tokens = tokens.to(torch::kCPU), .image = image};
+}
+
 // The previews of the rows whose request asks for them once every position is drawn: the
 // images as drawn, before reranking and super-resolution.
 void show_final_previews(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
@@ -205,11 +212,9 @@ void show_final_previews(const std::vector<Row>& rows, const std::vector<PromptR
   const auto total = tokens.size(1) * tokens.size(2);
   std::vector<Preview> out;
   for (size_t index = 0; index < rows.size(); ++index) {
-    const auto& row = rows[index];
-    if (requests[row.request].preview_every == 0) continue;
+    if (requests[rows[index].request].preview_every == 0) continue;
     const auto i = static_cast<int64_t>(index);
-    out.push_back({.request = static_cast<int64_t>(row.request), .candidate = row.candidate, .drawn = total,
-                   .total = total, .tokens = tokens[i].to(torch::kCPU), .image = decoded[i]});
+    out.push_back(preview_of(rows[index], total, total, tokens[i], decoded[i]));
   }
   on_preview(out);
 }
@@ -231,10 +236,8 @@ std::vector<Preview> Pipeline::Stages::previews(const std::vector<Row>& rows, co
   const auto images = blank_undrawn(family->decode(tokens).to(torch::kCPU).to(torch::kFloat32), done, total);
   std::vector<Preview> out;
   for (size_t i = 0; i < due.size(); ++i) {
-    const auto& row = rows[static_cast<size_t>(due[i])];
-    out.push_back({.request = static_cast<int64_t>(row.request), .candidate = row.candidate, .drawn = done,
-                   .total = total, .tokens = tokens[static_cast<int64_t>(i)].to(torch::kCPU),
-                   .image = images[static_cast<int64_t>(i)]});
+    const auto at = static_cast<int64_t>(i);
+    out.push_back(preview_of(rows[static_cast<size_t>(due[i])], done, total, tokens[at], images[at]));
   }
   return out;
 }

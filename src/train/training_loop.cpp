@@ -1,10 +1,10 @@
 #include "train/training_loop.h"
 
 #include <chrono>
-#include <fstream>
 #include <string>
 
 #include "dalle/log.h"
+#include "dalle/runtime.h"
 #include "dalle/train/stop_request.h"
 
 namespace dalle::train::detail {
@@ -18,15 +18,6 @@ void save_before_stopping(const RunRecord& record, const LoopIntervals& interval
   const int64_t step = record.step;
   if (step > first && step % intervals.log_every != 0) actions.log();
   if (step > checkpointed) actions.checkpoint();
-}
-
-// A field of /proc/self/status in MiB ("VmRSS", "VmHWM"); -1 where there is none.
-double process_memory_mib(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
-  }
-  return -1;
 }
 
 void log_stop(const RunRecord& record, const LoopIntervals& intervals) {
