@@ -8,6 +8,8 @@
 //             on the CPU or a GPU, with the decoder's weight-read limit on a GPU;
 //   grid-mega: seconds for a whole grid of Mega images, caption to pixels (encoder, 256
 //             super-conditioned steps, VQGAN detokenizer), as min-dalle's 3x3 grid is timed;
+//             the three generation benchmarks take --cuda-graphs=off to launch each step's
+//             kernels one by one instead of replaying CUDA graphs (on a GPU; on by default);
 //   training: tokens per second and peak resident memory of full training steps, in a
 //             chosen precision (fp32, bf16, fp16 with per-resblock gradient scales), with
 //             or without activation checkpointing; on a GPU also peak CUDA memory and model
@@ -177,6 +179,13 @@ int64_t parameter_count(std::initializer_list<const torch::nn::Module*> modules)
 
 void add_weight_read_limit(nlohmann::json& line, const torch::nn::Module& decoder, const torch::Device& device);
 
+// Whether the steps were replayed as CUDA graphs, and how many graphs and replays there were.
+void add_graph_counts(nlohmann::json& line, const models::DecodeGraphs& graphs, const torch::Device& device) {
+  line["cuda_graphs"] = graphs.captures_on(device);
+  line["graphs_captured"] = graphs.graphs();
+  line["graph_replays"] = graphs.replays();
+}
+
 // The type the weights of a `dtype` model are built in: int8 quantizes float32 ones after.
 torch::ScalarType built_type(const std::string& dtype) {
   return dtype == "int8" ? torch::kFloat32 : float_type_named(dtype);
@@ -190,7 +199,7 @@ void quantize_if_int8(torch::nn::Module& model, const std::string& dtype) {
 // The first `timed + 4` image tokens of `batch` images, KV-cached, the weights built directly in
 // `dtype` (as load_trained_prior builds them).
 void generation_at_layout(const models::PriorConfig& config, int64_t batch, int64_t timed, const std::string& dtype,
-                          const torch::Device& device, const std::string& name) {
+                          const torch::Device& device, const std::string& name, bool cuda_graphs) {
   const auto default_dtype = torch::get_default_dtype();
   torch::set_default_dtype(c10::scalarTypeToTypeMeta(built_type(dtype)));
   torch::manual_seed(0);
@@ -204,15 +213,18 @@ void generation_at_layout(const models::PriorConfig& config, int64_t batch, int6
   const double rss_ready = process_memory_mib("VmRSS");
   const double rss_built = peak_rss_mib();
   const auto captions = random_tokens(config, batch).slice(1, 0, config.text_length).to(device);
+  models::DecodeGraphs graphs(cuda_graphs);
   const auto sample = [&](const auto& on_token) {
-    models::sample_image_tokens(prior, captions, {.seed = 1}, nullptr, on_token);
+    models::sample_image_tokens(prior, captions, {.seed = 1}, nullptr, on_token, {}, nullptr, {}, &graphs);
   };
-  // A GPU's first pass picks kernels for every length of the growing cache: not the step's cost.
+  // A GPU's first pass picks kernels for every length of the growing cache and captures the
+  // steps' graphs: not the step's cost.
   if (device.is_cuda()) seconds_for_tokens(timed, sample, true);
   const double seconds = seconds_for_tokens(timed, sample, device.is_cuda());
   nlohmann::json line = {
       {"benchmark", "generation-xl"}, {"model", name},  {"dtype", dtype},
       {"device", device.str()},       {"batch", batch}, {"parameters", parameters}, {"rss_mib_ready", rss_ready}};
+  add_graph_counts(line, graphs, device);
   if (device.is_cuda()) add_weight_read_limit(line, *prior, device);
   print_generation(line, batch, timed, seconds, rss_built);
 }
@@ -280,15 +292,16 @@ torch::Tensor mega_captions(const models::BartPriorConfig& config, int64_t image
 // as scripts/bench-mindalle-generation.py times min-dalle's loop. On a GPU the line adds the
 // decoder's weight-read limit: its bytes over the measured copy bandwidth.
 void generation_mega(const models::BartPriorConfig& config, int64_t images, int64_t timed, const std::string& dtype,
-                     const torch::Device& device, const std::string& name) {
+                     const torch::Device& device, const std::string& name, bool cuda_graphs) {
   auto mega = random_mega(config, built_type(dtype), device);
   const auto parameters = parameter_count({mega.get()});
   quantize_if_int8(*mega, dtype);
   const double rss_ready = process_memory_mib("VmRSS");
   const double rss_built = peak_rss_mib();
   const auto captions = mega_captions(config, images);
+  models::DecodeGraphs graphs(cuda_graphs);
   const auto sample = [&](const auto& on_token) {
-    models::sample_bart_image_tokens(mega->encoder, mega->decoder, captions, {.seed = 1}, {}, on_token);
+    models::sample_bart_image_tokens(mega->encoder, mega->decoder, captions, {.seed = 1}, {}, on_token, {}, &graphs);
   };
   // A GPU's first pass picks kernels for every length of the growing cache: not the step's cost.
   if (device.is_cuda()) seconds_for_tokens(timed, sample, true);
@@ -296,6 +309,7 @@ void generation_mega(const models::BartPriorConfig& config, int64_t images, int6
   nlohmann::json line = {{"benchmark", "generation-mega"}, {"model", name}, {"dtype", dtype},
                          {"device", device.str()}, {"images", images}, {"parameters", parameters},
                          {"rss_mib_ready", rss_ready}};
+  add_graph_counts(line, graphs, device);
   if (device.is_cuda()) add_weight_read_limit(line, *mega->decoder, device);
   print_generation(line, images, timed, seconds, rss_built);
 }
@@ -303,7 +317,7 @@ void generation_mega(const models::BartPriorConfig& config, int64_t images, int6
 // Seconds from caption to a grid of `images` Mega images on `device`: the encoder, all 256
 // super-conditioned steps, min-dalle's VQGAN detokenizer (float32, as min-dalle runs it) and
 // the grid on the host. The first grid warms the kernels up; the second is timed.
-void grid_mega(int64_t images, const std::string& dtype, const torch::Device& device) {
+void grid_mega(int64_t images, const std::string& dtype, const torch::Device& device, bool cuda_graphs) {
   const auto config = models::dalle_mega_config();
   auto mega = random_mega(config, built_type(dtype), device);
   quantize_if_int8(*mega, dtype);
@@ -311,9 +325,11 @@ void grid_mega(int64_t images, const std::string& dtype, const torch::Device& de
   detokenizer->eval();
   detokenizer->to(device);
   const auto captions = mega_captions(config, images);
+  models::DecodeGraphs graphs(cuda_graphs);
   const auto grid = [&] {
     torch::NoGradGuard no_grad;
-    const auto tokens = models::sample_bart_image_tokens(mega->encoder, mega->decoder, captions, {.seed = 1});
+    const auto tokens =
+        models::sample_bart_image_tokens(mega->encoder, mega->decoder, captions, {.seed = 1}, {}, {}, {}, &graphs);
     return models::min_dalle_grid(detokenizer->forward(tokens)).to(torch::kCPU);
   };
   auto start = Clock::now();
@@ -327,6 +343,7 @@ void grid_mega(int64_t images, const std::string& dtype, const torch::Device& de
                          {"seconds_first_grid", first}, {"seconds_per_grid", seconds},
                          {"image_tokens_per_s", static_cast<double>(images * 256) / seconds},
                          {"peak_rss_mib", peak_rss_mib()}};
+  add_graph_counts(line, graphs, device);
   std::printf("%s\n", line.dump().c_str());
   std::fflush(stdout);
 }
@@ -654,6 +671,7 @@ int main(int argc, char** argv) {
                                 .checkpoint_every = std::stoll(option(argc, argv, "checkpoint-every", "0")),
                                 .device = resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"),
                                 .peak_tflops = std::stod(option(argc, argv, "peak-tflops", "989"))};
+  const bool cuda_graphs = option(argc, argv, "cuda-graphs", "on") != "off";
   if (which == "attention") {
     attention(256, 512, 8, quick ? 1 : 5);
   } else if (which == "generation") {
@@ -664,7 +682,8 @@ int main(int argc, char** argv) {
   } else if (which == "generation-xl") {
     generation_at_layout(rudalle_xl_slice(24), std::stoll(option(argc, argv, "batch", "1")),
                          std::stoll(option(argc, argv, "tokens", quick ? "4" : "32")),
-                         option(argc, argv, "dtype", "float32"), options.device, "ruDALL-E Malevich (XL) layout");
+                         option(argc, argv, "dtype", "float32"), options.device, "ruDALL-E Malevich (XL) layout",
+                         cuda_graphs);
   } else if (which == "generation-mega") {
     const bool mini = option(argc, argv, "model", "mega") == "mini";
     generation_mega(mini ? models::dalle_mini_config() : models::dalle_mega_config(),
@@ -672,10 +691,10 @@ int main(int argc, char** argv) {
                     std::stoll(option(argc, argv, "tokens", quick ? "4" : "16")),
                     option(argc, argv, "dtype", "float32"),
                     resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"),
-                    mini ? "DALL-E Mini layout" : "DALL-E Mega layout");
+                    mini ? "DALL-E Mini layout" : "DALL-E Mega layout", cuda_graphs);
   } else if (which == "grid-mega") {
     grid_mega(std::stoll(option(argc, argv, "images", "9")), option(argc, argv, "dtype", "float32"),
-              resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"));
+              resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"), cuda_graphs);
   } else if (which == "training-tiny") {
     training(tiny(), 32, quick ? 2 : 20, "tiny (fashion-compose)", options);
   } else if (which == "data-parallel") {

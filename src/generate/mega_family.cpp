@@ -56,7 +56,7 @@ class MegaFamily : public PriorFamily {
         .supercondition_factor = sampling.guidance_scale,
         .seed = sampling.seed};
     return models::sample_bart_image_tokens(prior_.model->encoder, prior_.model->decoder, batch.captions, options,
-                                            batch.streams, batch.on_token, batch.seeds)
+                                            batch.streams, batch.on_token, batch.seeds, batch.graphs)
         .view({batch.captions.size(0), side(), side()});
   }
 

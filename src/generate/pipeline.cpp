@@ -92,6 +92,7 @@ struct Pipeline::Stages {
   models::Clip clip{nullptr};
   std::optional<text::ClipTokenizer> clip_tokenizer{};
   models::RrdbNet superres{nullptr};
+  std::unique_ptr<models::DecodeGraphs> graphs = std::make_unique<models::DecodeGraphs>(config.cuda_graphs);
 
   // Samples and decodes the candidates `rows`, requests' prompts encoded in `captions`,
   // showing `on_preview` those whose request asks for previews.
@@ -248,6 +249,7 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(const std::vector<Row>& row
                                                      log::Progress& progress, const PreviewCallback& on_preview) {
   models::RowFilters filters;
   auto batch = batch_of(rows, requests, captions, filters);
+  batch.graphs = graphs.get();
   const auto count = static_cast<int64_t>(rows.size());
   const bool shows_previews = on_preview && std::any_of(rows.begin(), rows.end(), [&](const Row& row) {
                                 return requests[row.request].preview_every > 0;

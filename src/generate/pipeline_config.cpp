@@ -67,6 +67,11 @@ void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("tile_overlap", tile_overlap, "pixels each super-resolution tile overlaps its neighbours by", {.min = 0});
   v.field("device", device, "where the models run", {.choices = {"auto", "cpu", "cuda"}});
   v.field("threads", threads, "torch intra-op threads (0: one per idle core)", {.min = 0, .max = 1024});
+  v.field("cuda_graphs", cuda_graphs,
+          "on a GPU, replay each decoding step of the prior from a CUDA graph, captured once per batch size and "
+          "attention length (a multiple of 64 cache slots): one launch per step instead of hundreds of kernels. "
+          "It keeps the last batch size's KV cache allocated between calls; false launches each step's kernels "
+          "one by one (the same tokens). No effect on the CPU");
 }
 
 PipelineConfig read_model_folder(const std::string& folder) {

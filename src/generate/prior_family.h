@@ -16,6 +16,7 @@
 
 #include "dalle/generate/pipeline.h"
 #include "dalle/models/clip_config.h"
+#include "dalle/models/decode_graphs.h"
 #include "dalle/models/prior_sampling.h"
 
 namespace dalle::generate {
@@ -28,6 +29,7 @@ struct RowBatch {
   std::vector<uint64_t> streams;           // each row's sampling stream
   std::vector<int64_t> seeds;              // each row's seed
   models::TokenCallback on_token;          // after each image position
+  models::DecodeGraphs* graphs = nullptr;  // the decoding steps' tensors and graphs, kept across batches
 };
 
 class PriorFamily {

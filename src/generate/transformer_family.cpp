@@ -55,7 +55,7 @@ class TransformerFamily : public PriorFamily {
   torch::Tensor draw(const RowBatch& batch) override {
     return models::sample_image_tokens(prior_.model, batch.captions, batch.options,
                                        image_prompt_ ? &*image_prompt_ : nullptr, batch.on_token, batch.streams,
-                                       batch.filters, batch.seeds);
+                                       batch.filters, batch.seeds, batch.graphs);
   }
 
   torch::Tensor decode(const torch::Tensor& tokens) override { return decoder_.model->decode_tokens(tokens); }

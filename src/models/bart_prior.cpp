@@ -164,10 +164,28 @@ torch::Tensor BartDecoderLayerImpl::forward(const torch::Tensor& x, int64_t star
   keys.index_put_({Slice(), Slice(), Slice(start, end)}, self_attn->split(self_attn->k_proj(h)));
   values.index_put_({Slice(), Slice(), Slice(start, end)}, self_attn->split(self_attn->v_proj(h)));
   const int64_t keys_read = keys_attended(keys, end);
-  const auto seen = Slice(0, keys_read);
-  auto out = x + self_attn_layer_norm(self_attn->attend(h, keys.index({Slice(), Slice(), seen}),
-                                                        values.index({Slice(), Slice(), seen}),
-                                                        causal_visibility(start, x.size(1), keys_read, x.device())));
+  return after_keys_written(x, h, keys.narrow(2, 0, keys_read), values.narrow(2, 0, keys_read),
+                            causal_visibility(start, x.size(1), keys_read, x.device()), caption_keys, caption_values,
+                            caption_visible);
+}
+
+torch::Tensor BartDecoderLayerImpl::step(const torch::Tensor& x, const torch::Tensor& position, int64_t keys_read,
+                                         torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& caption_keys,
+                                         const torch::Tensor& caption_values, const torch::Tensor& caption_visible) {
+  const auto h = pre_self_attn_layer_norm(x);
+  keys.index_copy_(2, position, self_attn->split(self_attn->k_proj(h)));
+  values.index_copy_(2, position, self_attn->split(self_attn->v_proj(h)));
+  const auto visible = (torch::arange(keys_read, position.options()) <= position).view({1, 1, 1, keys_read});
+  return after_keys_written(x, h, keys.narrow(2, 0, keys_read), values.narrow(2, 0, keys_read), visible,
+                            caption_keys, caption_values, caption_visible);
+}
+
+torch::Tensor BartDecoderLayerImpl::after_keys_written(const torch::Tensor& x, const torch::Tensor& h,
+                                                       const torch::Tensor& keys, const torch::Tensor& values,
+                                                       const torch::Tensor& visible, const torch::Tensor& caption_keys,
+                                                       const torch::Tensor& caption_values,
+                                                       const torch::Tensor& caption_visible) {
+  auto out = x + self_attn_layer_norm(self_attn->attend(h, keys, values, visible));
   const auto attended =
       encoder_attn->attend(pre_encoder_attn_layer_norm(out), caption_keys, caption_values, caption_visible);
   out = out + encoder_attn_layer_norm(attended);
@@ -190,23 +208,32 @@ BartDecoderImpl::BartDecoderImpl(const BartPriorConfig& config) : config_(config
   lm_head = register_module("lm_head", unbiased(config.width, config.image_vocab_size + 1));
 }
 
-BartDecoderCache BartDecoderImpl::start(const torch::Tensor& encoding, const torch::Tensor& text) {
+BartDecoderCache BartDecoderImpl::start(const torch::Tensor& encoding, const torch::Tensor& text,
+                                        const TensorMaker& make) {
   if (encoding.dim() != 3 || text.dim() != 2 || encoding.size(0) != text.size(0) ||
       encoding.size(1) != text.size(1) || encoding.size(2) != config_.width) {
     throw Error("BART decoder: an encoding " + c10::str(encoding.sizes()) + " of captions " + c10::str(text.sizes()) +
                 "; expected [B, L, " + std::to_string(config_.width) + "] of [B, L]");
   }
+  // Made by `make` (kept at fixed addresses), or the computed tensors themselves.
+  const auto kept = [&](const std::string& name, const torch::Tensor& value) {
+    return make ? make(name, value.sizes(), value.options()).copy_(value) : value;
+  };
   BartDecoderCache cache;
   const int64_t batch = encoding.size(0), head_width = config_.width / config_.heads;
-  const auto options = encoding.options();
+  const std::vector<int64_t> sizes = {batch, config_.heads, config_.image_length, head_width};
+  const auto zeros = [&](const std::string& name) {
+    return make ? make(name, sizes, encoding.options()) : torch::zeros(sizes, encoding.options());
+  };
   for (const auto& module : *layers) {
     auto& cross = module->as<BartDecoderLayer>()->encoder_attn;
-    cache.keys.push_back(torch::zeros({batch, config_.heads, config_.image_length, head_width}, options));
-    cache.values.push_back(torch::zeros_like(cache.keys.back()));
-    cache.caption_keys.push_back(cross->split(cross->k_proj(encoding)));
-    cache.caption_values.push_back(cross->split(cross->v_proj(encoding)));
+    const auto slot = std::to_string(cache.keys.size());
+    cache.keys.push_back(zeros("keys." + slot));
+    cache.values.push_back(zeros("values." + slot));
+    cache.caption_keys.push_back(kept("caption_keys." + slot, cross->split(cross->k_proj(encoding))));
+    cache.caption_values.push_back(kept("caption_values." + slot, cross->split(cross->v_proj(encoding))));
   }
-  cache.caption_visible = (text != kBartPadId).view({batch, 1, 1, text.size(1)});
+  cache.caption_visible = kept("caption_visible", (text != kBartPadId).view({batch, 1, 1, text.size(1)}));
   return cache;
 }
 
@@ -225,6 +252,22 @@ torch::Tensor BartDecoderImpl::forward(const torch::Tensor& tokens, BartDecoderC
                                                     cache.caption_values[i], cache.caption_visible);
   }
   cache.length = start + count;
+  return lm_head(final_ln(x));
+}
+
+torch::Tensor BartDecoderImpl::forward_step(const torch::Tensor& tokens, BartDecoderCache& cache,
+                                            const torch::Tensor& position, int64_t keys) {
+  if (cache.keys.empty() || tokens.dim() != 2 || tokens.size(1) != 1 || tokens.size(0) != cache.keys.front().size(0) ||
+      position.numel() != 1 || keys < 1 || keys > config_.image_length) {
+    throw Error("BART decoder: a step takes tokens [B, 1] for a cache of B rows, one position and 1 .. " +
+                std::to_string(config_.image_length) + " keys; got " + c10::str(tokens.sizes()));
+  }
+  auto x = layernorm_embedding(embed_tokens(tokens) + embed_positions(position));
+  for (size_t i = 0; i < layers->size(); ++i) {
+    x = layers[i]->as<BartDecoderLayer>()->step(x, position, keys, cache.keys[i], cache.values[i],
+                                                 cache.caption_keys[i], cache.caption_values[i],
+                                                 cache.caption_visible);
+  }
   return lm_head(final_ln(x));
 }
 

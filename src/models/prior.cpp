@@ -83,19 +83,35 @@ torch::Tensor AttentionResblockImpl::branch(const torch::Tensor& x, const Resblo
   // [q | k | v] thirds, each split into heads: [B, H, rows, hd].
   auto parts = qkv_(norm_(x)).chunk(3, -1);
   for (auto& part : parts) part = part.view({batch, rows, heads_, width / heads_}).transpose(1, 2);
-  auto keys = parts[1], values = parts[2];
-  if (context.cache) {
-    auto& cache = *context.cache;
-    const auto filled = Slice(0, context.start + rows);
-    cache.keys[cache_slot_].index({Slice(), Slice(), Slice(context.start, context.start + rows)}).copy_(keys);
-    cache.values[cache_slot_].index({Slice(), Slice(), Slice(context.start, context.start + rows)}).copy_(values);
-    keys = cache.keys[cache_slot_].index({Slice(), Slice(), filled});
-    values = cache.values[cache_slot_].index({Slice(), Slice(), filled});
-  }
-  auto attended = masked_attention(parts[0], keys, values, *mask_, context.start, context.path);
+  const auto attended = context.cache
+                            ? attend_cached(parts[0], parts[1], parts[2], context)
+                            : masked_attention(parts[0], parts[1], parts[2], *mask_, context.start, context.path);
   auto out = F::dropout(out_(attended.transpose(1, 2).reshape({batch, rows, width})),
                         F::DropoutFuncOptions().p(dropout_).training(is_training()));
   return output_norm_ ? output_norm_(out) : out;
+}
+
+torch::Tensor AttentionResblockImpl::attend_cached(const torch::Tensor& queries, const torch::Tensor& keys,
+                                                   const torch::Tensor& values, const ResblockContext& context) {
+  auto& cache_keys = context.cache->keys[cache_slot_];
+  auto& cache_values = context.cache->values[cache_slot_];
+  const auto& mask = context.cache->masks[cache_slot_];
+  if (context.position.defined()) {
+    cache_keys.index_copy_(2, context.position, keys);
+    cache_values.index_copy_(2, context.position, values);
+    const auto visible = mask.index_select(0, context.position).narrow(1, 0, context.keys);
+    return at::scaled_dot_product_attention(queries, cache_keys.narrow(2, 0, context.keys),
+                                            cache_values.narrow(2, 0, context.keys), visible);
+  }
+  const int64_t start = context.start, end = start + queries.size(2);
+  if (end > mask.size(0)) {
+    throw Error("attention: positions beyond the sequence length " + std::to_string(mask.size(0)));
+  }
+  cache_keys.narrow(2, start, end - start).copy_(keys);
+  cache_values.narrow(2, start, end - start).copy_(values);
+  const auto visible = mask.narrow(0, start, end - start).narrow(1, 0, end);
+  return at::scaled_dot_product_attention(queries, cache_keys.narrow(2, 0, end), cache_values.narrow(2, 0, end),
+                                          visible);
 }
 
 MlpResblockImpl::MlpResblockImpl(const PriorConfig& config) : gelu_(config.gelu), dropout_(config.dropout) {
@@ -209,7 +225,10 @@ void check_tokens(const torch::Tensor& tokens, int64_t start, const PriorConfig&
 
 torch::Tensor PriorImpl::run(const torch::Tensor& tokens, const ResblockContext& context) {
   check_tokens(tokens, context.start, config_);
-  auto x = embed(tokens, context.start);
+  return through_resblocks(embed(tokens, context.start), context);
+}
+
+torch::Tensor PriorImpl::through_resblocks(torch::Tensor x, const ResblockContext& context) {
   for (const auto& block : resblocks_) {
     x = runner_ ? runner_(*block, x, context) : x + block->branch(x, context);
   }
@@ -222,21 +241,58 @@ torch::Tensor PriorImpl::forward(const torch::Tensor& tokens) {
   return run(tokens, {.start = 0, .cache = nullptr, .path = parse_attention_path(config_.attention_path)});
 }
 
-torch::Tensor PriorImpl::forward_cached(const torch::Tensor& tokens, KvCache& cache) {
-  if (cache.keys.size() != static_cast<size_t>(config_.layers) || cache.keys[0].size(0) != tokens.size(0)) {
+namespace {
+
+void check_cache(const KvCache& cache, int64_t batch, const PriorConfig& config) {
+  if (cache.keys.size() != static_cast<size_t>(config.layers) || cache.masks.size() != cache.keys.size() ||
+      cache.keys[0].size(0) != batch) {
     throw Error("prior: the KV cache was made for another model or batch size");
   }
+}
+
+}  // namespace
+
+torch::Tensor PriorImpl::forward_cached(const torch::Tensor& tokens, KvCache& cache) {
+  check_cache(cache, tokens.size(0), config_);
   auto logits = run(tokens, {.start = cache.length, .cache = &cache, .path = AttentionPath::dense});
   cache.length += tokens.size(1);
   return logits;
 }
 
-KvCache PriorImpl::make_cache(int64_t batch) const {
-  KvCache cache;
+torch::Tensor PriorImpl::forward_step(const torch::Tensor& codes, KvCache& cache, const torch::Tensor& position,
+                                      int64_t keys) {
+  check_cache(cache, codes.size(0), config_);
+  if (codes.dim() != 2 || codes.size(1) != 1 || position.numel() != 1 || keys < 1 || keys > config_.length()) {
+    throw Error("prior: a decoding step takes codes [B, 1], one position and 1 .. " +
+                std::to_string(config_.length()) + " keys");
+  }
+  const auto cell = position - config_.text_length;
+  const auto x = image_embedding_(codes) + image_row_embedding_(cell.div(config_.grid_size, "floor")) +
+                 image_column_embedding_(cell.remainder(config_.grid_size));
+  return through_resblocks(x, {.cache = &cache, .path = AttentionPath::dense, .position = position, .keys = keys});
+}
+
+KvCache PriorImpl::make_cache(int64_t batch, const TensorMaker& make) const {
   const auto options = to_logits_->weight.options();
-  for (int64_t layer = 0; layer < config_.layers; ++layer) {
-    cache.keys.push_back(torch::zeros({batch, config_.heads, config_.length(), config_.head_width()}, options));
-    cache.values.push_back(torch::zeros_like(cache.keys.back()));
+  const TensorMaker zeros =
+      make ? make : TensorMaker([](const std::string&, at::IntArrayRef sizes, const torch::TensorOptions& on) {
+        return torch::zeros(sizes, on);
+      });
+  const std::vector<int64_t> sizes = {batch, config_.heads, config_.length(), config_.head_width()};
+  KvCache cache;
+  std::map<const LayerMask*, torch::Tensor> masks;  // one copy of each kind's mask
+  for (const auto& block : resblocks_) {
+    const auto* attention = dynamic_cast<const AttentionResblockImpl*>(block.get());
+    if (!attention) continue;
+    const auto slot = std::to_string(cache.keys.size());
+    cache.keys.push_back(zeros("keys." + slot, sizes, options));
+    cache.values.push_back(zeros("values." + slot, sizes, options));
+    auto& mask = masks[&attention->mask()];
+    if (!mask.defined()) {
+      mask = zeros("mask." + slot, {config_.length(), config_.length()}, options.dtype(torch::kBool));
+      mask.copy_(attention->mask().dense());
+    }
+    cache.masks.push_back(mask);
   }
   return cache;
 }

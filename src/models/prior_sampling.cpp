@@ -4,6 +4,7 @@
 
 #include <limits>
 #include <numeric>
+#include <sstream>
 
 #include "dalle/seed.h"
 #include "dalle/error.h"
@@ -44,19 +45,23 @@ torch::Tensor filter_logits(const torch::Tensor& logits, const SamplingOptions& 
 }
 
 torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, const RowFilters& filters) {
+  const auto on = torch::TensorOptions().device(logits.device());
+  return filter_logits(logits, temperature, torch::tensor(filters.top_k, on.dtype(torch::kInt64)).unsqueeze(1),
+                       torch::tensor(filters.top_p, on.dtype(torch::kFloat64)).to(torch::kFloat32).unsqueeze(1));
+}
+
+torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, const torch::Tensor& top_k,
+                            const torch::Tensor& top_p) {
   constexpr double kMinusInfinity = -std::numeric_limits<double>::infinity();
   auto filtered = logits.to(torch::kFloat32) / temperature;
   const int64_t classes = filtered.size(-1);
-  const auto on = torch::TensorOptions().device(filtered.device());
   // k outside (0, classes) filters nothing: its threshold is the row's smallest logit.
-  auto k = torch::tensor(filters.top_k, on.dtype(torch::kInt64)).unsqueeze(1);
-  k = torch::where((k > 0) & (k < classes), k, classes);
+  const auto k = torch::where((top_k > 0) & (top_k < classes), top_k, classes);
   const auto kth = std::get<0>(filtered.sort(-1, /*descending=*/true)).gather(1, k - 1);
   filtered = filtered.masked_fill(filtered < kth, kMinusInfinity);
-  const auto p = torch::tensor(filters.top_p, on.dtype(torch::kFloat64)).to(torch::kFloat32).unsqueeze(1);
   auto [sorted, order] = filtered.sort(-1, /*descending=*/true);
   const auto cumulative = sorted.softmax(-1).cumsum(-1);
-  const auto drop = ((cumulative - sorted.softmax(-1)) >= p) & (p < 1.0);
+  const auto drop = ((cumulative - sorted.softmax(-1)) >= top_p) & (top_p < 1.0);
   return filtered.masked_fill(torch::zeros_like(drop).scatter(-1, order, drop), kMinusInfinity);
 }
 
@@ -101,29 +106,8 @@ torch::Tensor draw_codes(const torch::Tensor& probabilities, const torch::Tensor
 
 namespace {
 
-class TokenSource {
- public:
-  TokenSource(Prior& prior, const torch::Tensor& captions, bool use_cache)
-      : prior_(prior), use_cache_(use_cache), sequence_(captions) {
-    if (use_cache_) cache_ = prior_->make_cache(captions.size(0));
-  }
-  // Logits [B, classes] for the position after the last token given.
-  torch::Tensor next_logits() {
-    const auto logits = use_cache_ ? prior_->forward_cached(pending(), cache_) : prior_->forward(sequence_);
-    return logits.select(1, logits.size(1) - 1);
-  }
-  void append(const torch::Tensor& codes) { sequence_ = torch::cat({sequence_, codes.unsqueeze(1)}, 1); }
-
- private:
-  torch::Tensor pending() const { return sequence_.index({Slice(), Slice(cache_.length, torch::indexing::None)}); }
-  Prior& prior_;
-  bool use_cache_;
-  torch::Tensor sequence_;
-  KvCache cache_;
-};
-
 void check_inputs(const PriorConfig& config, const torch::Tensor& captions, const ImagePrompt* prompt,
-                  const std::vector<uint64_t>& streams) {
+                  const std::vector<uint64_t>& streams, const RowFilters* row_filters) {
   if (captions.dim() != 2 || captions.size(1) != config.text_length) {
     throw Error("sampling: expected captions [batch, " + std::to_string(config.text_length) + "]");
   }
@@ -135,6 +119,148 @@ void check_inputs(const PriorConfig& config, const torch::Tensor& captions, cons
     throw Error("sampling: an image prompt needs tokens and a known-mask for all " +
                 std::to_string(config.image_length()) + " positions");
   }
+  if (row_filters && (static_cast<int64_t>(row_filters->top_k.size()) != captions.size(0) ||
+                      row_filters->top_k.size() != row_filters->top_p.size())) {
+    throw Error("sampling: row filters for " + std::to_string(row_filters->top_k.size()) + " rows, " +
+                std::to_string(captions.size(0)) + " captions");
+  }
+}
+
+// How a step's logits become codes: the image classes, guidance, the filters, the draw.
+struct Choice {
+  SamplingOptions options;
+  int64_t batch = 0;
+  int64_t text_classes = 0;
+  bool guided = false;
+  torch::Tensor top_k, top_p;  // [B, 1] on the device, with row filters; else undefined
+
+  // logits [rows, classes] (the guided rows' unconditional half after the conditional) and
+  // uniforms [B] -> codes [B].
+  torch::Tensor codes(const torch::Tensor& logits, const torch::Tensor& uniforms) const {
+    // In float32 whatever the prior computes in: guidance subtracts nearly equal logits.
+    auto image = logits.narrow(1, text_classes, logits.size(1) - text_classes).to(torch::kFloat32);
+    if (guided) {
+      const auto conditional = image.narrow(0, 0, batch), unconditional = image.narrow(0, batch, batch);
+      image = unconditional + options.guidance_scale * (conditional - unconditional);
+    }
+    const auto filtered =
+        top_k.defined() ? filter_logits(image, options.temperature, top_k, top_p) : filter_logits(image, options);
+    return draw_codes(filtered.softmax(-1), uniforms);
+  }
+  // The rows the model reads of `codes` [B]: twice over under guidance.
+  torch::Tensor model_rows(const torch::Tensor& codes) const { return guided ? torch::cat({codes, codes}) : codes; }
+};
+
+// The reference: the whole prefix recomputed for every token.
+torch::Tensor sample_uncached(Prior& prior, const torch::Tensor& inputs, const Choice& choice,
+                              const torch::Tensor& uniforms, const ImagePrompt* prompt,
+                              const TokenCallback& on_token) {
+  const auto& config = prior->config();
+  const int64_t total = config.image_length();
+  const auto known = prompt ? prompt->known.to(torch::kBool).cpu() : torch::Tensor();
+  auto sequence = inputs;
+  std::vector<torch::Tensor> codes;
+  for (int64_t position = 0; position < total; ++position) {
+    const auto next = prompt && known[position].item<bool>()
+                          ? prompt->tokens.expand({choice.batch, total}).select(1, position).to(inputs.device())
+                          : choice.codes(prior->forward(sequence).select(1, -1), uniforms.select(1, position));
+    codes.push_back(next);
+    sequence = torch::cat({sequence, choice.model_rows(next).unsqueeze(1)}, 1);
+    if (on_token) on_token(position + 1, total, next);
+  }
+  return torch::stack(codes, 1);
+}
+
+// The tensors a decoding step reads and writes, kept by a DecodeGraphs across calls.
+struct StepState {
+  KvCache cache;
+  torch::Tensor token;     // [rows, 1]: the codes the next step feeds the model
+  torch::Tensor position;  // [1]: the sequence position of `token`
+  torch::Tensor codes;     // [B, image_length]: drawn so far
+  torch::Tensor uniforms;  // [B, image_length]: the draws
+  torch::Tensor known;     // [image_length] bool: the image prompt's kept positions (none without one)
+  torch::Tensor prompt;    // [B, image_length]: its codes
+};
+
+StepState step_state(Prior& prior, DecodeGraphs& graphs, const torch::Tensor& uniforms, const ImagePrompt* prompt,
+                     int64_t rows) {
+  const auto& config = prior->config();
+  const int64_t batch = uniforms.size(0), total = config.image_length();
+  const auto device = uniforms.device();
+  const auto integers = torch::TensorOptions().dtype(torch::kInt64).device(device);
+  StepState state;
+  state.cache = prior->make_cache(rows, graphs.maker());
+  state.token = graphs.buffer("token", {rows, 1}, integers);
+  state.position = graphs.buffer("position", {1}, integers);
+  state.codes = graphs.buffer("codes", {batch, total}, integers);
+  state.uniforms = graphs.buffer("uniforms", {batch, total}, uniforms.options());
+  state.uniforms.copy_(uniforms);
+  state.known = graphs.buffer("known", {total}, integers.dtype(torch::kBool));
+  state.prompt = graphs.buffer("prompt", {batch, total}, integers);
+  if (prompt) {
+    state.known.copy_(prompt->known.to(torch::kBool));
+    state.prompt.copy_(prompt->tokens.expand({batch, total}));
+    state.codes.copy_(state.prompt);  // the leading codes the steps do not draw
+  } else {
+    state.known.zero_();
+  }
+  return state;
+}
+
+// The codes of image index `index` ([1] on the device) from `logits` [rows, classes], into the
+// state's codes and next token; an image prompt's known positions keep its codes.
+void draw_into(StepState& state, const Choice& choice, const torch::Tensor& logits, const torch::Tensor& index) {
+  auto next = choice.codes(logits, state.uniforms.index_select(1, index).squeeze(1));
+  next = torch::where(state.known.index_select(0, index), state.prompt.index_select(1, index).squeeze(1), next);
+  state.codes.index_copy_(1, index, next.unsqueeze(1));
+  state.token.copy_(choice.model_rows(next).unsqueeze(1));
+}
+
+// The constants a captured step holds: a graph of other ones would draw other tokens.
+std::string step_signature(const Prior& prior, const Choice& choice, int64_t rows, bool prompted) {
+  std::ostringstream out;
+  out.precision(17);
+  out << "prior " << prior.get() << " rows " << rows << " temperature " << choice.options.temperature << " top_k "
+      << choice.options.top_k << " top_p " << choice.options.top_p << " guidance " << choice.options.guidance_scale
+      << " row_filters " << choice.top_k.defined() << " prompt " << prompted;
+  return out.str();
+}
+
+// With the KV cache: the captions and the image prompt's leading known codes in one call, then
+// one fixed-shape step per image position, replayed from a CUDA graph where `graphs` captures.
+torch::Tensor sample_cached(Prior& prior, const torch::Tensor& inputs, const Choice& choice,
+                            const torch::Tensor& uniforms, const ImagePrompt* prompt, const TokenCallback& on_token,
+                            DecodeGraphs& graphs) {
+  const auto& config = prior->config();
+  const int64_t total = config.image_length(), rows = inputs.size(0);
+  const auto device = inputs.device();
+  graphs.expect(step_signature(prior, choice, rows, prompt != nullptr));
+  auto state = step_state(prior, graphs, uniforms, prompt, rows);
+  int64_t leading = 0;  // prompt codes before the first position to draw
+  if (prompt) {
+    const auto known = prompt->known.to(torch::kBool).cpu();
+    while (leading < total && known[leading].item<bool>()) ++leading;
+  }
+  const auto given = state.prompt.narrow(1, 0, leading);
+  const auto prefill = torch::cat({inputs, choice.guided ? torch::cat({given, given}) : given}, 1);
+  const auto logits = prior->forward_cached(prefill, state.cache).select(1, -1);
+  for (int64_t index = 0; index < leading; ++index) {
+    if (on_token) on_token(index + 1, total, state.prompt.select(1, index));
+  }
+  if (leading == total) return state.prompt.clone();
+  state.position.fill_(config.text_length + leading);
+  draw_into(state, choice, logits, state.position - config.text_length);
+  if (on_token) on_token(leading + 1, total, state.codes.select(1, leading));
+  for (int64_t index = leading + 1; index < total; ++index) {
+    const int64_t keys = graphs.keys_for(config.text_length + index, config.length(), device);
+    graphs.run(keys, device, [&] {
+      const auto step_logits = prior->forward_step(state.token, state.cache, state.position, keys).select(1, 0);
+      state.position.add_(1);
+      draw_into(state, choice, step_logits, state.position - config.text_length);
+    });
+    if (on_token) on_token(index + 1, total, state.codes.select(1, index));
+  }
+  return state.codes.clone();
 }
 
 }  // namespace
@@ -142,54 +268,37 @@ void check_inputs(const PriorConfig& config, const torch::Tensor& captions, cons
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
                                   const ImagePrompt* prompt, const TokenCallback& on_token,
                                   const std::vector<uint64_t>& streams, const RowFilters* row_filters,
-                                  const std::vector<int64_t>& row_seeds) {
+                                  const std::vector<int64_t>& row_seeds, DecodeGraphs* graphs) {
   const auto& config = prior->config();
-  check_inputs(config, captions, prompt, streams);
-  if (row_filters && (static_cast<int64_t>(row_filters->top_k.size()) != captions.size(0) ||
-                      row_filters->top_k.size() != row_filters->top_p.size())) {
-    throw Error("sampling: row filters for " + std::to_string(row_filters->top_k.size()) + " rows, " +
-                std::to_string(captions.size(0)) + " captions");
-  }
+  check_inputs(config, captions, prompt, streams, row_filters);
   torch::NoGradGuard no_grad;
-  const bool guided = options.guidance_scale != 1.0;
   const int64_t batch = captions.size(0), total = config.image_length();
   const auto device = prior->parameters().front().device();
+  Choice choice{.options = options,
+                .batch = batch,
+                .text_classes = config.text_classes(),
+                .guided = options.guidance_scale != 1.0};
+  if (row_filters) {
+    const auto on = torch::TensorOptions().device(device);
+    choice.top_k = torch::tensor(row_filters->top_k, on.dtype(torch::kInt64)).unsqueeze(1);
+    choice.top_p = torch::tensor(row_filters->top_p, on.dtype(torch::kFloat64)).to(torch::kFloat32).unsqueeze(1);
+  }
   auto inputs = captions.to(device);
-  if (guided) inputs = torch::cat({inputs, empty_caption(config.text_length, batch).to(device)});
+  if (choice.guided) inputs = torch::cat({inputs, empty_caption(config.text_length, batch).to(device)});
   std::vector<uint64_t> row_streams = streams;
   if (row_streams.empty()) {
     row_streams.resize(static_cast<size_t>(batch));
     std::iota(row_streams.begin(), row_streams.end(), uint64_t{0});
   }
   const auto uniforms = sampling_uniforms(seeds_of_rows(options.seed, row_seeds, batch), row_streams, total).to(device);
-  const auto known = prompt ? prompt->known.to(torch::kBool).cpu() : torch::Tensor();
-  const auto prompt_tokens = prompt ? prompt->tokens.expand({batch, total}).to(device) : torch::Tensor();
-
-  TokenSource source(prior, inputs, options.use_cache);
-  std::vector<torch::Tensor> codes;
-  for (int64_t position = 0; position < total; ++position) {
-    torch::Tensor next;
-    if (prompt && known[position].item<bool>()) {
-      // No model call: the token joins the pending ones the next call takes in one step.
-      next = prompt_tokens.select(1, position);
-    } else {
-      // In float32 whatever the prior computes in: guidance subtracts nearly equal logits.
-      auto logits = source.next_logits()
-                        .index({Slice(), Slice(config.text_classes(), torch::indexing::None)})
-                        .to(torch::kFloat32);
-      if (guided) {
-        const auto conditional = logits.index({Slice(0, batch)}), unconditional = logits.index({Slice(batch)});
-        logits = unconditional + options.guidance_scale * (conditional - unconditional);
-      }
-      const auto filtered =
-          row_filters ? filter_logits(logits, options.temperature, *row_filters) : filter_logits(logits, options);
-      next = draw_codes(filtered.softmax(-1), uniforms.select(1, position));
-    }
-    codes.push_back(next);
-    if (position + 1 < total) source.append(guided ? torch::cat({next, next}) : next);
-    if (on_token) on_token(position + 1, total, next);
+  torch::Tensor codes;
+  if (!options.use_cache) {
+    codes = sample_uncached(prior, inputs, choice, uniforms, prompt, on_token);
+  } else {
+    DecodeGraphs eager(/*enabled=*/false);
+    codes = sample_cached(prior, inputs, choice, uniforms, prompt, on_token, graphs ? *graphs : eager);
   }
-  return torch::stack(codes, 1).view({batch, config.grid_size, config.grid_size});
+  return codes.view({batch, config.grid_size, config.grid_size});
 }
 
 }  // namespace dalle::models

@@ -149,6 +149,42 @@ TEST_F(MinDalleParity, StreamDrawsDoNotDependOnTheBatch) {
                     "expected captions [B, 64]");
 }
 
+TEST_F(MinDalleParity, StepTensorsKeptAcrossCallsDrawWhatFreshOnesDraw) {
+  const auto caption = at("sample.0.text_tokens")[1];
+  DecodeGraphs kept;
+  for (const auto& [images, seed] : std::vector<std::pair<int64_t, int64_t>>{{3, 5}, {2, 6}, {3, 7}}) {
+    const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = seed};
+    const auto captions = caption.expand({images, -1}).contiguous();
+    const auto fresh = sample_bart_image_tokens(encoder_, decoder_, captions, options);
+    std::vector<torch::Tensor> seen;
+    const auto with_kept = sample_bart_image_tokens(
+        encoder_, decoder_, captions, options, {},
+        [&](int64_t, int64_t, const torch::Tensor& codes) { seen.push_back(codes.clone()); }, {}, &kept);
+    EXPECT_TRUE(torch::equal(with_kept, fresh)) << images << " images, seed " << seed;
+    EXPECT_TRUE(torch::equal(torch::stack(seen, 1), fresh)) << "the callback sees each position's codes";
+  }
+  EXPECT_EQ(kept.graphs(), 0) << "the CPU captures nothing";
+}
+
+TEST_F(MinDalleParity, GraphsReplayedOnAGpuDrawTheCpusTokens) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
+  const auto captions = at("sample.0.text_tokens")[1].expand({3, -1}).contiguous();
+  const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = 9};
+  const auto on_cpu = sample_bart_image_tokens(encoder_, decoder_, captions, options);
+  encoder_->to(torch::kCUDA);
+  decoder_->to(torch::kCUDA);
+  DecodeGraphs graphs, eager(/*enabled=*/false);
+  const auto first = sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, &graphs);
+  const auto again = sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, &graphs);
+  const auto launched = sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, &eager);
+  const int64_t steps = decoder_->config().image_length;
+  EXPECT_EQ(graphs.graphs(), (steps + DecodeGraphs::kBucket - 1) / DecodeGraphs::kBucket);
+  EXPECT_EQ(graphs.replays(), 2 * steps - graphs.graphs());
+  EXPECT_TRUE(torch::equal(first.cpu(), on_cpu));
+  EXPECT_TRUE(torch::equal(again.cpu(), on_cpu));
+  EXPECT_TRUE(torch::equal(launched.cpu(), on_cpu));
+}
+
 // min-dalle's detokenizer at the fixture's widths (8, 16, 16 for 128, 256, 512): 2 x 2
 // tokens per image, 16x upsampling, four images laid out column-major.
 TEST_F(MinDalleParity, DetokenizerImagesMatch) {

@@ -135,6 +135,69 @@ TEST_F(PriorSampling, ImagePromptPositionsAreKept) {
   EXPECT_FALSE(torch::equal(reference.view({16}).index({Slice(0, 8)}), torch::full({8}, 7, torch::kInt64)));
 }
 
+TEST_F(PriorSampling, StepTensorsKeptAcrossCallsDrawWhatFreshOnesAndTheReferenceDraw) {
+  auto known = torch::zeros({16}, torch::kBool);
+  known.index_put_({Slice(0, 4)}, true);  // the top row,
+  known.index_put_({9}, true);            // and a cell after the first drawn one: a step keeps it
+  const ImagePrompt prompt{.tokens = torch::arange(16, torch::kInt64).remainder(12).unsqueeze(0), .known = known};
+  struct Call {
+    int64_t batch;
+    SamplingOptions options;
+    const ImagePrompt* prompt;
+  };
+  const std::vector<Call> calls = {{2, {.top_k = 6, .seed = 1}, nullptr},
+                                   {2, {.guidance_scale = 3.0, .seed = 2}, nullptr},
+                                   {3, {.top_p = 0.8, .seed = 3}, &prompt},
+                                   {2, {.top_k = 6, .seed = 4}, nullptr}};
+  DecodeGraphs kept;
+  for (const auto& call : calls) {
+    const auto fresh = sample_image_tokens(prior_, captions(call.batch), call.options, call.prompt);
+    const auto with_kept =
+        sample_image_tokens(prior_, captions(call.batch), call.options, call.prompt, {}, {}, nullptr, {}, &kept);
+    auto recomputed = call.options;
+    recomputed.use_cache = false;
+    EXPECT_TRUE(torch::equal(with_kept, fresh)) << "seed " << call.options.seed;
+    EXPECT_TRUE(torch::equal(fresh, sample_image_tokens(prior_, captions(call.batch), recomputed, call.prompt)))
+        << "seed " << call.options.seed;
+    if (call.prompt) {
+      const auto flat = fresh.view({call.batch, 16});
+      EXPECT_TRUE(torch::equal(flat.index({Slice(), known}), prompt.tokens.index({Slice(), known}).expand({call.batch, 5})));
+    }
+  }
+  EXPECT_EQ(kept.graphs(), 0) << "the CPU captures nothing";
+}
+
+TEST_F(PriorSampling, TheCallbackSeesEachPositionsCodesAndAWholePromptIsReturned) {
+  std::vector<torch::Tensor> seen;
+  const auto tokens = sample_image_tokens(prior_, captions(2), {.seed = 8}, nullptr,
+                                          [&](int64_t done, int64_t total, const torch::Tensor& codes) {
+                                            EXPECT_EQ(done, static_cast<int64_t>(seen.size()) + 1);
+                                            EXPECT_EQ(total, 16);
+                                            seen.push_back(codes.clone());
+                                          });
+  ASSERT_EQ(seen.size(), 16u);
+  EXPECT_TRUE(torch::equal(torch::stack(seen, 1), tokens.view({2, 16})));
+  const ImagePrompt whole{.tokens = torch::full({1, 16}, 3, torch::kInt64), .known = torch::ones({16}, torch::kBool)};
+  EXPECT_TRUE(torch::equal(sample_image_tokens(prior_, captions(2), {.seed = 8}, &whole),
+                           torch::full({2, 4, 4}, 3, torch::kInt64)));
+}
+
+TEST_F(PriorSampling, GraphsReplayedOnAGpuDrawTheCpusTokens) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
+  const SamplingOptions options{.top_k = 6, .guidance_scale = 2.0, .seed = 12};
+  const auto on_cpu = sample_image_tokens(prior_, captions(3), options);
+  prior_->to(torch::kCUDA);
+  DecodeGraphs graphs, eager(/*enabled=*/false);
+  const auto first = sample_image_tokens(prior_, captions(3), options, nullptr, {}, {}, nullptr, {}, &graphs);
+  const auto again = sample_image_tokens(prior_, captions(3), options, nullptr, {}, {}, nullptr, {}, &graphs);
+  const auto launched = sample_image_tokens(prior_, captions(3), options, nullptr, {}, {}, nullptr, {}, &eager);
+  EXPECT_EQ(graphs.graphs(), 1) << "22 positions: one bucket";
+  EXPECT_EQ(graphs.replays(), 2 * 15 - 1);
+  EXPECT_TRUE(torch::equal(first.cpu(), on_cpu));
+  EXPECT_TRUE(torch::equal(again.cpu(), on_cpu));
+  EXPECT_TRUE(torch::equal(launched.cpu(), on_cpu));
+}
+
 TEST(FilterLogits, TopKAndTopP) {
   const auto logits = torch::log(torch::tensor({{0.1, 0.5, 0.3, 0.1}}));
   const auto top2 = filter_logits(logits, {.top_k = 2});

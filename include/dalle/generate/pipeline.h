@@ -53,6 +53,7 @@ struct PipelineConfig {
   int64_t tile_overlap = 24;
   std::string device = "auto";  // auto: cuda when available, else cpu
   int64_t threads = 0;          // torch intra-op threads (0: one per idle core)
+  bool cuda_graphs = true;      // on a GPU, each decoding step replayed from a CUDA graph
 
   void visit(ConfigVisitor& v);
   // K as used: `keep`, or N when 0.

@@ -22,6 +22,7 @@
 
 #include "dalle/config.h"
 #include "dalle/io/safetensors.h"
+#include "dalle/models/decode_graphs.h"
 #include "dalle/models/linear.h"
 
 namespace dalle::models {
@@ -119,22 +120,41 @@ class BartDecoderLayerImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, int64_t start, torch::Tensor& keys, torch::Tensor& values,
                         const torch::Tensor& caption_keys, const torch::Tensor& caption_values,
                         const torch::Tensor& caption_visible);
+  // One row per image at the position `position` ([1] int64 on the device) holds, attending to
+  // the first `keys_read` slots of `keys` and `values` (the later ones masked).
+  torch::Tensor step(const torch::Tensor& x, const torch::Tensor& position, int64_t keys_read, torch::Tensor& keys,
+                     torch::Tensor& values, const torch::Tensor& caption_keys, const torch::Tensor& caption_values,
+                     const torch::Tensor& caption_visible);
 
   torch::nn::LayerNorm pre_self_attn_layer_norm{nullptr}, self_attn_layer_norm{nullptr};
   torch::nn::LayerNorm pre_encoder_attn_layer_norm{nullptr}, encoder_attn_layer_norm{nullptr};
   BartAttention self_attn{nullptr}, encoder_attn{nullptr};
   BartGlu glu{nullptr};
+
+ private:
+  // x + self-attention of h (its keys and values already in the cache), then the rest.
+  torch::Tensor after_keys_written(const torch::Tensor& x, const torch::Tensor& h, const torch::Tensor& keys,
+                                   const torch::Tensor& values, const torch::Tensor& visible,
+                                   const torch::Tensor& caption_keys, const torch::Tensor& caption_values,
+                                   const torch::Tensor& caption_visible);
 };
 TORCH_MODULE(BartDecoderLayer);
 
 class BartDecoderImpl : public torch::nn::Module {
  public:
   explicit BartDecoderImpl(const BartPriorConfig& config);
-  // An empty cache for `encoding` [B, text_length, width] of captions `text` [B, text_length].
-  BartDecoderCache start(const torch::Tensor& encoding, const torch::Tensor& text);
+  // An empty cache for `encoding` [B, text_length, width] of captions `text` [B, text_length],
+  // its tensors from `make` when given.
+  BartDecoderCache start(const torch::Tensor& encoding, const torch::Tensor& text, const TensorMaker& make = {});
   // The next `tokens` [B, L] (image codes, or min-dalle's start token) -> logits [B, L,
   // image_vocab_size + 1] of the tokens that follow each, causally, the cache extended by L.
   torch::Tensor forward(const torch::Tensor& tokens, BartDecoderCache& cache);
+  // One token per row, `tokens` [B, 1], at the position `position` ([1] int64 on the device)
+  // holds, attending to the cache's first `keys` slots -> logits [B, 1, image_vocab_size + 1].
+  // Fixed shapes, no host synchronisation, cache.length untouched: a step a CUDA graph can
+  // capture (models/decode_graphs.h).
+  torch::Tensor forward_step(const torch::Tensor& tokens, BartDecoderCache& cache, const torch::Tensor& position,
+                             int64_t keys);
   const BartPriorConfig& config() const { return config_; }
 
   torch::nn::Embedding embed_tokens{nullptr}, embed_positions{nullptr};

@@ -37,10 +37,13 @@ torch::Tensor supercondition_weights(const torch::Tensor& logits, const BartSamp
 
 // Image tokens [B, image_length] for `captions` [B, text_length], one image each. Row b draws
 // from stream `streams[b]` (empty: b) of seed `row_seeds[b]` (empty: options.seed) unless
-// options.torch_draws. `on_token` follows each position.
+// options.torch_draws. `on_token` follows each position (its codes are a view: copy them to
+// keep them). Each position is one decoder step of fixed shapes with no host synchronisation;
+// `graphs` keeps the steps' tensors across calls and, on a GPU, replays the steps as CUDA
+// graphs (not with torch_draws, whose generator a graph does not capture).
 torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decoder, const torch::Tensor& captions,
                                        const BartSamplingOptions& options, const std::vector<uint64_t>& streams = {},
                                        const TokenCallback& on_token = {},
-                                       const std::vector<int64_t>& row_seeds = {});
+                                       const std::vector<int64_t>& row_seeds = {}, DecodeGraphs* graphs = nullptr);
 
 }  // namespace dalle::models

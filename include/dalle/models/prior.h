@@ -18,6 +18,7 @@
 
 #include "dalle/config.h"
 #include "dalle/io/safetensors.h"
+#include "dalle/models/decode_graphs.h"
 #include "dalle/models/linear.h"
 #include "dalle/models/sparse_attention.h"
 
@@ -59,9 +60,11 @@ struct PriorConfig {
   int64_t head_width() const { return width / heads; }
 };
 
-// Keys and values of every attention resblock for the positions decoded so far.
+// Keys and values of every attention resblock for the positions decoded so far, and each
+// one's mask on the cache's device (no copy from the host per step).
 struct KvCache {
   std::vector<torch::Tensor> keys, values;  // per attention resblock: [B, H, capacity, hd]
+  std::vector<torch::Tensor> masks;         // per attention resblock: [capacity, capacity] bool
   int64_t length = 0;
 };
 
@@ -70,6 +73,10 @@ struct ResblockContext {
   int64_t start = 0;            // position of the first row of the input
   KvCache* cache = nullptr;     // when given, keys and values are appended to and read from it
   AttentionPath path = AttentionPath::sparse;
+  // A decoding step (forward_step): one row at the position this [1] int64 tensor holds on the
+  // device, attending to the cache's first `keys` slots; `start` is unused.
+  torch::Tensor position;
+  int64_t keys = 0;
 };
 
 // A residual block: the model computes x + branch(x).
@@ -85,6 +92,10 @@ class AttentionResblockImpl : public ResblockImpl {
   const LayerMask& mask() const { return *mask_; }
 
  private:
+  // Attention through the context's cache: the new keys and values written, then read back.
+  torch::Tensor attend_cached(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
+                              const ResblockContext& context);
+
   std::shared_ptr<const LayerMask> mask_;
   int64_t heads_, cache_slot_;
   double dropout_;
@@ -118,7 +129,13 @@ class PriorImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& tokens);
   // tokens [B, k] at positions cache.length .. cache.length + k - 1; grows the cache.
   torch::Tensor forward_cached(const torch::Tensor& tokens, KvCache& cache);
-  KvCache make_cache(int64_t batch) const;
+  // One image code per row, `codes` [B, 1], at the position `position` ([1] int64 on the
+  // device, at least text_length) holds, attending to the cache's first `keys` slots (the
+  // later ones masked) -> logits [B, 1, classes]. Fixed shapes, no check that reads the
+  // device and no cache.length: a step a CUDA graph can capture (models/decode_graphs.h).
+  torch::Tensor forward_step(const torch::Tensor& codes, KvCache& cache, const torch::Tensor& position, int64_t keys);
+  // A cache for `batch` rows on the model's device, its tensors from `make` when given.
+  KvCache make_cache(int64_t batch, const TensorMaker& make = {}) const;
 
   const std::vector<std::shared_ptr<ResblockImpl>>& resblocks() const { return resblocks_; }
   void set_resblock_runner(ResblockRunner runner) { runner_ = std::move(runner); }
@@ -127,6 +144,7 @@ class PriorImpl : public torch::nn::Module {
  private:
   torch::Tensor embed(const torch::Tensor& tokens, int64_t start);
   torch::Tensor run(const torch::Tensor& tokens, const ResblockContext& context);
+  torch::Tensor through_resblocks(torch::Tensor x, const ResblockContext& context);
   void init_weights();
 
   PriorConfig config_;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dalle/config.h"
+#include "dalle/models/decode_graphs.h"
 #include "dalle/models/prior.h"
 
 namespace dalle::models {
@@ -46,6 +47,9 @@ struct RowFilters {
   std::vector<double> top_p;
 };
 torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, const RowFilters& filters);
+// The same with the filters on the logits' device: top_k [B, 1] int64, top_p [B, 1] float32.
+torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, const torch::Tensor& top_k,
+                            const torch::Tensor& top_p);
 
 // The draws of `streams` under `seed`: [streams, positions] float32, uniform in (0, 1),
 // computed on the host with integer arithmetic, the same on every machine.
@@ -68,10 +72,13 @@ using TokenCallback = std::function<void(int64_t done, int64_t total, const torc
 // captions [B, text_length] (0 = padding) -> image tokens [B, grid, grid]. Row b draws from
 // stream `streams[b]` (empty: stream b) of seed `row_seeds[b]` (empty: options.seed), filtered
 // by `row_filters` in place of the options' top_k and top_p when given. `on_token` follows
-// each image position.
+// each image position (its codes are a view: copy them to keep them). With the cache, the
+// captions and an image prompt's leading codes go through the model at once, then each
+// position is one step of fixed shapes with no host synchronisation; `graphs` keeps the
+// steps' tensors across calls and, on a GPU, replays the steps as CUDA graphs.
 torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, const SamplingOptions& options,
                                   const ImagePrompt* prompt = nullptr, const TokenCallback& on_token = {},
                                   const std::vector<uint64_t>& streams = {}, const RowFilters* row_filters = nullptr,
-                                  const std::vector<int64_t>& row_seeds = {});
+                                  const std::vector<int64_t>& row_seeds = {}, DecodeGraphs* graphs = nullptr);
 
 }  // namespace dalle::models
