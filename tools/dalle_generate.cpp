@@ -1,6 +1,7 @@
 // dalle-generate: captions in, images out, through dalle::generate::Pipeline: N samples
 // per prompt from the prior, decoded, optionally reranked by CLIP to the best K and
 // upscaled; one PNG and JSON sidecar per kept image and a grid.
+#include <algorithm>
 #include <filesystem>
 
 #include "dalle/data/image.h"
@@ -59,6 +60,12 @@ int main(int argc, char** argv) {
                  "every N image tokens, write the candidates being drawn (rows not drawn yet blank) to "
                  "<out>.preview.png beside the output folder, removed once the images are written (0: none)")
       ->check(CLI::NonNegativeNumber);
+  int64_t preview_candidates = 1;
+  app.add_option("--preview-candidates", preview_candidates,
+                 "how many of each prompt's candidates the previews show, the first ones (0: all; each one shown "
+                 "is decoded once more per preview)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   tools::PipelineShorthands shorthands;
   shorthands.add_to(app);
 
@@ -92,10 +99,12 @@ int main(int argc, char** argv) {
     for (size_t index = 0; index < prompts.size(); ++index) {
       requests.push_back(pipeline.request(prompts[index], static_cast<int64_t>(index)));
       requests.back().preview_every = preview_every;
+      requests.back().preview_candidates = preview_candidates;
     }
     const auto preview = preview_path(out);
+    const auto columns = preview_candidates == 0 ? config.candidates : std::min(preview_candidates, config.candidates);
     const auto images = pipeline.generate(
-        requests, preview_every > 0 ? preview_writer(preview, config.candidates) : generate::PreviewCallback());
+        requests, preview_every > 0 ? preview_writer(preview, columns) : generate::PreviewCallback());
     generate::write_generation(output.staging(), pipeline.config(), images);
     output.commit();
     if (preview_every > 0) std::filesystem::remove(preview);

@@ -182,8 +182,13 @@ RowBatch batch_of(const std::vector<Row>& rows, const std::vector<PromptRequest>
   return batch;
 }
 
-bool wants_preview(const PromptRequest& request, int64_t done, int64_t total) {
-  return request.preview_every > 0 && (done % request.preview_every == 0 || done == total);
+// Whether candidate `candidate` of `request` is previewed at all.
+bool previewed(const PromptRequest& request, int64_t candidate) {
+  return request.preview_every > 0 && (request.preview_candidates == 0 || candidate < request.preview_candidates);
+}
+
+bool wants_preview(const PromptRequest& request, int64_t candidate, int64_t done, int64_t total) {
+  return previewed(request, candidate) && (done % request.preview_every == 0 || done == total);
 }
 
 // The side of the square grid of `positions` tokens.
@@ -213,7 +218,7 @@ void show_final_previews(const std::vector<Row>& rows, const std::vector<PromptR
   const auto total = tokens.size(1) * tokens.size(2);
   std::vector<Preview> out;
   for (size_t index = 0; index < rows.size(); ++index) {
-    if (requests[rows[index].request].preview_every == 0) continue;
+    if (!previewed(requests[rows[index].request], rows[index].candidate)) continue;
     const auto i = static_cast<int64_t>(index);
     out.push_back(preview_of(rows[index], total, total, tokens[i], decoded[i]));
   }
@@ -227,7 +232,8 @@ std::vector<Preview> Pipeline::Stages::previews(const std::vector<Row>& rows, co
   const auto done = static_cast<int64_t>(drawn.size());
   std::vector<int64_t> due;
   for (size_t index = 0; index < rows.size(); ++index) {
-    if (wants_preview(requests[rows[index].request], done, total)) due.push_back(static_cast<int64_t>(index));
+    const auto& row = rows[index];
+    if (wants_preview(requests[row.request], row.candidate, done, total)) due.push_back(static_cast<int64_t>(index));
   }
   if (due.empty()) return {};
   torch::NoGradGuard no_grad;
@@ -252,7 +258,7 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(const std::vector<Row>& row
   batch.graphs = graphs.get();
   const auto count = static_cast<int64_t>(rows.size());
   const bool shows_previews = on_preview && std::any_of(rows.begin(), rows.end(), [&](const Row& row) {
-                                return requests[row.request].preview_every > 0;
+                                return previewed(requests[row.request], row.candidate);
                               });
   std::vector<torch::Tensor> drawn;
   batch.on_token = [&](int64_t done, int64_t total, const torch::Tensor& codes) {
@@ -366,6 +372,10 @@ void Pipeline::Stages::check(const PromptRequest& request, const std::string& wh
     if (request.preview_every < 0) {
       throw Error("pipeline: preview_every is " + std::to_string(request.preview_every) +
                   "; give the image positions between previews, or 0 for none");
+    }
+    if (request.preview_candidates < 0) {
+      throw Error("pipeline: preview_candidates is " + std::to_string(request.preview_candidates) +
+                  "; give how many candidates to preview, or 0 for all");
     }
   } catch (const Error& error) {
     if (where == "pipeline") throw;

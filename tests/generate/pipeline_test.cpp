@@ -335,6 +335,21 @@ TEST(PipelinePreviews, ShowTheRowsDrawnSoFarAndTheLastIsTheImageWithoutChangingA
   for (size_t i = 0; i < images.size(); ++i) {
     EXPECT_TRUE(torch::equal(unpreviewed[i].tokens, images[i].tokens)) << "previews change no draw: image " << i;
   }
+  auto first_only = previewed;
+  first_only.preview_candidates = 1;
+  std::vector<Preview> of_first;
+  const auto again = pipeline.generate({first_only, plain}, [&](const std::vector<Preview>& previews) {
+    of_first.insert(of_first.end(), previews.begin(), previews.end());
+  });
+  ASSERT_EQ(of_first.size(), 3u) << "after 24 and 48, then the last, of candidate 0 alone";
+  for (size_t i = 0; i < of_first.size(); ++i) {
+    EXPECT_EQ(of_first[i].candidate, 0);
+    EXPECT_TRUE(torch::equal(of_first[i].tokens, shown[2 * i].tokens)) << "the same preview as when all are shown";
+    EXPECT_TRUE(torch::allclose(of_first[i].image, shown[2 * i].image, 0.0, 1e-5));
+  }
+  EXPECT_TRUE(torch::equal(again.at(1).tokens, images.at(1).tokens));
+  first_only.preview_candidates = -2;
+  EXPECT_THROW_WITH(pipeline.generate({first_only}), Error, "preview_candidates is -2");
   previewed.preview_every = -1;
   EXPECT_THROW_WITH(pipeline.generate({previewed}), Error, "preview_every is -1");
 }

@@ -82,6 +82,9 @@ struct PromptRequest {
   // Image positions between previews of its candidates while they are drawn (0: none); the
   // last preview comes when they are all drawn, before reranking and super-resolution.
   int64_t preview_every = 0;
+  // How many of its candidates are previewed, the first ones (0: all). Each preview decodes
+  // the candidates it shows, which can cost as much as drawing them on a small prior.
+  int64_t preview_candidates = 0;
 
   int64_t kept() const { return keep == 0 ? candidates : keep; }
 };
