@@ -92,7 +92,10 @@ struct Pipeline::Stages {
   models::Clip clip{nullptr};
   std::optional<text::ClipTokenizer> clip_tokenizer{};
   models::RrdbNet superres{nullptr};
-  std::unique_ptr<models::DecodeGraphs> graphs = std::make_unique<models::DecodeGraphs>(config.cuda_graphs);
+  // The decoding steps' graphs and tensors, kept between batches on a GPU (on the CPU each
+  // batch makes its own tensors and frees them).
+  std::unique_ptr<models::DecodeGraphs> graphs =
+      device.is_cuda() && config.cuda_graphs ? std::make_unique<models::DecodeGraphs>() : nullptr;
 
   // Samples and decodes the candidates `rows`, requests' prompts encoded in `captions`,
   // showing `on_preview` those whose request asks for previews.

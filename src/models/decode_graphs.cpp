@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "dalle/log.h"
 
@@ -21,6 +22,9 @@ struct DecodeGraphs::Graphs {
   // One pool for all: the graphs of a decode replay one after another, never at once.
   decltype(at::cuda::graph_pool_handle()) pool = at::cuda::graph_pool_handle();
   std::map<int64_t, std::unique_ptr<at::cuda::CUDAGraph>> by_key;
+  // Every capture on one stream: the library handles and workspaces its first step set up
+  // serve the later captures too.
+  std::optional<c10::cuda::CUDAStream> side;
 #endif
 };
 
@@ -121,9 +125,12 @@ void DecodeGraphs::run(int64_t key, const torch::Device& device, const std::func
     ++replays_;
     return;
   }
-  const c10::cuda::CUDAGuard on_device(device);
-  const auto current = c10::cuda::getCurrentCUDAStream(device.index());
-  const auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
+  const c10::cuda::OptionalCUDAGuard on_device(device.has_index() ? std::optional<c10::Device>(device) : std::nullopt);
+  const auto current = c10::cuda::getCurrentCUDAStream();
+  if (!graphs_->side || graphs_->side->device() != current.device()) {
+    graphs_->side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, current.device_index());
+  }
+  const auto side = *graphs_->side;
   at::cuda::CUDAEvent ready;
   ready.record(current);
   ready.block(side);

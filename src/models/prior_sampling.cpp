@@ -228,14 +228,19 @@ std::string step_signature(const Prior& prior, const Choice& choice, int64_t row
 
 // With the KV cache: the captions and the image prompt's leading known codes in one call, then
 // one fixed-shape step per image position, replayed from a CUDA graph where `graphs` captures.
-torch::Tensor sample_cached(Prior& prior, const torch::Tensor& inputs, const Choice& choice,
+torch::Tensor sample_cached(Prior& prior, const torch::Tensor& inputs, const Choice& given_choice,
                             const torch::Tensor& uniforms, const ImagePrompt* prompt, const TokenCallback& on_token,
                             DecodeGraphs& graphs) {
   const auto& config = prior->config();
   const int64_t total = config.image_length(), rows = inputs.size(0);
   const auto device = inputs.device();
-  graphs.expect(step_signature(prior, choice, rows, prompt != nullptr));
+  graphs.expect(step_signature(prior, given_choice, rows, prompt != nullptr));
   auto state = step_state(prior, graphs, uniforms, prompt, rows);
+  auto choice = given_choice;  // its row filters, too, where a captured step finds them again
+  if (choice.top_k.defined()) {
+    choice.top_k = graphs.buffer("top_k", choice.top_k.sizes(), choice.top_k.options()).copy_(given_choice.top_k);
+    choice.top_p = graphs.buffer("top_p", choice.top_p.sizes(), choice.top_p.options()).copy_(given_choice.top_p);
+  }
   int64_t leading = 0;  // prompt codes before the first position to draw
   if (prompt) {
     const auto known = prompt->known.to(torch::kBool).cpu();
