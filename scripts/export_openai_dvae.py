@@ -1,30 +1,52 @@
 #!/usr/bin/env python3
 """Converts OpenAI's released dVAE (encoder.pkl, decoder.pkl from the DALL-E repository)
 into a dalle checkpoint directory that dalle-encode-images and the C++ API load by name.
+`scripts/import-model dvae` runs it; it can also run alone:
+    ~/.cache/dalle/venv/bin/python scripts/export_openai_dvae.py --encoder encoder.pkl \
+        --decoder decoder.pkl --out checkpoints/openai-dvae
 
-Run once, with the `dall-e` package importable (the pickles are whole Python modules):
-    python3 -m venv refs && refs/bin/pip install --no-deps dall-e==0.1 attrs requests \\
-        urllib3 idna certifi charset-normalizer torch safetensors
-    refs/bin/python scripts/export_openai_dvae.py --encoder encoder.pkl --decoder decoder.pkl \\
-        --out checkpoints/openai-dvae
-
-The released pickles fail in forward() on torch >= 1.11 (an Upsample attribute), but
-only their weights are read here. The output directory holds config.yaml (the model's
-sizes, read from the modules), model.safetensors (encoder.* and decoder.* tensors named
-as in the release: encoder.blocks.group_1.block_1.res_path.conv_1.w ...) and an empty
-state.safetensors.
+The pickles are whole Python modules of the `dall-e` package, but only their weights and
+sizes are read: the package's classes are replaced by plain torch modules while unpickling,
+so neither `dall-e` nor its dependencies need to be installed (and the released modules'
+forward(), which fails on torch >= 1.11, is never called). The output directory holds
+config.yaml (the model's sizes, read from the modules), model.safetensors (encoder.* and
+decoder.* tensors named as in the release: encoder.blocks.group_1.block_1.res_path.conv_1.w
+...) and an empty state.safetensors.
 """
 import argparse
 import pathlib
+import pickle
+import types
 
 import torch
 from safetensors.torch import save_file
 
 
+class ReleaseUnpickler(pickle.Unpickler):
+    """Unpickles dall_e's modules as plain torch modules of the same names: their parameters,
+    submodules and attributes (the sizes) come back; their code is not needed."""
+    stand_ins = {}
+
+    def find_class(self, module, name):
+        if module == "dall_e" or module.startswith("dall_e."):
+            key = (module, name)
+            if key not in self.stand_ins:
+                self.stand_ins[key] = type(name, (torch.nn.Module,), {"__module__": module})
+            return self.stand_ins[key]
+        return super().find_class(module, name)
+
+
+RELEASE_PICKLE = types.SimpleNamespace(__name__="release_pickle", Unpickler=ReleaseUnpickler,
+                                       load=lambda file, **kw: ReleaseUnpickler(file, **kw).load())
+
+
 def load_module(path):
-    module = torch.load(path, map_location="cpu", weights_only=False)
+    module = torch.load(path, map_location="cpu", weights_only=False, pickle_module=RELEASE_PICKLE)
     if isinstance(module, dict):
         raise SystemExit(f"{path}: holds a state dict, expected the pickled dall_e module")
+    missing = [size for size in ("vocab_size", "n_hid") if not hasattr(module, size)]
+    if not isinstance(module, torch.nn.Module) or missing:
+        raise SystemExit(f"{path}: not a dall_e Encoder or Decoder (no {', '.join(missing) or 'module'})")
     return module
 
 
