@@ -62,7 +62,7 @@ std::string step_signature(const BartDecoder& decoder, const BartSamplingOptions
   return out.str();
 }
 
-// The counter-based draws of each image, on the device: no copy from the host per step.
+// The counter-based draws of each image, computed on the host; a call copies them to the device once.
 torch::Tensor stream_uniforms(const BartSamplingOptions& options, const std::vector<uint64_t>& streams,
                               const std::vector<int64_t>& row_seeds, int64_t images, int64_t positions) {
   std::vector<uint64_t> row_streams = streams;

@@ -20,6 +20,10 @@ TEST(DecodeGraphs, KeepsATensorWhileItsShapeHoldsAndZerosANewOne) {
   const auto retyped = graphs.buffer("keys.0", {4, 3}, torch::kInt64);
   EXPECT_EQ(retyped.scalar_type(), torch::kInt64);
   EXPECT_NE(graphs.buffer("values.0", {4, 3}, torch::kInt64).data_ptr(), retyped.data_ptr());
+  retyped.fill_(7);
+  graphs.clear();
+  EXPECT_TRUE(torch::equal(graphs.buffer("keys.0", {4, 3}, torch::kInt64), torch::zeros({4, 3}, torch::kInt64)))
+      << "cleared: made anew";
 }
 
 TEST(DecodeGraphs, OnTheCpuStepsRunEagerlyOverExactLengths) {
