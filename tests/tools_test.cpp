@@ -588,6 +588,18 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
   EXPECT_TRUE(std::filesystem::exists(dir / "prior/samples/step-000000001.png"));
   check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "out") + " -n 1 'a red bag'"));
   EXPECT_TRUE(std::filesystem::exists(dir / "out/0000-00.png"));
+  // Previews: the same image, and the preview file gone once the images are written.
+  check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "previewed") +
+                                  " -n 2 --preview-every 16 --preview-candidates 1 'a red bag'"));
+  const auto tokens_of = [&](const std::string& folder) {
+    return nlohmann::json::parse(testing::read_text(dir / (folder + "/0000-00.json")))["image_tokens"];
+  };
+  EXPECT_EQ(tokens_of("previewed"), tokens_of("out")) << "previews change no draw";
+  EXPECT_FALSE(std::filesystem::exists(dir / "previewed.preview.png"));
+  const auto refused = run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "never") +
+                                                 " --preview-candidates -1 'a red bag'");
+  EXPECT_EQ(refused.status, 2) << refused.output;
+  EXPECT_THAT(refused.output, ::testing::HasSubstr("--preview-candidates"));
 
   // The whole pipeline: CLIP ranks all 4 candidates, then keeps the best 2, which the
   // x2 super-resolution upscales.
