@@ -64,17 +64,6 @@ torch::Tensor causal_visibility(int64_t start, int64_t queries, int64_t keys, co
   return (key_positions <= query_positions).view({1, 1, queries, keys});
 }
 
-// How many of the cache's slots a step at positions up to `end` attends to, the slots past
-// `end` masked. On a GPU in 16 bits, up to the next multiple of 32: the step then meets 8
-// lengths in an image, not 256, and each new length costs its attention kernel's plan once
-// (cuDNN's, for 16-bit types), about 10 s of a first bfloat16 grid at Mega's layout. In
-// float32 and on the CPU the extra slots only cost (docs/benchmarks.md).
-int64_t keys_attended(const torch::Tensor& keys, int64_t end) {
-  constexpr int64_t kStep = 32;
-  if (!keys.is_cuda() || keys.element_size() != 2) return end;
-  return std::min(keys.size(2), (end + kStep - 1) / kStep * kStep);
-}
-
 }  // namespace
 
 BartAttentionImpl::BartAttentionImpl(int64_t width, int64_t heads) : heads_(heads) {
@@ -163,9 +152,8 @@ torch::Tensor BartDecoderLayerImpl::forward(const torch::Tensor& x, int64_t star
   const auto h = pre_self_attn_layer_norm(x);
   keys.index_put_({Slice(), Slice(), Slice(start, end)}, self_attn->split(self_attn->k_proj(h)));
   values.index_put_({Slice(), Slice(), Slice(start, end)}, self_attn->split(self_attn->v_proj(h)));
-  const int64_t keys_read = keys_attended(keys, end);
-  return after_keys_written(x, h, keys.narrow(2, 0, keys_read), values.narrow(2, 0, keys_read),
-                            causal_visibility(start, x.size(1), keys_read, x.device()), caption_keys, caption_values,
+  return after_keys_written(x, h, keys.narrow(2, 0, end), values.narrow(2, 0, end),
+                            causal_visibility(start, x.size(1), end, x.device()), caption_keys, caption_values,
                             caption_visible);
 }
 
