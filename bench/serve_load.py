@@ -4,6 +4,7 @@
 Usage (with the project's venv python, ~/.cache/dalle/venv/bin/python; standard library only):
   serve_load.py load  [--quick] [--clients 32] [--requests 20] [--max-queue 16] [--model DIR]
   serve_load.py bench [--levels 1,4,16] [--images 32] [--candidates 2] [--config FILE]
+  serve_load.py slow  [--stalled 1000] [--idle 1000] [--model DIR]
 Both take --source (the checkout; default this script's parent's parent) and --tools (the
 built dalle-serve and dalle-generate; default SOURCE/build/tools).
 
@@ -27,6 +28,17 @@ bench: images/s and p50/p99 latency of fixed requests (n=1, --candidates candida
   models; its wall time is given too. Prints a JSON line per level, one for dalle-generate, and
   a summary with the ratio at the highest level. Meant for a quiet machine (it reports the
   load average before and after); it asserts nothing (docs/benchmarks.md).
+
+slow: slow and idle clients must not stop the service. Measures a generation request's
+  latency (the median of 3) and /health's on a quiet server, then opens STALLED connections
+  that send half a request line and stall, and IDLE keep-alive connections that were
+  answered once and stay open; with all of them open, /health must answer within 1 s and a
+  generation request within its quiet latency + 1 s, and the server's /metrics must count
+  the connections open that the clients hold. Connections beyond max_connections (set to
+  the clients' count + 8) must be closed at once and counted refused, and after
+  header_timeout_seconds the server must have closed every stalled and idle connection and
+  counted them timed out. The server's RSS before and after opening them gives its memory
+  per idle connection. Prints one JSON line; exit status 1 on a failure.
 """
 import argparse
 import base64
@@ -36,7 +48,10 @@ import math
 import os
 import pathlib
 import re
+import resource
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -361,6 +376,149 @@ def bench(args):
                       "target": 0.8, "met": ratio >= 0.8, "threads": args.threads, "batch_size": args.batch_size,
                       "loadavg_1min": {"before": load_before, "after": load_after}}), flush=True)
 
+# ---- slow ----------------------------------------------------------------------------------------
+
+def metric(server, name):
+    status, _, text = server.request("GET", "/metrics", timeout=30)
+    match = re.search(rf"^{name} (\d+)", text.decode(), re.MULTILINE) if status == 200 else None
+    if not match:
+        fail(f"/metrics has no {name}")
+    return int(match.group(1))
+
+
+def timed(call):
+    start = time.monotonic()
+    result = call()
+    return result, time.monotonic() - start
+
+
+def open_connections(port, count, first_bytes, read_answer):
+    """`count` sockets to the server, each sent `first_bytes`; with read_answer, each reads one
+    whole answer (a keep-alive one, which leaves the connection open)."""
+    sockets = []
+    for _ in range(count):
+        connection = socket.create_connection(("127.0.0.1", port), timeout=30)
+        connection.sendall(first_bytes)
+        sockets.append(connection)
+    if read_answer:
+        for connection in sockets:
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                piece = connection.recv(65536)
+                if not piece:
+                    fail("an idle client's first answer was cut")
+                answer += piece
+    return sockets
+
+
+def closed_by_server(connection, seconds):
+    """Whether the server closed `connection` (its end: EOF or a reset) within `seconds`."""
+    watch = select.poll()
+    watch.register(connection, select.POLLIN)
+    if not watch.poll(seconds * 1000):
+        return False
+    try:
+        return connection.recv(65536) == b""
+    except (ConnectionResetError, socket.timeout):
+        return True
+
+
+def closed_within(connections, seconds):
+    """How many of `connections` the server closes within `seconds`, waiting on all at once."""
+    watch, closed = select.poll(), 0
+    by_descriptor = {connection.fileno(): connection for connection in connections}
+    for descriptor in by_descriptor:
+        watch.register(descriptor, select.POLLIN)
+    deadline = time.monotonic() + seconds
+    while by_descriptor and time.monotonic() < deadline:
+        for descriptor, _ in watch.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            watch.unregister(descriptor)
+            closed += closed_by_server(by_descriptor.pop(descriptor), 0)
+    return closed
+
+
+def slow(args):
+    signal.signal(signal.SIGALRM, lambda *_: fail(f"the run took over {args.deadline} s: a server or client hung"))
+    signal.alarm(args.deadline)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = args.stalled + args.idle + 256
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, hard), hard))
+    clients = args.stalled + args.idle
+    # Long enough for the measurements with every connection open; then they must all go.
+    header_timeout = args.header_timeout
+    server_arguments = ["--model", args.model, "--threads", args.threads, "--set", "batch_window_ms=0",
+                        "--set", f"max_connections={clients + 8}", "--set", f"max_connections_per_client={clients + 8}",
+                        "--set", f"header_timeout_seconds={header_timeout}", "--set", f"idle_timeout_seconds={4 * header_timeout}"]
+    body = {"prompt": PROMPTS[0], "n": 1, "candidates": 2, "superres": False, "response_format": "b64_json", "seed": 1}
+    problems = []
+    with Server(args.tools, args.source, server_arguments) as server:
+        pid = server.process.pid
+        server.request("POST", "/v1/images/generations", body)  # warm-up
+        quiet = sorted(timed(lambda: server.request("POST", "/v1/images/generations", body))[1] for _ in range(3))[1]
+        _, quiet_health = timed(lambda: server.request("GET", "/health", timeout=30))
+        rss_before = rss_mib(pid)
+        opened_at = time.monotonic()
+        stalled = open_connections(server.port, args.stalled, b"POST /v1/images/gener", False)
+        idle = open_connections(server.port, args.idle, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", True)
+        open_seconds = time.monotonic() - opened_at
+        rss_open = rss_mib(pid)
+        (health_status, _, _), health_seconds = timed(lambda: server.request("GET", "/health", timeout=30))
+        (status, _, _), loaded = timed(lambda: server.request("POST", "/v1/images/generations", body))
+        counted_open = metric(server, "dalle_http_connections_open")
+        # Over the cap: what the cap leaves (8 - the /metrics call's) plus 8 more must be refused.
+        extra = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(16)]
+        refused_at_once = closed_within(extra, 1.0)
+        for connection in extra:
+            connection.close()
+        time.sleep(0.2)  # the server sees the admitted ones close, leaving room for /metrics
+        refused = metric(server, "dalle_http_connections_refused_total")
+        measured_within = time.monotonic() - opened_at
+        # Past the header deadline, every stalled and idle connection is closed by the server.
+        still_open = [connection for connection in stalled + idle
+                      if not closed_by_server(connection, max(0.0, opened_at + header_timeout + 2 - time.monotonic()))]
+        timed_out = metric(server, "dalle_http_connections_timed_out_total")
+        open_after = metric(server, "dalle_http_connections_open")
+        for connection in stalled + idle:
+            connection.close()
+        server.process.send_signal(signal.SIGTERM)
+        exit_code = server.process.wait(120)
+    result = {
+        "test": "serve_slow_clients", "model": pathlib.Path(args.model).name, "stalled": args.stalled,
+        "idle": args.idle, "seconds_to_open_them": round(open_seconds, 2),
+        "quiet": {"generation_s": round(quiet, 3), "health_s": round(quiet_health, 4)},
+        "with_them_open": {"health_status": health_status, "health_s": round(health_seconds, 4),
+                           "generation_status": status, "generation_s": round(loaded, 3)},
+        "server_counted_open": counted_open, "clients_open": clients + 1,
+        "over_the_cap": {"tried": len(extra), "closed_at_once": refused_at_once, "server_counted_refused": refused},
+        "rss_mib": {"before": round(rss_before, 1), "with_them_open": round(rss_open, 1)},
+        "kib_per_idle_connection": round((rss_open - rss_before) * 1024 / clients, 1),
+        "measured_within_s": round(measured_within, 2), "header_timeout_seconds": header_timeout,
+        "still_open_after_deadline": len(still_open), "server_counted_timed_out": timed_out,
+        "open_after_deadline": open_after, "exit_status_after_sigterm": exit_code,
+    }
+    if measured_within > header_timeout:
+        problems.append(f"the measurements took {measured_within:.1f} s, past the {header_timeout} s header deadline: "
+                        "raise --header-timeout")
+    if health_status != 200 or health_seconds > 1.0:
+        problems.append(f"/health answered {health_status} in {health_seconds:.2f} s with them open (bound 1 s)")
+    if status != 200 or loaded > quiet + 1.0:
+        problems.append(f"a generation answered {status} in {loaded:.2f} s with them open (quiet: {quiet:.2f} s + 1 s)")
+    if counted_open != clients + 1:  # the /metrics call's own connection
+        problems.append(f"the server counted {counted_open} connections open, the clients hold {clients + 1}")
+    if refused_at_once < 8 or refused < 8:
+        problems.append(f"over the cap: {refused_at_once} of 16 closed at once, {refused} counted refused (8 at least)")
+    if still_open:
+        problems.append(f"{len(still_open)} stalled or idle connections still open past the header deadline")
+    if timed_out < clients:
+        problems.append(f"the server counted {timed_out} timed out, {clients} were overdue")
+    if exit_code != 0:
+        problems.append(f"exit status {exit_code} after SIGTERM")
+    result["passed"] = not problems
+    print(json.dumps(result), flush=True)
+    if problems:
+        fail("; ".join(problems) + "\n--- server log (tail) ---\n" + "".join(server.lines[-30:]))
+
 
 def main():
     here = pathlib.Path(__file__).resolve().parent.parent
@@ -390,10 +548,16 @@ def main():
                               help="dalle-generate's config, the same pipeline")
     bench_parser.add_argument("--model", help="a model folder for both, in place of the two configs")
     bench_parser.add_argument("--deadline", type=int, default=1800, help="seconds for the whole run")
+    slow_parser = commands.add_parser("slow", help="slow and idle connections must not stop the service")
+    slow_parser.add_argument("--stalled", type=int, default=1000, help="connections that send half a request line")
+    slow_parser.add_argument("--idle", type=int, default=1000, help="idle keep-alive connections")
+    slow_parser.add_argument("--header-timeout", type=float, default=8, help="the server's header_timeout_seconds")
+    slow_parser.add_argument("--model", default="models/fashion-compose-f8", help="a model folder")
+    slow_parser.add_argument("--deadline", type=int, default=300, help="seconds for the whole run")
     args = parser.parse_args()
     args.source = args.source.resolve()
     args.tools = (args.tools or args.source / "build" / "tools").resolve()
-    (load if args.mode == "load" else bench)(args)
+    {"load": load, "bench": bench, "slow": slow}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,8 @@ pkg_check_modules(SentencePiece REQUIRED IMPORTED_TARGET sentencepiece)
 find_package(Threads REQUIRED)
 if(DALLE_BUILD_TOOLS)
   find_package(CLI11 REQUIRED)
-  # dalle-serve's HTTP server. Debian builds cpp-httplib as a library (libcpp-httplib.so, with
-  # OpenSSL, zlib and brotli) and describes it by pkg-config; its flags must match the
-  # library's, which the imported target carries.
-  pkg_check_modules(CppHttplib REQUIRED IMPORTED_TARGET cpp-httplib>=0.11)
+  # dalle-serve's HTTP server: GNU libmicrohttpd's event loop (Debian's libmicrohttpd-dev).
+  pkg_check_modules(Microhttpd REQUIRED IMPORTED_TARGET libmicrohttpd>=0.9.75)
 endif()
 
 # CUDA sources compile wherever nvcc exists; they run only where a GPU exists.

@@ -70,7 +70,13 @@ Scheduler::Generate through(FakeModel& model) {
   };
 }
 
-const auto kNever = Clock::now() + std::chrono::hours(1);
+// Whether `job` is done within 30 s (a hung worker fails the test, not CI's clock).
+bool finished(const Scheduler& scheduler, const std::shared_ptr<Job>& job) {
+  for (const auto give_up = Clock::now() + 30s; Clock::now() < give_up; std::this_thread::sleep_for(1ms)) {
+    if (scheduler.progress(job).state == Job::State::done) return true;
+  }
+  return false;
+}
 
 TEST(Scheduler, RequestsArrivingTogetherShareOneGenerateCall) {
   FakeModel model;
@@ -79,7 +85,7 @@ TEST(Scheduler, RequestsArrivingTogetherShareOneGenerateCall) {
   std::vector<std::shared_ptr<Job>> jobs;
   for (int64_t seed = 1; seed <= 3; ++seed) jobs.push_back(scheduler.submit(request("p", seed, 2), refusal));
   for (size_t i = 0; i < jobs.size(); ++i) {
-    ASSERT_TRUE(scheduler.wait(jobs[i], kNever, {}));
+    ASSERT_TRUE(finished(scheduler, jobs[i]));
     ASSERT_EQ(jobs[i]->images.size(), 2u) << "keep 0: all candidates";
     EXPECT_EQ(jobs[i]->images[0].image[0][0][0].item<double>(), static_cast<double>(i + 1)) << "its own images";
     EXPECT_EQ(jobs[i]->batched_with, 3);
@@ -88,32 +94,35 @@ TEST(Scheduler, RequestsArrivingTogetherShareOneGenerateCall) {
   // A batch takes at most batch_rows candidates (but always one request).
   for (int64_t seed = 1; seed <= 3; ++seed) jobs[static_cast<size_t>(seed - 1)] = scheduler.submit(request("q", seed, 4), refusal);
   jobs.push_back(scheduler.submit(request("big", 9, 20), refusal));
-  for (const auto& job : jobs) ASSERT_TRUE(scheduler.wait(job, kNever, {}));
+  for (const auto& job : jobs) ASSERT_TRUE(finished(scheduler, job));
   ASSERT_EQ(model.calls.size(), 4u);
   EXPECT_EQ(model.calls[1].size(), 2u);
   EXPECT_EQ(model.calls[2].size(), 1u);
   EXPECT_EQ(model.calls[3], std::vector<std::string>{"big"});
 }
 
-TEST(Scheduler, AJobsPreviewsReachItsWaiterInOrderBeforeItIsDoneAndNoOtherJobsDo) {
+TEST(Scheduler, AJobsPreviewsReachItsListenerInOrderBeforeItIsDoneAndNoOtherJobsDo) {
   FakeModel model;
   Scheduler scheduler(through(model), {.max_queue = 8, .batch_window = 200ms, .batch_rows = 8});
   Scheduler::Refusal refusal;
   auto previewed = request("previewed", 1);
   previewed.preview_every = 3;
-  const auto first = scheduler.submit(previewed, refusal), second = scheduler.submit(request("plain", 2), refusal);
   std::vector<int64_t> shown;
-  ASSERT_TRUE(scheduler.wait(first, kNever, {}, 100ms, [&](const std::vector<generate::Preview>& previews) {
-    for (const auto& preview : previews) shown.push_back(preview.drawn);
-    return true;
-  }));
+  std::vector<Job::State> states_told;
+  const auto first = scheduler.submit(previewed, refusal, [&](const std::shared_ptr<Job>& job) {
+    const auto progress = scheduler.progress(job, shown.size());
+    for (const auto& preview : progress.previews) shown.push_back(preview.drawn);
+    states_told.push_back(progress.state);
+  });
+  int other_calls = 0;
+  const auto second = scheduler.submit(request("plain", 2), refusal, [&](const std::shared_ptr<Job>&) { ++other_calls; });
+  ASSERT_TRUE(finished(scheduler, first));
+  ASSERT_TRUE(finished(scheduler, second));
   EXPECT_EQ(shown, (std::vector<int64_t>{3, 6})) << "every 3 of 8 positions; the last is the image itself";
+  EXPECT_EQ(states_told, (std::vector<Job::State>{Job::State::running, Job::State::running, Job::State::done}))
+      << "told of each preview, then of the end";
   EXPECT_EQ(first->images.size(), 1u);
-  bool other_shown = false;
-  ASSERT_TRUE(scheduler.wait(second, kNever, {}, 100ms, [&](const std::vector<generate::Preview>&) {
-    return other_shown = true;
-  }));
-  EXPECT_FALSE(other_shown);
+  EXPECT_EQ(other_calls, 1) << "a job without previews is told once, when it is done";
   EXPECT_EQ(model.calls.size(), 1u) << "both in one call";
 }
 
@@ -133,12 +142,16 @@ TEST(Scheduler, AFullQueueRefusesAtOnceAndAGivenUpRequestFreesItsPlace) {
   EXPECT_EQ(refusal, Scheduler::Refusal::queue_full);
   EXPECT_LT(Clock::now() - start, 50ms) << "refused at once, not after the running batch";
 
-  // A client that leaves (or times out) frees its place in the queue.
-  EXPECT_FALSE(scheduler.wait(leaving, kNever, [] { return true; }));
+  // A client that leaves (or times out, or cancels) frees its place in the queue.
+  EXPECT_EQ(scheduler.progress(leaving).queue_position, 1);
+  scheduler.cancel(leaving);
+  EXPECT_EQ(scheduler.progress(leaving).state, Job::State::abandoned);
+  EXPECT_EQ(scheduler.progress(leaving).queue_position, -1);
   EXPECT_EQ(scheduler.queued(), 1);
   EXPECT_NE(scheduler.submit(request("admitted"), refusal), nullptr);
-  EXPECT_FALSE(scheduler.wait(waiting, Clock::now() + 10ms, {})) << "the deadline passes first";
-  EXPECT_TRUE(scheduler.wait(running, kNever, {}));
+  EXPECT_EQ(scheduler.progress(waiting).queue_position, 0);
+  scheduler.cancel(waiting);
+  EXPECT_TRUE(finished(scheduler, running));
   scheduler.drain();
   for (const auto& call : model.calls) {
     EXPECT_NE(call.front(), "leaving");
@@ -168,12 +181,12 @@ TEST(Scheduler, AFailedCallFailsItsRequestsAndTheWorkerGoesOn) {
   Scheduler::Refusal refusal;
   const auto failing = scheduler.submit(request("fail"), refusal);
   const auto with_it = scheduler.submit(request("ok"), refusal);
-  ASSERT_TRUE(scheduler.wait(failing, kNever, {}));
-  ASSERT_TRUE(scheduler.wait(with_it, kNever, {}));
+  ASSERT_TRUE(finished(scheduler, failing));
+  ASSERT_TRUE(finished(scheduler, with_it));
   EXPECT_EQ(failing->error, "the model failed");
   EXPECT_EQ(with_it->error, "the model failed");
   const auto after = scheduler.submit(request("ok"), refusal);
-  ASSERT_TRUE(scheduler.wait(after, kNever, {}));
+  ASSERT_TRUE(finished(scheduler, after));
   EXPECT_TRUE(after->error.empty());
   EXPECT_EQ(after->images.size(), 1u);
 }

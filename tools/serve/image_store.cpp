@@ -1,23 +1,25 @@
 #include "serve/image_store.h"
 
 #include <cstdio>
+#include <random>
 #include <utility>
 
 namespace dalle::serve {
 
 using Clock = std::chrono::steady_clock;
 
-ImageStore::ImageStore(std::chrono::seconds lifetime, int64_t capacity) : lifetime_(lifetime), capacity_(capacity) {}
-
-std::string ImageStore::new_id() {
+std::string random_id() {
+  thread_local std::random_device entropy;
   std::string id;
   for (int word = 0; word < 4; ++word) {
     char hex[9];
-    std::snprintf(hex, sizeof hex, "%08x", static_cast<unsigned>(entropy_()));
+    std::snprintf(hex, sizeof hex, "%08x", static_cast<unsigned>(entropy()));
     id += hex;
   }
   return id;
 }
+
+ImageStore::ImageStore(std::chrono::seconds lifetime, int64_t capacity) : lifetime_(lifetime), capacity_(capacity) {}
 
 void ImageStore::forget_expired(Clock::time_point now) {
   while (!expiry_.empty() &&
@@ -29,7 +31,7 @@ void ImageStore::forget_expired(Clock::time_point now) {
 
 std::string ImageStore::put(std::string png) {
   std::lock_guard lock(mutex_);
-  auto id = new_id();
+  auto id = random_id();
   images_.emplace(id, std::move(png));
   expiry_.emplace_back(Clock::now() + lifetime_, id);
   forget_expired(Clock::now());

@@ -9,10 +9,12 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <string>
 
 namespace dalle::serve {
+
+// 128 random bits as 32 hexadecimal digits: the ids of stored images and jobs.
+std::string random_id();
 
 class ImageStore {
  public:
@@ -24,14 +26,12 @@ class ImageStore {
 
  private:
   void forget_expired(std::chrono::steady_clock::time_point now);  // holds the lock
-  std::string new_id();
 
   std::chrono::seconds lifetime_;
   int64_t capacity_;
   std::mutex mutex_;
   std::map<std::string, std::string> images_;
   std::deque<std::pair<std::chrono::steady_clock::time_point, std::string>> expiry_;  // oldest first
-  std::random_device entropy_;
 };
 
 }  // namespace dalle::serve

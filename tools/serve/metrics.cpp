@@ -84,4 +84,22 @@ std::string Metrics::prometheus_text(int64_t queued, int64_t running, bool drain
   return out.str();
 }
 
+std::string Metrics::connection_text(int64_t open, int64_t opened_total, int64_t refused_total,
+                                     int64_t timed_out_total) {
+  std::ostringstream out;
+  out << "# HELP dalle_http_connections_open Connections open now, idle ones included.\n"
+      << "# TYPE dalle_http_connections_open gauge\ndalle_http_connections_open " << open << "\n"
+      << "# HELP dalle_http_connections_total Connections accepted.\n"
+      << "# TYPE dalle_http_connections_total counter\ndalle_http_connections_total " << opened_total << "\n"
+      << "# HELP dalle_http_connections_refused_total Connections closed at once: over max_connections or "
+         "max_connections_per_client.\n"
+      << "# TYPE dalle_http_connections_refused_total counter\ndalle_http_connections_refused_total "
+      << refused_total << "\n"
+      << "# HELP dalle_http_connections_timed_out_total Connections closed for taking too long over a request's "
+         "headers or body.\n"
+      << "# TYPE dalle_http_connections_timed_out_total counter\ndalle_http_connections_timed_out_total "
+      << timed_out_total << "\n";
+  return out.str();
+}
+
 }  // namespace dalle::serve

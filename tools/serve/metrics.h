@@ -22,6 +22,10 @@ class Metrics {
   // The text, with the gauges the caller reads at that moment.
   std::string prometheus_text(int64_t queued, int64_t running, bool draining) const;
 
+  // The connection gauges and counters, in the same format (appended to prometheus_text).
+  static std::string connection_text(int64_t open, int64_t opened_total, int64_t refused_total,
+                                     int64_t timed_out_total);
+
   // The upper bounds of the latency histogram's buckets, in seconds (+Inf beyond).
   static const std::vector<double>& latency_buckets();
 

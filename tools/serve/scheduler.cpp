@@ -23,7 +23,8 @@ Scheduler::~Scheduler() {
   worker_.join();
 }
 
-std::shared_ptr<Job> Scheduler::submit(generate::PromptRequest request, Refusal& refusal) {
+std::shared_ptr<Job> Scheduler::submit(generate::PromptRequest request, Refusal& refusal,
+                                       std::function<void(const std::shared_ptr<Job>&)> on_change) {
   std::lock_guard lock(mutex_);
   refusal = draining_ ? Refusal::draining
             : static_cast<int64_t>(queue_.size()) >= options_.max_queue ? Refusal::queue_full
@@ -31,52 +32,31 @@ std::shared_ptr<Job> Scheduler::submit(generate::PromptRequest request, Refusal&
   if (refusal != Refusal::none) return nullptr;
   auto job = std::make_shared<Job>();
   job->request = std::move(request);
+  job->on_change = std::move(on_change);
   job->admitted = Clock::now();
   queue_.push_back(job);
   changed_.notify_all();
   return job;
 }
 
-bool Scheduler::wait(const std::shared_ptr<Job>& job, Clock::time_point deadline, const std::function<bool()>& give_up,
-                     std::chrono::milliseconds poll, const PreviewSink& on_previews) {
-  std::unique_lock lock(mutex_);
-  size_t shown = 0;
-  while (true) {
-    if (on_previews && job->previews.size() > shown) {
-      const std::vector<generate::Preview> fresh(job->previews.begin() + static_cast<std::ptrdiff_t>(shown),
-                                                 job->previews.end());
-      shown = job->previews.size();
-      lock.unlock();  // the sink writes to a socket
-      const bool taken = on_previews(fresh);
-      lock.lock();
-      if (!taken && job->state != Job::State::done) {
-        abandon(job);
-        return false;
-      }
-      continue;
-    }
-    if (job->state == Job::State::done) return true;
-    const auto now = Clock::now();
-    bool stop = now >= deadline;
-    if (!stop && give_up) {
-      lock.unlock();  // the question may take a system call; the worker need not wait for it
-      stop = give_up();
-      lock.lock();
-      if (job->state == Job::State::done) continue;
-    }
-    if (stop) {
-      abandon(job);
-      return false;
-    }
-    changed_.wait_until(lock, std::min(deadline, now + poll));
-  }
-}
-
-void Scheduler::abandon(const std::shared_ptr<Job>& job) {
+void Scheduler::cancel(const std::shared_ptr<Job>& job) {
+  std::lock_guard lock(mutex_);
+  if (job->state == Job::State::done) return;
   const auto at = std::find(queue_.begin(), queue_.end(), job);
   if (at != queue_.end()) queue_.erase(at);
   job->state = Job::State::abandoned;
   changed_.notify_all();  // drain() may be waiting for the queue to empty
+}
+
+Scheduler::Progress Scheduler::progress(const std::shared_ptr<Job>& job, size_t seen) const {
+  std::lock_guard lock(mutex_);
+  Progress progress{.state = job->state};
+  const auto at = std::find(queue_.begin(), queue_.end(), job);
+  if (at != queue_.end()) progress.queue_position = at - queue_.begin();
+  if (job->previews.size() > seen) {
+    progress.previews.assign(job->previews.begin() + static_cast<std::ptrdiff_t>(seen), job->previews.end());
+  }
+  return progress;
 }
 
 void Scheduler::drain() {
@@ -147,12 +127,18 @@ void Scheduler::run(const std::vector<std::shared_ptr<Job>>& batch) {
   std::string error;
   // A preview goes to its job; the last of each candidate is its image, which the job gets whole.
   const auto to_jobs = [&](const std::vector<generate::Preview>& previews) {
-    std::lock_guard lock(mutex_);
-    for (const auto& preview : previews) {
-      auto& job = *batch.at(static_cast<size_t>(preview.request));
-      if (preview.drawn < preview.total && job.state != Job::State::abandoned) job.previews.push_back(preview);
+    std::vector<std::shared_ptr<Job>> changed;
+    {
+      std::lock_guard lock(mutex_);
+      for (const auto& preview : previews) {
+        const auto& job = batch.at(static_cast<size_t>(preview.request));
+        if (preview.drawn < preview.total && job->state != Job::State::abandoned) {
+          job->previews.push_back(preview);
+          if (changed.empty() || changed.back() != job) changed.push_back(job);
+        }
+      }
     }
-    changed_.notify_all();
+    notify(changed);
   };
   try {
     images = generate_(requests, to_jobs);
@@ -161,7 +147,15 @@ void Scheduler::run(const std::vector<std::shared_ptr<Job>>& batch) {
     log::error("serve: generating ", batch.size(), " requests failed: ", error);
   }
   const auto seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  std::lock_guard lock(mutex_);
+  {
+    std::lock_guard lock(mutex_);
+    finish(batch, std::move(images), error, seconds);
+  }
+  notify(batch);
+}
+
+void Scheduler::finish(const std::vector<std::shared_ptr<Job>>& batch, std::vector<generate::GeneratedImage> images,
+                       const std::string& error, double seconds) {
   for (auto& image : images) {
     auto& job = *batch.at(static_cast<size_t>(image.request));
     job.images.push_back(std::move(image));
@@ -172,6 +166,12 @@ void Scheduler::run(const std::vector<std::shared_ptr<Job>>& batch) {
     job->batched_with = static_cast<int64_t>(batch.size());
     if (job->state == Job::State::abandoned) job->images.clear();  // nobody waits for them
     job->state = Job::State::done;
+  }
+}
+
+void Scheduler::notify(const std::vector<std::shared_ptr<Job>>& jobs) {
+  for (const auto& job : jobs) {
+    if (job->on_change) job->on_change(job);
   }
 }
 

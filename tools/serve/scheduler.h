@@ -21,9 +21,12 @@
 namespace dalle::serve {
 
 // One request's passage through the queue. Its fields after `request` are the scheduler's,
-// read by the submitter once wait() says the job is done.
+// read by the submitter once progress() says the job is done.
 struct Job {
   generate::PromptRequest request;
+  // Called on the worker's thread, with no lock held, when the job gets previews and when it
+  // is done: the connection that waits for it is woken, nothing blocks a thread on it.
+  std::function<void(const std::shared_ptr<Job>&)> on_change;
   std::chrono::steady_clock::time_point admitted;
   std::vector<generate::GeneratedImage> images;  // its images, rank order
   std::vector<generate::Preview> previews;       // while it is drawn (request.preview_every), the last excepted
@@ -37,8 +40,6 @@ class Scheduler {
  public:
   using Generate = std::function<std::vector<generate::GeneratedImage>(const std::vector<generate::PromptRequest>&,
                                                                        const generate::PreviewCallback&)>;
-  // Takes a job's previews as they come; false when it can take no more (its client left).
-  using PreviewSink = std::function<bool(const std::vector<generate::Preview>&)>;
   struct Options {
     int64_t max_queue = 16;                   // queued (not running) jobs at most
     std::chrono::milliseconds batch_window{20};
@@ -52,15 +53,21 @@ class Scheduler {
   Scheduler& operator=(const Scheduler&) = delete;
 
   // Queues `request`; nothing (and why) when the queue is full or the scheduler drains.
-  std::shared_ptr<Job> submit(generate::PromptRequest request, Refusal& refusal);
-  // Waits until `job` is done, `deadline` passes or `give_up` (asked every `poll`) says so;
-  // whether it is done. Meanwhile `on_previews` is given the job's previews as they come, all
-  // of them before a done job returns. A job given up on (or whose sink refuses) is
-  // abandoned: dropped from the queue if it still waits there (freeing its place), its
-  // images thrown away if it is being generated.
-  bool wait(const std::shared_ptr<Job>& job, std::chrono::steady_clock::time_point deadline,
-            const std::function<bool()>& give_up, std::chrono::milliseconds poll = std::chrono::milliseconds(100),
-            const PreviewSink& on_previews = {});
+  // `on_change` becomes the job's (Job::on_change).
+  std::shared_ptr<Job> submit(generate::PromptRequest request, Refusal& refusal,
+                              std::function<void(const std::shared_ptr<Job>&)> on_change = {});
+  // Gives `job` up (its client left, its time ran out, it was cancelled): dropped from the
+  // queue if it still waits there (freeing its place), its images thrown away if it is being
+  // generated. A done job stays done.
+  void cancel(const std::shared_ptr<Job>& job);
+
+  struct Progress {
+    Job::State state = Job::State::queued;
+    int64_t queue_position = -1;              // 0: next; -1: not queued
+    std::vector<generate::Preview> previews;  // those after the first `seen`
+  };
+  // Where `job` is, with its previews after the first `seen` (all of them before it is done).
+  Progress progress(const std::shared_ptr<Job>& job, size_t seen = 0) const;
   // Refuses new jobs from now on and returns once every job admitted before is done.
   void drain();
   bool draining() const;
@@ -73,8 +80,11 @@ class Scheduler {
   // The jobs of the next generate call, taken from the front of the queue. Holds the lock.
   std::vector<std::shared_ptr<Job>> take_batch();
   void run(const std::vector<std::shared_ptr<Job>>& batch);
-  // Drops `job` from the queue if it waits there and marks it abandoned. Holds the lock.
-  void abandon(const std::shared_ptr<Job>& job);
+  // Gives the batch's jobs their images, or the error, and marks them done. Holds the lock.
+  void finish(const std::vector<std::shared_ptr<Job>>& batch, std::vector<generate::GeneratedImage> images,
+              const std::string& error, double seconds);
+  // Calls each job's on_change. Holds no lock: a listener may ask for progress().
+  static void notify(const std::vector<std::shared_ptr<Job>>& jobs);
 
   Generate generate_;
   Options options_;

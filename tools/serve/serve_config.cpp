@@ -34,15 +34,35 @@ void ServeConfig::visit(ConfigVisitor& v) {
           "milliseconds the model waits after a request arrives for others to batch with it (0: none)",
           {.min = 0, .max = 60000});
   v.field("image_ttl_seconds", image_ttl_seconds,
-          "seconds an image asked for with response_format url stays at its URL", {.min = 1, .max = 604800});
+          "seconds an image asked for with response_format url stays at its URL, and a finished job of "
+          "POST /v1/images/jobs stays to be fetched", {.min = 1, .max = 604800});
   v.field("max_stored_images", max_stored_images,
           "images kept for URLs at most; beyond it the oldest go first", {.min = 1, .max = 1000000});
   v.field("api_key_file", api_key_file,
           "file holding the key clients must send as `Authorization: Bearer <key>` (its first line); empty: no key");
+  v.field("max_connections", max_connections,
+          "open connections at most (idle and slow ones included); one more is closed at once, before a byte "
+          "of it is read", {.min = 1, .max = 1000000});
+  v.field("max_connections_per_client", max_connections_per_client,
+          "open connections from one client address at most (behind a proxy, every client is the proxy's "
+          "address); one more is closed at once", {.min = 1, .max = 1000000});
+  v.field("header_timeout_seconds", header_timeout_seconds,
+          "seconds a request's line and headers may take, from the connection's opening or the answer before "
+          "(an idle keep-alive connection is closed then too); then the connection is closed",
+          {.min = 0.01, .max = 86400});
+  v.field("body_timeout_seconds", body_timeout_seconds,
+          "seconds a request's body may take after its headers; then the connection is closed",
+          {.min = 0.01, .max = 86400});
+  v.field("idle_timeout_seconds", idle_timeout_seconds,
+          "seconds a connection may go without sending or taking a byte (an idle keep-alive connection, a "
+          "stalled upload, a client that stopped reading) before it is closed",
+          {.min = 1, .max = 86400});
+  v.field("max_stored_jobs", max_stored_jobs,
+          "jobs of POST /v1/images/jobs kept at most, finished or not; a finished one is kept image_ttl_seconds, "
+          "and beyond the count the oldest finished go first", {.min = 1, .max = 1000000});
   v.field("connection_threads", connection_threads,
-          "connections served at once, each on its own thread (an idle keep-alive connection holds one for 5 s); 0: "
-          "max_queue + 16",
-          {.min = 0, .max = 100000});
+          "no longer used: connections are served by one event loop (max_connections bounds them); read so that "
+          "older configs load", {.min = 0, .max = 100000});
   v.section("pipeline", "the generation pipeline served (the keys of `dalle-generate --config`); a request's "
             "own fields override its sampling settings",
             pipeline);

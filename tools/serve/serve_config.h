@@ -23,13 +23,16 @@ struct ServeConfig {
   int64_t image_ttl_seconds = 600;
   int64_t max_stored_images = 256;
   std::string api_key_file;
-  int64_t connection_threads = 0;
+  int64_t max_connections = 4096;
+  int64_t max_connections_per_client = 256;
+  double header_timeout_seconds = 10;
+  double body_timeout_seconds = 60;
+  int64_t idle_timeout_seconds = 5;
+  int64_t max_stored_jobs = 256;
+  int64_t connection_threads = 0;  // read and ignored: older configs name it
   generate::PipelineConfig pipeline;
 
   void visit(ConfigVisitor& v);
-  // connection_threads as used: the key, or enough for a full queue, a running batch and a few
-  // quick requests (health, metrics, refusals) at once.
-  int64_t threads_for_connections() const { return connection_threads > 0 ? connection_threads : max_queue + 16; }
 };
 
 // The id clients name in `model`: model_id, else the last part of `model_folder` or of the

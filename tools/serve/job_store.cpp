@@ -1,0 +1,76 @@
+#include "serve/job_store.h"
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+namespace dalle::serve {
+
+using Clock = std::chrono::steady_clock;
+
+JobStore::JobStore(std::chrono::seconds lifetime, int64_t capacity) : lifetime_(lifetime), capacity_(capacity) {}
+
+void JobStore::forget_expired(Clock::time_point now) {
+  std::vector<std::pair<Clock::time_point, std::string>> ended;
+  for (const auto& [id, stored] : jobs_) {
+    if (stored.ended) ended.emplace_back(*stored.ended, id);
+  }
+  std::sort(ended.begin(), ended.end());
+  auto kept = static_cast<int64_t>(jobs_.size());
+  for (const auto& [at, id] : ended) {
+    if (at + lifetime_ > now && kept <= capacity_) break;
+    jobs_.erase(id);
+    --kept;
+  }
+}
+
+bool JobStore::add(const std::string& id) {
+  std::lock_guard lock(mutex_);
+  forget_expired(Clock::now());
+  const auto unfinished = std::count_if(jobs_.begin(), jobs_.end(), [](const auto& entry) { return !entry.second.ended; });
+  if (unfinished >= capacity_) return false;
+  jobs_[id] = {.id = id, .created = std::time(nullptr)};
+  forget_expired(Clock::now());  // an ended job may make room for it
+  return true;
+}
+
+void JobStore::attach(const std::string& id, std::shared_ptr<Job> job) {
+  std::lock_guard lock(mutex_);
+  const auto at = jobs_.find(id);
+  if (at != jobs_.end()) at->second.job = std::move(job);
+}
+
+void JobStore::remove(const std::string& id) {
+  std::lock_guard lock(mutex_);
+  jobs_.erase(id);
+}
+
+std::optional<StoredJob> JobStore::find(const std::string& id) {
+  std::lock_guard lock(mutex_);
+  forget_expired(Clock::now());
+  const auto at = jobs_.find(id);
+  if (at == jobs_.end()) return std::nullopt;
+  return at->second;
+}
+
+void JobStore::end(const std::string& id, std::string answer, std::string error) {
+  std::lock_guard lock(mutex_);
+  const auto at = jobs_.find(id);
+  if (at == jobs_.end() || at->second.ended) return;
+  at->second.answer = std::move(answer);
+  at->second.error = std::move(error);
+  at->second.ended = Clock::now();
+}
+
+std::optional<StoredJob> JobStore::cancel(const std::string& id) {
+  std::lock_guard lock(mutex_);
+  const auto at = jobs_.find(id);
+  if (at == jobs_.end()) return std::nullopt;
+  if (!at->second.ended) {
+    at->second.cancelled = true;
+    at->second.ended = Clock::now();
+  }
+  return at->second;
+}
+
+}  // namespace dalle::serve

@@ -1,0 +1,57 @@
+#pragma once
+// The jobs of POST /v1/images/jobs: requests that outlive their connection. A client submits,
+// gets an id at once, and fetches the job's state, queue position and (once it is done) its
+// answer with GET /v1/images/jobs/{id}, from any connection, as often as it likes; DELETE
+// cancels it. A finished job is kept `lifetime`, and beyond `capacity` jobs the oldest
+// finished go first; unfinished ones are bounded by the scheduler's queue. Ids are 128 random
+// bits, as the images' are.
+#include <chrono>
+#include <cstdint>
+#include <ctime>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "serve/scheduler.h"
+
+namespace dalle::serve {
+
+struct StoredJob {
+  std::string id;
+  std::time_t created = 0;
+  std::shared_ptr<Job> job;
+  std::string answer;  // once it succeeded: the JSON of the synchronous answer ({created, data})
+  std::string error;   // once it failed: the JSON of an OpenAI error body
+  bool cancelled = false;
+  std::optional<std::chrono::steady_clock::time_point> ended;
+};
+
+class JobStore {
+ public:
+  JobStore(std::chrono::seconds lifetime, int64_t capacity);
+
+  // Keeps a new job under `id` unless `capacity` unfinished jobs are kept already. Added
+  // before its Job is submitted (so that the job cannot end before it is here), which
+  // attach() then gives it, or remove() forgets it when it is refused.
+  bool add(const std::string& id);
+  void attach(const std::string& id, std::shared_ptr<Job> job);
+  void remove(const std::string& id);
+  // A copy of the job under `id`, unless there is none (never was, expired, pushed out).
+  std::optional<StoredJob> find(const std::string& id);
+  // Records how the job ended: its answer, or its error. Ignored once it ended (cancelled).
+  void end(const std::string& id, std::string answer, std::string error);
+  // Marks the job cancelled and ended (if it had not ended) and returns it as it is then.
+  std::optional<StoredJob> cancel(const std::string& id);
+
+ private:
+  void forget_expired(std::chrono::steady_clock::time_point now);  // holds the lock
+
+  std::chrono::seconds lifetime_;
+  int64_t capacity_;
+  std::mutex mutex_;
+  std::map<std::string, StoredJob> jobs_;
+};
+
+}  // namespace dalle::serve
