@@ -14,6 +14,8 @@ the pinned `openai` package)
 - `stream: true` with `partial_images` answers as server-sent events that OpenAI's client
   reads: the partial images of each candidate as it is drawn, then the image, which is the
   one the same request draws unstreamed.
+- A job (POST /v1/images/jobs) outlives its connection: fetched by id once done, it holds the
+  synchronous answer's images; a cancelled one frees its place in the queue.
 - A full queue answers 429 at once; a client that leaves frees its place in the queue.
 - SIGTERM drains: a new request gets 503, those in flight get their images, exit status 0.
 
@@ -245,6 +247,40 @@ def chunked_post(server, size):
         connection.close()
 
 
+def test_jobs(server):
+    """A job outlives its connection: submitted, the connection dropped, fetched by id once done,
+    it holds the images the synchronous answer has."""
+    fields = {"prompt": PROMPT, "seed": 11, "response_format": "b64_json", **QUICK}
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CALL_TIMEOUT)
+    connection.request("POST", "/v1/images/jobs", body=json.dumps(fields),
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    response = connection.getresponse()
+    submitted = json.loads(response.read())
+    connection.close()  # the client goes; the job goes on
+    check(response.status == 202 and submitted["object"] == "image.job", f"submitting: {response.status} {submitted}")
+    check(submitted["status"] in ("queued", "in_progress"), f"a new job's status: {submitted}")
+    job_url = f"/v1/images/jobs/{submitted['id']}"
+    check(response.getheader("Location") == job_url, f"Location {response.getheader('Location')}")
+    deadline = time.time() + 120
+    while True:
+        status, job = call(server, "GET", job_url)
+        check(status == 200 and job["id"] == submitted["id"], f"fetching the job: {status} {job}")
+        if job["status"] not in ("queued", "in_progress") or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    check(job["status"] == "succeeded" and len(job["result"]["data"]) == 1, f"the job: {job}")
+    status, direct = generate(server, fields)
+    check(status == 200, f"the synchronous request: {status}")
+    check(png_facts(base64.b64decode(job["result"]["data"][0]["b64_json"]))[3]
+          == png_facts(base64.b64decode(direct["data"][0]["b64_json"]))[3],
+          "a job's image is the synchronous answer's for the same request")
+    check(call(server, "GET", job_url)[1]["status"] == "succeeded", "a finished job can be fetched again")
+    expect_error(server, "an unknown job", call(server, "GET", "/v1/images/jobs/" + "0" * 32), 404, "job_not_found")
+    expect_error(server, "a job without the key", call(server, "GET", job_url, key=None), 401, "invalid_api_key")
+    expect_error(server, "a streamed job", call(server, "POST", "/v1/images/jobs", {"prompt": PROMPT, "stream": True}),
+                 400, "invalid_value", "stream")
+
+
 def test_errors(server):
     expect_error(server, "malformed JSON", generate(server, b'{"prompt": "a red'), 400, "invalid_json")
     expect_error(server, "not an object", generate(server, b'["a red bag"]'), 400, "invalid_json")
@@ -329,6 +365,14 @@ def test_queue(server):
                      "rate_limit_exceeded")
         leaving.close()
         wait_for(server, "the client that left to free its place", lambda health: health["queued"] == 0, 10)
+        # So does a job cancelled while it waits.
+        status, job = call(server, "POST", "/v1/images/jobs", {"prompt": PROMPT, **QUICK}, key=None)
+        check(status == 202 and job["status"] == "queued" and job["queue_position"] == 0, f"a queued job: {job}")
+        status, cancelled = call(server, "DELETE", f"/v1/images/jobs/{job['id']}", key=None)
+        check(status == 200 and cancelled["status"] == "cancelled", f"cancelling: {status} {cancelled}")
+        wait_for(server, "the cancelled job to free its place", lambda health: health["queued"] == 0, 10)
+        check(call(server, "GET", f"/v1/images/jobs/{job['id']}", key=None)[1]["status"] == "cancelled",
+              "a cancelled job stays cancelled")
         admitted = pool.submit(generate, server, {"prompt": PROMPT, **QUICK}, None)
         check(running.result(CALL_TIMEOUT)[0] == 200, "the slow request")
         check(admitted.result(CALL_TIMEOUT)[0] == 200, "the request admitted after the client left")
@@ -396,6 +440,7 @@ def main():
             test_openai_client(server, scratch)
             test_streaming(server)
             test_batching(server)
+            test_jobs(server)
             test_errors(server)
         with Server("--set", "max_queue=1", "--set", "batch_window_ms=0") as server:
             test_queue(server)
