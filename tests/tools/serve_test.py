@@ -14,6 +14,7 @@ the pinned `openai` package)
 - `stream: true` with `partial_images` answers as server-sent events that OpenAI's client
   reads: the partial images of each candidate as it is drawn, then the image, which is the
   one the same request draws unstreamed.
+- The web page (its script run by node) submits a job, and a reload finds it and shows its images.
 - A job (POST /v1/images/jobs) outlives its connection: fetched by id once done, it holds the
   synchronous answer's images; a cancelled one frees its place in the queue.
 - A full queue answers 429 at once; a client that leaves frees its place in the queue.
@@ -334,7 +335,14 @@ def test_errors(server):
                  'dalle_image_request_seconds_bucket{le="+Inf"}', "dalle_image_request_seconds_count"):
         check(line in metrics, f"/metrics lacks {line}:\n{metrics}")
     status, page = call(server, "GET", "/", key=None)
-    check(status == 200 and b"/v1/images/generations" in page, "the web page")
+    check(status == 200 and b"/v1/images/jobs" in page, "the web page")
+
+
+def test_web_page(server):
+    """The page's script, run by node against the server: a reload finds the job it submitted."""
+    result = subprocess.run(["node", str(SOURCE / "tests" / "tools" / "web_page_test.js"), server.url, KEY],
+                            capture_output=True, text=True, timeout=180)
+    check(result.returncode == 0, f"the web page: {result.stdout}{result.stderr}")
 
 
 def wait_for(server, what, condition, seconds=60):
@@ -441,6 +449,7 @@ def main():
             test_streaming(server)
             test_batching(server)
             test_jobs(server)
+            test_web_page(server)
             test_errors(server)
         with Server("--set", "max_queue=1", "--set", "batch_window_ms=0") as server:
             test_queue(server)

@@ -1,7 +1,8 @@
 #pragma once
-// The page at GET /: a prompt box that calls POST /v1/images/generations from the browser
-// and shows the images, with the framework's own fields at hand. Inline, so that the
-// binary is the whole service.
+// The page at GET /: a prompt box that submits a job (POST /v1/images/jobs) from the browser,
+// follows it and shows the images, with the framework's own fields at hand. The job's id is
+// kept in the browser's storage, so that a reload (or a closed and reopened tab) finds the
+// job again. Inline, so that the binary is the whole service.
 namespace dalle::serve {
 
 inline constexpr const char* kWebPage = R"html(<!doctype html>
@@ -27,7 +28,8 @@ inline constexpr const char* kWebPage = R"html(<!doctype html>
 </head>
 <body>
 <h1>dalle-serve</h1>
-<p>Model <b id="model">…</b>. Type a prompt; the images come from <code>POST /v1/images/generations</code>.</p>
+<p>Model <b id="model">…</b>. Type a prompt; the images come from a job (<code>POST /v1/images/jobs</code>,
+the asynchronous form of <code>POST /v1/images/generations</code>), which a reload of this page finds again.</p>
 <form id="form">
   <label id="prompt-label">Prompt <input id="prompt" required maxlength="1000" value="a red sandal on the right"></label>
   <label>Images (n) <input id="n" type="number" min="1" value="2"></label>
@@ -37,6 +39,7 @@ inline constexpr const char* kWebPage = R"html(<!doctype html>
   <label>Super-resolution <input id="superres" type="checkbox" checked></label>
   <label>API key <input id="key" type="password" placeholder="if the server has one"></label>
   <button id="go" type="submit">Generate</button>
+  <button id="cancel" type="button" hidden>Cancel</button>
 </form>
 <div id="status"></div>
 <div id="images"></div>
@@ -56,38 +59,83 @@ function number(id) {
   return text === "" ? undefined : Number(text);
 }
 
+const kJobKey = "dalle-serve-job";
+
+function show(status, error) {
+  $("status").className = error ? "error" : "";
+  $("status").textContent = status;
+}
+
+function busy(on) {
+  $("go").disabled = on;
+  $("cancel").hidden = !on;
+}
+
+function showImages(data, prompt) {
+  $("images").replaceChildren(...data.map((image, rank) => {
+    const figure = document.createElement("figure");
+    const picture = document.createElement("img");
+    picture.src = image.url || "data:image/png;base64," + image.b64_json;
+    picture.alt = prompt;
+    const caption = document.createElement("figcaption");
+    caption.textContent = "rank " + rank;
+    figure.append(picture, caption);
+    return figure;
+  }));
+}
+
+// Follows the stored job until it ends; the job lives on the server, so this may start
+// again after a reload.
+async function follow() {
+  const stored = JSON.parse(localStorage.getItem(kJobKey) || "null");
+  if (!stored) return;
+  busy(true);
+  try {
+    while (true) {
+      const response = await fetch("/v1/images/jobs/" + stored.id, { headers: authorization() });
+      const job = await response.json();
+      if (!response.ok) throw new Error(job.error ? job.error.message : response.statusText);
+      if (job.status === "queued") show("Queued (" + job.queue_position + " ahead)…");
+      else if (job.status === "in_progress") show("Generating…");
+      else if (job.status === "succeeded") {
+        showImages(job.result.data, stored.prompt);
+        show(job.result.data.length + " images in " + ((Date.now() - stored.started) / 1000).toFixed(1) + " s");
+        break;
+      } else throw new Error(job.status === "failed" ? job.error.message : "The job was cancelled.");
+      await new Promise((done) => setTimeout(done, 500));
+    }
+  } catch (error) {
+    show(error.message, true);
+  } finally {
+    localStorage.removeItem(kJobKey);
+    busy(false);
+  }
+}
+
 $("form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const body = { prompt: $("prompt").value, n: number("n"), response_format: "b64_json",
                  candidates: number("candidates"), seed: number("seed"), guidance_scale: number("guidance"),
                  superres: $("superres").checked };
-  $("go").disabled = true;
-  $("status").className = "";
-  $("status").textContent = "Generating…";
-  const started = performance.now();
+  show("Submitting…");
   try {
-    const response = await fetch("/v1/images/generations", {
+    const response = await fetch("/v1/images/jobs", {
       method: "POST", headers: { "Content-Type": "application/json", ...authorization() }, body: JSON.stringify(body) });
-    const answer = await response.json();
-    if (!response.ok) throw new Error(answer.error ? answer.error.message : response.statusText);
-    $("images").replaceChildren(...answer.data.map((image, rank) => {
-      const figure = document.createElement("figure");
-      const picture = document.createElement("img");
-      picture.src = "data:image/png;base64," + image.b64_json;
-      picture.alt = body.prompt;
-      const caption = document.createElement("figcaption");
-      caption.textContent = "rank " + rank;
-      figure.append(picture, caption);
-      return figure;
-    }));
-    $("status").textContent = answer.data.length + " images in " + ((performance.now() - started) / 1000).toFixed(1) + " s";
+    const job = await response.json();
+    if (!response.ok) throw new Error(job.error ? job.error.message : response.statusText);
+    localStorage.setItem(kJobKey, JSON.stringify({ id: job.id, prompt: body.prompt, started: Date.now() }));
+    follow();
   } catch (error) {
-    $("status").className = "error";
-    $("status").textContent = error.message;
-  } finally {
-    $("go").disabled = false;
+    show(error.message, true);
   }
 });
+
+$("cancel").addEventListener("click", () => {
+  const stored = JSON.parse(localStorage.getItem(kJobKey) || "null");
+  if (stored) fetch("/v1/images/jobs/" + stored.id, { method: "DELETE", headers: authorization() });
+});
+
+follow();
 </script>
 </body>
 </html>
