@@ -209,6 +209,25 @@ torch::Tensor decode_image(std::string_view bytes, const std::string& name) {
   }
 }
 
+std::optional<torch::Tensor> decode_alpha(std::string_view bytes, const std::string& name) {
+  if (bytes.empty()) throw ImageError(name + ": empty file");
+  check_pixel_count(bytes, name);
+  cv::Mat buffer(1, static_cast<int>(bytes.size()), CV_8U, const_cast<char*>(bytes.data()));
+  cv::Mat decoded;
+  try {
+    decoded = cv::imdecode(buffer, cv::IMREAD_UNCHANGED);
+  } catch (const cv::Exception& error) {
+    throw ImageError(name + ": cannot decode the image: " + error.msg);
+  }
+  if (decoded.empty()) throw ImageError(name + ": not a readable image (corrupt or unsupported format)");
+  if (decoded.channels() != 4) return std::nullopt;
+  cv::Mat alpha, floats;
+  cv::extractChannel(decoded, alpha, 3);
+  const double scale = alpha.depth() == CV_16U ? 1.0 / 65535.0 : alpha.depth() == CV_8U ? 1.0 / 255.0 : 1.0;
+  alpha.convertTo(floats, CV_32F, scale);
+  return torch::from_blob(floats.data, {1, floats.rows, floats.cols}, torch::kFloat32).clamp(0.0, 1.0).clone();
+}
+
 torch::Tensor read_image(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ImageError(path + ": cannot open");

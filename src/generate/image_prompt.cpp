@@ -49,17 +49,39 @@ torch::Tensor kept_positions(const ImagePromptConfig& config, int64_t image_size
   return known;
 }
 
+// The image's tokens [1, grid * grid] under `tokenizer`.
+torch::Tensor tokens_of(const torch::Tensor& image, models::TrainedImageTokenizer& tokenizer) {
+  const int64_t grid = tokenizer.grid_size();
+  const auto device = tokenizer.model->module().parameters().front().device();
+  torch::NoGradGuard no_grad;
+  const auto squared = square(image, tokenizer.image_size).unsqueeze(0).to(device);
+  return tokenizer.model->encode_tokens(squared).reshape({1, grid * grid}).cpu();
+}
+
 }  // namespace
+
+std::optional<int64_t> top_rows_kept(const torch::Tensor& alpha, int64_t image_size, int64_t grid) {
+  const auto opaque = data::resize(square(alpha, image_size), grid, grid)[0] >= 0.5;  // [grid, grid]
+  const auto whole_rows = opaque.all(1), empty_rows = opaque.logical_not().all(1);
+  const auto rows = whole_rows.to(torch::kInt64).cumprod(0).sum().item<int64_t>();  // leading whole rows
+  if (rows == 0 || rows == grid) return std::nullopt;
+  if (!empty_rows.slice(0, rows).all().item<bool>()) return std::nullopt;
+  return rows;
+}
 
 models::ImagePrompt load_image_prompt(const ImagePromptConfig& config, models::TrainedImageTokenizer& tokenizer) {
   config.validate();
+  auto known = kept_positions(config, tokenizer.image_size, tokenizer.grid_size());
+  return {.tokens = tokens_of(data::read_image(config.image), tokenizer), .known = std::move(known)};
+}
+
+models::ImagePrompt encode_image_prompt(const PromptImage& prompt, models::TrainedImageTokenizer& tokenizer) {
   const int64_t grid = tokenizer.grid_size();
-  auto known = kept_positions(config, tokenizer.image_size, grid);
-  const auto device = tokenizer.model->module().parameters().front().device();
-  const auto image = square(data::read_image(config.image), tokenizer.image_size).unsqueeze(0).to(device);
-  torch::NoGradGuard no_grad;
-  const auto tokens = tokenizer.model->encode_tokens(image).reshape({1, grid * grid}).cpu();
-  return {.tokens = tokens, .known = std::move(known)};
+  if (prompt.top_rows < 1 || prompt.top_rows >= grid) {
+    throw Error("image prompt: top_rows " + std::to_string(prompt.top_rows) + " must leave rows to draw of the " +
+                std::to_string(grid) + "-row token grid (1 to " + std::to_string(grid - 1) + ")");
+  }
+  return {.tokens = tokens_of(prompt.image, tokenizer), .known = torch::arange(grid * grid) < prompt.top_rows * grid};
 }
 
 }  // namespace dalle::generate

@@ -117,9 +117,11 @@ struct Pipeline::Stages {
   void upscale(std::vector<GeneratedImage>& images);
   // The settings a batch's rows must share: models::SamplingOptions arithmetic the sampler
   // applies to the whole batch (and top_k, for a family that filters whole batches).
-  std::tuple<double, double, bool, int64_t> batch_key(const PromptRequest& request) const {
+  // A request's own image prompt is the batch's: it shares batches with no other request.
+  std::tuple<double, double, bool, int64_t, const PromptImage*> batch_key(const PromptRequest& request) const {
     const auto& s = request.sampling;
-    return {s.temperature, s.guidance_scale, s.use_cache, family->filters_per_batch() ? s.top_k : 0};
+    return {s.temperature, s.guidance_scale, s.use_cache, family->filters_per_batch() ? s.top_k : 0,
+            request.image_prompt.get()};
   }
 };
 
@@ -157,6 +159,19 @@ Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
 const PipelineConfig& Pipeline::config() const { return stages_->config; }
 
 namespace {
+
+// `config` with the settings `request` gives its own (its sidecars' record, and what check()
+// holds it to). A request's own image prompt is recorded by its rows, not its pixels.
+PipelineConfig with_settings_of(const PromptRequest& request, PipelineConfig config) {
+  config.candidates = request.candidates;
+  config.keep = request.keep;
+  config.sampling = request.sampling;
+  config.schedule = request.schedule;
+  if (request.image_prompt) {
+    config.image_prompt = {.image = "(the request's image)", .top_rows = request.image_prompt->top_rows};
+  }
+  return config;
+}
 
 // The rows' captions, streams, seeds and filters as one batch; `options` carries the batch's
 // shared arithmetic (batch_key) with the first row's filter, `filters` stays null when every
@@ -259,6 +274,11 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(const std::vector<Row>& row
   models::RowFilters filters;
   auto batch = batch_of(rows, requests, captions, filters);
   batch.graphs = graphs.get();
+  std::optional<models::ImagePrompt> image_prompt;
+  if (const auto& own = requests[rows.front().request].image_prompt) {
+    image_prompt = family->encode_image_prompt(*own);
+    batch.image_prompt = &*image_prompt;
+  }
   const auto count = static_cast<int64_t>(rows.size());
   const bool shows_previews = on_preview && std::any_of(rows.begin(), rows.end(), [&](const Row& row) {
                                 return previewed(requests[row.request], row.candidate);
@@ -338,11 +358,7 @@ PromptRequest Pipeline::request(std::string prompt, int64_t stream_index) const 
 }
 
 PipelineConfig Pipeline::config_of(const PromptRequest& request) const {
-  auto config = stages_->config;
-  config.candidates = request.candidates;
-  config.keep = request.keep;
-  config.sampling = request.sampling;
-  config.schedule = request.schedule;
+  auto config = with_settings_of(request, stages_->config);
   if (!request.superres) config.superres.clear();
   return config;
 }
@@ -360,11 +376,7 @@ void Pipeline::check(const PromptRequest& request) const { stages_->check(reques
 void Pipeline::Stages::check(const PromptRequest& request, const std::string& where) const {
   check_prompt(request.prompt, where);
   try {
-    auto changed = config;
-    changed.candidates = request.candidates;
-    changed.keep = request.keep;
-    changed.sampling = request.sampling;
-    changed.schedule = request.schedule;
+    const auto changed = with_settings_of(request, config);
     check_config(changed);
     family->check(changed);
     if (request.candidates < 1 || request.stream_index < 0 || request.stream_index > UINT32_MAX ||
@@ -375,6 +387,16 @@ void Pipeline::Stages::check(const PromptRequest& request, const std::string& wh
     if (request.preview_every < 0) {
       throw Error("pipeline: preview_every is " + std::to_string(request.preview_every) +
                   "; give the image positions between previews, or 0 for none");
+    }
+    if (const auto& own = request.image_prompt) {
+      const auto grid = grid_side(family->image_length());
+      if (own->top_rows < 1 || own->top_rows >= grid) {
+        throw Error("pipeline: an image prompt keeps " + std::to_string(own->top_rows) + " token rows; the " +
+                    std::to_string(grid) + "-row grid takes 1 to " + std::to_string(grid - 1));
+      }
+      if (own->image.dim() != 3 || own->image.size(0) != 3) {
+        throw Error("pipeline: an image prompt's image must be [3, H, W]");
+      }
     }
     if (request.preview_candidates < 0) {
       throw Error("pipeline: preview_candidates is " + std::to_string(request.preview_candidates) +

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "dalle/error.h"
+#include "dalle/generate/image_prompt.h"
 #include "dalle/generate/pipeline.h"
 #include "dalle/models/clip_config.h"
 #include "dalle/models/decode_graphs.h"
@@ -30,6 +32,7 @@ struct RowBatch {
   std::vector<int64_t> seeds;              // each row's seed
   models::TokenCallback on_token;          // after each image position
   models::DecodeGraphs* graphs = nullptr;  // the decoding steps' tensors and graphs, kept across batches
+  const models::ImagePrompt* image_prompt = nullptr;  // the rows' request's own; null: the config's
 };
 
 class PriorFamily {
@@ -51,6 +54,11 @@ class PriorFamily {
   virtual int64_t image_size() const = 0;    // side of a decoded image, in pixels
   // Whether a batch's rows must share top_k (the family filters the whole batch by one).
   virtual bool filters_per_batch() const { return false; }
+  // A request's image prompt as the family's tokens (check() refuses one to a family that
+  // cannot encode images).
+  virtual models::ImagePrompt encode_image_prompt(const PromptImage&) {
+    throw Error("pipeline: this prior's family cannot encode an image prompt");
+  }
 };
 
 // The type a family loads its prior's weights in: config.dtype's, float32 for int8.

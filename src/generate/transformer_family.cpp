@@ -53,9 +53,13 @@ class TransformerFamily : public PriorFamily {
   }
 
   torch::Tensor draw(const RowBatch& batch) override {
-    return models::sample_image_tokens(prior_.model, batch.captions, batch.options,
-                                       image_prompt_ ? &*image_prompt_ : nullptr, batch.on_token, batch.streams,
-                                       batch.filters, batch.seeds, batch.graphs);
+    const auto* image_prompt = batch.image_prompt ? batch.image_prompt : image_prompt_ ? &*image_prompt_ : nullptr;
+    return models::sample_image_tokens(prior_.model, batch.captions, batch.options, image_prompt, batch.on_token,
+                                       batch.streams, batch.filters, batch.seeds, batch.graphs);
+  }
+
+  models::ImagePrompt encode_image_prompt(const PromptImage& prompt) override {
+    return generate::encode_image_prompt(prompt, decoder_);
   }
 
   torch::Tensor decode(const torch::Tensor& tokens) override { return decoder_.model->decode_tokens(tokens); }

@@ -384,5 +384,48 @@ TEST_F(ImagePrompt, HalfGivenOrImpossiblePromptsAreRefused) {
   EXPECT_THROW_WITH(continued({.image = picture_, .mask = dir_ / "black.png"}), Error, "keeps no token");
 }
 
+// dalle-serve's edits: a request's own image prompt (pixels and rows) draws what the config's
+// image prompt draws, batched with requests without one in the same call.
+TEST_F(ImagePrompt, ARequestsOwnImagePromptDrawsWhatTheConfigsDrawsBesideRequestsWithout) {
+  const auto from_config = continued({.image = picture_, .top_rows = 3});
+  Pipeline pipeline(demo_pipeline(4));
+  auto own = pipeline.request("a blue sneaker at the top");
+  own.image_prompt = std::make_shared<const PromptImage>(PromptImage{.image = data::read_image(picture_), .top_rows = 3});
+  const auto plain = pipeline.request("a red bag on the left", 1);
+  const auto images = pipeline.generate({plain, own});
+  ASSERT_EQ(images.size(), 8u);
+  for (int64_t c = 0; c < 4; ++c) {
+    EXPECT_TRUE(torch::equal(images[static_cast<size_t>(4 + c)].tokens.flatten(), from_config[c])) << c;
+  }
+  const auto alone = pipeline.generate({plain});
+  for (size_t c = 0; c < 4; ++c) EXPECT_TRUE(torch::equal(images[c].tokens, alone[c].tokens)) << "untouched " << c;
+  EXPECT_EQ(pipeline.config_of(own).image_prompt.top_rows, 3);
+
+  own.image_prompt = std::make_shared<const PromptImage>(PromptImage{.image = data::read_image(picture_), .top_rows = 8});
+  EXPECT_THROW_WITH(pipeline.check(own), Error, "the 8-row grid takes 1 to 7");
+}
+
+TEST(ImagePromptMask, TheOpaqueTopRowsAreKeptAndOtherShapesAreNot) {
+  // 80 pixels square, scaled to a 64-pixel image of an 8x8 grid: 10 mask pixels a token row.
+  const auto mask = [](int64_t opaque_from, int64_t opaque_to) {
+    auto alpha = torch::zeros({1, 80, 80});
+    alpha.narrow(1, opaque_from, opaque_to - opaque_from).fill_(1.0);
+    return alpha;
+  };
+  EXPECT_EQ(top_rows_kept(mask(0, 30), 64, 8), 3);
+  EXPECT_EQ(top_rows_kept(mask(0, 34), 64, 8), 3) << "a cell less than half opaque is drawn";
+  EXPECT_EQ(top_rows_kept(mask(0, 36), 64, 8), 4) << "one at least half opaque is kept";
+  EXPECT_FALSE(top_rows_kept(mask(30, 60), 64, 8)) << "a band below the top";
+  EXPECT_FALSE(top_rows_kept(mask(0, 80), 64, 8)) << "nothing left to draw";
+  EXPECT_FALSE(top_rows_kept(mask(0, 0), 64, 8)) << "nothing kept";
+  auto hole = mask(0, 80);
+  hole.narrow(1, 30, 20).narrow(2, 30, 20).fill_(0.0);
+  EXPECT_FALSE(top_rows_kept(hole, 64, 8)) << "a hole in the middle";
+  auto wide = torch::zeros({1, 80, 160});  // centre-cropped to its middle 80 columns, as the image is
+  wide.narrow(1, 0, 20).fill_(1.0);
+  wide.narrow(2, 0, 40).fill_(1.0);  // opaque left of the crop: cut away
+  EXPECT_EQ(top_rows_kept(wide, 64, 8), 2);
+}
+
 }  // namespace
 }  // namespace dalle::generate

@@ -11,6 +11,9 @@ the pinned `openai` package)
   n=0 and huge, an unknown model, a wrong or missing key, an unknown URL, a known URL with
   the wrong method (405 with Allow), control characters in the prompt) is an OpenAI-style
   JSON error with its status, and the server still serves afterwards.
+- OpenAI's `images.edit` (POST /v1/images/edits): the mask's opaque top rows are the image
+  prompt, and the images are dalle-generate's with the same image prompt and seed; masks the
+  prior cannot honour, missing, unreadable and oversized images get OpenAI-style errors.
 - `stream: true` with `partial_images` answers as server-sent events that OpenAI's client
   reads: the partial images of each candidate as it is drawn, then the image, which is the
   one the same request draws unstreamed.
@@ -137,10 +140,10 @@ def png_facts(png):
     return width, height, settings, zlib.decompress(pixels)
 
 
-def generated_by_dalle_generate(out, seed, candidates, n, superres):
+def generated_by_dalle_generate(out, seed, candidates, n, superres, extra=()):
     """dalle-generate's PNGs for PROMPT with these settings, in rank order."""
     command = [TOOLS / "dalle-generate", PROMPT, "--model", MODEL, "--out", out, "-n", candidates, "--keep", n,
-               "--seed", seed, "--threads", "1"]
+               "--seed", seed, "--threads", "1", *extra]
     if not superres:
         command += ["--set", 'superres=""']
     result = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=300)
@@ -192,6 +195,68 @@ def test_openai_client(server, scratch):
         fail("a wrong key was accepted")
     except openai.AuthenticationError:
         pass
+
+
+def rgba_png(width, height, alpha_of_row):
+    """A grey RGBA PNG whose pixel rows have the alpha alpha_of_row(y) (standard library only)."""
+    rows = b"".join(b"\0" + bytes([128, 128, 128, alpha_of_row(y)]) * width for y in range(height))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    header = struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+
+
+def post_form(server, fields, files):
+    """(status, JSON) of a multipart POST /v1/images/edits: fields {name: text}, files {name: bytes}."""
+    boundary = "dalle-serve-test-boundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+             for name, value in fields.items()]
+    parts += [f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}.png"\r\n'
+              f"Content-Type: image/png\r\n\r\n".encode() + data + b"\r\n" for name, data in files.items()]
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return call(server, "POST", "/v1/images/edits", body, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+
+
+def test_edits(server, scratch):
+    """OpenAI's images.edit: the mask's opaque top rows are the image prompt; the images are
+    dalle-generate's with the same image prompt and seed."""
+    image = generated_by_dalle_generate(scratch / "edit-source", seed=3, candidates=1, n=1, superres=False)[0]
+    (scratch / "image.png").write_bytes(image)
+    # 64 pixels, 16 token rows of 4: the top 6 rows (24 pixels) kept, the rest drawn.
+    (scratch / "mask.png").write_bytes(rgba_png(64, 64, lambda y: 255 if y < 24 else 0))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=CALL_TIMEOUT)
+    with open(scratch / "image.png", "rb") as image_file, open(scratch / "mask.png", "rb") as mask_file:
+        answer = client.images.edit(image=image_file, mask=mask_file, prompt=PROMPT, n=1, size="64x64",
+                                    response_format="b64_json", extra_body={"seed": 9, "candidates": 2})
+    check(len(answer.data) == 1, f"{len(answer.data)} images for an edit of n=1")
+    edited = png_facts(base64.b64decode(answer.data[0].b64_json))
+    check(edited[2]["pipeline"]["image_prompt.top_rows"] == "6", f"the edit's settings: {edited[2]['pipeline']}")
+    expected = generated_by_dalle_generate(scratch / "edit-generate", seed=9, candidates=2, n=1, superres=False,
+                                           extra=["--image-prompt", scratch / "image.png", "--image-prompt-rows", "6"])[0]
+    check(edited[3] == png_facts(expected)[3], "an edit differs from dalle-generate's with the same image prompt and seed")
+    # The image's own transparency is the mask when none is sent.
+    status, body = post_form(server, {"prompt": PROMPT, "seed": "9", "candidates": "2", "size": "64x64",
+                                      "response_format": "b64_json"},
+                             {"image": rgba_png(64, 64, lambda y: 255 if y < 24 else 0)})
+    check(status == 200 and len(body["data"]) == 1, f"an image with transparency and no mask: {status} {body}")
+    hole = rgba_png(64, 64, lambda y: 0 if 24 <= y < 40 else 255)
+    error = expect_error(server, "a mask with a hole in the middle", post_form(server, {"prompt": PROMPT},
+                         {"image": image, "mask": hole}), 400, "invalid_mask", "mask")
+    check("whole token rows from the top" in error["message"], f"which masks work: {error['message']}")
+    expect_error(server, "an edit without an image", post_form(server, {"prompt": PROMPT}, {}), 400,
+                 "missing_required_parameter", "image")
+    expect_error(server, "an RGB image without a mask", post_form(server, {"prompt": PROMPT}, {"image": image}), 400,
+                 "invalid_mask", "image")
+    expect_error(server, "a text file as the image", post_form(server, {"prompt": PROMPT}, {"image": b"not an image"}),
+                 400, "invalid_image_format", "image")
+    expect_error(server, "an image over max_image_bytes",
+                 post_form(server, {"prompt": PROMPT}, {"image": b"\x89PNG\r\n\x1a\n" + b"\0" * (5 << 20)}), 413,
+                 "request_too_large", "image")
+    expect_error(server, "an edit with a JSON body", call(server, "POST", "/v1/images/edits", {"prompt": PROMPT}), 400,
+                 "invalid_content_type")
+    expect_error(server, "n a word", post_form(server, {"prompt": PROMPT, "n": "two"}, {"image": image, "mask": hole}),
+                 400, "invalid_type", "n")
 
 
 def test_streaming(server):
@@ -446,6 +511,7 @@ def main():
         test_bad_command_lines()
         with Server("--api-key-file", scratch / "key", "--set", "batch_window_ms=300") as server:
             test_openai_client(server, scratch)
+            test_edits(server, scratch)
             test_streaming(server)
             test_batching(server)
             test_jobs(server)

@@ -27,6 +27,7 @@
 #include "dalle/log.h"
 #include "serve/api_error.h"
 #include "serve/connection_table.h"
+#include "serve/edit_request.h"
 #include "serve/image_request.h"
 #include "serve/image_store.h"
 #include "serve/job_store.h"
@@ -44,6 +45,7 @@ using nlohmann::json;
 constexpr const char* kJson = "application/json";
 constexpr const char* kGenerations = "/v1/images/generations";
 constexpr const char* kJobs = "/v1/images/jobs";
+constexpr const char* kEdits = "/v1/images/edits";
 // A status of our own, as nginx's: the client left before its answer.
 constexpr int kClientClosedRequest = 499;
 // How often the responder looks for overdue requests and connections, and clients gone.
@@ -110,7 +112,7 @@ const std::regex& job_path() {
 
 // The route a request took, for the metrics' labels: a bounded set whatever clients ask.
 std::string endpoint_of(const std::string& path) {
-  for (const char* route : {kGenerations, kJobs, "/v1/models", "/health", "/metrics", "/"}) {
+  for (const char* route : {kGenerations, kEdits, kJobs, "/v1/models", "/health", "/metrics", "/"}) {
     if (path == route) return route;
   }
   if (path.rfind("/v1/models/", 0) == 0) return "/v1/models/{model}";
@@ -122,7 +124,7 @@ std::string endpoint_of(const std::string& path) {
 // The methods a route takes; "" for an unknown one.
 std::string allowed_methods(const std::string& path) {
   static const std::regex get_routes(R"(/v1/models(/.+)?|/v1/images/[0-9a-f]{32}\.png|/health|/metrics|/)");
-  if (path == kGenerations || path == kJobs) return "POST";
+  if (path == kGenerations || path == kEdits || path == kJobs) return "POST";
   if (std::regex_match(path, job_path())) return "GET, HEAD, DELETE";
   return std::regex_match(path, get_routes) ? "GET, HEAD" : "";
 }
@@ -192,8 +194,15 @@ struct Exchange {
   int socket = -1;
   std::string method, path, endpoint, host, authorization, client;
   Clock::time_point arrived = Clock::now();
-  std::string body;
+  std::string body;      // but a form's, which goes to `form`
+  size_t body_bytes = 0;
   bool too_large = false;
+  // POST /v1/images/edits: its form, as the parser reads it.
+  MHD_PostProcessor* form_reader = nullptr;
+  Form form;
+  bool form_unreadable = false;
+  std::string oversized_field;  // a field over its limit; its bytes are not kept
+  const ServeConfig* limits = nullptr;  // a form's, for its parser's callback
   bool read = false;      // the body is read and the request dispatched
   bool answered = false;  // an answer is queued (libmicrohttpd may still call for the body)
 
@@ -243,6 +252,8 @@ struct HttpServer::State {
   static void on_log(void*, const char* format, va_list arguments);
   static ssize_t read_stream(void* exchange, uint64_t, char* buffer, size_t max);
   static void free_stream(void* exchange);
+  static MHD_Result read_form(void* exchange, MHD_ValueKind, const char* key, const char* filename,
+                              const char* content_type, const char*, const char* data, uint64_t, size_t size);
 
   MHD_Result begin(MHD_Connection* connection, const char* url, const char* method, void** context);
   MHD_Result dispatch(const std::shared_ptr<Exchange>& exchange);
@@ -250,6 +261,14 @@ struct HttpServer::State {
   MHD_Result resumed(const std::shared_ptr<Exchange>& exchange);
   MHD_Result send(Exchange& exchange, const Answer& answer);
   MHD_Result generations(const std::shared_ptr<Exchange>& exchange);
+  MHD_Result edits(const std::shared_ptr<Exchange>& exchange);
+  // Answers `request` once its job is done, or streams it.
+  MHD_Result answer_with_job(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
+                             generate::PromptRequest prompt);
+  void take_body(Exchange& exchange, const char* data, size_t size);
+  int64_t body_limit(const Exchange& exchange) const {
+    return exchange.form_reader ? 2 * config.max_image_bytes + config.max_body_bytes : config.max_body_bytes;
+  }
   MHD_Result stream(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
                     generate::PromptRequest prompt);
   Answer submit_job(const Exchange& exchange);
@@ -257,12 +276,14 @@ struct HttpServer::State {
   Answer get(const Exchange& exchange);
 
   void authorize(const Exchange& exchange) const;
-  ApiError body_too_large() const {
-    return ApiError(413, "The request body is larger than this server takes (" + std::to_string(config.max_body_bytes) +
+  ApiError body_too_large(const Exchange& exchange) const {
+    return ApiError(413, "The request body is larger than this server takes (" + std::to_string(body_limit(exchange)) +
                              " bytes).", "", "request_too_large");
   }
+  void check_admissible(const Exchange& exchange) const;
   ImageRequest read_request(const Exchange& exchange) const;
-  generate::PromptRequest prompt_of(const ImageRequest& request);
+  generate::PromptRequest prompt_of(const ImageRequest& request,
+                                    std::shared_ptr<const generate::PromptImage> image_prompt = nullptr);
   std::shared_ptr<Job> admit(generate::PromptRequest prompt, std::function<void(const std::shared_ptr<Job>&)> on_change);
   json answer_json(const std::string& host, const ImageRequest& request, const Job& job);
   std::string base_url(const std::string& host) const;
@@ -390,10 +411,8 @@ MHD_Result HttpServer::State::on_request(void* self, MHD_Connection* connection,
       *size = 0;
       return MHD_YES;
     }
-    if (*size > 0) {  // a piece of the body: kept within the limit, the rest read and dropped
-      exchange->too_large = exchange->too_large ||
-                            exchange->body.size() + *size > static_cast<size_t>(state.config.max_body_bytes);
-      if (!exchange->too_large) exchange->body.append(data, *size);
+    if (*size > 0) {
+      state.take_body(*exchange, data, *size);
       *size = 0;
       return MHD_YES;
     }
@@ -407,6 +426,38 @@ MHD_Result HttpServer::State::on_request(void* self, MHD_Connection* connection,
     log::error("serve: ", method, " ", excerpt(url), ": ", error.what());
     return MHD_NO;
   }
+}
+
+// A piece of the body: kept (or parsed, for a form) within the limit, the rest read and dropped.
+void HttpServer::State::take_body(Exchange& exchange, const char* data, size_t size) {
+  exchange.body_bytes += size;
+  exchange.too_large = exchange.too_large || exchange.body_bytes > static_cast<size_t>(body_limit(exchange));
+  if (exchange.too_large) return;
+  if (!exchange.form_reader) {
+    exchange.body.append(data, size);
+    return;
+  }
+  if (!exchange.form_unreadable && exchange.oversized_field.empty() &&
+      MHD_post_process(exchange.form_reader, data, size) != MHD_YES && exchange.oversized_field.empty()) {
+    exchange.form_unreadable = true;
+  }
+}
+
+MHD_Result HttpServer::State::read_form(void* context, MHD_ValueKind, const char* key, const char* filename,
+                                        const char* content_type, const char*, const char* data, uint64_t,
+                                        size_t size) {
+  auto& exchange = *static_cast<Exchange*>(context);
+  auto& part = exchange.form[key];
+  if (filename) part.filename = filename;
+  if (content_type) part.content_type = content_type;
+  const auto& limits = *exchange.limits;
+  const auto limit = is_file_field(key) ? limits.max_image_bytes : limits.max_body_bytes;
+  if (part.data.size() + size > static_cast<size_t>(limit)) {
+    exchange.oversized_field = key;
+    return MHD_NO;
+  }
+  part.data.append(data, size);
+  return MHD_YES;
 }
 
 MHD_Result HttpServer::State::begin(MHD_Connection* connection, const char* url, const char* method, void** context) {
@@ -425,15 +476,25 @@ MHD_Result HttpServer::State::begin(MHD_Connection* connection, const char* url,
   }
   *context = new std::shared_ptr<Exchange>(exchange);
   connections.headers_read(connection);
+  if (exchange->path == kEdits && exchange->method == "POST") {
+    exchange->limits = &config;
+    exchange->form_reader = MHD_create_post_processor(connection, 64 * 1024, read_form, exchange.get());
+    if (!exchange->form_reader) {
+      exchange->read = true;
+      return send(*exchange, error_answer(ApiError(400, "POST /v1/images/edits takes a multipart/form-data body "
+                                                        "(OpenAI's form: image, mask, prompt...).", "",
+                                                   "invalid_content_type")));
+    }
+  }
   // A body declared too large is read and dropped (body_timeout_seconds bounds that), then
   // refused: a client that sends it whole reads the answer only after. One that waits for
   // `100 Continue` is refused at once (the connection then closes).
   const auto length = header(connection, "Content-Length");
-  if (!length.empty() && (length.size() > 18 || std::stoll(length) > config.max_body_bytes)) {
+  if (!length.empty() && (length.size() > 18 || std::stoll(length) > body_limit(*exchange))) {
     exchange->too_large = true;
     if (!header(connection, "Expect").empty()) {
       exchange->read = true;
-      return send(*exchange, error_answer(body_too_large()));
+      return send(*exchange, error_answer(body_too_large(*exchange)));
     }
   }
   // Answering now would close the connection (libmicrohttpd's rule): the answer comes once
@@ -476,8 +537,9 @@ MHD_Result HttpServer::State::route(const std::shared_ptr<Exchange>& exchange) {
     answer.headers.emplace_back("Allow", allowed);
     return send(*exchange, answer);
   }
-  if (exchange->too_large) return send(*exchange, error_answer(body_too_large()));
+  if (exchange->too_large) return send(*exchange, error_answer(body_too_large(*exchange)));
   if (path == kGenerations) return generations(exchange);
+  if (path == kEdits) return edits(exchange);
   if (path == kJobs) return send(*exchange, submit_job(*exchange));
   std::smatch match;
   if (std::regex_match(path, match, job_path())) return send(*exchange, job(*exchange, match[1]));
@@ -541,6 +603,8 @@ void HttpServer::State::on_completed(void* self, MHD_Connection* connection, voi
   if (!held) return;
   const auto exchange = std::move(*held);
   delete held;
+  if (exchange->form_reader) MHD_destroy_post_processor(exchange->form_reader);
+  exchange->form_reader = nullptr;
   bool left = false;
   {
     std::lock_guard lock(exchange->mutex);
@@ -570,11 +634,15 @@ void HttpServer::State::authorize(const Exchange& exchange) const {
                  "", "invalid_api_key");
 }
 
-ImageRequest HttpServer::State::read_request(const Exchange& exchange) const {
+void HttpServer::State::check_admissible(const Exchange& exchange) const {
   authorize(exchange);
   if (scheduler.draining()) {
     throw ApiError(503, "The server is shutting down and takes no new requests.", "", "server_shutting_down");
   }
+}
+
+ImageRequest HttpServer::State::read_request(const Exchange& exchange) const {
+  check_admissible(exchange);
   return read_image_request(exchange.body, model);
 }
 
@@ -584,8 +652,10 @@ int64_t HttpServer::State::random_seed() {
   return static_cast<int64_t>(seeds() >> 11);
 }
 
-generate::PromptRequest HttpServer::State::prompt_of(const ImageRequest& request) {
+generate::PromptRequest HttpServer::State::prompt_of(const ImageRequest& request,
+                                                     std::shared_ptr<const generate::PromptImage> image_prompt) {
   auto prompt = to_prompt_request(request, pipeline.request(request.prompt), random_seed());
+  prompt.image_prompt = std::move(image_prompt);
   try {
     pipeline.check(prompt);  // what the model itself refuses (a BART prior's filters, say)
   } catch (const Error& error) {
@@ -613,7 +683,26 @@ std::shared_ptr<Job> HttpServer::State::admit(generate::PromptRequest prompt,
 
 MHD_Result HttpServer::State::generations(const std::shared_ptr<Exchange>& exchange) {
   const auto request = read_request(*exchange);
-  auto prompt = prompt_of(request);
+  return answer_with_job(exchange, request, prompt_of(request));
+}
+
+MHD_Result HttpServer::State::edits(const std::shared_ptr<Exchange>& exchange) {
+  check_admissible(*exchange);
+  if (!exchange->oversized_field.empty()) {
+    const auto& name = exchange->oversized_field;
+    throw ApiError(413, "Invalid '" + name + "': larger than this server takes (" +
+                            std::to_string(is_file_field(name) ? config.max_image_bytes : config.max_body_bytes) +
+                            " bytes).", name, "request_too_large");
+  }
+  if (exchange->form_unreadable) throw ApiError(400, "The multipart form could not be read.", "", "invalid_body");
+  auto edit = read_edit_request(exchange->form, model);
+  exchange->form.clear();
+  auto prompt = prompt_of(edit.request, std::make_shared<const generate::PromptImage>(std::move(edit.image_prompt)));
+  return answer_with_job(exchange, edit.request, std::move(prompt));
+}
+
+MHD_Result HttpServer::State::answer_with_job(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
+                                              generate::PromptRequest prompt) {
   if (request.stream) return stream(exchange, request, std::move(prompt));
   {
     // Held until the connection is parked: the job's answer cannot come before.

@@ -27,6 +27,9 @@ void ServeConfig::visit(ConfigVisitor& v) {
           {.min = 1, .max = 1000000});
   v.field("max_body_bytes", max_body_bytes, "bytes of a request body at most; more is refused with 413",
           {.min = 1024, .max = 1 << 30});
+  v.field("max_image_bytes", max_image_bytes,
+          "bytes of each file of POST /v1/images/edits (`image`, `mask`) at most; more is refused with 413 (OpenAI's "
+          "DALL-E 2: 4 MB). Their pixels are bounded by DALLE_MAX_IMAGE_PIXELS", {.min = 1024, .max = 1 << 30});
   v.field("request_timeout_seconds", request_timeout_seconds,
           "seconds from a request's arrival to its answer at most, queueing included; then 504",
           {.min = 0.001, .max = 86400});

@@ -18,6 +18,7 @@ struct ServeConfig {
   int64_t max_candidates = 64;
   int64_t max_prompt_length = 1000;
   int64_t max_body_bytes = 1 << 20;
+  int64_t max_image_bytes = 4 << 20;
   double request_timeout_seconds = 300;
   int64_t batch_window_ms = 20;
   int64_t image_ttl_seconds = 600;

@@ -23,6 +23,9 @@ class ImageError : public Error {
 // alpha is dropped. An unreadable or corrupt file throws ImageError naming it.
 torch::Tensor read_image(const std::string& path);
 torch::Tensor decode_image(std::string_view bytes, const std::string& name);
+// The alpha channel of an encoded image, [1, H, W] in [0, 1] (1: opaque); nothing when the
+// image has none. Throws as decode_image does.
+std::optional<torch::Tensor> decode_alpha(std::string_view bytes, const std::string& name);
 
 // Writes [3, H, W] or [1, H, W] values in [0, 1] (clamped) as 8-bit PNG, atomically.
 void write_png(const std::string& path, const torch::Tensor& image);

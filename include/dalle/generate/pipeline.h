@@ -85,6 +85,9 @@ struct PromptRequest {
   // How many of its candidates are previewed, the first ones (0: all). Each preview decodes
   // the candidates it shows, which can cost as much as drawing them on a small prior.
   int64_t preview_candidates = 0;
+  // An image prompt of its own, in place of the config's image_prompt (none: the config's).
+  // A request with one batches only with requests sharing this object.
+  std::shared_ptr<const PromptImage> image_prompt;
 
   int64_t kept() const { return keep == 0 ? candidates : keep; }
 };
