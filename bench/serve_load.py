@@ -27,7 +27,9 @@ bench: images/s and p50/p99 latency of fixed requests (n=1, --candidates candida
   "generate:" progress line: tokens drawn / rate), so that neither side counts loading the
   models; its wall time is given too. Prints a JSON line per level, one for dalle-generate, and
   a summary with the ratio at the highest level. Meant for a quiet machine (it reports the
-  load average before and after); it asserts nothing (docs/benchmarks.md).
+  load average before and after); it asserts nothing (docs/benchmarks.md). Each level also
+  gives the server's own p50 arrival-to-answer time (from its log; the clients' p50 minus it
+  is what HTTP costs) and the fraction of the wall time its worker spent in generate calls.
 
 slow: slow and idle clients must not stop the service. Measures a generation request's
   latency (the median of 3) and /health's on a quiet server, then opens STALLED connections
@@ -309,12 +311,23 @@ def bench_level(server, clients, images, candidates, timeout):
                 (latencies.append(time.monotonic() - started) if status == 200
                  else problems.append(f"{status} {payload[:200]!r}"))
 
+    logged_before = len(server.lines)
     seconds = on_threads(clients, client)
     if problems:
         fail(f"{clients} clients: {len(problems)} requests failed: {problems[:3]}")
+    time.sleep(0.1)  # the last answers' log lines
+    # The server's own account of each request: arrival to answer, and its generate call's
+    # time shared among the requests in it; the rest of the wall time the worker was idle.
+    answered = [re.search(r"images for .* in ([0-9.e-]+) s \(generated with (\d+) other requests in ([0-9.e-]+) s",
+                          line) for line in server.lines[logged_before:]]
+    answered = [match for match in answered if match]
+    served = [float(match.group(1)) for match in answered]
+    generating = sum(float(match.group(3)) / (int(match.group(2)) + 1) for match in answered)
     return {"bench": "serve", "clients": clients, "images": clients * per_client, "seconds": round(seconds, 2),
             "images_per_second": round(clients * per_client / seconds, 3),
-            "latency_p50_s": round(percentile(latencies, 50), 2), "latency_p99_s": round(percentile(latencies, 99), 2)}
+            "latency_p50_s": round(percentile(latencies, 50), 2), "latency_p99_s": round(percentile(latencies, 99), 2),
+            "server_latency_p50_s": round(percentile(served, 50), 3) if served else None,
+            "worker_generating_fraction": round(generating / seconds, 3)}
 
 
 def generate_baseline(args, images, scratch):

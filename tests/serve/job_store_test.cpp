@@ -27,8 +27,8 @@ TEST(JobStore, AnEndIsRecordedOnceAndACancelledJobStaysCancelled) {
   ASSERT_TRUE(store.add("cancelled"));
   auto job = std::make_shared<Job>();
   store.attach("done", job);
-  store.end("done", "answer", "");
-  store.end("done", "", "a later error");
+  EXPECT_TRUE(store.end("done", "answer", ""));
+  EXPECT_FALSE(store.end("done", "", "a later error"));
   const auto done = store.find("done");
   ASSERT_TRUE(done && done->ended);
   EXPECT_EQ(done->job, job);
@@ -37,7 +37,7 @@ TEST(JobStore, AnEndIsRecordedOnceAndACancelledJobStaysCancelled) {
   EXPECT_FALSE(store.cancel("done")->cancelled) << "a finished job is not cancelled";
 
   ASSERT_TRUE(store.cancel("cancelled")->cancelled);
-  store.end("cancelled", "answer", "");  // the generate call it was part of finishes after
+  EXPECT_FALSE(store.end("cancelled", "answer", ""));  // the generate call it was part of finishes after
   EXPECT_TRUE(store.find("cancelled")->answer.empty());
   EXPECT_FALSE(store.cancel("unknown"));
 }

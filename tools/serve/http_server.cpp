@@ -840,8 +840,7 @@ void HttpServer::State::settle_stored(const std::string& id, const std::string& 
     jobs.end(id, "", generation_error(job->error).json());
     return;
   }
-  jobs.end(id, answer_json(host, request, *job).dump(), "");
-  log_answered(request, *job, job->admitted);
+  if (jobs.end(id, answer_json(host, request, *job).dump(), "")) log_answered(request, *job, job->admitted);
 }
 
 // ---- the responder thread

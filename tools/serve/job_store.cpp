@@ -53,13 +53,14 @@ std::optional<StoredJob> JobStore::find(const std::string& id) {
   return at->second;
 }
 
-void JobStore::end(const std::string& id, std::string answer, std::string error) {
+bool JobStore::end(const std::string& id, std::string answer, std::string error) {
   std::lock_guard lock(mutex_);
   const auto at = jobs_.find(id);
-  if (at == jobs_.end() || at->second.ended) return;
+  if (at == jobs_.end() || at->second.ended) return false;
   at->second.answer = std::move(answer);
   at->second.error = std::move(error);
   at->second.ended = Clock::now();
+  return true;
 }
 
 std::optional<StoredJob> JobStore::cancel(const std::string& id) {

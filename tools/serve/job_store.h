@@ -40,8 +40,9 @@ class JobStore {
   void remove(const std::string& id);
   // A copy of the job under `id`, unless there is none (never was, expired, pushed out).
   std::optional<StoredJob> find(const std::string& id);
-  // Records how the job ended: its answer, or its error. Ignored once it ended (cancelled).
-  void end(const std::string& id, std::string answer, std::string error);
+  // Records how the job ended: its answer, or its error; false (nothing recorded) once it
+  // ended (cancelled) or is gone.
+  bool end(const std::string& id, std::string answer, std::string error);
   // Marks the job cancelled and ended (if it had not ended) and returns it as it is then.
   std::optional<StoredJob> cancel(const std::string& id);
 
