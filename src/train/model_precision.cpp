@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "dalle/io/state_dict.h"
+#include "dalle/train/trainable.h"
 
 namespace dalle::train {
 
@@ -14,7 +15,7 @@ ModelPrecision::ModelPrecision(const PrecisionConfig& config, std::vector<torch:
 
 ModelPrecision::ModelPrecision(const PrecisionConfig& config, std::vector<torch::Tensor> parameters,
                                std::vector<std::vector<torch::Tensor>> scale_groups, int64_t replicas)
-    : autocast_(config.autocast_dtype()), parameters_(std::move(parameters)), scales_loss_(false) {
+    : autocast_(config.autocast_dtype()), parameters_(trained_only(parameters)), scales_loss_(false) {
   if (config.precision() == Precision::fp16) {
     scaler_ = std::make_unique<GradientScaler>(config.gradient_scaling, std::move(scale_groups), replicas);
   }

@@ -10,6 +10,11 @@ void OptimizerConfig::visit(ConfigVisitor& v) {
   v.field("grad_clip", grad_clip, "clip the global gradient norm to this (0: no clipping)", {.min = 0.0});
   v.field("ema_decay", ema_decay, "decay of the weights' moving average, which validates and is exported (0: off)",
           {.min = 0.0, .max = 0.999999});
+  v.field("trainable", trainable,
+          "glob patterns over parameter names (`*` any text, dots included: \"resblocks.*.qkv.*\", "
+          "\"*embedding*\"); parameters matching none are frozen: no gradients, no AdamW moments, no reduction "
+          "(fine-tuning part of a model, as ruDALL-E's Emojich froze attention and MLP). Empty: every parameter "
+          "trains. A pattern that matches nothing is refused; names: the model's state dict");
 }
 
 void RunConfig::visit(ConfigVisitor& v) {

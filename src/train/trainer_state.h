@@ -25,6 +25,7 @@
 #include "dalle/runtime.h"
 #include "dalle/train/adamw.h"
 #include "dalle/train/stop_request.h"
+#include "dalle/train/trainable.h"
 #include "dalle/train/ema.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/recipe.h"
@@ -136,9 +137,11 @@ struct TrainerState : RunRecord {
   // The data-parallel replicas, which multiply the fp16 gradient scales.
   int64_t replicas() const { return job->size(); }
 
-  // Once `model` is built: moves it to the device and starts its moving average.
+  // Once `model` is built: moves it to the device, freezes what optimizer.trainable leaves
+  // out, and starts its moving average.
   void place_model() {
     model->to(device);
+    freeze_all_but(*model, config.optimizer.trainable, what);
     ema_model = Model(config.model);
     ema_model->to(device);
     ema = std::make_unique<Ema>(*model, config.optimizer.ema_decay);
@@ -163,9 +166,17 @@ struct TrainerState : RunRecord {
 
   // AdamW over `groups`, `precision` and the update step, with `options`' name and
   // clipping filled in from the recipe.
+  // Frozen parameters (optimizer.trainable) are left out of the groups.
   void build_update(std::vector<torch::optim::OptimizerParamGroup> groups, double first_learning_rate,
                     std::unique_ptr<ModelPrecision> model_precision, UpdateOptions options = {}) {
-    optimizer = make_adamw(std::move(groups), first_learning_rate);
+    std::vector<torch::optim::OptimizerParamGroup> trained;
+    for (auto& group : groups) {
+      auto parameters = trained_only(group.params());
+      if (parameters.empty()) continue;
+      trained.emplace_back(std::move(parameters),
+                           group.has_options() ? group.options().clone() : nullptr);
+    }
+    optimizer = make_adamw(std::move(trained), first_learning_rate);
     precision = std::move(model_precision);
     options.what = what;
     options.grad_clip = config.optimizer.grad_clip;

@@ -8,7 +8,9 @@
 #include "dalle/train/activation_checkpoint.h"
 #include "dalle/train/adamw.h"
 #include "dalle/train/gradient_scaler.h"
+#include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
+#include "dalle/train/trainable.h"
 #include "test_support.h"
 
 namespace dalle::train {
@@ -321,6 +323,26 @@ TEST(AdamW, Bf16MomentsFollowFp32AndFp32IsTorchsAdamW) {
   EXPECT_EQ(state.exp_avg().scalar_type(), torch::kBFloat16);
   EXPECT_EQ(state.exp_avg_sq().scalar_type(), torch::kBFloat16);
   EXPECT_EQ(state.step(), 10);
+}
+
+// optimizer.trainable: the patterns freeze the rest, and what the update step reduces and
+// checks (ModelPrecision::parameters, the gradient reducer's list) holds the trained alone.
+TEST(Trainable, PatternsFreezeTheRestAndTheReducedParametersAreTheTrainedOnes) {
+  torch::nn::Sequential model(torch::nn::Linear(4, 4), torch::nn::LayerNorm(torch::nn::LayerNormOptions({4})),
+                              torch::nn::Linear(4, 2));
+  EXPECT_EQ(freeze_all_but(*model, {}, "test"), 6) << "no patterns: everything trains";
+  EXPECT_EQ(freeze_all_but(*model, {"1.*", "2.bias"}, "test"), 3);
+  const auto named = model->named_parameters();
+  EXPECT_FALSE(named["0.weight"].requires_grad());
+  EXPECT_TRUE(named["1.weight"].requires_grad() && named["2.bias"].requires_grad());
+  EXPECT_FALSE(named["2.weight"].requires_grad());
+  const ModelPrecision precision(PrecisionConfig{}, model->parameters(), 1);
+  ASSERT_EQ(precision.parameters().size(), 3u);
+  EXPECT_TRUE(precision.parameters()[0].is_same(named["1.weight"]));
+  model->forward(torch::randn({3, 4})).sum().backward();
+  EXPECT_FALSE(named["0.weight"].grad().defined()) << "no gradient is computed for a frozen parameter";
+  EXPECT_TRUE(named["2.bias"].grad().defined());
+  EXPECT_THROW_WITH(freeze_all_but(*model, {"3.*"}, "test"), Error, "\"3.*\" matches no parameter");
 }
 
 }  // namespace

@@ -5,8 +5,10 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
+#include "dalle/io/checkpoint.h"
 #include "dalle/models/trained.h"
 #include "dalle/data/token_dataset.h"
 #include "gpu_run.h"
@@ -193,6 +195,47 @@ TEST_F(PriorTrainerTest, InitFromRefusesAnotherModelOrAMissingRunBeforeWritingAn
   config.init_from = runs / "nowhere";
   EXPECT_THROW_WITH(PriorTrainer(config, runs / "b"), Error, "nowhere");
   EXPECT_FALSE(std::filesystem::exists(runs / "b"));
+}
+
+// optimizer.trainable freezes what no pattern names (here attention and MLP weights, as
+// Emojich's recipe did): frozen weights end as they began and have no moments in the
+// checkpoint; the rest trains, and the run resumes exactly.
+TEST_F(PriorTrainerTest, FrozenParametersStayAsTheyWereAndHaveNoMoments) {
+  ScratchDir runs;
+  auto config = tiny(6);
+  config.run.checkpoint_every = 6;
+  config.optimizer.trainable = {"*embedding*", "to_logits.*", "resblocks.*norm.*"};
+  PriorTrainer trainer(config, runs / "run");
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& item : trainer.model()->named_parameters()) before[item.key()] = item.value().detach().clone();
+  trainer.run();
+  const auto trains = [](const std::string& name) {
+    return name.find("embedding") != std::string::npos || name.rfind("to_logits.", 0) == 0 ||
+           (name.rfind("resblocks.", 0) == 0 && name.find("norm.") != std::string::npos);
+  };
+  const auto checkpoint = io::load_checkpoint(runs / "run/checkpoints/step-000000006");
+  int64_t frozen = 0;
+  for (const auto& item : trainer.model()->named_parameters()) {
+    const auto& name = item.key();
+    const bool has_moments = checkpoint.state.count("adamw." + name + ".exp_avg") > 0;
+    if (trains(name)) {
+      EXPECT_FALSE(torch::equal(item.value(), before[name])) << name << " trains";
+      EXPECT_TRUE(has_moments) << name;
+    } else {
+      ++frozen;
+      EXPECT_TRUE(torch::equal(item.value(), before[name])) << name << " is frozen";
+      EXPECT_FALSE(item.value().requires_grad()) << name;
+      EXPECT_FALSE(has_moments) << name << ": no moments for a frozen parameter";
+    }
+  }
+  EXPECT_EQ(frozen, 18) << "qkv, out, fc_in and fc_out, weight and bias, of 2 layers, and final_norm";
+
+  auto resumed = tiny(8);
+  resumed.optimizer.trainable = config.optimizer.trainable;
+  testing::expect_exact_resume<PriorTrainer>(resumed);
+  auto nothing = tiny(1);
+  nothing.optimizer.trainable = {"resblocks.*.qkv.*", "decoder.*"};
+  EXPECT_THROW_WITH(PriorTrainer(nothing, runs / "a"), Error, "pattern \"decoder.*\" matches no parameter");
 }
 
 TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {

@@ -5,6 +5,7 @@
 // own defaults (the paper's or the reference's), not its own keys.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "dalle/config.h"
 #include "dalle/train/precision.h"
@@ -18,6 +19,8 @@ struct OptimizerConfig {
   double weight_decay = 0.0;
   double grad_clip = 0.0;  // 0: no clipping
   double ema_decay = 0.999;
+  // Glob patterns over parameter names; those matching none are frozen. Empty: all train.
+  std::vector<std::string> trainable;
 
   void visit(ConfigVisitor& v);
 };

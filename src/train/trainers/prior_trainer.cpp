@@ -268,6 +268,10 @@ void PriorTrainer::State::install_resblock_runner() {
 // blocks' own tensors are emptied.
 void PriorTrainer::State::cut_resblocks() {
   if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
+  if (!config.optimizer.trainable.empty()) {
+    throw Error("prior training: optimizer.trainable (frozen parameters) does not yet combine with "
+                "distributed.sharding: within_node; train the unfrozen part replicated (sharding: none)");
+  }
   shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node(),
                                               config.distributed.overlap);
 }

@@ -1,0 +1,20 @@
+#pragma once
+// Freezing part of a model for fine-tuning (optimizer.trainable): the parameters whose names
+// match none of the patterns stop requiring gradients, so that backward computes none for
+// them, the optimizer keeps no moments for them and the reducer never sends them.
+#include <torch/nn/module.h>
+
+#include <string>
+#include <vector>
+
+namespace dalle::train {
+
+// Freezes the parameters of `model` that match none of `patterns` (fnmatch globs, `*`
+// crossing dots); nothing when `patterns` is empty. Returns how many parameters train.
+// Throws naming `what` for a pattern that matches no parameter, or patterns that leave none.
+int64_t freeze_all_but(torch::nn::Module& model, const std::vector<std::string>& patterns, const std::string& what);
+
+// The tensors of `parameters` that require gradients, in order.
+std::vector<torch::Tensor> trained_only(const std::vector<torch::Tensor>& parameters);
+
+}  // namespace dalle::train

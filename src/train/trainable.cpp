@@ -1,0 +1,40 @@
+#include "dalle/train/trainable.h"
+
+#include <fnmatch.h>
+
+#include "dalle/error.h"
+
+namespace dalle::train {
+
+int64_t freeze_all_but(torch::nn::Module& model, const std::vector<std::string>& patterns, const std::string& what) {
+  const auto parameters = model.named_parameters();
+  if (patterns.empty()) return static_cast<int64_t>(parameters.size());
+  std::vector<bool> used(patterns.size(), false);
+  int64_t trained = 0;
+  for (const auto& item : parameters) {
+    bool matched = false;
+    for (size_t p = 0; p < patterns.size(); ++p) {
+      if (fnmatch(patterns[p].c_str(), item.key().c_str(), 0) == 0) matched = used[p] = true;
+    }
+    item.value().requires_grad_(matched);
+    trained += matched ? 1 : 0;
+  }
+  for (size_t p = 0; p < patterns.size(); ++p) {
+    if (!used[p]) {
+      throw Error(what + ": optimizer.trainable's pattern \"" + patterns[p] + "\" matches no parameter (the first: " +
+                  parameters.begin()->key() + "; every name is in the model's state dict)");
+    }
+  }
+  if (trained == 0) throw Error(what + ": optimizer.trainable leaves no parameter to train");
+  return trained;
+}
+
+std::vector<torch::Tensor> trained_only(const std::vector<torch::Tensor>& parameters) {
+  std::vector<torch::Tensor> trained;
+  for (const auto& parameter : parameters) {
+    if (parameter.requires_grad()) trained.push_back(parameter);
+  }
+  return trained;
+}
+
+}  // namespace dalle::train
