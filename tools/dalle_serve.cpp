@@ -17,8 +17,8 @@ using namespace dalle;
 
 namespace {
 
-// The stop signals, blocked in every thread (torch's and libmicrohttpd's threads inherit the mask
-// of the thread that starts them): one thread waits for them with sigwait and drains.
+// The stop signals, blocked in every thread (torch's and libmicrohttpd's threads inherit the
+// mask of the thread that starts them): one thread waits for them with sigwait and drains.
 sigset_t stop_signals() {
   sigset_t signals;
   sigemptyset(&signals);
