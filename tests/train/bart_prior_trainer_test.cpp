@@ -111,6 +111,32 @@ TEST_F(BartPriorTrainerTest, LossGoesDownAndTheRunLoadsAsABartPrior) {
   EXPECT_FALSE(torch::equal(weights.at("decoder.lm_head.weight"), checkpoint.weights.at("decoder.lm_head.weight")));
 }
 
+// optimizer.trainable in another trainer: only the output layer and the norms train; the
+// encoder and the decoder's attention and GLU weights stay as they were, without moments.
+TEST_F(BartPriorTrainerTest, FrozenParametersStayAsTheyWereAndHaveNoMoments) {
+  ScratchDir runs;
+  auto config = tiny(4);
+  config.run.checkpoint_every = 2;
+  config.optimizer.trainable = {"decoder.lm_head.*", "*layer_norm*"};
+  BartPriorTrainer(config, runs / "run").run();
+  const auto early = io::load_checkpoint(runs / "run/checkpoints/step-000000002");
+  const auto late = io::load_checkpoint(runs / "run/checkpoints/step-000000004");
+  int64_t frozen = 0, trained = 0;
+  for (const auto& [name, tensor] : late.weights) {
+    const bool trains = name.rfind("decoder.lm_head.", 0) == 0 || name.find("layer_norm") != std::string::npos;
+    EXPECT_EQ(late.state.count("adamw." + name + ".exp_avg") > 0, trains) << name << ": moments only if it trains";
+    if (trains) {
+      ++trained;
+      EXPECT_FALSE(torch::equal(tensor, early.weights.at(name))) << name << " trains";
+    } else {
+      ++frozen;
+      EXPECT_TRUE(torch::equal(tensor, early.weights.at(name))) << name << " is frozen";
+    }
+  }
+  EXPECT_GT(frozen, 10);
+  EXPECT_GT(trained, 2);
+}
+
 TEST_F(BartPriorTrainerTest, FineTuningStartsFromTheInitCheckpointAndResumesWithoutIt) {
   ScratchDir runs;
   torch::manual_seed(7);
