@@ -34,6 +34,7 @@ void LinearImpl::reset() {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  if (adapted()) return torch::linear(x, weight, bias) + lora_B(lora_A(x)) * adapter_scale_;
   if (!packed_) return torch::linear(x, weight, bias);
   if (!x.device().is_cpu() || x.scalar_type() != torch::kFloat32) {
     throw Error("an int8 linear layer takes float32 inputs on the CPU, not " + std::string(c10::toString(x.scalar_type())) +
@@ -47,8 +48,40 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
       .view(sizes);
 }
 
+void LinearImpl::add_adapter(int64_t rank, double scale) {
+  if (adapted()) throw Error("this linear layer has an adapter already; merge it first");
+  if (packed_) throw Error("an int8 linear layer takes no adapter; add adapters before quantizing");
+  if (rank < 1 || rank > std::min(in_features_, out_features_)) {
+    throw Error("adapter rank " + std::to_string(rank) + " does not fit a " + std::to_string(in_features_) + " -> " +
+                std::to_string(out_features_) + " linear layer (1 to the smaller side)");
+  }
+  const auto options = torch::nn::LinearOptions(in_features_, rank).bias(false);
+  lora_A = register_module("lora_A", torch::nn::Linear(options));
+  lora_B = register_module("lora_B", torch::nn::Linear(torch::nn::LinearOptions(rank, out_features_).bias(false)));
+  torch::NoGradGuard no_grad;
+  lora_B->weight.zero_();
+  lora_A->to(weight.device(), weight.scalar_type());
+  lora_B->to(weight.device(), weight.scalar_type());
+  adapter_scale_ = scale;
+}
+
+void LinearImpl::merge_adapter() {
+  if (!adapted()) return;
+  {
+    torch::NoGradGuard no_grad;
+    const auto delta = torch::matmul(lora_B->weight.to(torch::kFloat32), lora_A->weight.to(torch::kFloat32));
+    weight.copy_(weight.to(torch::kFloat32) + delta * adapter_scale_);
+  }
+  unregister_module("lora_A");
+  unregister_module("lora_B");
+  lora_A = nullptr;
+  lora_B = nullptr;
+  adapter_scale_ = 0;
+}
+
 void LinearImpl::quantize_int8() {
   if (packed_) return;
+  if (adapted()) throw Error("merge the adapter into the weight before quantizing (models::merge_adapters)");
   if (!weight.device().is_cpu() || weight.scalar_type() != torch::kFloat32) {
     throw Error("int8 weights are made from float32 ones on the CPU, not " +
                 std::string(c10::toString(weight.scalar_type())) + " on " + weight.device().str());

@@ -3,9 +3,11 @@
 // [out, in], `bias` [out]), so that checkpoints load by name, with a second way to run it for
 // inference on the CPU: the weight as int8 with a scale per output channel, multiplied by
 // FBGEMM's dynamic-quantized product in LibTorch (each call quantizes its activations, the
-// product accumulates in int32 and comes out in float32).
+// product accumulates in int32 and comes out in float32). For fine-tuning it can carry a
+// low-rank adapter (LoRA, Hu et al. 2021) beside its weight.
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
@@ -27,12 +29,24 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   void quantize_int8();
   bool quantized() const { return packed_ != nullptr; }
 
+  // Adds a low-rank adapter: forward then adds scale * B(A(x)), with A [rank, in] and B
+  // [out, rank] registered as `lora_A.weight` and `lora_B.weight` (peft's names), in the
+  // weight's dtype and device. A starts as peft's (Kaiming-uniform), B at zero, so that the
+  // layer computes what it did until training moves B.
+  void add_adapter(int64_t rank, double scale);
+  bool adapted() const { return !lora_A.is_empty(); }
+  double adapter_scale() const { return adapter_scale_; }
+  // weight += scale * B A, rounded once to the weight's dtype; the adapter goes.
+  void merge_adapter();
+
   torch::Tensor weight, bias;
+  torch::nn::Linear lora_A{nullptr}, lora_B{nullptr};
 
  private:
   struct Int8Weight;
   int64_t in_features_, out_features_;
   bool has_bias_;
+  double adapter_scale_ = 0;
   std::shared_ptr<Int8Weight> packed_;
 };
 TORCH_MODULE(Linear);
