@@ -11,6 +11,7 @@
 
 #include "dalle/io/atomic_file.h"
 #include "dalle/io/stale_temporaries.h"
+#include "dalle/io/state_dict.h"
 #include "dalle/log.h"
 
 namespace dalle::io {
@@ -74,6 +75,8 @@ void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint)
 namespace {
 
 constexpr const char* kLayoutKey = "shard_layout";
+constexpr const char* kBaseKey = "base_checkpoint";
+constexpr const char* kBaseFingerprintKey = "base_fingerprint";
 
 std::string shard_file(int64_t rank, int64_t ranks) {
   char name[64];
@@ -182,6 +185,42 @@ int64_t copy_overlap(const Piece& piece, int64_t low, int64_t high, torch::Tenso
 }
 
 // Rank 0's files, the shards left where they are.
+// Size and 64 evenly spread 4 KiB blocks of a file, FNV-1a hashed: cheap on a file of
+// gigabytes, and enough to tell another file or a rewritten one from the same one.
+std::string file_fingerprint(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(path.string() + ": cannot be read");
+  const auto size = fs::file_size(path);
+  uint64_t hash = 1469598103934665603ull;
+  std::vector<char> block(4096);
+  constexpr uint64_t kBlocks = 64;
+  for (uint64_t b = 0; b < kBlocks; ++b) {
+    in.seekg(static_cast<std::streamoff>(size / kBlocks * b));
+    in.read(block.data(), static_cast<std::streamsize>(block.size()));
+    for (std::streamsize i = 0; i < in.gcount(); ++i) hash = (hash ^ static_cast<unsigned char>(block[i])) * 1099511628211ull;
+    in.clear();
+  }
+  std::ostringstream text;
+  text << size << ":" << std::hex << hash;
+  return text.str();
+}
+
+// The base's inference weights into every name `checkpoint` lacks (refer_to_base).
+void fill_from_base(Checkpoint& checkpoint, const std::string& directory) {
+  const auto base = base_of(checkpoint);
+  if (base.empty()) return;
+  const auto where = directory + " (fine-tuned from " + base + ")";
+  if (!fs::exists(fs::path(base) / kWeightsFile)) {
+    throw Error(where + ": its base checkpoint is gone; the checkpoint holds only what was trained, and needs the "
+                "base it was trained from at that path");
+  }
+  if (file_fingerprint(fs::path(base) / kWeightsFile) != checkpoint.state_metadata.at(kBaseFingerprintKey)) {
+    throw Error(where + ": the base checkpoint's weights changed since the run started from them; put the "
+                "original back at that path");
+  }
+  for (auto& [name, tensor] : inference_weights(load_checkpoint(base))) checkpoint.weights.emplace(name, std::move(tensor));
+}
+
 Checkpoint load_checkpoint_files(const std::string& directory) {
   const fs::path root(directory);
   if (!fs::is_directory(root)) throw Error(directory + ": no checkpoint directory here");
@@ -297,7 +336,25 @@ Checkpoint load_checkpoint(const std::string& directory) {
     join_shards(fs::path(directory), parse_layout(fs::path(directory), layout->second), checkpoint);
     checkpoint.state_metadata.erase(layout);
   }
+  fill_from_base(checkpoint, directory);
   return checkpoint;
+}
+
+TensorMap inference_weights(const Checkpoint& checkpoint) {
+  auto weights = checkpoint.weights;
+  for (auto& [name, tensor] : with_prefix_removed(checkpoint.state, "ema.")) weights[name] = std::move(tensor);
+  return weights;
+}
+
+void refer_to_base(Checkpoint& checkpoint, const std::string& base_directory) {
+  const auto base = fs::absolute(base_directory).lexically_normal();
+  checkpoint.state_metadata[kBaseKey] = base.string();
+  checkpoint.state_metadata[kBaseFingerprintKey] = file_fingerprint(base / kWeightsFile);
+}
+
+std::string base_of(const Checkpoint& checkpoint) {
+  const auto found = checkpoint.state_metadata.find(kBaseKey);
+  return found == checkpoint.state_metadata.end() ? "" : found->second;
 }
 
 void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout) {

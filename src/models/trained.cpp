@@ -10,6 +10,7 @@
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/model_config.h"
+#include "dalle/models/adapter.h"
 
 namespace dalle::models {
 
@@ -48,12 +49,13 @@ ModelConfig read_model_config(const ConfigSource& source, const std::string& kin
   return model;
 }
 
-// The moving average when the checkpoint keeps one, else its weights, into `module`.
-void load_weights(torch::nn::Module& module, const CheckpointConfig& opened) {
-  const auto ema = io::with_prefix_removed(opened.checkpoint.state, "ema.");
-  io::load_state_dict(module, ema.empty() ? opened.checkpoint.weights : ema,
-                      opened.directory + (ema.empty() ? "/model.safetensors" : "/state.safetensors (ema.*)"));
+// The checkpoint's inference weights (its moving average where it keeps one) into `module`.
+void load_weights(torch::nn::Module& module, const io::TensorMap& weights, const std::string& directory) {
+  io::load_state_dict(module, weights, directory + " (its weights, with their moving average where it keeps one)");
   module.eval();
+}
+void load_weights(torch::nn::Module& module, const CheckpointConfig& opened) {
+  load_weights(module, io::inference_weights(opened.checkpoint), opened.directory);
 }
 
 // A model of `kind` whose config.yaml describes it by its `model` section alone.
@@ -94,17 +96,24 @@ Trained load_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype
   check_weight_dtype(dtype, what);
   auto opened = open_checkpoint(run_or_checkpoint, what);
   Trained trained;
+  AdapterConfig adapter;
   trained.config = read_model_config<decltype(trained.config)>(opened.source, kind, [&](ConfigVisitor& v) {
     v.field("tokenizer", trained.tokenizer, "");
     v.field("image_tokenizer", trained.image_tokenizer, "");
+    v.section("adapter", "", adapter);
   });
   {
     const DefaultDtype building(dtype);
     trained.model = decltype(trained.model)(trained.config);
   }
-  opened.checkpoint.weights = adapt(opened.checkpoint.weights, trained);
+  auto weights = adapt(io::inference_weights(opened.checkpoint), trained);
+  // A run that trained adapters: they are folded into the layers they adapt.
+  if (const auto adapters = adapter_tensors(weights); !adapters.empty()) {
+    if (!adapter.enabled()) throw Error(opened.directory + ": holds adapters, but its config has no adapter.rank");
+    weights = merge_adapter_tensors(std::move(weights), adapters, adapter.scale(), 1.0, opened.directory);
+  }
   trained.checkpoint = opened.directory;
-  load_weights(*trained.model, opened);
+  load_weights(*trained.model, weights, opened.directory);
   return trained;
 }
 

@@ -26,7 +26,9 @@ void Ema::overwrite_rows(const std::string& name, const torch::Tensor& index, co
   found->second.index_copy_(0, index.to(found->second.device()), values.detach().to(found->second.dtype()));
 }
 
-void Ema::copy_to(torch::nn::Module& module) const { io::load_state_dict(module, shadow_, "EMA weights"); }
+void Ema::copy_to(torch::nn::Module& module) const {
+  io::load_state_dict(module, shadow_, "EMA weights", {forgotten_.begin(), forgotten_.end()});
+}
 
 void Ema::forget(const std::vector<std::string>& names) {
   for (const auto& name : names) {

@@ -22,8 +22,22 @@ struct Checkpoint {
 };
 
 void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint);
-// A checkpoint, whole: one written in shards (below) comes back as if written by one process.
+// A checkpoint, whole: one written in shards (below) comes back as if written by one process,
+// and one that refers to a base (below) with the base's weights filled in.
 Checkpoint load_checkpoint(const std::string& directory);
+
+// What inference reads of a checkpoint: its weights, with their moving average where it keeps
+// one (the average may cover only the trained part of a fine-tuned model).
+TensorMap inference_weights(const Checkpoint& checkpoint);
+
+// A fine-tuning run's checkpoint need not hold the weights it never trained: it may refer to
+// the checkpoint it started from (its base), whose inference weights fill every name its own
+// weights lack when it is loaded. The reference is the base's directory (absolute) and a
+// fingerprint of its weights file (size and sampled bytes), so that a base replaced or
+// changed since is refused, not silently used.
+void refer_to_base(Checkpoint& checkpoint, const std::string& base_directory);
+// The base a checkpoint refers to, or "".
+std::string base_of(const Checkpoint& checkpoint);
 // The config a checkpoint was written with (its config.yaml), read alone.
 std::string checkpoint_config(const std::string& directory);
 

@@ -16,7 +16,8 @@ class Ema {
   Ema(const torch::nn::Module& module, double decay);
 
   void update(const torch::nn::Module& module);
-  // Writes the averaged weights into `module` (e.g. a copy used for evaluation).
+  // Writes the averaged weights into `module` (e.g. a copy used for evaluation); the
+  // parameters it does not average (forget) are left as they are there.
   void copy_to(torch::nn::Module& module) const;
 
   const io::TensorMap& weights() const { return shadow_; }
@@ -25,7 +26,7 @@ class Ema {
   void overwrite_rows(const std::string& name, const torch::Tensor& index, const torch::Tensor& values);
   // Restores from a checkpoint; names and shapes must be the module's.
   void load(const io::TensorMap& weights);
-  // Stops averaging the parameters `names`, which are averaged elsewhere (in shards).
+  // Stops averaging the parameters `names`: averaged elsewhere (in shards), or frozen.
   void forget(const std::vector<std::string>& names);
 
  private:
