@@ -22,6 +22,7 @@
 #include "dalle/error.h"
 #include "dalle/log.h"
 #include "dalle/io/checkpoint.h"
+#include "dalle/models/adapter.h"
 #include "dalle/runtime.h"
 #include "dalle/train/adamw.h"
 #include "dalle/train/stop_request.h"
@@ -137,14 +138,81 @@ struct TrainerState : RunRecord {
   // The data-parallel replicas, which multiply the fp16 gradient scales.
   int64_t replicas() const { return job->size(); }
 
-  // Once `model` is built: moves it to the device, freezes what optimizer.trainable leaves
-  // out, and starts its moving average.
+  // The checkpoint the run started from, when it holds every frozen parameter under its name:
+  // checkpoints then keep only what trains and refer to it for the rest (io::refer_to_base).
+  std::string base_checkpoint;
+
+  // Once `model` is built: adds the recipe's adapters, moves it to the device, freezes what
+  // optimizer.trainable (and adapters) leave out, and starts the moving average of what trains.
   void place_model() {
+    add_adapters_to(*model);
     model->to(device);
-    freeze_all_but(*model, config.optimizer.trainable, what);
+    const auto trained = freeze_all_but(*model, trainable_patterns(), what);
     ema_model = Model(config.model);
+    add_adapters_to(*ema_model);
     ema_model->to(device);
     ema = std::make_unique<Ema>(*model, config.optimizer.ema_decay);
+    const auto frozen = frozen_names();
+    if (frozen.empty()) return;
+    // Frozen weights are not averaged: the average's model shares them with the model.
+    ema->forget(frozen);
+    auto ema_parameters = ema_model->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      if (!item.value().requires_grad()) ema_parameters[item.key()].set_data(item.value());
+    }
+    int64_t trained_values = 0, all_values = 0;
+    for (const auto& parameter : model->parameters()) {
+      all_values += parameter.numel();
+      trained_values += parameter.requires_grad() ? parameter.numel() : 0;
+    }
+    log::info(what, ": ", trained, " of ", model->parameters().size(), " parameter tensors train (",
+              trained_values, " values, ", 100.0 * static_cast<double>(trained_values) / static_cast<double>(all_values),
+              "% of the model); the rest is frozen");
+  }
+
+  // optimizer.trainable, and the adapters' tensors when the recipe adds adapters.
+  std::vector<std::string> trainable_patterns() const {
+    auto patterns = config.optimizer.trainable;
+    if (adapters().enabled()) {
+      patterns.push_back("*.lora_A.weight");
+      patterns.push_back("*.lora_B.weight");
+    }
+    return patterns;
+  }
+  models::AdapterConfig adapters() const {
+    if constexpr (requires(const Config& c) { c.adapter; }) return config.adapter;
+    return {};
+  }
+  void add_adapters_to(torch::nn::Module& target) const { models::add_adapters(target, adapters()); }
+
+  // The names of the model's parameters that do not train.
+  std::vector<std::string> frozen_names() const {
+    std::vector<std::string> names;
+    for (const auto& item : model->named_parameters()) {
+      if (!item.value().requires_grad()) names.push_back(item.key());
+    }
+    return names;
+  }
+
+  // A run started from `init_from` (a run or checkpoint): when that checkpoint's inference
+  // weights hold every frozen parameter under its name and shape, it becomes the base.
+  // (An imported model under its family's own names does not: checkpoints then hold the
+  // frozen weights whole.)
+  void refer_to_base(const std::string& init_from) {
+    const auto frozen = frozen_names();
+    if (init_from.empty() || frozen.empty()) return;
+    const auto base = io::resolve_checkpoint(init_from, what + " init_from");
+    const auto weights = io::inference_weights(io::load_checkpoint(base));
+    const auto ours = model->named_parameters();
+    for (const auto& name : frozen) {
+      const auto found = weights.find(name);
+      if (found == weights.end() || found->second.sizes() != ours[name].sizes()) {
+        log::info(what, ": checkpoints hold the frozen weights whole (", base, " names them otherwise)");
+        return;
+      }
+    }
+    base_checkpoint = base;
+    log::info(what, ": checkpoints hold what trains and refer to ", base, " for the frozen weights");
   }
 
   // AdamW over `groups` with the recipe's optimizer section (a group with options of its own
@@ -218,12 +286,17 @@ struct TrainerState : RunRecord {
         make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader_position());
     precision->save_state(checkpoint.state, "gradient_scaler.");
     update->reducer().save_state(checkpoint.state, "reducer.");
+    if (!base_checkpoint.empty()) {
+      for (const auto& name : frozen_names()) checkpoint.weights.erase(name);
+      io::refer_to_base(checkpoint, base_checkpoint);
+    }
     save_extra(checkpoint);
     save(checkpoint);
   }
 
   virtual void resume(const std::string& directory) {
     auto checkpoint = io::load_checkpoint(directory);
+    base_checkpoint = io::base_of(checkpoint);
     check_resumable<Config>(config, checkpoint.config_yaml, directory + "/config.yaml",
                             [this](const std::string& key) { return may_change_on_resume(key); });
     const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);

@@ -10,6 +10,8 @@
 #include "dalle/data/token_dataset.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/models/adapter.h"
+#include "dalle/models/export_weights.h"
 #include "dalle/models/trained.h"
 #include "gpu_run.h"
 #include "trainer_harness.h"
@@ -166,6 +168,50 @@ TEST_F(BartPriorTrainerTest, FineTuningStartsFromTheInitCheckpointAndResumesWith
   EXPECT_EQ(resumed.step(), 1);
   resumed.run();
   EXPECT_EQ(resumed.step(), 2);
+}
+
+// Adapters on the decoder's attention of a BART prior started from a checkpoint: they alone
+// train; the checkpoint holds them and refers to init for the rest; the merged export is init
+// plus the exported adapter file.
+TEST_F(BartPriorTrainerTest, AdaptersTrainAloneAndMergeIntoTheInitWeights) {
+  ScratchDir runs;
+  torch::manual_seed(8);
+  models::BartPrior initial(tiny_model());
+  const auto initial_weights = io::state_dict(*initial);
+  io::save_checkpoint(runs / "init",
+                      {.config_yaml = "kind: bart_prior\nmodel:\n  layers: 2\n  heads: 2\n  width: 32\n  glu_width: 48\n"
+                                      "  text_vocab_size: 8\n  text_length: 8\n  image_vocab_size: 16\n"
+                                      "  image_length: 16\n  codes: 16\n",
+                       .weights = initial_weights});
+  auto config = tiny(3);
+  config.run.checkpoint_every = 3;
+  config.init = runs / "init";
+  config.adapter = {.rank = 2, .alpha = 2, .targets = {"decoder.layers.*.self_attn.*_proj"}};
+  BartPriorTrainer(config, runs / "run").run();
+  const std::string directory = runs / "run/checkpoints/step-000000003";
+  const auto own = io::read_safetensors(directory + "/model.safetensors").tensors;
+  EXPECT_EQ(own.size(), models::adapter_tensors(own).size()) << "only the adapters, no frozen weight";
+  EXPECT_EQ(own.size(), 16u) << "lora_A and lora_B of q, k, v and out in 2 layers";
+  const auto trained = io::inference_weights(io::load_checkpoint(directory));
+  for (const auto& [name, tensor] : initial_weights) {
+    EXPECT_TRUE(torch::equal(trained.at(name), tensor)) << name << " is frozen";
+  }
+  EXPECT_FALSE(torch::equal(trained.at("decoder.layers.0.self_attn.q_proj.lora_B.weight"),
+                            torch::zeros_like(trained.at("decoder.layers.0.self_attn.q_proj.lora_B.weight"))));
+
+  models::export_weights(runs / "run", runs / "merged");
+  models::export_adapter(runs / "run", runs / "adapter.safetensors");
+  const auto adapter = models::load_adapter_file(runs / "adapter.safetensors");
+  EXPECT_EQ(adapter.family, "bart_prior");
+  const auto merged = io::load_checkpoint(runs / "merged").weights;
+  const auto expected = models::merge_adapter_tensors(initial_weights, adapter.tensors, adapter.scale());
+  int64_t changed = 0;
+  for (const auto& [name, tensor] : expected) {
+    EXPECT_LT(testing::relative_error(merged.at(name), tensor), 1e-6) << name;
+    changed += torch::equal(tensor, initial_weights.at(name)) ? 0 : 1;
+  }
+  EXPECT_EQ(changed, 8) << "q, k, v and out of the decoder's 2 self-attentions";
+  EXPECT_EQ(models::load_trained_bart_prior(runs / "merged").config.layers, 2);
 }
 
 TEST_F(BartPriorTrainerTest, AGpuRunFollowsTheCpuRunAndResumes) {

@@ -9,6 +9,9 @@
 #include <nlohmann/json.hpp>
 
 #include "dalle/io/checkpoint.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/models/adapter.h"
+#include "dalle/models/export_weights.h"
 #include "dalle/models/trained.h"
 #include "dalle/data/token_dataset.h"
 #include "gpu_run.h"
@@ -43,6 +46,10 @@ class PriorTrainerTest : public testing::TrainerSuite {
     write_token_dataset(*data_ / "validation", 16, 2);
   }
 
+  // A caption and image tokens for the tiny prior.
+  static torch::Tensor tokens_for_test() {
+    return torch::cat({torch::tensor({5, 3, 0, 0, 0, 0}), (torch::arange(16) + 5) % 16}).view({1, 22});
+  }
   static PriorTrainConfig tiny(int64_t steps) {
     PriorTrainConfig config;
     config.model = {.text_length = 6, .text_vocab_size = 24, .grid_size = 4, .image_vocab_size = 16, .layers = 2,
@@ -236,6 +243,72 @@ TEST_F(PriorTrainerTest, FrozenParametersStayAsTheyWereAndHaveNoMoments) {
   auto nothing = tiny(1);
   nothing.optimizer.trainable = {"resblocks.*.qkv.*", "decoder.*"};
   EXPECT_THROW_WITH(PriorTrainer(nothing, runs / "a"), Error, "pattern \"decoder.*\" matches no parameter");
+}
+
+// Low-rank adapters on a trained prior (init_from): only the adapters train, the base stays as
+// it was; checkpoints hold the adapters, their average and moments, and refer to the base for
+// the rest; the run resumes exactly; and its exports, merged or an adapter file loaded onto
+// the base, are one model.
+TEST_F(PriorTrainerTest, AdaptersTrainAloneAndExportMergedOrAlone) {
+  ScratchDir runs;
+  auto base_config = tiny(3);
+  base_config.run.checkpoint_every = 3;
+  PriorTrainer(base_config, runs / "base").run();
+  auto config = tiny(6);
+  config.run.checkpoint_every = 6;
+  config.init_from = runs / "base";
+  config.adapter = {.rank = 2, .alpha = 4, .targets = {"resblocks.*.qkv", "resblocks.*.fc_*"}};
+  PriorTrainer trainer(config, runs / "adapted");
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& item : trainer.model()->named_parameters()) before[item.key()] = item.value().detach().clone();
+  EXPECT_EQ(before.count("resblocks.0.qkv.lora_A.weight"), 1u);
+  trainer.run();
+  for (const auto& item : trainer.model()->named_parameters()) {
+    const bool adapter = models::is_adapter_tensor(item.key());
+    EXPECT_EQ(torch::equal(item.value(), before[item.key()]), !adapter)
+        << item.key() << (adapter ? " trains" : " is frozen");
+  }
+
+  const std::string directory = runs / "adapted/checkpoints/step-000000006";
+  const auto own = io::read_safetensors(directory + "/model.safetensors").tensors;
+  const auto parameters = trainer.model()->named_parameters();
+  for (const auto& [name, tensor] : own) {
+    EXPECT_TRUE(models::is_adapter_tensor(name) || !parameters.contains(name))
+        << name << ": a frozen weight in the checkpoint, which should refer to its base";
+  }
+  EXPECT_EQ(models::adapter_tensors(own).size(), 12u) << "lora_A and lora_B of qkv, fc_in and fc_out in 2 layers";
+  const auto checkpoint = io::load_checkpoint(directory);
+  EXPECT_EQ(io::base_of(checkpoint),
+            std::filesystem::absolute(runs / "base/checkpoints/step-000000003").lexically_normal().string());
+  EXPECT_EQ(checkpoint.weights.size(), io::state_dict(*trainer.model()).size()) << "the base fills in the rest";
+  for (const auto& [name, tensor] : checkpoint.state) {
+    if (name.rfind("adamw.", 0) == 0 && name.find(".exp_avg") != std::string::npos) {
+      EXPECT_NE(name.find("lora_"), std::string::npos) << name << ": moments for a frozen parameter";
+    }
+  }
+
+  models::export_weights(runs / "adapted", runs / "merged");
+  models::export_adapter(runs / "adapted", runs / "adapter.safetensors");
+  auto merged = models::load_trained_prior(runs / "merged");
+  auto from_run = models::load_trained_prior(runs / "adapted");
+  auto base = models::load_trained_prior(runs / "base");
+  const auto base_logits = base.model->forward(tokens_for_test());
+  const auto adapter = models::load_adapter_file(runs / "adapter.safetensors");
+  EXPECT_EQ(adapter.base, io::base_of(checkpoint));
+  models::apply_adapter(*base.model, adapter, 1.0);
+  {
+    torch::NoGradGuard no_grad;
+    const auto tokens = tokens_for_test();
+    const auto expected = merged.model->forward(tokens);
+    EXPECT_GT(testing::relative_error(base_logits, expected), 1e-4) << "the adapters changed the model";
+    EXPECT_LT(testing::relative_error(from_run.model->forward(tokens), expected), 1e-5);
+    EXPECT_LT(testing::relative_error(base.model->forward(tokens), expected), 1e-5) << "base + adapter = merged";
+  }
+
+  auto resumed = tiny(8);
+  resumed.init_from = config.init_from;
+  resumed.adapter = config.adapter;
+  testing::expect_exact_resume<PriorTrainer>(resumed);
 }
 
 TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {

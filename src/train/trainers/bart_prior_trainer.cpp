@@ -35,6 +35,8 @@ void BartPriorTrainConfig::visit(ConfigVisitor& v) {
   v.section("data", "token datasets (dalle-encode-images with the detokenizer's VQGAN) and batching", data);
   v.section("learning_rate", "cosine learning-rate schedule", learning_rate);
   visit_shared_sections(v, {optimizer, run, precision, distributed});
+  v.section("adapter", "low-rank adapters (LoRA) trained with the rest of the model frozen (docs/fine-tuning.md)",
+            adapter);
 }
 
 struct BartPriorTrainer::State : detail::TrainerState<BartPriorTrainConfig, models::BartPrior> {
@@ -110,6 +112,7 @@ BartPriorTrainer::BartPriorTrainer(BartPriorTrainConfig config, std::string run_
   s.model = initial.is_empty() ? models::BartPrior(s.config.model) : initial;
   s.model->train();
   s.place_model();
+  if (!initial.is_empty()) s.refer_to_base(s.config.init);
   s.build_update(s.model->parameters(), s.config.learning_rate.at(0), {.measure_norm = true});
   s.loader = std::make_unique<data::DataLoader<data::TokenDataset>>(
       s.train_set, data::LoaderOptions{.batch_size = s.rank_batch(s.config.data.batch_size),

@@ -68,6 +68,8 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
   v.section("data", "token datasets and batching", data);
   v.section("learning_rate", "warmup, then cosine or plateau decay", learning_rate);
   visit_shared_sections(v, {optimizer, run, precision, distributed});
+  v.section("adapter", "low-rank adapters (LoRA) trained with the rest of the model frozen (docs/fine-tuning.md)",
+            adapter);
   v.field("checkpoint_activations_every", checkpoint_activations_every,
           "recompute the activations of resblocks 0, k, 2k, ... in backward instead of keeping them "
           "(1: every resblock; 0: none)",
@@ -219,8 +221,10 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   }
   s.model = models::Prior(s.config.model);
   // A resumed run has its own weights; init_from is read only to start one.
-  if (!s.config.init_from.empty() && !s.checkpoints.latest()) initialise_from(*s.model, s.config);
+  const bool starts_from_init = !s.config.init_from.empty() && !s.checkpoints.latest();
+  if (starts_from_init) initialise_from(*s.model, s.config);
   s.place_model();
+  if (starts_from_init) s.refer_to_base(s.config.init_from);
   // Sharded, the blocks are cut before the update state is built, so that no rank ever holds
   // a whole average of them.
   s.cut_resblocks();
@@ -268,8 +272,8 @@ void PriorTrainer::State::install_resblock_runner() {
 // blocks' own tensors are emptied.
 void PriorTrainer::State::cut_resblocks() {
   if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
-  if (!config.optimizer.trainable.empty()) {
-    throw Error("prior training: optimizer.trainable (frozen parameters) does not yet combine with "
+  if (!config.optimizer.trainable.empty() || config.adapter.enabled()) {
+    throw Error("prior training: optimizer.trainable and adapters (frozen parameters) do not yet combine with "
                 "distributed.sharding: within_node; train the unfrozen part replicated (sharding: none)");
   }
   shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node(),

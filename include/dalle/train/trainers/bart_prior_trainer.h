@@ -34,6 +34,7 @@ struct BartPriorTrainConfig {
   RunConfig run{.steps = 10'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
   DistributedConfig distributed;
+  models::AdapterConfig adapter;  // low-rank adapters, trained with the rest frozen
 
   void visit(ConfigVisitor& v);
 };

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dalle/config.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/prior.h"
 #include "dalle/models/prior_sampling.h"
 #include "dalle/train/gradient_scaler.h"
@@ -66,6 +67,7 @@ struct PriorTrainConfig {
   RunConfig run{.steps = 430'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
   DistributedConfig distributed;
+  models::AdapterConfig adapter;  // low-rank adapters, trained with the rest frozen
   int64_t checkpoint_activations_every = 0;  // resblocks 0, k, 2k, ... recompute in backward; 0: none
   std::string tokenizer;        // caption tokenizer model, for the sample grids
   std::string image_tokenizer;  // dVAE or VQGAN run that made the tokens, for the sample grids
