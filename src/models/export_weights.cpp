@@ -9,6 +9,7 @@
 #include "dalle/error.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/trained.h"
 
 namespace dalle::models {
@@ -23,11 +24,13 @@ namespace {
 // dVAE has none either, but no prior key.
 void check_loadable(const std::string& directory, const std::string& config_yaml) {
   const auto kind = peek_choice(ConfigSource::from_string(config_yaml, directory + "/config.yaml"), "kind", "",
-                                {"dvae", "vqgan", "clip", "rrdbnet"});
+                                {"dvae", "vqgan", "clip", "rrdbnet", "bart_prior"});
   if (kind == "clip") {
     load_trained_clip(directory);
   } else if (kind == "rrdbnet") {
     load_trained_rrdbnet(directory);
+  } else if (kind == "bart_prior") {
+    load_trained_bart_prior(directory);
   } else if (kind.empty() && config_yaml.find("text_vocab_size") != std::string::npos) {
     load_trained_prior(directory);
   } else {
@@ -35,11 +38,16 @@ void check_loadable(const std::string& directory, const std::string& config_yaml
   }
 }
 
-// What inference reads from a checkpoint: its moving average when it keeps one.
+// What inference reads from a checkpoint: its moving average where it keeps one.
 io::TensorMap inference_weights(io::Checkpoint& checkpoint, bool& moving_average) {
-  auto ema = io::with_prefix_removed(checkpoint.state, "ema.");
-  moving_average = !ema.empty();
-  return moving_average ? std::move(ema) : std::move(checkpoint.weights);
+  moving_average = !io::with_prefix_removed(checkpoint.state, "ema.").empty();
+  return io::inference_weights(checkpoint);
+}
+
+AdapterConfig adapter_config(const ConfigSource& config) {
+  AdapterConfig adapter;
+  bind_config_parts(config, [&](ConfigVisitor& v) { v.section("adapter", "", adapter); });
+  return adapter;
 }
 
 // The run's newest `count` checkpoint directories, oldest first.
@@ -132,9 +140,48 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
   }
   auto weights = inference_weights(checkpoint, exported.moving_average);
   if (exported.averaged.size() > 1) weights = averaged_weights(exported.averaged, std::move(weights), exported.moving_average);
+  if (const auto adapters = adapter_tensors(weights); !adapters.empty()) {
+    // A run that trained adapters exports the model they make: folded in, no adapter left.
+    auto config = ConfigSource::from_string(checkpoint.config_yaml, exported.checkpoint + "/config.yaml");
+    const auto adapter = adapter_config(config);
+    if (!adapter.enabled()) throw Error(exported.checkpoint + ": holds adapters, but its config has no adapter.rank");
+    weights = merge_adapter_tensors(std::move(weights), adapters, adapter.scale(), 1.0, exported.checkpoint);
+    config.replace("adapter.rank=0");
+    checkpoint.config_yaml = config.yaml();
+    exported.merged_adapters = static_cast<int64_t>(adapters.size() / 2);
+  }
   io::Checkpoint weights_only{std::move(checkpoint.config_yaml), std::move(weights), {}, {}};
   exported.tensors = static_cast<int64_t>(weights_only.weights.size());
   io::save_checkpoint(out, weights_only);
+  return exported;
+}
+
+}  // namespace dalle::models
+
+namespace dalle::models {
+
+ExportedAdapter export_adapter(const std::string& run_or_checkpoint, const std::string& out) {
+  ExportedAdapter exported;
+  exported.checkpoint = io::resolve_checkpoint(run_or_checkpoint, "fine-tuning run");
+  auto checkpoint = io::load_checkpoint(exported.checkpoint);
+  const auto config = ConfigSource::from_string(checkpoint.config_yaml, exported.checkpoint + "/config.yaml");
+  const auto adapter = adapter_config(config);
+  bool moving_average = false;
+  const auto adapters = adapter_tensors(inference_weights(checkpoint, moving_average));
+  if (adapters.empty() || !adapter.enabled()) {
+    throw Error(exported.checkpoint + ": trained no adapters (its config's adapter.rank is 0); export the whole "
+                "model without --adapter");
+  }
+  exported.base = io::base_of(checkpoint);
+  if (exported.base.empty()) {
+    bind_config_parts(config, [&](ConfigVisitor& v) {
+      v.field("init_from", exported.base, "");
+      v.field("init", exported.base, "");
+    });
+  }
+  const auto family = peek_choice(config, "kind", "prior", {"prior", "bart_prior"});
+  save_adapter_file(out, adapters, adapter, exported.base, family);
+  exported.layers = static_cast<int64_t>(adapters.size() / 2);
   return exported;
 }
 
