@@ -92,6 +92,11 @@ void PipelineShorthands::add_to(CLI::App& app, const std::set<std::string>& exce
   }
   app.add_flag("--no-cache", no_cache_,
                "recompute the whole prefix for each token (slow; a check); sets sampling.use_cache");
+  app.add_option("--adapter", adapters_,
+                 "FILE or FILE:WEIGHT, repeatable: low-rank adapters (dalle-export --adapter) folded into the prior's "
+                 "weights, in order; sets `adapters`")
+      ->allow_extra_args(false)
+      ->take_all();
 }
 
 void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const std::string& prefix) const {
@@ -114,6 +119,15 @@ void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const 
     source.set(prefix + "schedule.top_p=[]");
   }
   if (no_cache_) source.set(prefix + "sampling.use_cache=false");
+  if (!adapters_.empty()) {
+    std::string list;
+    for (const auto& adapter : adapters_) {
+      std::string quoted;
+      for (const char c : adapter) quoted += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+      list += (list.empty() ? "\"" : ", \"") + quoted + "\"";
+    }
+    source.set(prefix + "adapters=[" + list + "]");
+  }
 }
 
 void start_run_log(const std::string& run, const distributed::LaunchEnvironment& place) {

@@ -58,6 +58,7 @@ class PipelineShorthands {
 
  private:
   std::map<std::string, std::string> values_;  // by option
+  std::vector<std::string> adapters_;
   bool no_cache_ = false;
 };
 

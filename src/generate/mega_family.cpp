@@ -86,6 +86,7 @@ class MegaFamily : public PriorFamily {
 
 std::unique_ptr<PriorFamily> load_mega_family(PipelineConfig& config, torch::Device device) {
   auto prior = models::load_trained_bart_prior(config.prior, prior_load_type(config));
+  apply_adapters(*prior.model, config, "bart_prior");
   quantize_if_int8(*prior.model, config);
   check_mega_fits(config, prior.config);
   if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;

@@ -3,6 +3,8 @@
 #include "dalle/error.h"
 #include "dalle/generate/pipeline.h"
 
+#include "dalle/models/adapter.h"
+
 namespace dalle::generate {
 
 namespace fs = std::filesystem;
@@ -45,6 +47,10 @@ void PipelineConfig::visit(ConfigVisitor& v) {
           "CLIP's BPE merges file (bpe_simple_vocab_16e6.txt.gz, from OpenAI CLIP or open_clip) for CLIP weights "
           "imported by scripts/export_open_clip.py; empty: CLIP reads the caption tokenizer's ids");
   v.field("superres", superres, "RRDBNet run or checkpoint that upscales the kept images; empty: none");
+  v.field("adapters", adapters,
+          "low-rank adapter files (dalle-export --adapter) folded into the prior's weights when it loads, in order, "
+          "each \"FILE\" or \"FILE:WEIGHT\" (weight 1: as trained; 0.5: half its effect); sampling is then as "
+          "fast as the prior's own");
   v.field("candidates", candidates, "images sampled per prompt (N; DALL-E: 512, most of the gain by 32)",
           {.min = 1, .max = 65536});
   v.field("keep", keep, "images kept per prompt, the best K by CLIP score (0: all N; needs clip when below N)",
@@ -83,6 +89,12 @@ PipelineConfig read_model_folder(const std::string& folder) {
   for (auto* path : {&config.prior, &config.tokenizer, &config.decoder, &config.clip, &config.clip_tokenizer,
                      &config.superres}) {
     if (!path->empty() && fs::path(*path).is_relative()) *path = (fs::path(folder) / *path).string();
+  }
+  for (auto& spec : config.adapters) {
+    const auto weighted = models::parse_weighted_adapter(spec);
+    if (fs::path(weighted.path).is_relative()) {
+      spec = (fs::path(folder) / weighted.path).string() + (spec.size() > weighted.path.size() ? spec.substr(weighted.path.size()) : "");
+    }
   }
   return config;
 }

@@ -1,7 +1,11 @@
 #include "generate/prior_family.h"
 
+#include <filesystem>
+
 #include "dalle/device.h"
+#include "dalle/io/checkpoint.h"
 #include "dalle/log.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/linear.h"
 #include "dalle/models/trained.h"
 
@@ -28,6 +32,30 @@ const Registered kFamilies[] = {
 
 torch::ScalarType prior_load_type(const PipelineConfig& config) {
   return config.dtype == "int8" ? torch::kFloat32 : float_type_named(config.dtype);
+}
+
+void apply_adapters(torch::nn::Module& prior, const PipelineConfig& config, const std::string& family) {
+  if (config.adapters.empty()) return;
+  std::error_code ignored;
+  const auto ours = std::filesystem::weakly_canonical(io::resolve_checkpoint(config.prior, "prior"), ignored);
+  for (const auto& spec : config.adapters) {
+    const auto weighted = models::parse_weighted_adapter(spec);
+    const auto adapter = models::load_adapter_file(weighted.path);
+    if (!adapter.family.empty() && adapter.family != family) {
+      throw Error("pipeline: the adapter " + weighted.path + " was trained on a " + adapter.family + ", the prior " +
+                  config.prior + " is a " + family);
+    }
+    const bool same_base = adapter.base.empty() ||
+                           std::filesystem::weakly_canonical(io::resolve_checkpoint(adapter.base, "adapter base"),
+                                                             ignored) == ours;
+    if (!same_base) {
+      log::warn("pipeline: the adapter ", weighted.path, " was trained on ", adapter.base, ", not on ", config.prior,
+                "; it is folded in all the same (a copy of the base under another path is fine, another model is not)");
+    }
+    models::apply_adapter(prior, adapter, weighted.weight);
+    log::info("pipeline: adapter ", weighted.path, " (rank ", adapter.rank, ", ", adapter.tensors.size() / 2,
+              " layers) folded into the prior with weight ", weighted.weight);
+  }
 }
 
 void quantize_if_int8(torch::nn::Module& prior, const PipelineConfig& config) {

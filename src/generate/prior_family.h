@@ -63,6 +63,10 @@ class PriorFamily {
 
 // The type a family loads its prior's weights in: config.dtype's, float32 for int8.
 torch::ScalarType prior_load_type(const PipelineConfig& config);
+// Folds config.adapters (FILE or FILE:WEIGHT each, models/adapter.h) into the prior's
+// weights, in order; an adapter trained for another family (`family`: prior, bart_prior) is
+// refused, one trained on another base than `config.prior` is loaded with a warning.
+void apply_adapters(torch::nn::Module& prior, const PipelineConfig& config, const std::string& family);
 // With dtype int8, quantizes the prior's matrices (models::quantize_linears_int8) once it is
 // loaded in float32.
 void quantize_if_int8(torch::nn::Module& prior, const PipelineConfig& config);

@@ -99,6 +99,7 @@ class TransformerFamily : public PriorFamily {
 
 std::unique_ptr<PriorFamily> load_transformer_family(PipelineConfig& config, torch::Device device) {
   auto prior = models::load_trained_prior(config.prior, prior_load_type(config));
+  apply_adapters(*prior.model, config, "prior");
   quantize_if_int8(*prior.model, config);
   if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
   if (config.decoder.empty()) config.decoder = prior.image_tokenizer;

@@ -42,6 +42,7 @@ struct PipelineConfig {
   std::string clip;       // CLIP run or checkpoint; empty: no reranking
   std::string clip_tokenizer;  // CLIP's BPE merges file for imported CLIP weights; empty: the caption tokenizer
   std::string superres;   // RRDBNet run or checkpoint; empty: no super-resolution
+  std::vector<std::string> adapters;  // adapter files folded into the prior, "FILE" or "FILE:WEIGHT"
   int64_t candidates = 4;  // N images sampled per prompt
   int64_t keep = 0;        // K images kept per prompt, the best by CLIP score; 0: all N
   int64_t batch_size = 32; // images sampled at once
