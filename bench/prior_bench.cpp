@@ -14,6 +14,8 @@
 //             chosen precision (fp32, bf16, fp16 with per-resblock gradient scales), with
 //             or without activation checkpointing; on a GPU also peak CUDA memory and model
 //             FLOPs utilisation (training-xl-slice --layers=24 is the whole 1.3B layout);
+//             --finetune=emojich freezes the attention and MLP matrices (ruDALL-E Emojich's
+//             recipe), --finetune=adapters --adapter-rank=R trains rank-R adapters on them alone;
 //   data-parallel: the same steps on N processes of this machine, with the bytes each rank
 //             hands to all-reduce.
 // Ratios are taken within one run, on one machine.
@@ -44,6 +46,7 @@
 #include "dalle/models/vqgan_detokenizer.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/prior.h"
 #include "dalle/models/prior_flops.h"
 #include "dalle/models/prior_sampling.h"
@@ -52,6 +55,7 @@
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
 #include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/trainable.h"
 #include "dalle/train/update_step.h"
 
 using namespace dalle;
@@ -351,6 +355,8 @@ void grid_mega(int64_t images, const std::string& dtype, const torch::Device& de
 struct TrainingOptions {
   std::string precision = "fp32";
   int64_t checkpoint_every = 0;
+  std::string finetune = "full";  // full, emojich (matrices frozen) or adapters (on the matrices, the rest frozen)
+  int64_t adapter_rank = 8;
   torch::Device device = torch::kCPU;
   double peak_tflops = 989;  // the GPU's dense 16-bit peak (H100 and H200 SXM): the MFU's denominator
 };
@@ -360,6 +366,16 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
   torch::manual_seed(0);
   const double rss_before = peak_rss_mib();
   models::Prior prior(config);
+  const std::vector<std::string> matrices{"resblocks.*.qkv", "resblocks.*.out", "resblocks.*.fc_in",
+                                          "resblocks.*.fc_out"};
+  if (options.finetune == "adapters") {
+    models::add_adapters(*prior, {.rank = options.adapter_rank, .alpha = 16, .targets = matrices});
+    train::freeze_all_but(*prior, {"*.lora_A.weight", "*.lora_B.weight"}, "bench");
+  } else if (options.finetune == "emojich") {
+    train::freeze_all_but(*prior, {"*embedding*", "resblocks.*norm.*", "final_norm.*", "to_logits.*"}, "bench");
+  } else if (options.finetune != "full") {
+    throw Error("--finetune: full, emojich or adapters");
+  }
   prior->to(options.device);
   const bool on_gpu = options.device.is_cuda();
   train::PrecisionConfig precision_config;
@@ -370,7 +386,8 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
                                                          {.precision = precision_config.precision(),
                                                           .scaler = precision.scaler(),
                                                           .checkpoint_every = options.checkpoint_every}));
-  train::AdamW optimizer({torch::optim::OptimizerParamGroup(prior->parameters())}, torch::optim::AdamWOptions(1e-4));
+  train::AdamW optimizer({torch::optim::OptimizerParamGroup(train::trained_only(prior->parameters()))},
+                         torch::optim::AdamWOptions(1e-4));
   train::UpdateStep update(optimizer, precision, {.what = "bench"});
   const auto tokens = random_tokens(config, batch).to(options.device);
   int64_t skipped = 0;
@@ -380,8 +397,11 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
     if (on_gpu) torch::cuda::synchronize();
   };
   const double seconds = time_per_call(steps, step);
-  int64_t parameters = 0;
-  for (const auto& p : prior->parameters()) parameters += p.numel();
+  int64_t parameters = 0, trained = 0;
+  for (const auto& p : prior->parameters()) {
+    parameters += p.numel();
+    trained += p.requires_grad() ? p.numel() : 0;
+  }
   const double tokens_per_s = static_cast<double>(batch * config.length()) / seconds;
   nlohmann::json line = {{"benchmark", "training"},
                          {"model", name},
@@ -394,6 +414,9 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
                          {"attention_path", config.attention_path},
                          {"precision", options.precision},
                          {"checkpoint_every", options.checkpoint_every},
+                         {"finetune", options.finetune == "adapters" ? "adapters rank " + std::to_string(options.adapter_rank)
+                                                                      : options.finetune},
+                         {"trained_parameters", trained},
                          {"skipped_updates", skipped},
                          {"step_s", seconds},
                          {"tokens_per_s", tokens_per_s},
@@ -669,6 +692,8 @@ int main(int argc, char** argv) {
   for (int i = 2; i < argc; ++i) quick = quick || std::strcmp(argv[i], "--quick") == 0;
   const TrainingOptions options{.precision = option(argc, argv, "precision", "fp32"),
                                 .checkpoint_every = std::stoll(option(argc, argv, "checkpoint-every", "0")),
+                                .finetune = option(argc, argv, "finetune", "full"),
+                                .adapter_rank = std::stoll(option(argc, argv, "adapter-rank", "8")),
                                 .device = resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"),
                                 .peak_tflops = std::stod(option(argc, argv, "peak-tflops", "989"))};
   const bool cuda_graphs = option(argc, argv, "cuda-graphs", "on") != "off";

@@ -14,7 +14,9 @@
 #include "dalle/distributed/powersgd.h"
 #include "dalle/distributed/sharded_parameters.h"
 #include "dalle/error.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/prior_flops.h"
+#include "dalle/train/trainable.h"
 
 namespace dalle::train {
 namespace {
@@ -36,6 +38,8 @@ int64_t numel(const Shape& shape) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::string with_thousands(int64_t value);
 
 // One resblock as ShardedResblocks groups it: its matrices (which AdamW decays: no
 // embeddings live in a block), then the rest, each in the block's parameter order.
@@ -66,6 +70,37 @@ struct ModelShape {
 };
 
 // Built with one layer: every layer's blocks have the same parameters, whatever their mask.
+// The values of one layer (its two resblocks) and of the rest that train, and the adapters'
+// values in one layer, once the recipe's adapters are added and optimizer.trainable applied.
+struct TrainedShape {
+  int64_t layer = 0, outside = 0, layer_adapters = 0;
+  bool frozen = false;
+};
+
+TrainedShape measure_trained(const PriorTrainConfig& recipe) {
+  auto config = recipe.model;
+  config.layers = 1;
+  config.attention.clear();
+  torch::NoGradGuard no_grad;
+  models::Prior prior(config);
+  models::add_adapters(*prior, recipe.adapter);
+  auto patterns = recipe.optimizer.trainable;
+  if (recipe.adapter.enabled()) {
+    patterns.push_back("*.lora_A.weight");
+    patterns.push_back("*.lora_B.weight");
+  }
+  freeze_all_but(*prior, patterns, "plan");
+  TrainedShape shape;
+  for (const auto& item : prior->named_parameters()) {
+    const auto values = item.value().numel();
+    const bool in_layer = item.key().rfind("resblocks.", 0) == 0;
+    if (models::is_adapter_tensor(item.key())) shape.layer_adapters += values;
+    if (!item.value().requires_grad()) shape.frozen = true;
+    if (item.value().requires_grad()) (in_layer ? shape.layer : shape.outside) += values;
+  }
+  return shape;
+}
+
 ModelShape measure(models::PriorConfig config) {
   config.layers = 1;
   config.attention.clear();
@@ -187,7 +222,7 @@ double wire_seconds(const TrafficPart& part, const ClusterShape& cluster) {
 class Planner {
  public:
   Planner(const PriorTrainConfig& recipe, const ClusterShape& cluster)
-      : recipe_(recipe), cluster_(cluster), shape_(measure(recipe.model)) {
+      : recipe_(recipe), cluster_(cluster), shape_(measure(recipe.model)), trained_(measure_trained(recipe)) {
     plan_.cluster = cluster;
     plan_.model = recipe.model;
     plan_.precision = recipe.precision.mode;
@@ -244,6 +279,14 @@ class Planner {
     counts.matrix_weights = layers_ * layer_matrix_weights + shape_.outside_matrix_weights;
     shard_values_ = layers_ * layer_shards;
     counts.per_rank = plan_.sharded ? shard_values_ + counts.outside_resblocks : counts.total;
+    counts.adapters = layers_ * trained_.layer_adapters;
+    counts.total += counts.adapters;
+    counts.per_rank += counts.adapters;
+    counts.trained = trained_.frozen ? layers_ * trained_.layer + trained_.outside : counts.total;
+    if (trained_.frozen && (plan_.sharded || powersgd_)) {
+      throw Error("plan: frozen parameters (optimizer.trainable, adapter) are not planned with sharding or PowerSGD; "
+                  "plan the fine-tuning with distributed.sharding none and gradient_reduction allreduce");
+    }
   }
 
   void add_memory(std::string name, MemoryPhase phase, double bytes, std::string rule) {
@@ -256,14 +299,20 @@ class Planner {
     const std::string what = plan_.sharded ? "1/" + std::to_string(gpus_) +
                                                  " of every resblock (padded) and the rest whole"
                                            : "the whole model";
-    add_memory("weights", MemoryPhase::kept, kFp32 * held, "fp32, " + what);
-    add_memory("gradients", MemoryPhase::kept, kFp32 * held, "fp32, " + what);
+    add_memory("weights", MemoryPhase::kept, kFp32 * held,
+               "fp32, " + what + (trained_.frozen ? ", frozen and trained" : ""));
+    const bool frozen = trained_.frozen;
+    const double trained = frozen ? static_cast<double>(plan_.parameters.trained) : held;
+    const std::string trains = frozen ? "what trains (" + with_thousands(plan_.parameters.trained) + " values)" : what;
+    add_memory("gradients", MemoryPhase::kept, kFp32 * trained, "fp32, " + trains);
     const double moment = recipe_.precision.adam_moments == "bf16" ? 2 : 4;
-    add_memory("AdamW moments", MemoryPhase::kept, 2 * moment * held,
-               "two, " + recipe_.precision.adam_moments + ", " + what);
-    add_memory("moving average", MemoryPhase::kept, kFp32 * held, "fp32, " + what);
-    add_memory("validation model", MemoryPhase::kept, kFp32 * static_cast<double>(plan_.parameters.total),
-               "fp32, whole on every rank: the moving average copied in for validation and sample grids");
+    add_memory("AdamW moments", MemoryPhase::kept, 2 * moment * trained,
+               "two, " + recipe_.precision.adam_moments + ", " + trains);
+    add_memory("moving average", MemoryPhase::kept, kFp32 * trained, "fp32, " + trains);
+    add_memory("validation model", MemoryPhase::kept,
+               kFp32 * (frozen ? trained : static_cast<double>(plan_.parameters.total)),
+               frozen ? "fp32, what trains: the frozen weights are the model's own"
+                      : "fp32, whole on every rank: the moving average copied in for validation and sample grids");
     if (recipe_.precision.precision() == Precision::fp16) {
       add_memory("fp16 gradient scales", MemoryPhase::kept, 16.0 * static_cast<double>(resblocks_),
                  "a scale and its last backoff per resblock (host memory, counted anyway)");
@@ -400,7 +449,7 @@ class Planner {
   void data_parallel_traffic() {
     const auto scope = cluster_.nodes > 1 ? CollectiveScope::spanning : CollectiveScope::within;
     const int64_t ranks = cluster_.ranks();
-    const double whole = kFp32 * static_cast<double>(plan_.parameters.total);
+    const double whole = kFp32 * static_cast<double>(plan_.parameters.trained);
     if (cluster_.nodes > 1) plan_.bytes_across_uncompressed = whole;
     if (!powersgd_) {
       add_traffic("gradients", "all-reduce", scope, ranks, whole, "DataParallelReducer::bytes_reduced", overlap_);
@@ -494,6 +543,7 @@ class Planner {
   const PriorTrainConfig& recipe_;
   ClusterShape cluster_;
   ModelShape shape_;
+  TrainedShape trained_;
   CapacityPlan plan_;
   int64_t layers_ = 0, resblocks_ = 0, gpus_ = 1;
   int64_t shard_values_ = 0;  // of every resblock group on one rank, padding included
@@ -576,7 +626,8 @@ std::string capacity_plan_json(const CapacityPlan& plan) {
       {"parameters",
        {{"total", plan.parameters.total}, {"in_resblocks", plan.parameters.in_resblocks},
         {"outside_resblocks", plan.parameters.outside_resblocks}, {"matrix_weights", plan.parameters.matrix_weights},
-        {"per_rank", plan.parameters.per_rank}}}};
+        {"per_rank", plan.parameters.per_rank}, {"adapters", plan.parameters.adapters},
+        {"trained", plan.parameters.trained}}}};
   auto& memory = json["memory"];
   memory["parts"] = nlohmann::json::array();
   for (const auto& part : plan.memory) {
@@ -617,7 +668,11 @@ std::string capacity_plan_table(const CapacityPlan& plan) {
   out += "model: " + with_thousands(p.total) + " parameters (" + with_thousands(p.in_resblocks) + " in " +
          std::to_string(2 * plan.model.layers) + " resblocks, " + with_thousands(p.outside_resblocks) +
          " outside), " + std::to_string(plan.model.layers) + " layers x " + std::to_string(plan.model.width) +
-         ", sequence " + std::to_string(plan.model.length()) + "\n";
+         ", sequence " + std::to_string(plan.model.length()) +
+         (p.trained < p.total ? "; " + with_thousands(p.trained) + " train (" + with_thousands(p.adapters) +
+                                    " in adapters), the rest frozen"
+                              : "") +
+         "\n";
   out += "training: batch " + std::to_string(plan.global_batch) + " (" + std::to_string(plan.batch_per_rank) +
          " per rank, " + std::to_string(plan.tokens_per_rank) + " tokens), " + plan.precision + ", moments " +
          plan.adam_moments + ", sharding " + plan.sharding + (plan.sharded ? "" : " (not sharded)") + ", " +

@@ -205,6 +205,34 @@ TEST(CapacityPlan, TwelveBillionOnV100sNamesWhatDoesNotFit) {
   EXPECT_GT(part_named(whole, "weights").bytes, v100s.gpu_memory_gib * 1024 * 1024 * 1024) << "alone";
 }
 
+// The shipped adapter recipe at ruDALL-E XL's layout (bf16, every resblock checkpointed) on
+// one 16 GiB GPU: the frozen 1.3B weights are held once, in fp32; gradients, moments, the
+// average and the validation copy only for the adapters' values, which are counted exactly.
+TEST(CapacityPlan, AdaptersAtTheXlLayoutHoldStateOnlyForWhatTrains) {
+  auto source = ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/prior/rudalle-xl-adapters.yaml");
+  const auto recipe = load_config<PriorTrainConfig>(source);
+  const ClusterShape one_gpu{.nodes = 1, .gpus_per_node = 1, .gpu_memory_gib = 16};
+  const auto plan = plan_capacity(recipe, one_gpu);
+  // Rank 8 on qkv (2048 -> 6144), out (2048 -> 2048), fc_in (2048 -> 8192), fc_out (8192 -> 2048).
+  const int64_t adapters = 24 * 8 * ((2048 + 6144) + (2048 + 2048) + (2048 + 8192) + (8192 + 2048));
+  EXPECT_EQ(plan.parameters.adapters, adapters);
+  EXPECT_EQ(plan.parameters.trained, adapters);
+  const auto full = plan_capacity(load_config<PriorTrainConfig>(ConfigSource::from_file(
+                                      std::string(DALLE_SOURCE_DIR) + "/configs/prior/rudalle-xl.yaml")),
+                                  one_gpu);
+  EXPECT_EQ(plan.parameters.total, full.parameters.total + adapters);
+  EXPECT_DOUBLE_EQ(part_named(plan, "weights").bytes, 4.0 * static_cast<double>(plan.parameters.total));
+  EXPECT_DOUBLE_EQ(part_named(plan, "gradients").bytes, 4.0 * static_cast<double>(adapters));
+  EXPECT_DOUBLE_EQ(part_named(plan, "AdamW moments").bytes, 8.0 * static_cast<double>(adapters));
+  EXPECT_DOUBLE_EQ(part_named(plan, "validation model").bytes, 4.0 * static_cast<double>(adapters));
+  EXPECT_TRUE(plan.fits) << capacity_plan_table(plan);
+  EXPECT_FALSE(full.fits) << "full training at batch 8 needs more than 16 GiB";
+
+  auto sharded = recipe;
+  sharded.distributed.sharding = "within_node";
+  EXPECT_THROW_WITH(plan_capacity(sharded, {.gpus_per_node = 8}), Error, "not planned with sharding or PowerSGD");
+}
+
 TEST(CapacityPlan, JsonHoldsThePlan) {
   auto recipe = recipe_of(tiny_model(), 8);
   recipe.distributed.sharding = "within_node";

@@ -162,6 +162,10 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
       // scripts/train-demo-models trains the f4 prior into runs/demo/prior first.
       auto base = shipped<train::PriorTrainConfig>("prior/fashion-compose-f4-long.yaml");
       EXPECT_EQ(flatten_config(visit_of(config.model)), flatten_config(visit_of(base.model)));
+    } else if (config.init_from == "models/rudalle-malevich/prior") {
+      // scripts/import-model rudalle makes it, with ruDALL-E XL's sizes.
+      auto xl = shipped<train::PriorTrainConfig>("prior/rudalle-xl.yaml");
+      EXPECT_EQ(flatten_config(visit_of(config.model)), flatten_config(visit_of(xl.model)));
     } else if (!config.init_from.empty()) {
       expect_model_of(config.model, config.init_from);
     }
@@ -172,7 +176,7 @@ TEST(ShippedConfigs, PriorRecipesLoadAndTheDemoOnesFitItsTokenizers) {
         << "a fashion-compose prior reads the tokens of exactly one fashion-compose VQGAN recipe";
     ++demo_recipes;
   }
-  EXPECT_EQ(demo_recipes, 6);
+  EXPECT_EQ(demo_recipes, 7);
   EXPECT_EQ(bart_recipes, 1);
 }
 

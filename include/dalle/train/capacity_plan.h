@@ -8,7 +8,13 @@
 //   `layers` times, the embeddings and output layer once, so the counts are the real model's.
 // - State per rank: fp32 weights, fp32 gradients, AdamW's two moments in
 //   precision.adam_moments, the fp32 moving average, and the whole fp32 model every rank
-//   keeps for validation (the trainer's ema_model). Sharded (distributed.sharding within_node
+//   keeps for validation (the trainer's ema_model). Fine-tuning with frozen parameters
+//   (optimizer.trainable, adapter): the weights (adapters included) stay whole, gradients,
+//   moments, average and the validation copy count only what trains (the validation model
+//   shares the frozen weights), measured by freezing one layer built on the CPU as the
+//   trainer does; activations are counted as in full training (an upper bound: a frozen
+//   layer's input is not kept for its weight's gradient). Not planned with frozen parameters:
+//   sharding (refused by the trainer too) and PowerSGD. Sharded (distributed.sharding within_node
 //   on more than one GPU per machine), each resblock is two groups (its matrices, the rest),
 //   each cut into ceil(values / GPUs) per rank, padding included; the rest stays whole.
 // - Bytes per update: the payload each rank hands to a collective, as the counters count it:
@@ -102,6 +108,9 @@ struct TrafficPart {
 struct ParameterCounts {
   int64_t total = 0, in_resblocks = 0, outside_resblocks = 0, matrix_weights = 0;
   int64_t per_rank = 0;  // what a rank holds and steps: its shards (padding included) and the rest
+  // Fine-tuning (optimizer.trainable, adapter): the adapters' values (in `total` too) and the
+  // values that train; `trained` is `total` when nothing is frozen.
+  int64_t adapters = 0, trained = 0;
 };
 
 struct CapacityPlan {
