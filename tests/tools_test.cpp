@@ -318,6 +318,31 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
                                   " -n 2 --seed 7" + prompts));
   EXPECT_EQ(nlohmann::json::parse(testing::read_text(dir / "exported/0001-01.json"))["image_tokens"],
             sidecar["image_tokens"]);
+  // Adapters trained on the run: drawn from the adapter run itself, or from the base with the
+  // exported adapter file (the option before the prompts must not take them), the same images;
+  // at weight 0 the file leaves the base as it is.
+  testing::write_text(dir / "adapters.yaml", testing::read_text(dir / "prior.yaml") + "init_from: " + (dir / "prior") +
+                                                 "\nadapter: {rank: 2, alpha: 8}\n");
+  check(run("dalle-train", "--config " + (dir / "adapters.yaml") + " --out " + (dir / "adapted") +
+                               " --set learning_rate.peak=0.05"));
+  check(run("dalle-export", (dir / "adapted") + " --adapter --out " + (dir / "adapter.safetensors")));
+  check(run("dalle-generate", "--prior " + (dir / "adapted") + " --out " + (dir / "adapted-out") + " -n 2 --seed 7" +
+                                  prompts));
+  check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "with-file") + " -n 2 --seed 7 " +
+                                  "--adapter " + (dir / "adapter.safetensors") + prompts));
+  check(run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "weight-0") + " -n 2 --seed 7 " +
+                                  "--adapter " + (dir / "adapter.safetensors") + ":0" + prompts));
+  const auto tokens_of = [&](const std::string& folder) {
+    return nlohmann::json::parse(testing::read_text(dir / (folder + "/0001-01.json")))["image_tokens"];
+  };
+  EXPECT_EQ(tokens_of("with-file"), tokens_of("adapted-out"));
+  EXPECT_NE(tokens_of("with-file"), sidecar["image_tokens"]) << "the adapters change what is drawn";
+  EXPECT_EQ(tokens_of("weight-0"), sidecar["image_tokens"]);
+  const auto not_adapter = run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "bad") +
+                                                     " --adapter " + (dir / "prior/checkpoints/step-000000004/model.safetensors") +
+                                                     prompts);
+  EXPECT_EQ(not_adapter.status, 1);
+  EXPECT_THAT(not_adapter.output, ::testing::HasSubstr("not an adapter file"));
   // Shipped, a prior names its tokenizers where they were shipped beside it.
   std::filesystem::create_directories(dir / "shipped");
   for (const char* file : {"tok.model", "tok.model.yaml"}) {
