@@ -311,6 +311,38 @@ TEST_F(PriorTrainerTest, AdaptersTrainAloneAndExportMergedOrAlone) {
   testing::expect_exact_resume<PriorTrainer>(resumed);
 }
 
+// Adapters in 16 bits: fp16 (the adapters' gradients under their resblock's scale) and bf16
+// runs from a trained prior end near the fp32 run, the base untouched in each.
+TEST_F(PriorTrainerTest, AdaptersTrainInFp16AndBf16NearFp32) {
+  ScratchDir runs;
+  auto base_config = tiny(3);
+  base_config.run.checkpoint_every = 3;
+  PriorTrainer(base_config, runs / "base").run();
+  const auto base = io::inference_weights(io::load_checkpoint(runs / "base/checkpoints/step-000000003"));
+  auto final_loss = [&](const std::string& mode) {
+    auto config = tiny(16);
+    config.init_from = runs / "base";
+    config.adapter = {.rank = 4, .alpha = 8};
+    config.learning_rate.peak = 1e-2;
+    config.precision.mode = mode;
+    PriorTrainer trainer(config, runs / mode);
+    const double before = trainer.validate().loss;
+    trainer.run();
+    if (mode == "fp16") EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
+    for (const auto& item : trainer.model()->named_parameters()) {
+      if (!models::is_adapter_tensor(item.key())) {
+        EXPECT_TRUE(torch::equal(item.value(), base.at(item.key()))) << mode << ": " << item.key() << " is frozen";
+      }
+    }
+    const double after = trainer.validate().loss;
+    EXPECT_LT(after, before) << mode << ": the adapters lower the loss";
+    return after;
+  };
+  const double fp32 = final_loss("fp32");
+  EXPECT_NEAR(final_loss("fp16"), fp32, 0.03 * fp32);
+  EXPECT_NEAR(final_loss("bf16"), fp32, 0.03 * fp32);
+}
+
 TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {
   PriorLearningRate rate{.peak = 1.0, .warmup_steps = 10, .decay = "cosine", .end = 0.1};
   EXPECT_DOUBLE_EQ(rate.at(0, 110, 0), 0.1);
