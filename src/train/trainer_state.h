@@ -195,9 +195,9 @@ struct TrainerState : RunRecord {
   }
 
   // A run started from `init_from` (a run or checkpoint): when that checkpoint's inference
-  // weights hold every frozen parameter under its name and shape, it becomes the base.
-  // (An imported model under its family's own names does not: checkpoints then hold the
-  // frozen weights whole.)
+  // weights hold every frozen parameter under its name with the value the model holds, it
+  // becomes the base. (Not so an imported model under its family's own names, or a run whose
+  // adapters were folded in on loading: checkpoints then hold the frozen weights whole.)
   void refer_to_base(const std::string& init_from) {
     const auto frozen = frozen_names();
     if (init_from.empty() || frozen.empty()) return;
@@ -206,8 +206,10 @@ struct TrainerState : RunRecord {
     const auto ours = model->named_parameters();
     for (const auto& name : frozen) {
       const auto found = weights.find(name);
-      if (found == weights.end() || found->second.sizes() != ours[name].sizes()) {
-        log::info(what, ": checkpoints hold the frozen weights whole (", base, " names them otherwise)");
+      const auto& value = ours[name];
+      if (found == weights.end() || found->second.sizes() != value.sizes() ||
+          !torch::equal(found->second.to(value.device(), value.scalar_type()), value)) {
+        log::info(what, ": checkpoints hold the frozen weights whole (", base, " does not hold them as they are)");
         return;
       }
     }
