@@ -324,15 +324,16 @@ TEST_F(RuclipParity, YttmTokenizerGivesRuclipsIds) {
   // The long caption was cut to 14 ids between BOS and EOS.
   EXPECT_GT(tokenizer_.encode(captions.back()).size(), 14u);
   // The prompt in each of ruclip Predictor's templates, lower-cased and stripped first.
-  const auto templates = strings("templates"), prompt = std::vector<std::string>{fixture_.metadata.at("prompt")};
+  const auto templates = strings("templates");
+  const std::string prompt = fixture_.metadata.at("prompt");
   ASSERT_EQ(static_cast<int64_t>(templates.size()), at("cherry.template_tokens").size(0));
   for (size_t i = 0; i < templates.size(); ++i) {
-    EXPECT_EQ(tokenizer_.ruclip_ids(text::fill_clip_template(templates[i], prompt[0]), 16),
+    EXPECT_EQ(tokenizer_.ruclip_ids(text::fill_clip_template(templates[i], prompt), 16),
               row(at("cherry.template_tokens"), static_cast<int64_t>(i)))
         << templates[i];
   }
   // Not stripped, the prompt's leading no-break space would be ids of its own.
-  EXPECT_NE(tokenizer_.ruclip_ids(prompt[0], 16), row(at("cherry.template_tokens"), 0));
+  EXPECT_NE(tokenizer_.ruclip_ids(prompt, 16), row(at("cherry.template_tokens"), 0));
   EXPECT_THROW_WITH(tokenizer_.ruclip_ids("a", 1), Error, "context_length 1");
 }
 
