@@ -146,7 +146,7 @@ torch::Tensor colour_invariant_logits(dalle::models::Clip& clip, const torch::Te
   for (const auto& colour : dalle::data::fashion_compose_colours()) {
     for (auto& object : objects) object.colour = colour.name;
     const auto features = clip->encode_image(
-        dalle::models::clip_preprocess(levels * rgb_of(colour).view({1, 3, 1, 1}), clip->config().image_size));
+        dalle::models::clip_preprocess(levels * rgb_of(colour).view({1, 3, 1, 1}), clip->config()));
     sum += caption_logits(clip, features, tokenizer, caption_of(objects));
   }
   return sum / static_cast<double>(dalle::data::fashion_compose_colours().size());
@@ -156,7 +156,7 @@ ClipScores score_with_clip(dalle::models::Clip& clip, const torch::Tensor& image
                            const dalle::text::Tokenizer& tokenizer, const std::string& caption,
                            bool colour_invariant) {
   torch::NoGradGuard no_grad;
-  const auto features = clip->encode_image(dalle::models::clip_preprocess(images, clip->config().image_size));
+  const auto features = clip->encode_image(dalle::models::clip_preprocess(images, clip->config()));
   const auto logits = caption_logits(clip, features, tokenizer, caption);
   auto contrast = torch::zeros_like(logits);
   for (const auto& alternatives : item_variants(caption)) {

@@ -126,7 +126,32 @@ def from_open_clip(name, pretrained):
 
 
 def yaml_value(value):
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(yaml_value(item) for item in value) + "]"
     return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def checked_tensors(state, config, where):
+    """`state` as float32 tensors, refused unless its names are exactly those of dalle's Clip
+    at `config`'s sizes."""
+    expected = expected_names(config)
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise SystemExit(f"{where}: does not fit dalle's Clip; missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return {k: v.detach().float().contiguous() for k, v in state.items()}
+
+
+def write_checkpoint(out, tensors, config, where):
+    """A checkpoint directory dalle::models::load_trained_clip reads: config.yaml (kind clip and
+    the `model` keys of `config`), model.safetensors and an empty state.safetensors."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"source": str(where)})
+    save_file({}, str(out / "state.safetensors"))
+    lines = ["kind: clip", "model:"] + [f"  {k}: {yaml_value(v)}" for k, v in config.items()]
+    (out / "config.yaml").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}: {len(tensors)} tensors, {sum(t.numel() for t in tensors.values()) / 1e6:.1f}M parameters, "
+          f"{config['activation']}")
 
 
 def main():
@@ -156,20 +181,7 @@ def main():
     state = {k: v for k, v in state.items() if k not in DROPPED}
     config = sizes(state, vision_heads, text_heads)
     config |= {"activation": activation, "text_pooling": "argmax"}
-    expected = expected_names(config)
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
-    if missing or unexpected:
-        raise SystemExit(f"{where}: does not fit dalle's Clip; missing {missing[:5]}, unexpected {unexpected[:5]}")
-    tensors = {k: v.detach().float().contiguous() for k, v in state.items()}
-
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"source": where})
-    save_file({}, str(out / "state.safetensors"))
-    lines = ["kind: clip", "model:"] + [f"  {k}: {yaml_value(v)}" for k, v in config.items()]
-    (out / "config.yaml").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}: {len(tensors)} tensors, {sum(t.numel() for t in tensors.values()) / 1e6:.1f}M parameters, "
-          f"{config['activation']}")
+    write_checkpoint(args.out, checked_tensors(state, config, where), config, where)
 
 
 if __name__ == "__main__":

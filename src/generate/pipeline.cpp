@@ -19,6 +19,7 @@
 #include "dalle/models/trained.h"
 #include "dalle/runtime.h"
 #include "dalle/text/clip_tokenizer.h"
+#include "dalle/text/yttm_tokenizer.h"
 #include "generate/prior_family.h"
 
 namespace dalle::generate {
@@ -45,6 +46,17 @@ void check_config(const PipelineConfig& config) {
     throw Error("pipeline: keeping " + std::to_string(config.kept()) + " of " + std::to_string(config.candidates) +
                 " candidates needs a CLIP model to choose them: set `clip`, or keep: 0");
   }
+  if (!config.clip_templates.empty() && config.clip_tokenizer.empty()) {
+    throw Error("pipeline: clip_templates are read by the CLIP's own tokenizer: set clip_tokenizer, or clear "
+                "clip_templates");
+  }
+  for (const auto& templ : config.clip_templates) {
+    try {
+      text::fill_clip_template(templ, "");
+    } catch (const Error& error) {
+      throw Error(std::string("pipeline: clip_templates: ") + error.what());
+    }
+  }
 }
 
 // CLIP's own tokenizer: argmax pooling finds its end of text, the largest id.
@@ -55,6 +67,20 @@ void check_clip_fits(const models::ClipConfig& clip, const text::ClipTokenizer& 
     throw Error("pipeline: the CLIP tokenizer " + merges + " (" + std::to_string(tokenizer.vocab_size()) +
                 " ids, end of text " + std::to_string(tokenizer.end_id()) + ") does not fit the CLIP model " + path +
                 " (" + std::to_string(clip.vocab_size) + " ids, " + clip.text_pooling + " pooling)");
+  }
+}
+
+// ruCLIP's tokenizer (YouTokenToMe): its ids within the CLIP's table, pooled at its EOS,
+// which is not its largest id, with room for BOS and EOS.
+void check_clip_fits(const models::ClipConfig& clip, const text::YttmTokenizer& tokenizer, const std::string& path,
+                     const std::string& model) {
+  const bool pools_its_end = clip.text_pooling == "eos" && clip.eos_id == tokenizer.eos_id();
+  if (tokenizer.vocab_size() > clip.vocab_size || !pools_its_end || clip.context_length < 2) {
+    throw Error("pipeline: the YouTokenToMe CLIP tokenizer " + model + " (" + std::to_string(tokenizer.vocab_size()) +
+                " ids, end of text " + std::to_string(tokenizer.eos_id()) + ") does not fit the CLIP model " + path +
+                " (" + std::to_string(clip.vocab_size) + " ids, " + clip.text_pooling + " pooling" +
+                (clip.text_pooling == "eos" ? " at id " + std::to_string(clip.eos_id) : std::string()) +
+                ", context " + std::to_string(clip.context_length) + ")");
   }
 }
 
@@ -90,7 +116,8 @@ struct Pipeline::Stages {
   torch::Device device = torch::kCPU;
   std::unique_ptr<PriorFamily> family;
   models::Clip clip{nullptr};
-  std::optional<text::ClipTokenizer> clip_tokenizer{};
+  std::optional<text::ClipTokenizer> clip_tokenizer{};  // the imported CLIP's own: CLIP's BPE, or
+  std::optional<text::YttmTokenizer> clip_yttm{};       // ruCLIP's YouTokenToMe model
   models::RrdbNet superres{nullptr};
   // The decoding steps' graphs and tensors, kept between batches on a GPU (on the CPU each
   // batch makes its own tensors and frees them).
@@ -110,7 +137,8 @@ struct Pipeline::Stages {
   void check(const PromptRequest& request, const std::string& where) const;
   // Reranks (with CLIP), keeps and upscales the candidates of one request.
   void finish(std::vector<GeneratedImage>& candidates, const PromptRequest& request, const torch::Tensor& clip_caption);
-  // The prompt as CLIP reads it: CLIP's own ids, or the caption tokenizer's `caption`.
+  // The prompt as CLIP reads it: the caption tokenizer's `caption` [L], or with CLIP's own
+  // tokenizer the ids of each of clip_templates (of the prompt alone without them) [T, L].
   torch::Tensor clip_caption(const std::string& prompt, const torch::Tensor& caption) const;
   // Scores the candidates against their prompt (as CLIP reads it) and orders them best first.
   void rerank(std::vector<GeneratedImage>& candidates, const torch::Tensor& caption);
@@ -140,6 +168,9 @@ Pipeline::Pipeline(PipelineConfig config) {
     s.clip = models::load_trained_clip(s.config.clip);
     if (s.config.clip_tokenizer.empty()) {
       s.family->check_clip_reads_captions(s.clip->config(), s.config.clip);
+    } else if (text::YttmTokenizer::recognises(s.config.clip_tokenizer)) {
+      s.clip_yttm = text::YttmTokenizer::load(s.config.clip_tokenizer);
+      check_clip_fits(s.clip->config(), *s.clip_yttm, s.config.clip, s.config.clip_tokenizer);
     } else {
       s.clip_tokenizer = text::ClipTokenizer::load(s.config.clip_tokenizer);
       check_clip_fits(s.clip->config(), *s.clip_tokenizer, s.config.clip, s.config.clip_tokenizer);
@@ -315,8 +346,17 @@ std::vector<GeneratedImage> Pipeline::Stages::sample(const std::vector<Row>& row
 }
 
 torch::Tensor Pipeline::Stages::clip_caption(const std::string& prompt, const torch::Tensor& caption) const {
-  if (!clip_tokenizer) return caption;
-  return torch::tensor(clip_tokenizer->tokenize(prompt, clip->config().context_length), torch::kInt64);
+  if (!clip_tokenizer && !clip_yttm) return caption;
+  std::vector<std::string> renderings;
+  for (const auto& templ : config.clip_templates) renderings.push_back(text::fill_clip_template(templ, prompt));
+  if (renderings.empty()) renderings.push_back(prompt);
+  const int64_t length = clip->config().context_length;
+  std::vector<torch::Tensor> rows;
+  for (const auto& rendering : renderings) {
+    const auto ids = clip_yttm ? clip_yttm->ruclip_ids(rendering, length) : clip_tokenizer->tokenize(rendering, length);
+    rows.push_back(torch::tensor(ids, torch::kInt64));
+  }
+  return torch::stack(rows);
 }
 
 void Pipeline::Stages::rerank(std::vector<GeneratedImage>& candidates, const torch::Tensor& caption) {

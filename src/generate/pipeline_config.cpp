@@ -44,8 +44,15 @@ void PipelineConfig::visit(ConfigVisitor& v) {
           "CLIP run or checkpoint that reranks the candidates, trained by dalle-train-clip with the caption "
           "tokenizer; empty: no reranking");
   v.field("clip_tokenizer", clip_tokenizer,
-          "CLIP's BPE merges file (bpe_simple_vocab_16e6.txt.gz, from OpenAI CLIP or open_clip) for CLIP weights "
-          "imported by scripts/export_open_clip.py; empty: CLIP reads the caption tokenizer's ids");
+          "the imported CLIP's own tokenizer, told apart by content: CLIP's BPE merges file "
+          "(bpe_simple_vocab_16e6.txt.gz, from OpenAI CLIP or open_clip) for weights exported by "
+          "scripts/export_open_clip.py, or ruCLIP's YouTokenToMe bpe.model for scripts/export_ruclip.py's; empty: "
+          "CLIP reads the caption tokenizer's ids");
+  v.field("clip_templates", clip_templates,
+          "renderings of the prompt CLIP scores the candidates against, each with {} where the prompt goes "
+          "(lower-cased and stripped); the caption's text feature is the mean of theirs, as ruclip's Predictor makes "
+          "it for ruDALL-E's cherry_pick_by_ruclip (its six: {}, фото, на котором изображено {}, изображение с {}, "
+          "картинка с {}, фото с {}, на фото видно {}). Needs clip_tokenizer; empty: the prompt alone");
   v.field("superres", superres, "RRDBNet run or checkpoint that upscales the kept images; empty: none");
   v.field("adapters", adapters,
           "low-rank adapter files (dalle-export --adapter) folded into the prior's weights when it loads, in order, "

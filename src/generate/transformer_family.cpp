@@ -18,7 +18,8 @@
 namespace dalle::generate {
 namespace {
 
-// ruDALL-E's tokenizer feeds a prior of ruDALL-E's layout; a CLIP cannot read its ids.
+// ruDALL-E's tokenizer feeds a prior of ruDALL-E's layout; a CLIP cannot read its ids (ruCLIP
+// reads its own bpe.model, framed its own way: clip_tokenizer).
 void check_yttm_fits(const text::YttmTokenizer& yttm, const models::PriorConfig& prior, const PipelineConfig& config) {
   if (yttm.vocab_size() > prior.text_vocab_size) {
     throw Error("pipeline: the YouTokenToMe tokenizer " + config.tokenizer + " has " +
@@ -27,7 +28,8 @@ void check_yttm_fits(const text::YttmTokenizer& yttm, const models::PriorConfig&
   }
   if (!config.clip.empty() && config.clip_tokenizer.empty()) {
     throw Error("pipeline: a CLIP cannot read ruDALL-E's caption ids (" + config.tokenizer +
-                "); set clip_tokenizer to CLIP's bpe_simple_vocab_16e6.txt.gz for imported CLIP weights");
+                "); set clip_tokenizer to the imported CLIP's own tokenizer: ruCLIP's bpe.model "
+                "(scripts/import-model clip adds both), or CLIP's bpe_simple_vocab_16e6.txt.gz");
   }
 }
 
@@ -74,7 +76,7 @@ class TransformerFamily : public PriorFamily {
                   "; reranking feeds it the caption tokenizer's ids, which needs eos pooling at id " +
                   std::to_string(text::Tokenizer::kEndId) +
                   " (a CLIP trained by dalle-train-clip). For imported CLIP weights set clip_tokenizer to CLIP's "
-                  "bpe_simple_vocab_16e6.txt.gz");
+                  "bpe_simple_vocab_16e6.txt.gz (ruCLIP: its bpe.model)");
     }
     if (tokenizer_->vocab_size() > clip.vocab_size || tokenizer_->text_length() > clip.context_length) {
       throw Error("pipeline: the caption tokenizer (" + std::to_string(tokenizer_->vocab_size()) + " ids, " +

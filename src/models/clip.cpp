@@ -5,6 +5,7 @@
 #include <cfenv>
 #include <cmath>
 #include <sstream>
+#include <vector>
 
 #include "dalle/error.h"
 
@@ -66,6 +67,15 @@ void ClipConfig::visit(ConfigVisitor& v) {
   v.field("init_logit_scale", init_logit_scale,
           "initial logit_scale, the log of the inverse softmax temperature (CLIP: ln(1 / 0.07))",
           {.min = 0.0, .max = 10.0});
+  v.field("preprocess", preprocess,
+          "how images are brought to image_size: open_clip (the shorter side resized to image_size, bicubic, "
+          "then the centred square; OpenAI CLIP, open_clip, dalle-train-clip) or ruclip (the centred square of the "
+          "shorter side, then resized to image_size, bilinear; ruCLIP's processor)",
+          {.choices = {"open_clip", "ruclip"}});
+  v.field("image_mean", image_mean, "per-channel mean (R, G, B) subtracted from [0, 1] pixels (CLIP's)",
+          {.min = 0.0, .max = 1.0});
+  v.field("image_std", image_std, "per-channel standard deviation (R, G, B) the pixels are divided by (CLIP's)",
+          {.min = 1e-6, .max = 10.0});
 }
 
 void ClipConfig::validate() const {
@@ -91,11 +101,22 @@ void ClipConfig::validate() const {
     throw Error("clip: eos_id (" + std::to_string(eos_id) + ") is outside the vocabulary of " +
                 std::to_string(vocab_size));
   }
+  if (preprocess != "open_clip" && preprocess != "ruclip") {
+    throw Error("clip: preprocess must be 'open_clip' or 'ruclip', got '" + preprocess + "'");
+  }
+  if (image_mean.size() != 3 || image_std.size() != 3) {
+    throw Error("clip: image_mean and image_std need 3 values each (R, G, B), got " +
+                std::to_string(image_mean.size()) + " and " + std::to_string(image_std.size()));
+  }
+  for (const double deviation : image_std) {
+    if (!(deviation > 0.0)) throw Error("clip: image_std values must be positive");
+  }
   parse_clip_activation(activation);
 }
 
-torch::Tensor clip_preprocess(const torch::Tensor& images, int64_t image_size) {
-  if (images.dim() == 3) return clip_preprocess(images.unsqueeze(0), image_size).squeeze(0);
+namespace {
+
+void check_images(const torch::Tensor& images, int64_t image_size) {
   if (images.dim() != 4 || images.size(1) != 3 || images.size(2) < 1 || images.size(3) < 1) {
     throw Error("clip_preprocess: expected images [batch, 3, H, W] in [0, 1], got " + shape_of(images));
   }
@@ -104,7 +125,19 @@ torch::Tensor clip_preprocess(const torch::Tensor& images, int64_t image_size) {
                 std::string(c10::toString(images.scalar_type())));
   }
   if (image_size < 1) throw Error("clip_preprocess: image_size must be positive");
-  auto x = images;
+}
+
+// torchvision's tensor resize: half-pixel centres, antialiased when it shrinks.
+torch::Tensor resize(const torch::Tensor& x, int64_t height, int64_t width, F::InterpolateFuncOptions::mode_t mode) {
+  return F::interpolate(x, F::InterpolateFuncOptions()
+                               .size(std::vector<int64_t>{height, width})
+                               .mode(mode)
+                               .align_corners(false)
+                               .antialias(true));
+}
+
+// open_clip: Resize(image_size) then CenterCrop(image_size).
+torch::Tensor resize_then_crop(torch::Tensor x, int64_t image_size) {
   int64_t height = x.size(2), width = x.size(3);
   // torchvision's Resize(int): the shorter side becomes image_size, the longer one
   // int(image_size * long / short); nothing happens when the size is already right.
@@ -113,22 +146,56 @@ torch::Tensor clip_preprocess(const torch::Tensor& images, int64_t image_size) {
   const int64_t new_height = height <= width ? image_size : new_longer;
   const int64_t new_width = height <= width ? new_longer : image_size;
   if (new_height != height || new_width != width) {
-    x = F::interpolate(x, F::InterpolateFuncOptions()
-                              .size(std::vector<int64_t>{new_height, new_width})
-                              .mode(torch::kBicubic)
-                              .align_corners(false)
-                              .antialias(true));
+    x = resize(x, new_height, new_width, torch::kBicubic);
     height = new_height;
     width = new_width;
   }
   // CenterCrop: offsets rounded half to even, as Python's round.
   const int64_t top = round_half_even(static_cast<double>(height - image_size) / 2.0);
   const int64_t left = round_half_even(static_cast<double>(width - image_size) / 2.0);
-  x = x.slice(2, top, top + image_size).slice(3, left, left + image_size);
+  return x.slice(2, top, top + image_size).slice(3, left, left + image_size);
+}
+
+// ruclip: RandomResizedCrop(image_size, scale=(1, 1), ratio=(1, 1)). Its square of the whole
+// area fits only a square image (or one a pixel longer one way); otherwise torchvision falls
+// back to the centred crop of ratio 1, offsets (long - short) // 2.
+torch::Tensor crop_then_resize(torch::Tensor x, int64_t image_size) {
+  const int64_t height = x.size(2), width = x.size(3), side = std::min(height, width);
+  const int64_t top = (height - side) / 2, left = (width - side) / 2;
+  x = x.slice(2, top, top + side).slice(3, left, left + side);
+  return side == image_size ? x : resize(x, image_size, image_size, torch::kBilinear);
+}
+
+torch::Tensor normalise(const torch::Tensor& x, const std::vector<double>& mean, const std::vector<double>& std) {
   const auto options = torch::TensorOptions().dtype(x.dtype()).device(x.device());
-  const auto mean = torch::tensor({kClipMean[0], kClipMean[1], kClipMean[2]}, options).view({1, 3, 1, 1});
-  const auto std = torch::tensor({kClipStd[0], kClipStd[1], kClipStd[2]}, options).view({1, 3, 1, 1});
-  return (x - mean) / std;
+  return (x - torch::tensor(mean, options).view({1, 3, 1, 1})) / torch::tensor(std, options).view({1, 3, 1, 1});
+}
+
+}  // namespace
+
+torch::Tensor clip_preprocess(const torch::Tensor& images, const ClipConfig& config) {
+  if (images.dim() == 3) return clip_preprocess(images.unsqueeze(0), config).squeeze(0);
+  check_images(images, config.image_size);
+  if (config.image_mean.size() != 3 || config.image_std.size() != 3) {
+    throw Error("clip_preprocess: image_mean and image_std need 3 values each (R, G, B)");
+  }
+  torch::Tensor x;
+  if (config.preprocess == "open_clip") {
+    x = resize_then_crop(images, config.image_size);
+  } else if (config.preprocess == "ruclip") {
+    x = crop_then_resize(images, config.image_size);
+  } else {
+    throw Error("clip_preprocess: preprocess must be 'open_clip' or 'ruclip', got '" + config.preprocess + "'");
+  }
+  return normalise(x, config.image_mean, config.image_std);
+}
+
+torch::Tensor clip_preprocess(const torch::Tensor& images, int64_t image_size) {
+  ClipConfig config;
+  config.image_size = image_size;
+  config.image_mean.assign(kClipMean.begin(), kClipMean.end());
+  config.image_std.assign(kClipStd.begin(), kClipStd.end());
+  return clip_preprocess(images, config);
 }
 
 ClipImpl::ClipImpl(const ClipConfig& config) : config_(config) {

@@ -7,6 +7,7 @@
 #include "dalle/error.h"
 
 namespace dalle::models {
+namespace F = torch::nn::functional;
 
 torch::Tensor clip_scores(Clip& model, const torch::Tensor& images, const torch::Tensor& tokens, int64_t batch_size) {
   if (batch_size < 1) throw Error("clip rerank: batch_size must be positive, got " + std::to_string(batch_size));
@@ -15,17 +16,19 @@ torch::Tensor clip_scores(Clip& model, const torch::Tensor& images, const torch:
     got << images.sizes();
     throw Error("clip rerank: expected candidate images [N, 3, H, W] with N >= 1, got " + got.str());
   }
-  const auto caption = tokens.dim() == 1 ? tokens.unsqueeze(0) : tokens;
-  if (caption.dim() != 2 || caption.size(0) != 1) {
-    throw Error("clip rerank: expected one caption's tokens, [L] or [1, L]");
+  const auto captions = tokens.dim() == 1 ? tokens.unsqueeze(0) : tokens;
+  if (captions.dim() != 2 || captions.size(0) < 1) {
+    throw Error("clip rerank: expected one caption's tokens, [L], or [T, L] for T renderings of it");
   }
   torch::NoGradGuard no_grad;
   const auto device = model->logit_scale.device();
-  const auto text = model->encode_text(caption.to(device), /*normalize=*/true);  // [1, D]
+  // ruclip's Predictor: the mean of the renderings' raw features, then normalised.
+  const auto text = F::normalize(model->encode_text(captions.to(device)).mean(0, true),
+                                 F::NormalizeFuncOptions().dim(-1));  // [1, D]
   std::vector<torch::Tensor> scores;
   for (int64_t start = 0; start < images.size(0); start += batch_size) {
     const auto chunk = images.slice(0, start, std::min(start + batch_size, images.size(0))).to(device);
-    const auto features = model->encode_image(clip_preprocess(chunk, model->config().image_size), true);
+    const auto features = model->encode_image(clip_preprocess(chunk, model->config()), true);
     scores.push_back(model->logit_scale.exp() * torch::matmul(features, text.t()).squeeze(1));
   }
   return torch::cat(scores).to(torch::kFloat32);

@@ -225,6 +225,22 @@ std::vector<int64_t> ClipTokenizer::tokenize(std::string_view text, int64_t cont
   return ids;
 }
 
+std::string fill_clip_template(std::string_view templ, std::string_view prompt) {
+  const auto at = templ.find("{}");
+  if (at == std::string_view::npos || templ.find_first_of("{}", at + 2) != std::string_view::npos ||
+      templ.substr(0, at).find_first_of("{}") != std::string_view::npos) {
+    throw Error("CLIP template '" + std::string(templ) +
+                "' must hold {} once, where the prompt goes, and no other brace");
+  }
+  const auto& classes = char_classes();
+  const auto lowered = classes.lower(decode_utf8(prompt));
+  size_t first = 0, last = lowered.size();
+  while (first < last && classes.space(lowered[first])) ++first;
+  while (last > first && classes.space(lowered[last - 1])) --last;
+  return std::string(templ.substr(0, at)) + encode_utf8(std::u32string_view(lowered).substr(first, last - first)) +
+         std::string(templ.substr(at + 2));
+}
+
 int64_t ClipTokenizer::vocab_size() const { return impl_->end_id + 1; }
 int64_t ClipTokenizer::start_id() const { return impl_->start_id; }
 int64_t ClipTokenizer::end_id() const { return impl_->end_id; }

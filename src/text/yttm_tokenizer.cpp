@@ -166,6 +166,19 @@ std::vector<int64_t> YttmTokenizer::caption_ids(std::string_view caption, int64_
   return ids;
 }
 
+std::vector<int64_t> YttmTokenizer::ruclip_ids(std::string_view text, int64_t context_length) const {
+  if (context_length < 2) {
+    throw Error("ruCLIP's tokenizer: context_length " + std::to_string(context_length) +
+                " leaves no room for BOS and EOS");
+  }
+  auto ids = encode(encode_utf8(char_classes().lower(decode_utf8(text))));
+  if (static_cast<int64_t>(ids.size()) > context_length - 2) ids.resize(static_cast<size_t>(context_length - 2));
+  ids.insert(ids.begin(), impl_->bos);
+  ids.push_back(impl_->eos);
+  ids.resize(static_cast<size_t>(context_length), impl_->pad);
+  return ids;
+}
+
 int64_t YttmTokenizer::vocab_size() const {
   return static_cast<int64_t>(impl_->char_ids.size() + impl_->merges.size()) + 4;
 }

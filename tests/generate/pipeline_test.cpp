@@ -1,13 +1,19 @@
 #include "dalle/generate/pipeline.h"
 
+#include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 
 #include "dalle/data/image.h"
 #include "dalle/io/checkpoint.h"
+#include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/models/clip_rerank.h"
 #include "dalle/models/linear.h"
 #include "dalle/models/trained.h"
+#include "dalle/text/clip_tokenizer.h"
 #include "dalle/text/tokenizer.h"
+#include "dalle/text/yttm_tokenizer.h"
 #include "test_support.h"
 
 namespace dalle::generate {
@@ -372,6 +378,65 @@ TEST(PipelineYttm, RudallesTokenizerFeedsThePrior) {
   auto demo = demo_pipeline(1);
   demo.tokenizer = testing::fixture_path("yttm_bpe.model");
   EXPECT_THROW_WITH(Pipeline{demo}, Error, "600 ids, more than the prior's text_vocab_size 128");
+}
+
+// ruCLIP reranks a ruDALL-E prior's candidates (rudalle's cherry_pick_by_ruclip): the ruCLIP
+// parity fixture's model (tests/parity/make_ruclip_fixture.py) reads its own YouTokenToMe
+// ids of the prompt in each of ruclip Predictor's templates, their features averaged.
+TEST(PipelineYttm, RuclipRanksByThePromptInItsTemplates) {
+  testing::ScratchDir dir;
+  const auto fixture = io::read_safetensors(testing::fixture_path("ruclip_parity.safetensors"));
+  const std::string clip_yaml =
+      "kind: clip\nmodel: {embed_dim: 16, image_size: 32, patch_size: 8, vision_width: 64, vision_layers: 2,\n"
+      "        vision_heads: 1, context_length: 16, vocab_size: 600, text_width: 32, text_layers: 2, text_heads: 4,\n"
+      "        activation: quick_gelu, text_pooling: eos, eos_id: 3, preprocess: ruclip}\n";
+  const auto weights = testing::dequantized_weights(fixture.tensors);
+  io::save_checkpoint(dir / "ruclip", {.config_yaml = clip_yaml, .weights = weights});
+  const auto templates = nlohmann::json::parse(fixture.metadata.at("templates")).get<std::vector<std::string>>();
+  const std::string bpe = testing::fixture_path("yttm_bpe.model");
+  PipelineConfig config{.prior = random_rudalle_prior(dir), .clip = dir / "ruclip", .clip_tokenizer = bpe,
+                        .clip_templates = templates, .candidates = 4, .keep = 4, .threads = 2};
+  const std::string prompt = "  Красная СУМКА слева";
+  const auto ranked = Pipeline(config).generate({prompt});
+  ASSERT_EQ(ranked.size(), 4u);
+  // The scores are CLIP's for the mean of the templates' features, best first.
+  auto clip = models::load_trained_clip(dir / "ruclip");
+  const auto bpe_model = text::YttmTokenizer::load(bpe);
+  std::vector<torch::Tensor> images, renderings;
+  for (const auto& image : ranked) images.push_back(image.image);
+  for (const auto& templ : templates) {
+    renderings.push_back(torch::tensor(bpe_model.ruclip_ids(text::fill_clip_template(templ, prompt), 16)));
+  }
+  const auto expected = models::clip_scores(clip, torch::stack(images), torch::stack(renderings));
+  for (size_t rank = 0; rank < ranked.size(); ++rank) {
+    EXPECT_EQ(ranked[rank].rank, static_cast<int64_t>(rank));
+    ASSERT_TRUE(ranked[rank].clip_score.has_value());
+    EXPECT_NEAR(*ranked[rank].clip_score, expected[static_cast<int64_t>(rank)].item<double>(), 1e-4) << rank;
+    if (rank > 0) EXPECT_GE(*ranked[rank - 1].clip_score, *ranked[rank].clip_score);
+  }
+  // Without templates CLIP reads the prompt alone, and scores the same images otherwise.
+  config.clip_templates.clear();
+  const auto plain = Pipeline(config).generate({prompt});
+  std::set<double> with_templates, alone;
+  for (size_t i = 0; i < ranked.size(); ++i) {
+    with_templates.insert(*ranked[i].clip_score);
+    alone.insert(*plain[i].clip_score);
+  }
+  EXPECT_NE(with_templates, alone);
+
+  // What does not fit is refused before anything is drawn.
+  config.clip_templates = {"фото {}"};
+  config.clip_tokenizer.clear();
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "clip_templates are read by the CLIP's own tokenizer");
+  config.clip_tokenizer = bpe;
+  config.clip_templates = {"фото"};
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "clip_templates: CLIP template 'фото' must hold {} once");
+  config.clip_templates.clear();
+  const auto argmax_yaml = std::regex_replace(clip_yaml, std::regex("text_pooling: eos"), "text_pooling: argmax");
+  io::save_checkpoint(dir / "argmax", {.config_yaml = argmax_yaml, .weights = weights});
+  config.clip = dir / "argmax";
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "the YouTokenToMe CLIP tokenizer", "(600 ids, end of text 3) does not fit",
+                    "argmax pooling");
 }
 
 TEST_F(ImagePrompt, HalfGivenOrImpossiblePromptsAreRefused) {

@@ -2,11 +2,16 @@
 
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+#include <sstream>
+
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/trained.h"
+#include "dalle/text/clip_tokenizer.h"
+#include "dalle/text/yttm_tokenizer.h"
 #include "test_support.h"
 
 namespace dalle::models {
@@ -21,12 +26,12 @@ ClipConfig fixture_config(const std::string& activation = "gelu", const std::str
           .activation = activation, .text_pooling = pooling, .eos_id = 3};
 }
 
+// A checkpoint's config.yaml: the config's YAML (lists included) under `model`.
 std::string yaml_of(ClipConfig config) {
-  return "kind: clip\nmodel:\n" + [&] {
-    std::string text;
-    for (const auto& [key, value] : flatten_config(visit_of(config))) text += "  " + key + ": " + value + "\n";
-    return text;
-  }();
+  std::string text = "kind: clip\nmodel:\n", line;
+  std::istringstream lines(config_to_yaml(visit_of(config)));
+  while (std::getline(lines, line)) text += "  " + line + "\n";
+  return text;
 }
 
 class ClipParity : public ::testing::Test {
@@ -207,6 +212,160 @@ TEST_F(ClipParity, CheckpointDirectoryLoadsByName) {
   EXPECT_THROW_WITH(models::load_trained_clip(scratch / "typo"), ConfigError, "unknown key 'model.embed_dims'");
 }
 
+// The sizes make_ruclip_fixture.py builds ruclip's CLIP with (OpenAI CLIP's layout; its
+// vision heads are vision_width / 64, one here), and what ruclip reads: QuickGELU, the
+// feature at the end of text (id 3), its processor's crop-then-resize.
+ClipConfig ruclip_config() {
+  return {.embed_dim = 16, .image_size = 32, .patch_size = 8, .vision_width = 64, .vision_layers = 2, .vision_heads = 1,
+          .context_length = 16, .vocab_size = 600, .text_width = 32, .text_layers = 2, .text_heads = 4,
+          .mlp_ratio = 4.0, .activation = "quick_gelu", .text_pooling = "eos", .eos_id = 3, .preprocess = "ruclip"};
+}
+
+class RuclipParity : public ::testing::Test {
+ protected:
+  void SetUp() override { weights_ = testing::dequantized_weights(fixture_.tensors); }
+  Clip model(ClipConfig config = ruclip_config()) const {
+    Clip clip(config);
+    io::load_state_dict(*clip, weights_, "ruclip_parity.safetensors");
+    clip->eval();
+    return clip;
+  }
+  const torch::Tensor& at(const std::string& name) const { return fixture_.tensors.at(name); }
+  // The fixture's 8-bit images ("square" 24x24, "tall" 43x36) in [0, 1].
+  torch::Tensor images(const std::string& kind) const { return at("images_" + kind).to(torch::kFloat32) / 255.0; }
+  std::vector<std::string> strings(const std::string& key) const {
+    return nlohmann::json::parse(fixture_.metadata.at(key)).get<std::vector<std::string>>();
+  }
+  static std::vector<int64_t> row(const torch::Tensor& tokens, int64_t i) {
+    const auto r = tokens[i].contiguous();
+    return {r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel()};
+  }
+
+  io::Safetensors fixture_ = io::read_safetensors(testing::fixture_path("ruclip_parity.safetensors"));
+  io::TensorMap weights_;
+  text::YttmTokenizer tokenizer_ = text::YttmTokenizer::load(testing::fixture_path("yttm_bpe.model"));
+};
+
+TEST_F(RuclipParity, StateDictLoadsByNameAtTheFixturesSizes) {
+  const auto ours = io::state_dict(*model());
+  ASSERT_EQ(ours.size(), weights_.size());
+  for (const auto& [name, tensor] : weights_) {
+    ASSERT_TRUE(ours.count(name)) << name;
+    EXPECT_EQ(ours.at(name).sizes(), tensor.sizes()) << name;
+  }
+  const auto& meta = fixture_.metadata;
+  const auto config = ruclip_config();
+  EXPECT_EQ(meta.at("vision_heads"), std::to_string(config.vision_heads));
+  EXPECT_EQ(meta.at("transformer_heads"), std::to_string(config.text_heads));
+  EXPECT_EQ(meta.at("image_resolution"), std::to_string(config.image_size));
+  EXPECT_EQ(meta.at("context_length"), std::to_string(config.context_length));
+  EXPECT_EQ(meta.at("eos_id"), std::to_string(config.eos_id));
+}
+
+TEST_F(RuclipParity, ImageFeaturesMatchRuclip) {
+  torch::NoGradGuard no_grad;
+  auto clip = model();
+  for (const std::string kind : {"square", "tall"}) {
+    // The processor's pixels of PIL images, and of float tensors.
+    EXPECT_LT(relative_error(clip->encode_image(at("pixels_" + kind)), at(kind + ".image_features")), 1e-4) << kind;
+    EXPECT_LT(relative_error(clip->encode_image(at("tensor_pixels_" + kind)), at(kind + ".tensor_image_features")),
+              1e-4)
+        << kind;
+  }
+}
+
+TEST_F(RuclipParity, TextFeaturesPoolAtTheEndOfTextAsRuclip) {
+  torch::NoGradGuard no_grad;
+  auto clip = model();
+  const auto& tokens = at("tokens");
+  EXPECT_LT(relative_error(clip->encode_text(tokens), at("text_features")), 1e-4);
+  // BOS, the ids, EOS: the last caption fills the context, cut to leave its EOS last.
+  EXPECT_TRUE(torch::equal(clip->pooling_positions(tokens), torch::tensor({4, 4, 7, 15})));
+  // Its EOS (3) is not the largest id: CLIP's argmax pooling would read other positions.
+  auto config = ruclip_config();
+  config.text_pooling = "argmax";
+  EXPECT_GT(relative_error(model(config)->encode_text(tokens), at("text_features")), 1e-2);
+}
+
+TEST_F(RuclipParity, LogitsMatchRuclip) {
+  torch::NoGradGuard no_grad;
+  auto clip = model();
+  for (const std::string kind : {"square", "tall"}) {
+    const auto logits = clip->logits(at("pixels_" + kind), at("tokens"));
+    ASSERT_EQ(logits.per_image.sizes(), (std::vector<int64_t>{3, 4}));
+    EXPECT_LT(relative_error(logits.per_image, at(kind + ".logits_per_image")), 1e-4) << kind;
+    EXPECT_LT(relative_error(logits.per_text, at(kind + ".logits_per_text")), 1e-4) << kind;
+  }
+}
+
+TEST_F(RuclipParity, PreprocessingIsRuclipsProcessor) {
+  const auto config = ruclip_config();
+  const auto stds = torch::tensor(config.image_std).to(torch::kFloat32).view({1, 3, 1, 1});
+  for (const std::string kind : {"square", "tall"}) {
+    const auto pixels = clip_preprocess(images(kind), config);
+    ASSERT_EQ(pixels.sizes(), (std::vector<int64_t>{3, 3, 32, 32})) << kind;
+    // torchvision's tensor path exactly; within one 8-bit level of the PIL path, which
+    // rounds its resized pixels to 8 bits.
+    EXPECT_LT(relative_error(pixels, at("tensor_pixels_" + kind)), 1e-5) << kind;
+    EXPECT_LE(((pixels - at("pixels_" + kind)) * stds).abs().max().item<double>(), 1.0 / 255 + 1e-5) << kind;
+  }
+  // 43x36: the square from row (43 - 36) // 2 = 3; open_clip's transform takes row 4 (and
+  // resizes first, bicubic), which is another picture.
+  EXPECT_GT(relative_error(clip_preprocess(images("tall"), 32), at("tensor_pixels_tall")), 1e-2);
+  EXPECT_LT(relative_error(clip_preprocess(images("tall")[1], config), at("tensor_pixels_tall")[1]), 1e-5);
+}
+
+TEST_F(RuclipParity, YttmTokenizerGivesRuclipsIds) {
+  const auto captions = strings("captions");
+  ASSERT_EQ(static_cast<int64_t>(captions.size()), at("tokens").size(0));
+  for (size_t i = 0; i < captions.size(); ++i) {
+    EXPECT_EQ(tokenizer_.ruclip_ids(captions[i], 16), row(at("tokens"), static_cast<int64_t>(i))) << captions[i];
+  }
+  // The long caption was cut to 14 ids between BOS and EOS.
+  EXPECT_GT(tokenizer_.encode(captions.back()).size(), 14u);
+  // The prompt in each of ruclip Predictor's templates, lower-cased and stripped first.
+  const auto templates = strings("templates");
+  const std::string prompt = fixture_.metadata.at("prompt");
+  ASSERT_EQ(static_cast<int64_t>(templates.size()), at("cherry.template_tokens").size(0));
+  for (size_t i = 0; i < templates.size(); ++i) {
+    EXPECT_EQ(tokenizer_.ruclip_ids(text::fill_clip_template(templates[i], prompt), 16),
+              row(at("cherry.template_tokens"), static_cast<int64_t>(i)))
+        << templates[i];
+  }
+  // Not stripped, the prompt's leading no-break space would be ids of its own.
+  EXPECT_NE(tokenizer_.ruclip_ids(prompt, 16), row(at("cherry.template_tokens"), 0));
+  EXPECT_THROW_WITH(tokenizer_.ruclip_ids("a", 1), Error, "context_length 1");
+}
+
+TEST_F(RuclipParity, TemplatesRerankAsRudallesCherryPick) {
+  auto clip = model();
+  const auto& tokens = at("cherry.template_tokens");  // [6 templates, 16]
+  const double scale = std::exp(clip->logit_scale.item<double>());
+  // cherry_pick_by_ruclip's scores are cosines; ours are scaled by exp(logit_scale).
+  const auto scores =
+      torch::cat({clip_scores(clip, images("square"), tokens, 2), clip_scores(clip, images("tall"), tokens, 2)});
+  EXPECT_LT(relative_error(scores / scale, at("cherry.scores")), 1e-4);
+  // One rendering alone scores otherwise: the mean over the templates is what ruclip ranks by.
+  const auto single =
+      torch::cat({clip_scores(clip, images("square"), tokens[0]), clip_scores(clip, images("tall"), tokens[0])});
+  EXPECT_GT(relative_error(single / scale, at("cherry.scores")), 1e-3);
+  // A checkpoint directory keeps the preprocessing: loaded, it scores the same.
+  testing::ScratchDir scratch;
+  io::save_checkpoint(scratch / "ruclip", {yaml_of(ruclip_config()), weights_, {}, {}});
+  auto loaded = load_trained_clip(scratch / "ruclip");
+  EXPECT_EQ(loaded->config().preprocess, "ruclip");
+  EXPECT_LT(relative_error(clip_scores(loaded, images("tall"), tokens) / scale, at("cherry.scores").slice(0, 3)), 1e-4);
+}
+
+TEST(ClipTemplate, FillsThePromptLowerCasedAndStripped) {
+  EXPECT_EQ(text::fill_clip_template("фото с {}", " \u00a0Красная СУМКА\t"), "фото с красная сумка");
+  EXPECT_EQ(text::fill_clip_template("{}", "A Red Bag"), "a red bag");
+  EXPECT_EQ(text::fill_clip_template("{} and more", "X"), "x and more");
+  EXPECT_THROW_WITH(text::fill_clip_template("no slot", "x"), Error, "'no slot'", "{} once");
+  EXPECT_THROW_WITH(text::fill_clip_template("{} {}", "x"), Error, "{} once");
+  EXPECT_THROW_WITH(text::fill_clip_template("{0} {}", "x"), Error, "no other brace");
+}
+
 TEST(Clip, DefaultConfigIsViTB32) {
   // open_clip.create_model('ViT-B-32').state_dict(): 302 tensors, 151,277,313 numbers.
   Clip clip(ClipConfig{});
@@ -285,6 +444,14 @@ TEST(Clip, InconsistentSizesAreRefused) {
                     ConfigError, "clip.yaml:1", "activation");
   EXPECT_THROW_WITH(load_config<ClipConfig>(ConfigSource::from_string("text_pooling: mean\n", "clip.yaml")),
                     ConfigError, "text_pooling");
+  EXPECT_THROW_WITH(load_config<ClipConfig>(ConfigSource::from_string("preprocess: squash\n", "clip.yaml")),
+                    ConfigError, "preprocess");
+  config = tiny_config();
+  config.image_mean = {0.5, 0.5};
+  EXPECT_THROW_WITH(Clip{config}, Error, "image_mean and image_std need 3 values each", "got 2 and 3");
+  config = tiny_config();
+  config.image_std = {0.2, 0.0, 0.2};
+  EXPECT_THROW_WITH(Clip{config}, Error, "image_std values must be positive");
 }
 
 TEST(Clip, ContrastiveLossReachesBothTowersAndTheScale) {

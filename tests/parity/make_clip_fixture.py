@@ -32,6 +32,8 @@ import open_clip
 import torch
 from safetensors.torch import save_file
 
+from quantized_weights import quantized_randomize
+
 EMBED_DIM = 16
 VISION = dict(image_size=32, patch_size=8, width=48, layers=2, head_width=8, mlp_ratio=4.0)  # 6 heads
 TEXT = dict(context_length=12, vocab_size=64, width=32, heads=4, layers=3, mlp_ratio=4.0)
@@ -41,29 +43,6 @@ IMAGES, CAPTIONS = 6, 4
 
 def build(quick_gelu, **text_overrides):
     return open_clip.model.CLIP(EMBED_DIM, dict(VISION), dict(TEXT, **text_overrides), quick_gelu=quick_gelu).eval()
-
-
-def quantized_randomize(module, generator):
-    """Gives every parameter random values q * 2^-e with |q| <= 127; returns q and e by name.
-    LayerNorm gains sit in [0.5, 1) and biases within +-0.25; matrices are about
-    N(0, 1/fan_in), where fan_in is the input width (rows for the x @ proj projections)."""
-    stored = {}
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.split(".")[-2:-1] and name.split(".")[-2].startswith("ln_") and name.endswith(".weight"):
-                q, e = torch.randint(64, 128, p.shape, generator=generator), 7
-            elif name == "logit_scale":
-                q, e = torch.tensor(85), 5  # 2.656, about ln(1 / 0.07)
-            elif p.dim() == 1:
-                q, e = torch.randint(-127, 128, p.shape, generator=generator), 9
-            else:
-                fan_in = p.shape[0] if name in ("visual.proj", "text_projection") else p[0].numel()
-                e = max(0, round(torch.log2(torch.tensor(127.0 * fan_in ** 0.5 / 3 ** 0.5)).item()))
-                q = torch.randint(-127, 128, p.shape, generator=generator)
-            p.copy_(q.float() * 2.0 ** -e)
-            stored[name] = q.to(torch.int8)
-            stored[name + ":scale"] = torch.tensor(2.0 ** -e, dtype=torch.float32)
-    return stored
 
 
 def captions(generator, end_id, low, high):

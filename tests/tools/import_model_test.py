@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """ImportModel: scripts/import-model rudalle turns a folder of ruDALL-E's released files
-into a model folder that dalle-generate --model runs as it is.
+into a model folder that dalle-generate --model runs as it is, and import-model clip adds
+ruCLIP reranking to it from a folder of ruCLIP's released files.
 
 Usage: import_model_test.py SOURCE_DIR TOOLS_DIR  (ctest runs it with the project's venv)
 
@@ -8,7 +9,9 @@ The released files are stand-ins at a small layout, written under their released
 a ruDALL-E transformer state dict with random weights (pytorch_model_v3.bin, fp16 as
 released, with its mask buffers), the VQGAN and x2 Real-ESRGAN of the parity fixtures
 (tests/fixtures, dequantized) in a Lightning-style checkpoint and a bare state dict, and the
-YouTokenToMe fixture model as bpe.model.
+YouTokenToMe fixture model as bpe.model. ruCLIP's folder holds the ruclip parity fixture's
+CLIP (tests/parity/make_ruclip_fixture.py) as pytorch_model.bin, its sizes as config.json
+under ruclip's keys, and the YouTokenToMe fixture model as its bpe.model.
 """
 import json
 import pathlib
@@ -61,6 +64,61 @@ def write_release(folder):
     (folder / "bpe.model").write_bytes((FIXTURES / "yttm_bpe.model").read_bytes())
 
 
+RUCLIP_KEYS = ("embed_dim", "image_resolution", "vision_layers", "vision_width", "vision_patch_size",
+               "context_length", "vocab_size", "transformer_width", "transformer_heads", "transformer_layers")
+
+
+def write_ruclip_release(folder):
+    fixture = FIXTURES / "ruclip_parity.safetensors"
+    folder.mkdir()
+    torch.save(dequantized(fixture), folder / "pytorch_model.bin")
+    with open(fixture, "rb") as f:  # the sizes are in the fixture's metadata
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
+    (folder / "config.json").write_text(json.dumps({key: int(header[key]) for key in RUCLIP_KEYS}))
+    (folder / "bpe.model").write_bytes((FIXTURES / "yttm_bpe.model").read_bytes())
+
+
+def add_ruclip(work, model, images, generate):
+    """ruCLIP added to the ruDALL-E folder reranks its candidates, the prompt in ruclip's templates."""
+    release = work / "ruclip-vit-test"
+    write_ruclip_release(release)
+    add_clip = [sys.executable, SOURCE / "scripts" / "import-model", "clip", "--from", release, "--into", model]
+
+    # A missing file is named, and the folder is left as it was.
+    (release / "bpe.model").rename(work / "ruclip-bpe.model")
+    before = (model / "generate.yaml").read_text(encoding="utf-8")
+    refused = run(add_clip, expect_ok=False)
+    assert "bpe.model" in refused.stderr and "nothing was written" in refused.stderr, refused.stderr
+    assert not (model / "clip").exists() and (model / "generate.yaml").read_text(encoding="utf-8") == before
+    (work / "ruclip-bpe.model").rename(release / "bpe.model")
+
+    run(add_clip)
+    config = (model / "clip" / "config.yaml").read_text()
+    for line in ("vision_heads: 1", "text_heads: 4", "context_length: 16", "vocab_size: 600", "image_size: 32",
+                 "activation: quick_gelu", "text_pooling: eos", "eos_id: 3", "preprocess: ruclip"):
+        assert f"  {line}\n" in config, f"ruCLIP config lacks '{line}':\n{config}"
+    folder = (model / "generate.yaml").read_text(encoding="utf-8")
+    # rudalle's README keeps 6 of its 24 (cherry_pick_by_ruclip's count).
+    for line in ("clip: clip", "clip_tokenizer: clip-bpe.model", "keep: 6", 'clip_templates: ["{}", "фото, на котором'):
+        assert line in folder, f"generate.yaml lacks '{line}':\n{folder}"
+    assert (model / "clip-bpe.model").read_bytes() == (FIXTURES / "yttm_bpe.model").read_bytes()
+    assert (model / "bpe.model").is_file(), "ruDALL-E's own tokenizer stays"
+
+    prompt = "Радуга на фоне ночного города"
+    run(generate + ["--out", images / "all", "-n", "4", "--keep", "4", prompt])
+    every = [json.loads(path.read_text(encoding="utf-8")) for path in sorted((images / "all").glob("0000-*.json"))]
+    scores = [image["clip_score"] for image in every]
+    assert len(every) == 4 and all(isinstance(score, float) for score in scores), scores
+    assert scores == sorted(scores, reverse=True) and len(set(scores)) == 4, scores
+    assert "на фото видно {}" in every[0]["pipeline"]["clip_templates"], every[0]["pipeline"]
+    run(generate + ["--out", images / "kept", "-n", "4", "--keep", "2", prompt])
+    kept = [json.loads(path.read_text(encoding="utf-8")) for path in sorted((images / "kept").glob("0000-*.json"))]
+    assert [image["image_tokens"] for image in kept] == [image["image_tokens"] for image in every[:2]], \
+        "the best 2 of the same 4 candidates"
+    again = run(add_clip, expect_ok=False)
+    assert "reranks already" in again.stderr, again.stderr
+
+
 def main():
     import_model = [sys.executable, SOURCE / "scripts" / "import-model", "rudalle", "--heads", 4]
     with tempfile.TemporaryDirectory() as work:
@@ -100,6 +158,9 @@ def main():
              "радуга"])
         drawn = [json.loads(path.read_text()) for path in sorted(images.glob("0000-*.json"))]
         assert [image["top_k"] for image in drawn] == [5, 5], [image["top_k"] for image in drawn]
+
+        generate = [TOOLS / "dalle-generate", "--model", model, "--threads", "1"]
+        add_ruclip(work, model, work / "reranked", generate)
     print("ImportModel.RudalleFolderGeneratesWithItsSchedule: passed")
 
 

@@ -40,7 +40,8 @@ struct PipelineConfig {
   std::string tokenizer;  // caption tokenizer model; empty: the prior run's
   std::string decoder;    // dVAE or VQGAN run or checkpoint; empty: the prior run's
   std::string clip;       // CLIP run or checkpoint; empty: no reranking
-  std::string clip_tokenizer;  // CLIP's BPE merges file for imported CLIP weights; empty: the caption tokenizer
+  std::string clip_tokenizer;  // imported CLIP's own (BPE merges, ruCLIP's bpe.model); empty: the caption tokenizer
+  std::vector<std::string> clip_templates;  // the prompt as CLIP reads it, each with {}; empty: the prompt alone
   std::string superres;   // RRDBNet run or checkpoint; empty: no super-resolution
   std::vector<std::string> adapters;  // adapter files folded into the prior, "FILE" or "FILE:WEIGHT"
   int64_t candidates = 4;  // N images sampled per prompt

@@ -8,8 +8,10 @@
 //   token_embedding.weight, positional_embedding, transformer.resblocks.N.*, ln_final.*,
 //   text_projection, logit_scale
 // Text features are read at one position per caption: `argmax` (the largest id, CLIP's
-// end-of-text token in its BPE) or `eos` (the first `eos_id`, for our SentencePiece
-// tokenizer whose end of text is id 3).
+// end-of-text token in its BPE) or `eos` (the first `eos_id`: our SentencePiece tokenizer's
+// end of text, id 3, and ruCLIP's, id 3 of its YouTokenToMe model). ruCLIP (the `ruclip`
+// package, ruDALL-E's reranker) is this model under the same names with eos pooling and its
+// own image preprocessing (scripts/export_ruclip.py).
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/normalization.h>
@@ -27,10 +29,19 @@ namespace dalle::models {
 inline constexpr std::array<double, 3> kClipMean{0.48145466, 0.4578275, 0.40821073};
 inline constexpr std::array<double, 3> kClipStd{0.26862954, 0.26130258, 0.27577711};
 
-// open_clip's evaluation transform on tensors: images [B, 3, H, W] (or [3, H, W]) in [0, 1]
-// -> the shorter side resized to `image_size` (bicubic, antialiased; the longer side
-// truncated as torchvision does), a centred square crop, then (x - mean) / std per channel.
-// torchvision's tensor path, so images that PIL would round to 8 bits differ slightly.
+// Images [B, 3, H, W] (or [3, H, W]) in [0, 1] -> the model's input [B, 3, image_size,
+// image_size], as config.preprocess says, then (x - image_mean) / image_std per channel:
+// * open_clip, open_clip's (and OpenAI CLIP's) evaluation transform: the shorter side resized
+//   to image_size (bicubic, antialiased; the longer side truncated as torchvision does),
+//   then the centred square, its offsets rounded half to even as Python's round();
+// * ruclip, ruclip's RuCLIPProcessor: torchvision's RandomResizedCrop(image_size,
+//   scale=(1, 1), ratio=(1, 1)), which takes the centred square of the shorter side (offsets
+//   floored), then resizes it to image_size (bilinear, antialiased). Where the sides differ
+//   by one pixel torchvision places that square at random (offset 0 or 1); here at 0.
+// Both are torchvision's tensor path: PIL, which the Python packages feed, rounds its
+// resized pixels to 8 bits, so their inputs differ by up to one 8-bit level.
+torch::Tensor clip_preprocess(const torch::Tensor& images, const ClipConfig& config);
+// open_clip's transform at `image_size` with CLIP's mean and std (kClipMean, kClipStd).
 torch::Tensor clip_preprocess(const torch::Tensor& images, int64_t image_size);
 
 struct ClipLogits {

@@ -1,8 +1,9 @@
 #pragma once
-// The sizes of a CLIP model (a ViT image tower and a causal text transformer). The
-// defaults are OpenAI's ViT-B/32.
+// The sizes of a CLIP model (a ViT image tower and a causal text transformer), and how its
+// images are prepared. The defaults are OpenAI's ViT-B/32.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "dalle/config.h"
 #include "dalle/models/clip_transformer.h"
@@ -26,6 +27,11 @@ struct ClipConfig {
   std::string text_pooling = "argmax";
   int64_t eos_id = 3;  // our SentencePiece tokenizer's end of text (text::Tokenizer::kEndId)
   double init_logit_scale = 2.659260036932778;  // ln(1 / 0.07)
+  // How clip_preprocess brings images to image_size: "open_clip" (resize the shorter side,
+  // then crop) or "ruclip" (crop the centred square, then resize); see clip.h.
+  std::string preprocess = "open_clip";
+  std::vector<double> image_mean{0.48145466, 0.4578275, 0.40821073};  // per channel, CLIP's
+  std::vector<double> image_std{0.26862954, 0.26130258, 0.27577711};
 
   void visit(ConfigVisitor& v);
   // Throws when the values are inconsistent with each other.

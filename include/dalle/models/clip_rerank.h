@@ -16,8 +16,12 @@ struct RerankResult {
 
 // CLIP's logits of one caption against each image: exp(logit_scale) * cosine similarity of
 // the image and text features. `images` [N, 3, H, W] in [0, 1] of any size (clip_preprocess
-// brings them to the model's); `tokens` [L] or [1, L]. Images are encoded `batch_size` at a
-// time without gradients. Returns [N] scores (float, on the model's device).
+// brings them to the model's, as its config says); `tokens` [L], or [T, L] for T renderings
+// of the caption (ruclip's Predictor: the prompt in each of its templates), whose raw text
+// features are averaged before normalising, as ruclip's get_text_latents does (ruDALL-E's
+// cherry_pick_by_ruclip ranks by the cosine alone, which orders the same). Images are
+// encoded `batch_size` at a time without gradients. Returns [N] scores (float, on the
+// model's device).
 torch::Tensor clip_scores(Clip& model, const torch::Tensor& images, const torch::Tensor& tokens,
                           int64_t batch_size = 32);
 

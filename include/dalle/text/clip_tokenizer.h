@@ -39,4 +39,10 @@ class ClipTokenizer {
   std::unique_ptr<Impl> impl_;
 };
 
+// One rendering of a prompt for CLIP, as ruclip's Predictor makes them (ruDALL-E's
+// cherry_pick_by_ruclip: `template.format(text.lower().strip())`): `templ` with its "{}"
+// replaced by `prompt` lower-cased and stripped of white space as Python does. Throws
+// unless `templ` holds "{}" once and no other brace (str.format would read those).
+std::string fill_clip_template(std::string_view templ, std::string_view prompt);
+
 }  // namespace dalle::text

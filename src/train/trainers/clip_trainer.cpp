@@ -297,7 +297,7 @@ torch::Tensor ClipTrainer::State::pixels(const std::vector<data::ImageCaptionExa
   const bool cropped_at_random = split == RoundTrips::Split::train && config.data.random_crop;
   const auto seen = round_trips ? round_trips->of(examples, split, !cropped_at_random, device)
                                 : detail::stack_images(examples).to(device);
-  return models::clip_preprocess(seen, config.model.image_size);
+  return models::clip_preprocess(seen, config.model);
 }
 
 // The features of the whole global batch, this rank's `local` rows (which keep their
