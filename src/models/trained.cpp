@@ -49,13 +49,19 @@ ModelConfig read_model_config(const ConfigSource& source, const std::string& kin
   return model;
 }
 
+// Where a checkpoint's inference weights come from, for errors.
+std::string weights_source(const CheckpointConfig& opened) {
+  const bool averaged = !io::with_prefix_removed(opened.checkpoint.state, "ema.").empty();
+  return opened.directory + "/model.safetensors" + (averaged ? " with the moving average of state.safetensors" : "");
+}
+
 // The checkpoint's inference weights (its moving average where it keeps one) into `module`.
-void load_weights(torch::nn::Module& module, const io::TensorMap& weights, const std::string& directory) {
-  io::load_state_dict(module, weights, directory + " (its weights, with their moving average where it keeps one)");
+void load_weights(torch::nn::Module& module, const io::TensorMap& weights, const std::string& source) {
+  io::load_state_dict(module, weights, source);
   module.eval();
 }
 void load_weights(torch::nn::Module& module, const CheckpointConfig& opened) {
-  load_weights(module, io::inference_weights(opened.checkpoint), opened.directory);
+  load_weights(module, io::inference_weights(opened.checkpoint), weights_source(opened));
 }
 
 // A model of `kind` whose config.yaml describes it by its `model` section alone.
@@ -113,7 +119,7 @@ Trained load_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype
     weights = merge_adapter_tensors(std::move(weights), adapters, adapter.scale(), 1.0, opened.directory);
   }
   trained.checkpoint = opened.directory;
-  load_weights(*trained.model, weights, opened.directory);
+  load_weights(*trained.model, weights, weights_source(opened));
   return trained;
 }
 
