@@ -206,12 +206,37 @@ def main():
         run(import_model + ["--codes", CODES, "--vqgan", write_flax_msgpack(work / "few.msgpack", fewer),
                             "--out", work / "mega"])
         assert f"  n_embed: {CODES}\n" in (work / "mega" / "encoder" / "config.yaml").read_text()
-        assert "dalle-encode-images --vqgan <this folder>/encoder" in (work / "mega" / "generate.yaml").read_text()
-        run([TOOLS / "dalle-generate", "--model", work / "mega", "--threads", "1", "--out", work / "drawn", "-n", "1",
-             "a red sandal"])
+        generate_yaml = (work / "mega" / "generate.yaml").read_text()
+        assert "\nencoder: encoder\n" in generate_yaml, generate_yaml
+        generate = [TOOLS / "dalle-generate", "--model", work / "mega", "--threads", "1"]
+        run(generate + ["--out", work / "drawn", "-n", "1", "a red sandal"])
         assert len(list((work / "drawn").glob("0000-*.json"))) == 1
         tokens = encoded_tokens(work, work / "mega" / "encoder", dataset, tokenizer, "tokens-mega")
         assert tokens.shape == (3, 4, 4) and int(tokens.max()) < CODES
+
+        # Image prompts: every image keeps the top rows of the picture's tokens under encoder/, the
+        # rest drawn. The picture is 256 pixels, the encoder's side (16 x 16 tokens, the prior's
+        # grid), so that the pipeline and dalle-encode-images both read it as it is.
+        pictures = work / "picture"
+        pictures.mkdir()
+        write_png(pictures / "0.png", fixture["images"][0].repeat_interleave(4, 1).repeat_interleave(4, 2))
+        (pictures / "captions.tsv").write_text("0.png\ta picture to continue\n")
+        expected = encoded_tokens(work, work / "mega" / "encoder", pictures, tokenizer, "tokens-picture").reshape(-1)
+        assert expected.numel() == 256, expected.shape
+        prompted = generate + ["-n", "2", "--image-prompt", pictures / "0.png", "--image-prompt-rows", 4]
+        run(prompted + ["--out", work / "continued", "a red sandal"])
+        continued = [json.loads(path.read_text()) for path in sorted((work / "continued").glob("0000-*.json"))]
+        assert len(continued) == 2, continued
+        for image in continued:
+            assert image["image_tokens"][:64] == expected[:64].tolist(), (image["image_tokens"][:64], expected[:64])
+            assert len(image["image_tokens"]) == 256 and all(0 <= t < CODES for t in image["image_tokens"])
+        assert continued[0]["image_tokens"][64:] != continued[1]["image_tokens"][64:], "the rows below are drawn"
+
+        # Without the encoder key the folder refuses image prompts, saying what to set.
+        (work / "mega" / "generate.yaml").write_text(generate_yaml.replace("encoder: encoder\n", ""))
+        refused = run(prompted + ["--out", work / "never-drawn", "a red sandal"], expect_ok=False)
+        assert "set encoder" in refused.stderr, refused.stderr
+        (work / "mega" / "generate.yaml").write_text(generate_yaml)
     print("ImportModel.MegaVqganFromTamingOrFlaxEncodesTamingsCodes: passed")
 
 
