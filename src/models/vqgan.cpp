@@ -59,6 +59,11 @@ void VqganConfig::visit(ConfigVisitor& v) {
           "in, (x + 1) / 2 on the way out) or zero_to_one (dalle-mini's use of the VQGAN behind DALL-E Mega's tokens: "
           "images as they are)",
           {.choices = {"minus_one_to_one", "zero_to_one"}});
+  v.field("level_attention", level_attention,
+          "order of a level's attention blocks in the encoder (the decoder's is taming's): taming (block i, then "
+          "attn i) or vqgan_jax_2021 (every attention block of the level after each residual block, as vqgan-jax "
+          "ran them until its 2022-07-09 fix: the order behind DALL-E Mega's training tokens)",
+          {.choices = {"taming", "vqgan_jax_2021"}});
 }
 
 void VqganConfig::validate() const {
@@ -90,6 +95,9 @@ void VqganConfig::validate() const {
   if (pixel_range != "minus_one_to_one" && pixel_range != "zero_to_one") {
     throw Error("vqgan: pixel_range must be 'minus_one_to_one' or 'zero_to_one', got '" + pixel_range + "'");
   }
+  if (level_attention != "taming" && level_attention != "vqgan_jax_2021") {
+    throw Error("vqgan: level_attention must be 'taming' or 'vqgan_jax_2021', got '" + level_attention + "'");
+  }
 }
 
 bool VqganConfig::attends_at(int64_t level) const {
@@ -104,8 +112,10 @@ VqganEncoderImpl::VqganEncoderImpl(const VqganConfig& config) : config_(config) 
   for (int64_t level = 0; level < config.levels(); ++level) {
     const int64_t out = config.ch * config.ch_mult[level];
     const auto resample = level + 1 < config.levels() ? VqLevelImpl::Resample::down : VqLevelImpl::Resample::none;
+    const auto order = config.vqgan_jax_2021_attention() ? VqLevelImpl::AttentionOrder::every_after_each_block
+                                                         : VqLevelImpl::AttentionOrder::own_after_each_block;
     down_.push_back(
-        VqLevel(width, out, config.num_res_blocks, config.attends_at(level), resample, config.norm_groups));
+        VqLevel(width, out, config.num_res_blocks, config.attends_at(level), resample, config.norm_groups, order));
     down->push_back(down_.back());
     width = out;
   }

@@ -9,11 +9,19 @@ vector quantizer. Saved as tests/fixtures/mega_vqgan_parity.safetensors:
   - `latents`: quant_conv(encoder(images)), what the quantizer receives, images as they are;
   - `codes`: VQModel.encode(images)'s indices, [3, 4, 4]: dalle-mini's use (pixel_range
     zero_to_one); `codes.minus_one_to_one`: VQModel.encode(2 * images - 1), taming's range;
+  - `latents.vqgan_jax_2021`, `codes.vqgan_jax_2021`: the same images (in [0, 1]) through the
+    same modules called in vqgan-jax's order before its 2022-07-09 fix (level_attention
+    vqgan_jax_2021): at a level that attends, every attention block after each residual block
+    (block 0, attn 0, attn 1, block 1, attn 0, attn 1), where taming runs block i, attn i.
+    The order is that of patil-suraj/vqgan-jax's DownsamplingBlock.__call__ up to commit
+    1be20ee (2022-04-20), changed by caafeee ("fix: encoder attn", pull request 10); the mid
+    block (block_1, attn_1, block_2) was never affected. It is built from taming's modules,
+    not from vqgan-jax, which needs jax and flax;
   - metadata `decoder_shapes`: the names and shapes of taming's decoder and post_quant_conv
     (JSON), so that a test can complete the state dict (any decoder values leave the codes as
     they are) without 1 MB of decoder weights in the repository.
 The C++ test (VqganTest's MegaVqganParity.*) must reproduce the codes exactly and the latents
-to 1e-4; tests/tools/import_mega_vqgan_test.py follows the weights through
+to 1e-4, in both orders; tests/tools/import_mega_vqgan_test.py follows the weights through
 scripts/export_mega_vqgan.py (taming's checkpoint and dalle-mini's Flax msgpack) and
 dalle-encode-images.
 
@@ -74,6 +82,23 @@ def codebook_like(latents, generator):
     return q.to(torch.int8), 2.0 ** -e
 
 
+def encode_in_order(encoder, x, order):
+    """taming's Encoder.forward with the attention order of a level made explicit: "taming"
+    (block i, then attn i) or "vqgan_jax_2021" (after each residual block, every attention
+    block of the level in order). Every module called is taming's own."""
+    h = encoder.conv_in(x)
+    for level in encoder.down:
+        for i, block in enumerate(level.block):
+            h = block(h, None)
+            for attention in (level.attn if order == "vqgan_jax_2021" else level.attn[i:i + 1]):
+                h = attention(h)
+        if hasattr(level, "downsample"):
+            h = level.downsample(h)
+    h = encoder.mid.block_2(encoder.mid.attn_1(encoder.mid.block_1(h, None)), None)
+    h = encoder.norm_out(h)
+    return encoder.conv_out(h * torch.sigmoid(h))
+
+
 def margins(latents, codebook):
     """Per position, the squared distance of the second nearest code minus the nearest's."""
     flat = latents.permute(0, 2, 3, 1).reshape(-1, EMBED_DIM).double()
@@ -102,8 +127,18 @@ def main():
         codes, codes_taming_range = codes.reshape(grid), codes_taming_range.reshape(grid)
         taming_latents = model.quant_conv(model.encoder(2 * images - 1))
 
+        # The function is taming's forward but for the order it is given.
+        assert torch.equal(encode_in_order(model.encoder, images, "taming"), model.encoder(images))
+        jax_latents = model.quant_conv(encode_in_order(model.encoder, images, "vqgan_jax_2021"))
+        _, _, (_, _, codes_jax) = model.quantize(jax_latents)
+        codes_jax = codes_jax.reshape(grid)
+    changed = (codes_jax != codes).float().mean().item()
+    print(f"vqgan_jax_2021 order: {100 * changed:.0f}% of the {codes.numel()} codes differ from taming's order")
+    assert changed > 0.1, "the fixture must tell the orders apart"
+
     codebook = model.quantize.embedding.weight
-    for name, z, c in (("zero_to_one", latents, codes), ("minus_one_to_one", taming_latents, codes_taming_range)):
+    for name, z, c in (("zero_to_one", latents, codes), ("minus_one_to_one", taming_latents, codes_taming_range),
+                       ("vqgan_jax_2021", jax_latents, codes_jax)):
         gap = margins(z, codebook)
         print(f"{name}: {c.unique().numel()} distinct codes of {c.numel()}; nearest-code margins "
               f"min {gap.min():.3g}, median {gap.median():.3g} (squared distances)")
@@ -113,7 +148,8 @@ def main():
     decoder = {name: list(p.shape) for name, p in model.state_dict().items()
                if name.startswith(("decoder.", "post_quant_conv."))}
     kept = {k: v for k, v in tensors.items() if k.split(":")[0].startswith(ENCODER)}
-    kept |= {"images": images, "latents": latents, "codes": codes, "codes.minus_one_to_one": codes_taming_range}
+    kept |= {"images": images, "latents": latents, "codes": codes, "codes.minus_one_to_one": codes_taming_range,
+             "latents.vqgan_jax_2021": jax_latents, "codes.vqgan_jax_2021": codes_jax}
     out = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "mega_vqgan_parity.safetensors"
     metadata = {k: json.dumps(v) for k, v in DDCONFIG.items()}
     metadata |= {"n_embed": str(N_EMBED), "embed_dim": str(EMBED_DIM), "decoder_shapes": json.dumps(decoder),

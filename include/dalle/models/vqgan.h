@@ -39,6 +39,10 @@ struct VqganConfig {
   // The pixel range the encoder reads and the decoder writes: taming's and ruDALL-E's
   // [-1, 1], or [0, 1] as dalle-mini feeds the VQGAN that DALL-E Mega's tokens come from.
   std::string pixel_range = "minus_one_to_one";
+  // The order of a level's attention blocks in the encoder: taming's (block i, then attn i),
+  // or vqgan-jax's before its 2022-07-09 fix, every attention block after each residual
+  // block, which made the tokens DALL-E Mega was trained on (docs/generate.md).
+  std::string level_attention = "taming";
 
   void visit(ConfigVisitor& v);
   // Throws when the values are inconsistent with each other.
@@ -48,6 +52,7 @@ struct VqganConfig {
   int64_t downsampling_factor() const { return int64_t{1} << (levels() - 1); }
   bool gumbel() const { return quantizer == "gumbel"; }
   bool zero_to_one() const { return pixel_range == "zero_to_one"; }
+  bool vqgan_jax_2021_attention() const { return level_attention == "vqgan_jax_2021"; }
   // Whether level `level` (0 = full resolution) has attention blocks: taming compares
   // the configured resolution at that level, not the actual input size, with attn_resolutions.
   bool attends_at(int64_t level) const;
