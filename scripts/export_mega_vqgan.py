@@ -39,6 +39,17 @@ Pixel range (config.yaml's model.pixel_range): dalle-mini encodes images in [0, 
 clips the decoder's output to [0, 1] (tools/inference: decoded_images.clip(0.0, 1.0)), as min-dalle
 does; so --pixel-range zero_to_one is the default, the tokens DALL-E Mega was trained on. taming
 itself trains on [-1, 1] (taming/data/base.py: image / 127.5 - 1): minus_one_to_one is that range.
+
+Attention order (config.yaml's model.level_attention): dalle-mini encoded its training images with
+patil-suraj/vqgan-jax, whose DownsamplingBlock ran every attention block of a level after each
+residual block (block 0, attn 0, attn 1, block 1, attn 0, attn 1 at the 16x16 level) from its first
+commit (2021-06-28) until its pull request 10 ("fix: encoder/decoder attention", commit caafeee,
+2022-07-09) made it taming's block i, attn i. DALL-E Mega was trained on tokens encoded before that
+(its training ran from about April to June 2022; dalle-mini's training reads the tokens its
+encoding notebook wrote beforehand), so --level-attention vqgan_jax_2021 is the default: the
+tokens Mega learnt, for image prompts and for fine-tuning data alike. taming is the order the
+weights were trained in (taming-transformers, in PyTorch), whose codes reconstruct images best
+(docs/generate.md weighs the two).
 """
 import argparse
 import pathlib
@@ -216,6 +227,9 @@ def main():
                              "(default), minus_one_to_one as taming trained it")
     parser.add_argument("--image-size", type=int, default=256,
                         help="image side the model was built for and tokenizes (DALL-E Mega: 256, 16x16 tokens)")
+    parser.add_argument("--level-attention", choices=("vqgan_jax_2021", "taming"), default="vqgan_jax_2021",
+                        help="the encoder's order of a level's attention blocks: vqgan_jax_2021 as dalle-mini "
+                             "encoded DALL-E Mega's training images (default), or taming's own")
     args = parser.parse_args()
 
     state, source = read_source(args.vqgan, args.format)
@@ -226,6 +240,7 @@ def main():
         raise SystemExit(f"{args.vqgan}: not a taming VQModel with a vector quantizer ({kind})")
     config = taming.sizes(model, args.image_size)
     config["pixel_range"] = args.pixel_range
+    config["level_attention"] = args.level_attention
     taming.write_checkpoint(args.out, model, config, args.image_size, source, dropped)
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """ImportModel: scripts/export_mega_vqgan.py turns taming's VQGAN checkpoint and dalle-mini's
 Flax weights (flax_model.msgpack) into the same checkpoint, whose tokens from
-dalle-encode-images are taming's VQModel.encode codes; scripts/import-model mega --vqgan puts
-it in a model folder as encoder/.
+dalle-encode-images are taming's modules' codes in vqgan-jax's old attention order (the
+default, level_attention vqgan_jax_2021) or taming's VQModel.encode codes (--level-attention
+taming); scripts/import-model mega --vqgan puts it in a model folder as encoder/, which the
+folder's generate.yaml names as its image prompts' encoder.
 
 Usage: import_mega_vqgan_test.py SOURCE_DIR TOOLS_DIR  (ctest runs it with the project's venv)
 
@@ -161,7 +163,8 @@ def main():
         assert config == (work / "from-taming" / "config.yaml").read_text()
         for line in ("kind: vqgan", "  ch: 32", "  ch_mult: [1, 1, 1, 2, 2]", "  num_res_blocks: 2",
                      "  attn_resolutions: [4]", "  z_channels: 32", "  embed_dim: 32", "  n_embed: 128",
-                     "  quantizer: vector", "  pixel_range: zero_to_one", "  image_size: 64"):
+                     "  quantizer: vector", "  pixel_range: zero_to_one", "  level_attention: vqgan_jax_2021",
+                     "  image_size: 64"):
             assert line + "\n" in config, (line, config)
 
         # What is not such a VQGAN is refused, by what it is.
@@ -186,10 +189,16 @@ def main():
         tokenizer = work / "tok.model"
         run([TOOLS / "dalle-tokenizer", "train", "--captions", work / "fc" / "train", "--out", tokenizer,
              "--set", "vocab_size=60", "--set", "text_length=12"])
+        # The default is vqgan-jax's order of 2021-22, in which dalle-mini encoded Mega's images.
         tokens = encoded_tokens(work, work / "from-flax", dataset, tokenizer, "tokens")
+        assert torch.equal(tokens, fixture["codes.vqgan_jax_2021"]), (tokens, fixture["codes.vqgan_jax_2021"])
+        run(EXPORT + ["--vqgan", flax, "--out", work / "taming-order", "--image-size", 64,
+                      "--level-attention", "taming"])
+        assert "  level_attention: taming\n" in (work / "taming-order" / "config.yaml").read_text()
+        tokens = encoded_tokens(work, work / "taming-order", dataset, tokenizer, "tokens-taming-order")
         assert torch.equal(tokens, fixture["codes"]), (tokens, fixture["codes"])
         run(EXPORT + ["--vqgan", flax, "--out", work / "taming-range", "--image-size", 64,
-                      "--pixel-range", "minus_one_to_one"])
+                      "--pixel-range", "minus_one_to_one", "--level-attention", "taming"])
         tokens = encoded_tokens(work, work / "taming-range", dataset, tokenizer, "tokens-taming-range")
         assert torch.equal(tokens, fixture["codes.minus_one_to_one"])
 
@@ -205,7 +214,8 @@ def main():
         fewer = {name: tensor[:CODES] if name == "quantize.embedding.weight" else tensor for name, tensor in state.items()}
         run(import_model + ["--codes", CODES, "--vqgan", write_flax_msgpack(work / "few.msgpack", fewer),
                             "--out", work / "mega"])
-        assert f"  n_embed: {CODES}\n" in (work / "mega" / "encoder" / "config.yaml").read_text()
+        encoder_config = (work / "mega" / "encoder" / "config.yaml").read_text()
+        assert f"  n_embed: {CODES}\n" in encoder_config and "  level_attention: vqgan_jax_2021\n" in encoder_config
         generate_yaml = (work / "mega" / "generate.yaml").read_text()
         assert "\nencoder: encoder\n" in generate_yaml, generate_yaml
         generate = [TOOLS / "dalle-generate", "--model", work / "mega", "--threads", "1"]
