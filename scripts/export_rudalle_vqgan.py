@@ -82,6 +82,27 @@ def yaml_value(value):
     return str(value)
 
 
+def model_tensors(state):
+    """The model's tensors of a taming state dict, in fp32, and the names of those dropped."""
+    model = {k: v.float().contiguous() for k, v in state.items() if k.startswith(MODEL_PREFIXES)}
+    return model, sorted(k for k in state if not k.startswith(MODEL_PREFIXES))
+
+
+def write_checkpoint(out, model, config, image_size, source, dropped=()):
+    """A checkpoint directory dalle::train::load_image_tokenizer reads: model.safetensors,
+    an empty state.safetensors and config.yaml (`kind: vqgan`, `config` as its model section)."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(model, str(out / "model.safetensors"), metadata={"source": source})
+    save_file({}, str(out / "state.safetensors"))
+    lines = ["kind: vqgan", "model:"] + [f"  {k}: {yaml_value(v)}" for k, v in config.items()]
+    lines += ["data:", f"  image_size: {image_size}"]
+    (out / "config.yaml").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}: {len(model)} tensors, {sum(t.numel() for t in model.values()) / 1e6:.1f}M parameters"
+          f"; dropped {len(dropped)} tensors outside the model"
+          + (f" ({', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''})" if dropped else ""))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, help="vqgan.gumbelf8-sber.model.ckpt")
@@ -90,21 +111,9 @@ def main():
                         help="image side the model was built for and tokenizes (ruDALL-E: 256)")
     args = parser.parse_args()
 
-    state = load_state_dict(args.ckpt)
-    model = {k: v.float().contiguous() for k, v in state.items() if k.startswith(MODEL_PREFIXES)}
-    dropped = sorted(k for k in state if not k.startswith(MODEL_PREFIXES))
-    config = sizes(model, args.image_size)
-
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(model, str(out / "model.safetensors"), metadata={"source": f"ruDALL-E VQGAN {args.ckpt}"})
-    save_file({}, str(out / "state.safetensors"))
-    lines = ["kind: vqgan", "model:"] + [f"  {k}: {yaml_value(v)}" for k, v in config.items()]
-    lines += ["data:", f"  image_size: {args.image_size}"]
-    (out / "config.yaml").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}: {len(model)} tensors, {sum(t.numel() for t in model.values()) / 1e6:.1f}M parameters"
-          f"; dropped {len(dropped)} tensors outside the model"
-          + (f" ({', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''})" if dropped else ""))
+    model, dropped = model_tensors(load_state_dict(args.ckpt))
+    write_checkpoint(args.out, model, sizes(model, args.image_size), args.image_size,
+                     f"ruDALL-E VQGAN {args.ckpt}", dropped)
 
 
 if __name__ == "__main__":

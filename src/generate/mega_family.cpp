@@ -1,13 +1,17 @@
 // DALL-E Mega / Mini: min-dalle's caption tokenizer, its BART prior and its VQGAN
-// detokenizer. sampling.guidance_scale is min-dalle's supercondition factor: the same mix of
-// the caption's and the empty caption's logits.
+// detokenizer, and (`encoder`, from scripts/import-model mega --vqgan) dalle-mini's VQGAN,
+// whose encoder turns image prompts into the prior's tokens. sampling.guidance_scale is
+// min-dalle's supercondition factor: the same mix of the caption's and the empty caption's
+// logits.
 #include <torch/torch.h>
 
 #include <cmath>
 #include <filesystem>
+#include <optional>
 
 #include "dalle/device.h"
 #include "dalle/error.h"
+#include "dalle/generate/image_prompt.h"
 #include "dalle/models/bart_sampling.h"
 #include "dalle/models/trained.h"
 #include "dalle/runtime.h"
@@ -27,9 +31,10 @@ void check_mega_fits(const PipelineConfig& config, const models::BartPriorConfig
     throw Error(mega + "draws from " + std::to_string(prior.codes) + " codes: sampling.top_k " +
                 std::to_string(config.sampling.top_k) + " is more (0 keeps them all)");
   }
-  if (config.image_prompt.enabled()) {
-    throw Error(mega + "decodes with min-dalle's VQGAN detokenizer: it has no encoder to turn an image prompt into "
-                "tokens");
+  if (config.image_prompt.enabled() && config.encoder.empty()) {
+    throw Error(mega + "decodes with min-dalle's VQGAN detokenizer, which has no encoder to turn an image prompt "
+                "into tokens: set encoder to dalle-mini's VQGAN (scripts/import-model mega --vqgan FILE adds it "
+                "as encoder/)");
   }
   if (!config.clip.empty() && config.clip_tokenizer.empty()) {
     throw Error(mega + "reads BART's caption ids, which no CLIP reads; set clip_tokenizer to CLIP's "
@@ -37,10 +42,34 @@ void check_mega_fits(const PipelineConfig& config, const models::BartPriorConfig
   }
 }
 
+// The image encoder must make the detokenizer's codes on the prior's grid.
+void check_encoder_fits(const models::TrainedImageTokenizer& encoder, const PipelineConfig& config,
+                        const models::BartPriorConfig& prior, int64_t side) {
+  if (encoder.model->vocab_size() != prior.codes) {
+    throw Error("pipeline: the encoder " + config.encoder + " has " + std::to_string(encoder.model->vocab_size()) +
+                " codes, the BART prior's detokenizer " + std::to_string(prior.codes) +
+                ": not the VQGAN of its tokens (dalle-mini's vqgan_imagenet_f16_16384)");
+  }
+  if (encoder.grid_size() != side) {
+    throw Error("pipeline: the encoder " + config.encoder + " makes " + std::to_string(encoder.grid_size()) + "x" +
+                std::to_string(encoder.grid_size()) + " token grids, the BART prior draws " + std::to_string(side) +
+                "x" + std::to_string(side));
+  }
+}
+
+int64_t grid_side(const models::BartPriorConfig& prior) {
+  return static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(prior.image_length))));
+}
+
 class MegaFamily : public PriorFamily {
  public:
-  MegaFamily(models::TrainedBartPrior prior, text::BartTokenizer tokenizer, models::VqganDetokenizer detokenizer)
-      : prior_(std::move(prior)), tokenizer_(std::move(tokenizer)), detokenizer_(std::move(detokenizer)) {}
+  MegaFamily(models::TrainedBartPrior prior, text::BartTokenizer tokenizer, models::VqganDetokenizer detokenizer,
+             std::optional<models::TrainedImageTokenizer> encoder, std::optional<models::ImagePrompt> image_prompt)
+      : prior_(std::move(prior)),
+        tokenizer_(std::move(tokenizer)),
+        detokenizer_(std::move(detokenizer)),
+        encoder_(std::move(encoder)),
+        image_prompt_(std::move(image_prompt)) {}
 
   std::pair<torch::Tensor, bool> caption(const std::string& prompt) const override {
     const auto length = prior_.config.text_length;
@@ -55,9 +84,16 @@ class MegaFamily : public PriorFamily {
         .top_k = sampling.top_k == 0 ? prior_.config.codes : sampling.top_k,
         .supercondition_factor = sampling.guidance_scale,
         .seed = sampling.seed};
+    const auto* image_prompt = batch.image_prompt ? batch.image_prompt : image_prompt_ ? &*image_prompt_ : nullptr;
     return models::sample_bart_image_tokens(prior_.model->encoder, prior_.model->decoder, batch.captions, options,
-                                            batch.streams, batch.on_token, batch.seeds, batch.graphs)
+                                            batch.streams, batch.on_token, batch.seeds, batch.graphs, image_prompt)
         .view({batch.captions.size(0), side(), side()});
+  }
+
+  // check() refused a request's image prompt when there is no encoder.
+  models::ImagePrompt encode_image_prompt(const PromptImage& prompt) override {
+    if (!encoder_) throw Error("pipeline: the BART prior has no encoder for image prompts; set encoder");
+    return generate::encode_image_prompt(prompt, *encoder_);
   }
 
   torch::Tensor decode(const torch::Tensor& tokens) override { return detokenizer_->forward(tokens.flatten(1)); }
@@ -73,13 +109,13 @@ class MegaFamily : public PriorFamily {
   bool filters_per_batch() const override { return true; }
 
  private:
-  int64_t side() const {
-    return static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(prior_.config.image_length))));
-  }
+  int64_t side() const { return grid_side(prior_.config); }
 
   models::TrainedBartPrior prior_;
   text::BartTokenizer tokenizer_;
   models::VqganDetokenizer detokenizer_;
+  std::optional<models::TrainedImageTokenizer> encoder_;  // dalle-mini's VQGAN, for image prompts
+  std::optional<models::ImagePrompt> image_prompt_;       // the config's, encoded once
 };
 
 }  // namespace
@@ -102,9 +138,20 @@ std::unique_ptr<PriorFamily> load_mega_family(PipelineConfig& config, torch::Dev
                 " ids, more than the prior's text_vocab_size " + std::to_string(prior.config.text_vocab_size));
   }
   auto detokenizer = models::load_trained_detokenizer(config.decoder);
+  std::optional<models::TrainedImageTokenizer> encoder;
+  if (!config.encoder.empty()) {
+    encoder = models::load_image_tokenizer(config.encoder);
+    check_encoder_fits(*encoder, config, prior.config, grid_side(prior.config));
+  }
   prior.model->to(device);
   detokenizer->to(device);
-  return std::make_unique<MegaFamily>(std::move(prior), std::move(tokenizer), std::move(detokenizer));
+  std::optional<models::ImagePrompt> image_prompt;
+  if (encoder) {
+    encoder->model->module().to(device);
+    if (config.image_prompt.enabled()) image_prompt = load_image_prompt(config.image_prompt, *encoder);
+  }
+  return std::make_unique<MegaFamily>(std::move(prior), std::move(tokenizer), std::move(detokenizer),
+                                      std::move(encoder), std::move(image_prompt));
 }
 
 }  // namespace dalle::generate

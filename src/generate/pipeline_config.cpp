@@ -40,6 +40,10 @@ void PipelineConfig::visit(ConfigVisitor& v) {
   v.field("decoder", decoder,
           "dVAE or VQGAN run or checkpoint (for a BART prior, min-dalle's VQGAN detokenizer); empty: the prior's "
           "image tokenizer");
+  v.field("encoder", encoder,
+          "dVAE or VQGAN run or checkpoint that turns image prompts into the prior's tokens (for a BART prior, "
+          "dalle-mini's VQGAN: scripts/import-model mega --vqgan); empty: the decoder, or none for a BART prior, "
+          "whose detokenizer cannot encode");
   v.field("clip", clip,
           "CLIP run or checkpoint that reranks the candidates, trained by dalle-train-clip with the caption "
           "tokenizer; empty: no reranking");
@@ -93,8 +97,8 @@ PipelineConfig read_model_folder(const std::string& folder) {
     throw Error(folder + ": not a model folder (it has no " + kModelFolderConfig + ", the pipeline config)");
   }
   auto config = load_config<PipelineConfig>(ConfigSource::from_file(file.string()));
-  for (auto* path : {&config.prior, &config.tokenizer, &config.decoder, &config.clip, &config.clip_tokenizer,
-                     &config.superres}) {
+  for (auto* path : {&config.prior, &config.tokenizer, &config.decoder, &config.encoder, &config.clip,
+                     &config.clip_tokenizer, &config.superres}) {
     if (!path->empty() && fs::path(*path).is_relative()) *path = (fs::path(folder) / *path).string();
   }
   for (auto& spec : config.adapters) {

@@ -1,6 +1,6 @@
 // DALL-E's and ruDALL-E's sparse transformer prior: our caption tokenizer (SentencePiece) or
 // ruDALL-E's (YouTokenToMe), the prior, and a dVAE or VQGAN that decodes its tokens and
-// encodes image prompts.
+// encodes image prompts (or, with `encoder`, another one of the same codes that encodes them).
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -33,15 +33,27 @@ void check_yttm_fits(const text::YttmTokenizer& yttm, const models::PriorConfig&
   }
 }
 
+// A decoder or encoder must make the prior's grid of tokens.
+void check_grid_fits(const models::TrainedImageTokenizer& model, const std::string& key, const std::string& path,
+                     const models::PriorConfig& prior) {
+  if (model.grid_size() != prior.grid_size) {
+    throw Error("pipeline: the " + key + " " + path + " makes " + std::to_string(model.grid_size()) + "x" +
+                std::to_string(model.grid_size()) + " token grids, the prior samples " +
+                std::to_string(prior.grid_size) + "x" + std::to_string(prior.grid_size));
+  }
+}
+
 class TransformerFamily : public PriorFamily {
  public:
   TransformerFamily(models::TrainedPrior prior, std::optional<text::Tokenizer> tokenizer,
                     std::optional<text::YttmTokenizer> yttm, models::TrainedImageTokenizer decoder,
+                    std::optional<models::TrainedImageTokenizer> encoder,
                     std::optional<models::ImagePrompt> image_prompt)
       : prior_(std::move(prior)),
         tokenizer_(std::move(tokenizer)),
         yttm_(std::move(yttm)),
         decoder_(std::move(decoder)),
+        encoder_(std::move(encoder)),
         image_prompt_(std::move(image_prompt)) {}
 
   std::pair<torch::Tensor, bool> caption(const std::string& prompt) const override {
@@ -61,7 +73,7 @@ class TransformerFamily : public PriorFamily {
   }
 
   models::ImagePrompt encode_image_prompt(const PromptImage& prompt) override {
-    return generate::encode_image_prompt(prompt, decoder_);
+    return generate::encode_image_prompt(prompt, encoder_ ? *encoder_ : decoder_);
   }
 
   torch::Tensor decode(const torch::Tensor& tokens) override { return decoder_.model->decode_tokens(tokens); }
@@ -94,6 +106,7 @@ class TransformerFamily : public PriorFamily {
   std::optional<text::Tokenizer> tokenizer_;    // ours, or
   std::optional<text::YttmTokenizer> yttm_;     // ruDALL-E's
   models::TrainedImageTokenizer decoder_;       // a dVAE or VQGAN
+  std::optional<models::TrainedImageTokenizer> encoder_;  // `encoder`, when it is not the decoder
   std::optional<models::ImagePrompt> image_prompt_;
 };
 
@@ -118,17 +131,26 @@ std::unique_ptr<PriorFamily> load_transformer_family(PipelineConfig& config, tor
     tokenizer = text::Tokenizer::load(config.tokenizer);
   }
   auto decoder = models::load_image_tokenizer(config.decoder);
-  if (decoder.grid_size() != prior.config.grid_size) {
-    throw Error("pipeline: the decoder " + config.decoder + " makes " + std::to_string(decoder.grid_size()) +
-                "x" + std::to_string(decoder.grid_size()) + " token grids, the prior samples " +
-                std::to_string(prior.config.grid_size) + "x" + std::to_string(prior.config.grid_size));
+  check_grid_fits(decoder, "decoder", config.decoder, prior.config);
+  std::optional<models::TrainedImageTokenizer> encoder;
+  if (!config.encoder.empty()) {
+    encoder = models::load_image_tokenizer(config.encoder);
+    check_grid_fits(*encoder, "encoder", config.encoder, prior.config);
+    if (encoder->model->vocab_size() != decoder.model->vocab_size()) {
+      throw Error("pipeline: the encoder " + config.encoder + " has " + std::to_string(encoder->model->vocab_size()) +
+                  " codes, the decoder " + std::to_string(decoder.model->vocab_size()) +
+                  ": its tokens are not the decoder's");
+    }
   }
   prior.model->to(device);
   decoder.model->module().to(device);
+  if (encoder) encoder->model->module().to(device);
   std::optional<models::ImagePrompt> image_prompt;
-  if (config.image_prompt.enabled()) image_prompt = load_image_prompt(config.image_prompt, decoder);
+  if (config.image_prompt.enabled()) {
+    image_prompt = load_image_prompt(config.image_prompt, encoder ? *encoder : decoder);
+  }
   return std::make_unique<TransformerFamily>(std::move(prior), std::move(tokenizer), std::move(yttm),
-                                             std::move(decoder), std::move(image_prompt));
+                                             std::move(decoder), std::move(encoder), std::move(image_prompt));
 }
 
 }  // namespace dalle::generate

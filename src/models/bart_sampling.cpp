@@ -53,6 +53,34 @@ void check_sampling(const BartPriorConfig& config, const torch::Tensor& captions
   }
 }
 
+// An image prompt's tokens must be the detokenizer's codes where they are kept: the decoder
+// reads them back (its last code starts each image, the rows above are not codes at all).
+void check_prompt(const BartPriorConfig& config, const ImagePrompt& prompt, int64_t images) {
+  const int64_t length = config.image_length;
+  const auto& tokens = prompt.tokens;
+  const bool shaped = prompt.known.numel() == length && tokens.dim() == 2 && tokens.size(1) == length &&
+                      (tokens.size(0) == 1 || tokens.size(0) == images);
+  if (!shaped) {
+    throw Error("BART sampling: an image prompt needs tokens [1 or " + std::to_string(images) + ", " +
+                std::to_string(length) + "] and a known-mask of " + std::to_string(length) + " positions; got " +
+                c10::str(tokens.sizes()) + " and " + std::to_string(prompt.known.numel()));
+  }
+  const auto kept = tokens.cpu().to(torch::kInt64).index({Slice(), prompt.known.cpu().to(torch::kBool).flatten()});
+  if (kept.numel() > 0 && (kept.min().item<int64_t>() < 0 || kept.max().item<int64_t>() >= config.codes)) {
+    throw Error("BART sampling: an image prompt's kept tokens must lie in [0, " + std::to_string(config.codes) +
+                "), the detokenizer's codes");
+  }
+}
+
+// How many positions from the first an image prompt keeps (none without one).
+int64_t leading_known(const ImagePrompt* prompt, int64_t length) {
+  if (!prompt) return 0;
+  const auto known = prompt->known.cpu().to(torch::kBool).flatten();
+  int64_t leading = 0;
+  while (leading < length && known[leading].item<bool>()) ++leading;
+  return leading;
+}
+
 // The constants a captured step holds: a graph of other ones would draw other tokens.
 std::string step_signature(const BartDecoder& decoder, const BartSamplingOptions& options, int64_t images) {
   std::ostringstream out;
@@ -78,11 +106,12 @@ torch::Tensor stream_uniforms(const BartSamplingOptions& options, const std::vec
 torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decoder, const torch::Tensor& captions,
                                        const BartSamplingOptions& options, const std::vector<uint64_t>& streams,
                                        const TokenCallback& on_token, const std::vector<int64_t>& row_seeds,
-                                       DecodeGraphs* graphs) {
+                                       DecodeGraphs* graphs, const ImagePrompt* prompt) {
   const auto& config = decoder->config();
   check_sampling(config, captions, options, streams);
-  torch::NoGradGuard no_grad;
   const int64_t images = captions.size(0), length = config.image_length;
+  if (prompt) check_prompt(config, *prompt, images);
+  torch::NoGradGuard no_grad;
   const auto device = decoder->lm_head->weight.device();
   const auto rows = captions.to(device);
   const auto text = torch::cat({empty_captions(rows), rows});
@@ -96,21 +125,53 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
   auto position = steps.buffer("position", {1}, integers).zero_();
   auto codes = steps.buffer("codes", {images, length}, integers);
   auto uniforms = steps.buffer("uniforms", {images, length}, rows.options().dtype(torch::kFloat32));
+  // The prompt as the steps read it: the positions kept and their codes (none kept without one).
+  auto known = steps.buffer("known", {length}, integers.dtype(torch::kBool));
+  auto forced = steps.buffer("forced", {images, length}, integers);
+  if (prompt) {
+    known.copy_(prompt->known.to(torch::kBool).flatten());
+    forced.copy_(prompt->tokens.to(torch::kInt64).expand({images, length}));
+    codes.copy_(forced);  // the leading codes no step writes
+  } else {
+    known.zero_();
+  }
   if (options.torch_draws) {
     if (options.seed > 0) torch::manual_seed(static_cast<uint64_t>(options.seed));
   } else {
     uniforms.copy_(stream_uniforms(options, streams, row_seeds, images, length));
   }
-  for (int64_t index = 0; index < length; ++index) {
+  // The next code of every image at `position` from the decoder's logits [2B, vocab]: drawn,
+  // then the prompt's where it keeps the position; it is what both rows of the image read next.
+  const auto choose = [&](const torch::Tensor& logits) {
+    const auto weights = supercondition_weights(logits.narrow(1, 0, config.codes).to(torch::kFloat32), options);
+    const auto drawn = options.torch_draws ? torch::multinomial(weights, 1).squeeze(1)
+                                           : draw_codes(weights, uniforms.index_select(1, position).squeeze(1));
+    const auto next = torch::where(known.index_select(0, position), forced.index_select(1, position).squeeze(1), drawn);
+    codes.index_copy_(1, position, next.unsqueeze(1));
+    previous.copy_(next.unsqueeze(1));
+    position.add_(1);
+  };
+  // Kept top rows: the start code and the kept codes through the decoder at once, as training
+  // reads them; its last logits give the first free position. torch's generator draws at every
+  // position, so min-dalle's draws take every step.
+  const int64_t leading = options.torch_draws ? 0 : leading_known(prompt, length);
+  for (int64_t index = 0; index < leading; ++index) {
+    if (on_token) on_token(index + 1, length, codes.select(1, index));
+  }
+  if (leading == length) return codes.clone();
+  int64_t first = 0;
+  if (leading > 0) {
+    const auto prefix = torch::cat({previous, forced.narrow(1, 0, leading)}, 1);
+    const auto logits = decoder->forward(torch::cat({prefix, prefix}), cache).select(1, leading);
+    position.fill_(leading);
+    choose(logits);
+    if (on_token) on_token(leading + 1, length, codes.select(1, leading));
+    first = leading + 1;
+  }
+  for (int64_t index = first; index < length; ++index) {
     const int64_t keys = steps.keys_for(index + 1, length, device);
     steps.run(keys, device, [&] {
-      const auto logits = decoder->forward_step(torch::cat({previous, previous}), cache, position, keys).select(1, 0);
-      const auto weights = supercondition_weights(logits.narrow(1, 0, config.codes).to(torch::kFloat32), options);
-      const auto next = options.torch_draws ? torch::multinomial(weights, 1).squeeze(1)
-                                            : draw_codes(weights, uniforms.index_select(1, position).squeeze(1));
-      codes.index_copy_(1, position, next.unsqueeze(1));
-      previous.copy_(next.unsqueeze(1));
-      position.add_(1);
+      choose(decoder->forward_step(torch::cat({previous, previous}), cache, position, keys).select(1, 0));
     });
     if (on_token) on_token(index + 1, length, codes.select(1, index));
   }

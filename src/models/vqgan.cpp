@@ -54,6 +54,16 @@ void VqganConfig::visit(ConfigVisitor& v) {
           "gumbel: ruDALL-E's GumbelQuantize (logits, hard gumbel-softmax in training, KL to uniform); "
           "vector: nearest code, straight-through, codebook + commitment loss",
           {.choices = {"gumbel", "vector"}});
+  v.field("pixel_range", pixel_range,
+          "pixels the encoder reads and the decoder writes: minus_one_to_one (taming, ruDALL-E: 2x - 1 on the way "
+          "in, (x + 1) / 2 on the way out) or zero_to_one (dalle-mini's use of the VQGAN behind DALL-E Mega's tokens: "
+          "images as they are)",
+          {.choices = {"minus_one_to_one", "zero_to_one"}});
+  v.field("level_attention", level_attention,
+          "order of a level's attention blocks in the encoder (the decoder's is taming's): taming (block i, then "
+          "attn i) or vqgan_jax_2021 (every attention block of the level after each residual block, as vqgan-jax "
+          "ran them until its 2022-07-09 fix: the order behind DALL-E Mega's training tokens)",
+          {.choices = {"taming", "vqgan_jax_2021"}});
 }
 
 void VqganConfig::validate() const {
@@ -82,6 +92,12 @@ void VqganConfig::validate() const {
   if (quantizer != "gumbel" && quantizer != "vector") {
     throw Error("vqgan: quantizer must be 'gumbel' or 'vector', got '" + quantizer + "'");
   }
+  if (pixel_range != "minus_one_to_one" && pixel_range != "zero_to_one") {
+    throw Error("vqgan: pixel_range must be 'minus_one_to_one' or 'zero_to_one', got '" + pixel_range + "'");
+  }
+  if (level_attention != "taming" && level_attention != "vqgan_jax_2021") {
+    throw Error("vqgan: level_attention must be 'taming' or 'vqgan_jax_2021', got '" + level_attention + "'");
+  }
 }
 
 bool VqganConfig::attends_at(int64_t level) const {
@@ -96,8 +112,10 @@ VqganEncoderImpl::VqganEncoderImpl(const VqganConfig& config) : config_(config) 
   for (int64_t level = 0; level < config.levels(); ++level) {
     const int64_t out = config.ch * config.ch_mult[level];
     const auto resample = level + 1 < config.levels() ? VqLevelImpl::Resample::down : VqLevelImpl::Resample::none;
+    const auto order = config.vqgan_jax_2021_attention() ? VqLevelImpl::AttentionOrder::every_after_each_block
+                                                         : VqLevelImpl::AttentionOrder::own_after_each_block;
     down_.push_back(
-        VqLevel(width, out, config.num_res_blocks, config.attends_at(level), resample, config.norm_groups));
+        VqLevel(width, out, config.num_res_blocks, config.attends_at(level), resample, config.norm_groups, order));
     down->push_back(down_.back());
     width = out;
   }
@@ -192,14 +210,22 @@ VqganOutput VqganImpl::forward(const torch::Tensor& x, double temperature, std::
   return out;
 }
 
+torch::Tensor VqganImpl::to_model_range(const torch::Tensor& images) const {
+  return config_.zero_to_one() ? images : images * 2 - 1;
+}
+
+torch::Tensor VqganImpl::from_model_range(const torch::Tensor& decoded) const {
+  return config_.zero_to_one() ? decoded.clamp(0.0, 1.0) : (decoded.clamp(-1.0, 1.0) + 1.0) * 0.5;
+}
+
 torch::Tensor VqganImpl::logits(const torch::Tensor& images) {
   if (!gumbel) throw Error("vqgan: logits exist only with the gumbel quantizer");
-  return gumbel->logits(encode_latents(images * 2 - 1));
+  return gumbel->logits(encode_latents(to_model_range(images)));
 }
 
 torch::Tensor VqganImpl::encode_tokens(const torch::Tensor& images) {
   if (gumbel) return logits(images).argmax(1);
-  return vector->nearest(encode_latents(images * 2 - 1));
+  return vector->nearest(encode_latents(to_model_range(images)));
 }
 
 torch::Tensor VqganImpl::lookup(const torch::Tensor& tokens) {
@@ -208,7 +234,7 @@ torch::Tensor VqganImpl::lookup(const torch::Tensor& tokens) {
 }
 
 torch::Tensor VqganImpl::decode_tokens(const torch::Tensor& tokens) {
-  return (decode_codes(lookup(tokens)).clamp(-1.0, 1.0) + 1.0) * 0.5;
+  return from_model_range(decode_codes(lookup(tokens)));
 }
 
 }  // namespace dalle::models

@@ -67,7 +67,8 @@ torch::Tensor VqUpsampleImpl::forward(const torch::Tensor& x) {
 }
 
 VqLevelImpl::VqLevelImpl(int64_t in, int64_t out, int64_t blocks, bool attention, Resample resample,
-                         int64_t groups) {
+                         int64_t groups, AttentionOrder order)
+    : order_(order) {
   torch::nn::ModuleList block, attn;
   for (int64_t i = 0; i < blocks; ++i) {
     blocks_.push_back(VqResnetBlock(i == 0 ? in : out, out, groups));
@@ -86,7 +87,12 @@ VqLevelImpl::VqLevelImpl(int64_t in, int64_t out, int64_t blocks, bool attention
 torch::Tensor VqLevelImpl::forward(torch::Tensor x) {
   for (size_t i = 0; i < blocks_.size(); ++i) {
     x = blocks_[i]->forward(x);
-    if (!attention_.empty()) x = attention_[i]->forward(x);
+    if (attention_.empty()) continue;
+    if (order_ == AttentionOrder::own_after_each_block) {
+      x = attention_[i]->forward(x);
+    } else {
+      for (auto& attention : attention_) x = attention->forward(x);
+    }
   }
   if (downsample_) return downsample_->forward(x);
   if (upsample_) return upsample_->forward(x);

@@ -53,9 +53,11 @@ PipelineConfig demo_pipeline(int64_t candidates) {
           .candidates = candidates, .sampling = {.seed = 3}, .threads = 2};
 }
 
-// The tokens of `picture` under the demo's VQGAN, [64].
-torch::Tensor demo_tokens(const std::string& picture) {
-  auto vqgan = models::load_image_tokenizer(std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/vqgan");
+// The tokens of `picture` under the demo's VQGAN (or the one at `vqgan`), [64].
+torch::Tensor demo_tokens(const std::string& picture,
+                          const std::string& vqgan_path = std::string(DALLE_SOURCE_DIR) +
+                                                          "/models/fashion-compose-f8/vqgan") {
+  auto vqgan = models::load_image_tokenizer(vqgan_path);
   torch::NoGradGuard no_grad;
   return vqgan.model->encode_tokens(data::read_image(picture).unsqueeze(0)).flatten();
 }
@@ -468,6 +470,40 @@ TEST_F(ImagePrompt, ARequestsOwnImagePromptDrawsWhatTheConfigsDrawsBesideRequest
 
   own.image_prompt = std::make_shared<const PromptImage>(PromptImage{.image = data::read_image(picture_), .top_rows = 8});
   EXPECT_THROW_WITH(pipeline.check(own), Error, "the 8-row grid takes 1 to 7");
+}
+
+// `encoder` encodes image prompts in the decoder's place. Here the demo's VQGAN reading its
+// pixels in [0, 1] as they are (pixel_range zero_to_one): the same codes and grid, other
+// tokens of the picture, which the samples keep. One of another grid is refused by name.
+TEST_F(ImagePrompt, TheEncoderKeyEncodesPromptsInTheDecodersPlace) {
+  using torch::indexing::Slice;
+  namespace fs = std::filesystem;
+  const auto encoder = dir_ / "encoder";
+  fs::copy(std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/vqgan", encoder, fs::copy_options::recursive);
+  auto yaml = testing::read_text(encoder + "/config.yaml");
+  const std::string quantizer = "  quantizer: \"gumbel\"\n";
+  ASSERT_NE(yaml.find(quantizer), std::string::npos);
+  yaml.replace(yaml.find(quantizer), quantizer.size(), quantizer + "  pixel_range: \"zero_to_one\"\n");
+  testing::write_text(encoder + "/config.yaml", yaml);
+  const auto encoded = demo_tokens(picture_, encoder);
+  ASSERT_FALSE(torch::equal(encoded.index({Slice(0, 24)}), expected_.index({Slice(0, 24)})))
+      << "the test needs an encoder whose tokens are not the decoder's";
+  auto config = demo_pipeline(4);
+  config.image_prompt = {.image = picture_, .top_rows = 3};
+  config.encoder = encoder;
+  Pipeline pipeline(config);
+  for (const auto& image : pipeline.generate({"a blue sneaker at the top"})) {
+    EXPECT_TRUE(torch::equal(image.tokens.flatten().index({Slice(0, 24)}), encoded.index({Slice(0, 24)})))
+        << image.candidate;
+  }
+  auto own = pipeline.request("a blue sneaker at the top");
+  own.image_prompt = std::make_shared<const PromptImage>(PromptImage{.image = data::read_image(picture_), .top_rows = 2});
+  for (const auto& image : pipeline.generate({own})) {
+    EXPECT_TRUE(torch::equal(image.tokens.flatten().index({Slice(0, 16)}), encoded.index({Slice(0, 16)})))
+        << "a request's own prompt too, candidate " << image.candidate;
+  }
+  config.encoder = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose/vqgan";  // f4: 16 x 16 at 64 pixels
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "the encoder", "makes 16x16 token grids, the prior samples 8x8");
 }
 
 TEST(ImagePromptMask, TheOpaqueTopRowsAreKeptAndOtherShapesAreNot) {

@@ -5,6 +5,8 @@
 
 #include <torch/torch.h>
 
+#include <tuple>
+
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
 #include "test_support.h"
@@ -151,15 +153,21 @@ TEST_F(MinDalleParity, StreamDrawsDoNotDependOnTheBatch) {
 
 TEST_F(MinDalleParity, StepTensorsKeptAcrossCallsDrawWhatFreshOnesDraw) {
   const auto caption = at("sample.0.text_tokens")[1];
+  auto known = torch::arange(256) < 32;
+  known.index_put_({Slice(200, 210)}, true);
+  const ImagePrompt prompt{.tokens = torch::arange(256, torch::kInt64).remainder(16).unsqueeze(0), .known = known};
   DecodeGraphs kept;
-  for (const auto& [images, seed] : std::vector<std::pair<int64_t, int64_t>>{{3, 5}, {2, 6}, {3, 7}}) {
+  // A prompted call between unprompted ones: the kept mask and codes must not linger.
+  for (const auto& [images, seed, image_prompt] : std::vector<std::tuple<int64_t, int64_t, const ImagePrompt*>>{
+           {3, 5, nullptr}, {3, 4, &prompt}, {2, 6, nullptr}, {3, 7, nullptr}}) {
     const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = seed};
     const auto captions = caption.expand({images, -1}).contiguous();
-    const auto fresh = sample_bart_image_tokens(encoder_, decoder_, captions, options);
+    const auto fresh =
+        sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, nullptr, image_prompt);
     std::vector<torch::Tensor> seen;
     const auto with_kept = sample_bart_image_tokens(
         encoder_, decoder_, captions, options, {},
-        [&](int64_t, int64_t, const torch::Tensor& codes) { seen.push_back(codes.clone()); }, {}, &kept);
+        [&](int64_t, int64_t, const torch::Tensor& codes) { seen.push_back(codes.clone()); }, {}, &kept, image_prompt);
     EXPECT_TRUE(torch::equal(with_kept, fresh)) << images << " images, seed " << seed;
     EXPECT_TRUE(torch::equal(torch::stack(seen, 1), fresh)) << "the callback sees each position's codes";
   }
@@ -170,7 +178,13 @@ TEST_F(MinDalleParity, GraphsReplayedOnAGpuDrawTheCpusTokens) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
   const auto captions = at("sample.0.text_tokens")[1].expand({3, -1}).contiguous();
   const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = 9};
+  // An image prompt with kept cells after the first drawn one, which the replayed steps force.
+  auto known = torch::arange(256) < 64;
+  known.index_put_({Slice(130, 140)}, true);
+  const ImagePrompt prompt{.tokens = torch::arange(256, torch::kInt64).remainder(16).unsqueeze(0), .known = known};
   const auto on_cpu = sample_bart_image_tokens(encoder_, decoder_, captions, options);
+  const auto prompted_on_cpu =
+      sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, nullptr, &prompt);
   encoder_->to(torch::kCUDA);
   decoder_->to(torch::kCUDA);
   DecodeGraphs graphs, eager(/*enabled=*/false);
@@ -183,6 +197,143 @@ TEST_F(MinDalleParity, GraphsReplayedOnAGpuDrawTheCpusTokens) {
   EXPECT_TRUE(torch::equal(first.cpu(), on_cpu));
   EXPECT_TRUE(torch::equal(again.cpu(), on_cpu));
   EXPECT_TRUE(torch::equal(launched.cpu(), on_cpu));
+
+  // The prompt replays the graphs captured without one: its mask and codes are tensors they read.
+  const int64_t captured = graphs.graphs(), replayed = graphs.replays();
+  const auto prompted = sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, &graphs, &prompt);
+  EXPECT_EQ(graphs.graphs(), captured) << "no graph captured anew";
+  EXPECT_EQ(graphs.replays() - replayed, steps - 65) << "the 64 kept top positions in one call, then one replay a step";
+  EXPECT_TRUE(torch::equal(prompted.cpu(), prompted_on_cpu));
+  EXPECT_TRUE(
+      torch::equal(prompted.cpu().index({Slice(), known}), prompt.tokens.index({Slice(), known}).expand({3, 74})));
+  const auto after = sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, &graphs);
+  EXPECT_TRUE(torch::equal(after.cpu(), on_cpu)) << "the prompt does not linger in the graphs' tensors";
+}
+
+// The sampler one decoder step per position, written out here as sample_bart_image_tokens
+// did it before image prompts: our stream draws on min-dalle's superconditioned weights. With
+// `prompt`, a kept position's code replaces the draw before both rows read it.
+torch::Tensor stepwise_reference(BartEncoder& encoder, BartDecoder& decoder, const torch::Tensor& captions,
+                                 const BartSamplingOptions& options, const std::vector<uint64_t>& streams,
+                                 const ImagePrompt* prompt = nullptr) {
+  torch::NoGradGuard no_grad;
+  const auto& config = decoder->config();
+  const int64_t images = captions.size(0), length = config.image_length;
+  const auto text = torch::cat({empty_captions(captions), captions});
+  auto cache = decoder->start(encoder->forward(text), text);
+  auto previous = torch::full({images, 1}, config.codes - 1, torch::kInt64);
+  const auto uniforms = sampling_uniforms(options.seed, streams, length);
+  std::vector<torch::Tensor> codes;
+  for (int64_t index = 0; index < length; ++index) {
+    const auto position = torch::full({1}, index, torch::kInt64);
+    const auto logits =
+        decoder->forward_step(torch::cat({previous, previous}), cache, position, index + 1).select(1, 0);
+    auto next =
+        draw_codes(supercondition_weights(logits.narrow(1, 0, config.codes), options), uniforms.select(1, index));
+    if (prompt && prompt->known[index].item<bool>()) next = prompt->tokens.expand({images, length}).select(1, index);
+    codes.push_back(next);
+    previous = next.unsqueeze(1);
+  }
+  return torch::stack(codes, 1);
+}
+
+TEST_F(MinDalleParity, WithoutAnImagePromptTheTokensAreTheStepwiseDrawsAsBefore) {
+  const auto captions = at("sample.0.text_tokens")[1].expand({2, -1}).contiguous();
+  const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = 3};
+  const auto sampled = sample_bart_image_tokens(encoder_, decoder_, captions, options, {4, 9});
+  EXPECT_TRUE(torch::equal(sampled, stepwise_reference(encoder_, decoder_, captions, options, {4, 9})))
+      << "bit for bit";
+  const ImagePrompt none{.tokens = torch::full({1, 256}, 3, torch::kInt64), .known = torch::zeros({256}, torch::kBool)};
+  const auto keeping_nothing =
+      sample_bart_image_tokens(encoder_, decoder_, captions, options, {4, 9}, {}, {}, nullptr, &none);
+  EXPECT_TRUE(torch::equal(keeping_nothing, sampled)) << "a prompt that keeps nothing changes nothing";
+}
+
+TEST_F(MinDalleParity, ForcedTokensAreKeptAndTheRestDrawn) {
+  const auto captions = at("sample.0.text_tokens")[1].expand({3, -1}).contiguous();
+  const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = 6};
+  const std::vector<uint64_t> streams = {0, 1, 2};
+  const auto tokens = torch::arange(256, torch::kInt64).remainder(13).unsqueeze(0);
+  auto top_rows = torch::arange(256) < 3 * 16;  // the top three rows of the 16 x 16 grid
+  auto holes = top_rows.clone();
+  holes.index_put_({Slice(100, 104)}, true);  // and cells further down, forced by the steps
+  auto scattered = torch::zeros({256}, torch::kBool);
+  scattered.index_put_({Slice(5, 256, 37)}, true);  // the first position free: every position a step
+  for (const auto& known : {top_rows, holes, scattered}) {
+    const ImagePrompt prompt{.tokens = tokens, .known = known};
+    std::vector<torch::Tensor> seen;
+    const auto sampled = sample_bart_image_tokens(
+        encoder_, decoder_, captions, options, streams,
+        [&](int64_t done, int64_t total, const torch::Tensor& codes) {
+          EXPECT_EQ(done, static_cast<int64_t>(seen.size()) + 1);
+          EXPECT_EQ(total, 256);
+          seen.push_back(codes.clone());
+        },
+        {}, nullptr, &prompt);
+    const int64_t kept = known.sum().item<int64_t>();
+    EXPECT_TRUE(torch::equal(sampled.index({Slice(), known}), tokens.index({Slice(), known}).expand({3, kept})));
+    const auto free = sampled.index({Slice(), ~known});
+    EXPECT_GE(free.min().item<int64_t>(), 0);
+    EXPECT_LT(free.max().item<int64_t>(), 16) << "only the detokenizer's codes are drawn";
+    EXPECT_FALSE(torch::equal(free[0], free[1])) << "the free positions are drawn, each image from its stream";
+    ASSERT_EQ(seen.size(), 256u);
+    EXPECT_TRUE(torch::equal(torch::stack(seen, 1), sampled)) << "the callback sees kept positions too";
+    // The kept top rows go through the decoder at once, the rest step by step: the same tokens.
+    EXPECT_TRUE(torch::equal(sampled, stepwise_reference(encoder_, decoder_, captions, options, streams, &prompt)));
+  }
+  const auto unprompted = sample_bart_image_tokens(encoder_, decoder_, captions, options, streams);
+  const ImagePrompt prompt{.tokens = tokens, .known = top_rows};
+  const auto prompted =
+      sample_bart_image_tokens(encoder_, decoder_, captions, options, streams, {}, {}, nullptr, &prompt);
+  EXPECT_FALSE(torch::equal(prompted.index({Slice(), Slice(48, 256)}), unprompted.index({Slice(), Slice(48, 256)})))
+      << "the drawn rows follow the kept ones";
+  const ImagePrompt whole{.tokens = tokens, .known = torch::ones({256}, torch::kBool)};
+  const auto all_kept =
+      sample_bart_image_tokens(encoder_, decoder_, captions, options, streams, {}, {}, nullptr, &whole);
+  EXPECT_TRUE(torch::equal(all_kept, tokens.expand({3, 256})));
+}
+
+// A free position reads its own draw of the row's stream (or of torch's generator, which draws
+// at every position): keeping a sample's own leading codes draws that sample again.
+TEST_F(MinDalleParity, KeepingASamplesOwnTopRowsDrawsItAgainInAnyBatch) {
+  const auto caption = at("sample.0.text_tokens")[1];
+  const auto known = torch::arange(256) < 5 * 16;
+  for (const bool torch_draws : {false, true}) {
+    const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = 11, .torch_draws = torch_draws};
+    const auto alone = sample_bart_image_tokens(encoder_, decoder_, caption.unsqueeze(0), options, {7});
+    const ImagePrompt own{.tokens = alone, .known = known};
+    EXPECT_TRUE(torch::equal(
+        sample_bart_image_tokens(encoder_, decoder_, caption.unsqueeze(0), options, {7}, {}, {}, nullptr, &own), alone))
+        << "torch_draws " << torch_draws;
+  }
+  const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = 11};
+  const auto alone = sample_bart_image_tokens(encoder_, decoder_, caption.unsqueeze(0), options, {7});
+  const ImagePrompt own{.tokens = alone, .known = known};
+  const auto three = sample_bart_image_tokens(encoder_, decoder_, caption.expand({3, -1}).contiguous(), options,
+                                              {6, 7, 8}, {}, {}, nullptr, &own);
+  EXPECT_TRUE(torch::equal(three[1], alone[0])) << "the same stream in a batch of three";
+  EXPECT_TRUE(torch::equal(three.index({Slice(), known}), alone.index({Slice(), known}).expand({3, 80})));
+  EXPECT_FALSE(torch::equal(three[0], three[1])) << "other streams draw other free codes";
+}
+
+TEST_F(MinDalleParity, ImagePromptsOfOtherShapesOrCodesAreRefused) {
+  const auto captions = at("sample.0.text_tokens")[1].expand({2, -1}).contiguous();
+  const BartSamplingOptions options{.top_k = 4};
+  const auto known = torch::arange(256) < 16;
+  const ImagePrompt short_tokens{.tokens = torch::zeros({1, 255}, torch::kInt64), .known = known};
+  EXPECT_THROW_WITH(sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, nullptr, &short_tokens),
+                    Error, "tokens [1 or 2, 256]");
+  const ImagePrompt three_rows{.tokens = torch::zeros({3, 256}, torch::kInt64), .known = known};
+  EXPECT_THROW_WITH(sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, nullptr, &three_rows),
+                    Error, "tokens [1 or 2, 256]");
+  auto start_code = torch::zeros({1, 256}, torch::kInt64);
+  start_code.index_put_({0, 3}, 16);  // min-dalle's start code, not one the detokenizer decodes
+  const ImagePrompt beyond{.tokens = start_code, .known = known};
+  EXPECT_THROW_WITH(sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, nullptr, &beyond),
+                    Error, "kept tokens must lie in [0, 16)");
+  const ImagePrompt elsewhere{.tokens = start_code, .known = torch::arange(256) >= 16};
+  EXPECT_NO_THROW(sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, nullptr, &elsewhere))
+      << "only the kept positions must be codes";
 }
 
 // min-dalle's detokenizer at the fixture's widths (8, 16, 16 for 128, 256, 512): 2 x 2

@@ -3,6 +3,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <unordered_set>
+
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
 #include "test_support.h"
@@ -100,6 +102,125 @@ TEST_F(VqganParity, MisshapenOrMissingTensorsAreRefusedByName) {
   Vqgan vector(config);
   EXPECT_THROW_WITH(io::load_state_dict(*vector, weights_), Error, "missing: quantize.embedding.weight",
                     "unexpected: quantize.embed.weight, quantize.proj.bias, quantize.proj.weight");
+}
+
+// The sizes make_mega_vqgan_fixture.py builds taming's VQModel with: DALL-E Mega's f16 layout
+// (five levels, two blocks a level, attention at the lowest resolution only, the vector
+// quantizer) at taming's smallest widths.
+VqganConfig mega_fixture_config(const std::string& pixel_range, const std::string& level_attention = "taming") {
+  return {.ch = 32, .ch_mult = {1, 1, 1, 2, 2}, .num_res_blocks = 2, .attn_resolutions = {4}, .z_channels = 32,
+          .embed_dim = 32, .n_embed = 128, .resolution = 64, .quantizer = "vector", .pixel_range = pixel_range,
+          .level_attention = level_attention};
+}
+
+class MegaVqganParity : public ::testing::Test {
+ protected:
+  // The fixture holds the encoder, quant_conv and codebook by taming's names; every one must
+  // load, and the decoder (which no code depends on) is left as built.
+  Vqgan load(const std::string& pixel_range, const std::string& level_attention = "taming") const {
+    Vqgan model(mega_fixture_config(pixel_range, level_attention));
+    std::unordered_set<std::string> decoder;
+    for (const auto& [name, tensor] : io::state_dict(*model)) {
+      if (name.rfind("decoder.", 0) == 0 || name.rfind("post_quant_conv.", 0) == 0) decoder.insert(name);
+    }
+    io::load_state_dict(*model, weights_, "mega_vqgan_parity.safetensors", decoder);
+    model->eval();
+    return model;
+  }
+  const torch::Tensor& at(const std::string& name) const { return fixture_.tensors.at(name); }
+
+  io::Safetensors fixture_ = io::read_safetensors(testing::fixture_path("mega_vqgan_parity.safetensors"));
+  io::TensorMap weights_ = testing::dequantized_weights(fixture_.tensors);
+};
+
+TEST_F(MegaVqganParity, TamingsNamesAtTheF16Layout) {
+  auto model = load("zero_to_one");
+  EXPECT_EQ(model->downsampling_factor(), 16);
+  const auto ours = io::state_dict(*model);
+  for (const char* name : {"encoder.down.4.attn.1.proj_out.weight", "encoder.down.3.block.0.nin_shortcut.weight",
+                           "encoder.down.3.downsample.conv.weight", "encoder.mid.attn_1.q.weight",
+                           "quantize.embedding.weight"}) {
+    EXPECT_TRUE(ours.count(name) && weights_.count(name)) << name;
+  }
+  EXPECT_FALSE(ours.count("encoder.down.3.attn.0.q.weight")) << "only the lowest resolution attends";
+  EXPECT_FALSE(ours.count("encoder.down.4.downsample.conv.weight")) << "the last level does not downsample";
+}
+
+TEST_F(MegaVqganParity, CodesAreTamingsEncodeOfTheImagesAsTheyAre) {
+  auto model = load("zero_to_one");
+  torch::NoGradGuard no_grad;
+  EXPECT_LT(relative_error(model->encode_latents(at("images")), at("latents")), 1e-4);
+  const auto codes = model->encode_tokens(at("images"));
+  ASSERT_EQ(codes.sizes(), at("codes").sizes());
+  EXPECT_TRUE(torch::equal(codes, at("codes"))) << "dalle-mini's encoding: VQModel.encode of pixels in [0, 1]";
+}
+
+TEST_F(MegaVqganParity, MinusOneToOneCodesAreTamingsEncodeOfTwiceTheImagesLessOne) {
+  auto model = load("minus_one_to_one");
+  torch::NoGradGuard no_grad;
+  const auto codes = model->encode_tokens(at("images"));
+  EXPECT_TRUE(torch::equal(codes, at("codes.minus_one_to_one")));
+  EXPECT_FALSE(torch::equal(at("codes"), at("codes.minus_one_to_one"))) << "the fixture must tell the ranges apart";
+}
+
+// vqgan-jax's order before 2022-07-09 (every attention block of the lowest level after each of
+// its two residual blocks), against taming's own modules called in that order.
+TEST_F(MegaVqganParity, VqganJax2021OrderGivesTheOldOrdersLatentsAndCodes) {
+  auto model = load("zero_to_one", "vqgan_jax_2021");
+  torch::NoGradGuard no_grad;
+  EXPECT_LT(relative_error(model->encode_latents(at("images")), at("latents.vqgan_jax_2021")), 1e-4);
+  EXPECT_TRUE(torch::equal(model->encode_tokens(at("images")), at("codes.vqgan_jax_2021")));
+  const double changed = (at("codes") != at("codes.vqgan_jax_2021")).to(torch::kFloat64).mean().item<double>();
+  EXPECT_GT(changed, 0.1) << "the fixture must tell the orders apart";
+}
+
+// The order is the encoder's alone: with the same weights, the decoder draws the same images
+// and a level without attention (or the mid block) is untouched.
+TEST(Vqgan, LevelAttentionOrderChangesTheEncoderOnly) {
+  torch::manual_seed(0);
+  auto config = tiny_config("vector");
+  config.num_res_blocks = 2;  // two attention blocks at the 4 x 4 level, so that the orders differ
+  Vqgan taming(config);
+  config.level_attention = "vqgan_jax_2021";
+  Vqgan old_order(config);
+  io::load_state_dict(*old_order, io::state_dict(*taming));
+  taming->eval();
+  old_order->eval();
+  torch::NoGradGuard no_grad;
+  const auto images = torch::rand({2, 3, 16, 16});
+  EXPECT_GT((taming->encode_latents(images) - old_order->encode_latents(images)).abs().max().item<double>(), 1e-3);
+  const auto tokens = torch::randint(0, 16, {2, 4, 4}, torch::kInt64);
+  EXPECT_TRUE(torch::equal(taming->decode_tokens(tokens), old_order->decode_tokens(tokens)));
+  config.attn_resolutions = {};
+  Vqgan without_attention(config);
+  config.level_attention = "taming";
+  Vqgan without_attention_taming(config);
+  io::load_state_dict(*without_attention, io::state_dict(*without_attention_taming));
+  EXPECT_TRUE(
+      torch::equal(without_attention->encode_latents(images), without_attention_taming->encode_latents(images)));
+  config.level_attention = "vqgan_jax";
+  EXPECT_THROW_WITH(Vqgan{config}, Error, "level_attention must be 'taming' or 'vqgan_jax_2021', got 'vqgan_jax'");
+}
+
+TEST(Vqgan, PixelRangeMapsImagesInAndDecodedImagesOut) {
+  torch::manual_seed(0);
+  auto config = tiny_config("vector");
+  Vqgan taming(config);
+  config.pixel_range = "zero_to_one";
+  Vqgan dalle_mini(config);
+  io::load_state_dict(*dalle_mini, io::state_dict(*taming));
+  taming->eval();
+  dalle_mini->eval();
+  torch::NoGradGuard no_grad;
+  const auto images = torch::rand({2, 3, 16, 16});
+  EXPECT_TRUE(torch::equal(dalle_mini->encode_tokens(images), taming->vector->nearest(taming->encode_latents(images))));
+  const auto tokens = taming->encode_tokens(images);
+  EXPECT_TRUE(torch::equal(tokens, taming->vector->nearest(taming->encode_latents(images * 2 - 1))));
+  const auto decoded = taming->decode_codes(taming->lookup(tokens));
+  EXPECT_TRUE(torch::allclose(dalle_mini->decode_tokens(tokens), decoded.clamp(0, 1)));
+  EXPECT_TRUE(torch::allclose(taming->decode_tokens(tokens), (decoded.clamp(-1, 1) + 1) / 2));
+  config.pixel_range = "zero_to_two";
+  EXPECT_THROW_WITH(Vqgan{config}, Error, "pixel_range must be 'minus_one_to_one' or 'zero_to_one', got 'zero_to_two'");
 }
 
 TEST(Vqgan, ShapesFollowTheConfig) {

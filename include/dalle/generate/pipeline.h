@@ -39,6 +39,7 @@ struct PipelineConfig {
   std::string prior;      // prior run directory or checkpoint
   std::string tokenizer;  // caption tokenizer model; empty: the prior run's
   std::string decoder;    // dVAE or VQGAN run or checkpoint; empty: the prior run's
+  std::string encoder;    // dVAE or VQGAN that encodes image prompts; empty: the decoder (none for a BART prior)
   std::string clip;       // CLIP run or checkpoint; empty: no reranking
   std::string clip_tokenizer;  // imported CLIP's own (BPE merges, ruCLIP's bpe.model); empty: the caption tokenizer
   std::vector<std::string> clip_templates;  // the prompt as CLIP reads it, each with {}; empty: the prompt alone
@@ -63,7 +64,7 @@ struct PipelineConfig {
 };
 
 // A model folder holds generate.yaml, a pipeline config whose relative model paths (prior,
-// tokenizer, decoder, clip, clip_tokenizer, superres) name what lies in the folder.
+// tokenizer, decoder, encoder, clip, clip_tokenizer, superres) name what lies in the folder.
 inline constexpr const char* kModelFolderConfig = "generate.yaml";
 // The folder's pipeline config, its relative model paths made to point into the folder.
 PipelineConfig read_model_folder(const std::string& folder);

@@ -41,9 +41,21 @@ torch::Tensor supercondition_weights(const torch::Tensor& logits, const BartSamp
 // keep them). Each position is one decoder step of fixed shapes with no host synchronisation;
 // `graphs` keeps the steps' tensors across calls and, on a GPU, replays the steps as CUDA
 // graphs (not with torch_draws, whose generator a graph does not capture).
+//
+// An image prompt (`prompt`: tokens [B or 1, image_length] of codes below config.codes, known
+// [image_length]) keeps its tokens where `known` says, and both rows of an image (under its
+// caption and under the empty one) read them. As in sample_image_tokens, the draws stay
+// where they were: position i reads uniform i of the row's stream whether or not the prompt
+// keeps the positions before it, and with torch_draws every step still draws once from
+// torch's generator, so a free position's draw does not depend on how many are kept. The
+// leading known positions (top rows) go through the decoder in one call, teacher-forced;
+// later known positions (a mask with holes) are forced inside the steps, from tensors the
+// steps read, so that a captured step serves prompted and unprompted calls alike. Without a
+// prompt the tokens are the same as with a prompt that keeps nothing.
 torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decoder, const torch::Tensor& captions,
                                        const BartSamplingOptions& options, const std::vector<uint64_t>& streams = {},
                                        const TokenCallback& on_token = {},
-                                       const std::vector<int64_t>& row_seeds = {}, DecodeGraphs* graphs = nullptr);
+                                       const std::vector<int64_t>& row_seeds = {}, DecodeGraphs* graphs = nullptr,
+                                       const ImagePrompt* prompt = nullptr);
 
 }  // namespace dalle::models

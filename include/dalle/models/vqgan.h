@@ -36,6 +36,13 @@ struct VqganConfig {
   int64_t resolution = 256;
   int64_t norm_groups = 32;
   std::string quantizer = "gumbel";
+  // The pixel range the encoder reads and the decoder writes: taming's and ruDALL-E's
+  // [-1, 1], or [0, 1] as dalle-mini feeds the VQGAN that DALL-E Mega's tokens come from.
+  std::string pixel_range = "minus_one_to_one";
+  // The order of a level's attention blocks in the encoder: taming's (block i, then attn i),
+  // or vqgan-jax's before its 2022-07-09 fix, every attention block after each residual
+  // block, which made the tokens DALL-E Mega was trained on (docs/generate.md).
+  std::string level_attention = "taming";
 
   void visit(ConfigVisitor& v);
   // Throws when the values are inconsistent with each other.
@@ -44,6 +51,8 @@ struct VqganConfig {
   // One 2x downsampling between consecutive levels.
   int64_t downsampling_factor() const { return int64_t{1} << (levels() - 1); }
   bool gumbel() const { return quantizer == "gumbel"; }
+  bool zero_to_one() const { return pixel_range == "zero_to_one"; }
+  bool vqgan_jax_2021_attention() const { return level_attention == "vqgan_jax_2021"; }
   // Whether level `level` (0 = full resolution) has attention blocks: taming compares
   // the configured resolution at that level, not the actual input size, with attn_resolutions.
   bool attends_at(int64_t level) const;
@@ -92,20 +101,27 @@ class VqganImpl : public torch::nn::Module, public ImageTokenizer {
  public:
   explicit VqganImpl(const VqganConfig& config);
 
-  // Images in [-1, 1] -> quant_conv(encoder(x)), the latents the quantizer receives.
+  // Images in the model's range -> quant_conv(encoder(x)), the latents the quantizer receives.
   torch::Tensor encode_latents(const torch::Tensor& x);
-  // Code vectors -> decoder(post_quant_conv(codes)), images in about [-1, 1].
+  // Code vectors -> decoder(post_quant_conv(codes)), images in about the model's range.
   torch::Tensor decode_codes(const torch::Tensor& codes);
-  // Training pass on images in [-1, 1]; `temperature` and `generator` feed the gumbel quantizer.
+  // Training pass on images in the model's range; `temperature` and `generator` feed the gumbel quantizer.
   VqganOutput forward(const torch::Tensor& x, double temperature = 1.0,
                       std::optional<at::Generator> generator = std::nullopt);
   // Gumbel quantizer only: the logits over codes of images in [0, 1].
   torch::Tensor logits(const torch::Tensor& images);
 
-  // ruDALL-E's get_codebook_indices (without the flattening): 2x - 1, then the argmax of
-  // the logits (gumbel) or the nearest code (vector).
+  // Images in [0, 1] -> the range the encoder reads (config.pixel_range): 2x - 1 for
+  // minus_one_to_one, unchanged for zero_to_one.
+  torch::Tensor to_model_range(const torch::Tensor& images) const;
+  // Decoder output -> images in [0, 1]: clamp to [-1, 1] and (x + 1) / 2 for
+  // minus_one_to_one (ruDALL-E's decode), clamp to [0, 1] for zero_to_one (dalle-mini's).
+  torch::Tensor from_model_range(const torch::Tensor& decoded) const;
+
+  // ruDALL-E's get_codebook_indices (without the flattening): to_model_range, then the argmax
+  // of the logits (gumbel) or the nearest code (vector, taming's VQModel.encode).
   torch::Tensor encode_tokens(const torch::Tensor& images) override;
-  // ruDALL-E's decode: codebook lookup, post_quant_conv, decoder, clamp to [-1, 1], (x + 1) / 2.
+  // ruDALL-E's decode: codebook lookup, post_quant_conv, decoder, from_model_range.
   torch::Tensor decode_tokens(const torch::Tensor& tokens) override;
   int64_t vocab_size() const override { return config_.n_embed; }
   int64_t downsampling_factor() const override { return config_.downsampling_factor(); }

@@ -68,10 +68,15 @@ TORCH_MODULE(VqUpsample);
 
 // One resolution level: `block.i` residual blocks, each followed by `attn.i` where the level
 // attends, then `downsample` (encoder) or `upsample` (decoder) except at the last level.
+// AttentionOrder::every_after_each_block runs all of the level's attention blocks, in order,
+// after each residual block instead (block 0, attn 0, attn 1, block 1, attn 0, attn 1):
+// vqgan-jax's order until its 2022-07-09 fix (VqganConfig::level_attention).
 class VqLevelImpl : public torch::nn::Module {
  public:
   enum class Resample { none, down, up };
-  VqLevelImpl(int64_t in, int64_t out, int64_t blocks, bool attention, Resample resample, int64_t groups);
+  enum class AttentionOrder { own_after_each_block, every_after_each_block };
+  VqLevelImpl(int64_t in, int64_t out, int64_t blocks, bool attention, Resample resample, int64_t groups,
+              AttentionOrder order = AttentionOrder::own_after_each_block);
   torch::Tensor forward(torch::Tensor x);
 
  private:
@@ -79,6 +84,7 @@ class VqLevelImpl : public torch::nn::Module {
   std::vector<VqAttnBlock> attention_;
   VqDownsample downsample_{nullptr};
   VqUpsample upsample_{nullptr};
+  AttentionOrder order_;
 };
 TORCH_MODULE(VqLevel);
 

@@ -38,7 +38,7 @@ void VqganTrainConfig::visit(ConfigVisitor& v) {
           {.choices = {"all", "decoder"}});
   v.section("data", "datasets and batching", data);
   v.field("reconstruction_loss", reconstruction_loss,
-          "pixel loss between images and reconstructions in [-1, 1]: l1 (taming) or mse", {.choices = {"l1", "mse"}});
+          "pixel loss between images and reconstructions in model.pixel_range: l1 (taming) or mse", {.choices = {"l1", "mse"}});
   v.section("learning_rate", "cosine learning-rate schedule, shared by the discriminator", learning_rate);
   v.section("temperature",
             "cosine gumbel-softmax temperature schedule, gumbel quantizer only (ruDALL-E's recipe: 0.9 -> 1e-6 "
@@ -227,7 +227,7 @@ VqganStepMetrics VqganTrainer::State::train_step(const torch::Tensor& images) {
     for (auto& group : discriminator_optimizer->param_groups()) group.options().set_lr(metrics.learning_rate);
   }
 
-  const auto x = images.to(device) * 2.0 - 1.0;
+  const auto x = model->to_model_range(images.to(device));
   auto out = [&] {
     if (decoder_only()) return decode_frozen_tokens(images.to(device));
     AutocastGuard autocast(x.device().type(), precision->autocast_dtype());
