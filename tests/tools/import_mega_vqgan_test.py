@@ -222,7 +222,7 @@ def main():
         run(generate + ["--out", work / "drawn", "-n", "1", "a red sandal"])
         assert len(list((work / "drawn").glob("0000-*.json"))) == 1
         tokens = encoded_tokens(work, work / "mega" / "encoder", dataset, tokenizer, "tokens-mega")
-        assert tokens.shape == (3, 4, 4) and int(tokens.max()) < CODES
+        assert tokens.shape == (3, 16, 16) and int(tokens.max()) < CODES, tokens.shape
 
         # Image prompts: every image keeps the top rows of the picture's tokens under encoder/, the
         # rest drawn. The picture is 256 pixels, the encoder's side (16 x 16 tokens, the prior's
