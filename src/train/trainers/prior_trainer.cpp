@@ -600,6 +600,7 @@ void PriorTrainer::run() {
        .validate =
            [&] {
              const auto validation = validate();
+             if (std::isnan(validation.loss)) return;  // no data.validation: nothing to report
              log::info("prior: update ", s.step, " loss ", s.last.loss, " validation loss ", validation.loss,
                        " (text ", validation.text_loss, ", image ", validation.image_loss, ")");
            },
