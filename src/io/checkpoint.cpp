@@ -184,7 +184,6 @@ int64_t copy_overlap(const Piece& piece, int64_t low, int64_t high, torch::Tenso
   return (to - from) * static_cast<int64_t>(piece.values.element_size());
 }
 
-// Rank 0's files, the shards left where they are.
 // Size and 64 evenly spread 4 KiB blocks of a file, FNV-1a hashed: cheap on a file of
 // gigabytes, and enough to tell another file or a rewritten one from the same one.
 std::string file_fingerprint(const fs::path& path) {
@@ -214,13 +213,18 @@ void fill_from_base(Checkpoint& checkpoint, const std::string& directory) {
     throw Error(where + ": its base checkpoint is gone; the checkpoint holds only what was trained, and needs the "
                 "base it was trained from at that path");
   }
-  if (file_fingerprint(fs::path(base) / kWeightsFile) != checkpoint.state_metadata.at(kBaseFingerprintKey)) {
+  const auto fingerprint = checkpoint.state_metadata.find(kBaseFingerprintKey);
+  if (fingerprint == checkpoint.state_metadata.end()) {
+    throw Error(where + ": names a base without its fingerprint; not a checkpoint dalle wrote");
+  }
+  if (file_fingerprint(fs::path(base) / kWeightsFile) != fingerprint->second) {
     throw Error(where + ": the base checkpoint's weights changed since the run started from them; put the "
                 "original back at that path");
   }
   for (auto& [name, tensor] : inference_weights(load_checkpoint(base))) checkpoint.weights.emplace(name, std::move(tensor));
 }
 
+// Rank 0's files, the shards left where they are.
 Checkpoint load_checkpoint_files(const std::string& directory) {
   const fs::path root(directory);
   if (!fs::is_directory(root)) throw Error(directory + ": no checkpoint directory here");

@@ -43,6 +43,32 @@ TEST(Checkpoint, IncompleteDirectoryIsRefused) {
   EXPECT_THROW_WITH(load_checkpoint(dir / "nothing"), Error, "no checkpoint directory");
 }
 
+// A fine-tuning checkpoint that refers to its base: loaded, the base's inference weights (its
+// moving average over its weights) fill the names it lacks; its own weights win; a base that
+// changed or is gone is refused by name.
+TEST(Checkpoint, ACheckpointThatRefersToItsBaseIsFilledFromItAndRefusesAChangedBase) {
+  ScratchDir dir;
+  Checkpoint base{.config_yaml = "model: {}\n",
+                  .weights = {{"frozen", torch::full({2, 3}, 1.0)}, {"trained", torch::zeros({2})}},
+                  .state = {{"ema.frozen", torch::full({2, 3}, 2.0)}}};
+  save_checkpoint(dir / "base", base);
+  Checkpoint tuned{.config_yaml = "model: {}\n", .weights = {{"trained", torch::ones({2})}}};
+  refer_to_base(tuned, dir / "base");
+  save_checkpoint(dir / "tuned", tuned);
+  const auto loaded = load_checkpoint(dir / "tuned");
+  EXPECT_EQ(base_of(loaded), fs::absolute(dir / "base").lexically_normal().string());
+  EXPECT_TRUE(torch::equal(loaded.weights.at("frozen"), torch::full({2, 3}, 2.0))) << "the base's moving average";
+  EXPECT_TRUE(torch::equal(loaded.weights.at("trained"), torch::ones({2}))) << "its own weights win";
+  EXPECT_EQ(read_safetensors(dir / "tuned/model.safetensors").tensors.size(), 1u) << "only what trained is written";
+
+  base.weights.at("frozen").fill_(5.0);
+  base.state.at("ema.frozen").fill_(5.0);
+  save_checkpoint(dir / "base", base);
+  EXPECT_THROW_WITH(load_checkpoint(dir / "tuned"), Error, "base checkpoint's weights changed");
+  fs::remove_all(dir / "base");
+  EXPECT_THROW_WITH(load_checkpoint(dir / "tuned"), Error, "its base checkpoint is gone", "/base");
+}
+
 // Two ranks' shards of one group (a 2x2 matrix and a vector of 3: 7 values, 4 per rank with
 // one of padding), published from the staging folder, come back whole under their names.
 TEST(CheckpointStore, AShardedCheckpointIsStagedPublishedAndReadWhole) {
