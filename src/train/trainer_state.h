@@ -194,28 +194,50 @@ struct TrainerState : RunRecord {
     return names;
   }
 
-  // A run started from `init_from` (a run or checkpoint): when that checkpoint's inference
-  // weights hold every frozen parameter under its name with the value the model holds, it
-  // becomes the base. (Not so an imported model under its family's own names, or a run whose
-  // adapters were folded in on loading: checkpoints then hold the frozen weights whole.)
+  // A run started from `init_from` (a run or checkpoint) with frozen parameters: its
+  // checkpoints keep only what trains and refer to a base for the rest. The base is that
+  // checkpoint when its inference weights hold every frozen parameter under its name with the
+  // value the model holds; else (an imported model under its family's own names, a run whose
+  // adapters were folded in on loading) a copy of the frozen weights as the model holds them,
+  // written once into the run (`base/`) with its first checkpoint.
   void refer_to_base(const std::string& init_from) {
     const auto frozen = frozen_names();
     if (init_from.empty() || frozen.empty()) return;
     const auto base = io::resolve_checkpoint(init_from, what + " init_from");
-    const auto weights = io::inference_weights(io::load_checkpoint(base));
+    if (holds_as_they_are(io::inference_weights(io::load_checkpoint(base)), frozen)) {
+      base_checkpoint = base;
+      log::info(what, ": checkpoints hold what trains and refer to ", base, " for the frozen weights");
+      return;
+    }
+    base_checkpoint = (run / "base").string();
+    write_base_copy_ = true;
+    log::info(what, ": ", base, " does not hold the frozen weights as the model does; checkpoints refer to a copy "
+              "of them under the model's names, ", base_checkpoint, ", written with the first checkpoint");
+  }
+  bool holds_as_they_are(const io::TensorMap& weights, const std::vector<std::string>& frozen) const {
     const auto ours = model->named_parameters();
     for (const auto& name : frozen) {
       const auto found = weights.find(name);
       const auto& value = ours[name];
       if (found == weights.end() || found->second.sizes() != value.sizes() ||
           !torch::equal(found->second.to(value.device(), value.scalar_type()), value)) {
-        log::info(what, ": checkpoints hold the frozen weights whole (", base, " does not hold them as they are)");
-        return;
+        return false;
       }
     }
-    base_checkpoint = base;
-    log::info(what, ": checkpoints hold what trains and refer to ", base, " for the frozen weights");
+    return true;
   }
+  // The frozen weights as the model holds them, as the checkpoint `base_checkpoint` names.
+  void write_base_copy() {
+    write_base_copy_ = false;
+    if (!writes_files || std::filesystem::exists(std::filesystem::path(base_checkpoint) / "model.safetensors")) return;
+    io::Checkpoint copy;
+    copy.config_yaml = "# The frozen weights of this run's init_from, under the model's names: the base its checkpoints\n"
+                       "# refer to (docs/fine-tuning.md).\n";
+    const auto parameters = model->named_parameters();
+    for (const auto& name : frozen_names()) copy.weights.emplace(name, parameters[name].detach().cpu());
+    io::save_checkpoint(base_checkpoint, copy);
+  }
+  bool write_base_copy_ = false;
 
   // AdamW over `groups` with the recipe's optimizer section (a group with options of its own
   // keeps its weight decay), its moments in the recipe's precision.
@@ -288,7 +310,8 @@ struct TrainerState : RunRecord {
         make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader_position());
     precision->save_state(checkpoint.state, "gradient_scaler.");
     update->reducer().save_state(checkpoint.state, "reducer.");
-    if (!base_checkpoint.empty()) {
+    if (!base_checkpoint.empty() && writes_files) {
+      if (write_base_copy_) write_base_copy();
       for (const auto& name : frozen_names()) checkpoint.weights.erase(name);
       io::refer_to_base(checkpoint, base_checkpoint);
     }

@@ -305,6 +305,22 @@ TEST_F(PriorTrainerTest, AdaptersTrainAloneAndExportMergedOrAlone) {
     EXPECT_LT(testing::relative_error(base.model->forward(tokens), expected), 1e-5) << "base + adapter = merged";
   }
 
+  // From the adapter run, whose adapters are folded in as it loads: its checkpoint does not hold
+  // the frozen weights as the model does, so the run refers to a copy of them in base/.
+  auto again = tiny(3);
+  again.run.checkpoint_every = 3;
+  again.init_from = runs / "adapted";
+  again.adapter = config.adapter;
+  PriorTrainer(again, runs / "again").run();
+  const auto second = io::load_checkpoint(runs / "again/checkpoints/step-000000003");
+  EXPECT_EQ(io::base_of(second), runs / "again/base");
+  const auto merged_weights = io::state_dict(*merged.model);
+  for (const auto& [name, tensor] : merged_weights) {
+    EXPECT_TRUE(torch::equal(second.weights.at(name).to(tensor.dtype()), tensor)) << name << ": the folded-in weights";
+  }
+  EXPECT_EQ(models::adapter_tensors(io::read_safetensors(runs / "again/checkpoints/step-000000003/model.safetensors")
+                                        .tensors).size(), 12u);
+
   auto resumed = tiny(8);
   resumed.init_from = config.init_from;
   resumed.adapter = config.adapter;
