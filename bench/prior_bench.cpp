@@ -369,8 +369,9 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
   const std::vector<std::string> matrices{"resblocks.*.qkv", "resblocks.*.out", "resblocks.*.fc_in",
                                           "resblocks.*.fc_out"};
   if (options.finetune == "adapters") {
-    models::add_adapters(*prior, {.rank = options.adapter_rank, .alpha = 16, .targets = matrices});
-    train::freeze_all_but(*prior, {"*.lora_A.weight", "*.lora_B.weight"}, "bench");
+    const models::AdapterConfig adapter{.rank = options.adapter_rank, .alpha = 16, .targets = matrices};
+    models::add_adapters(*prior, adapter);
+    train::freeze_all_but(*prior, train::trainable_patterns({}, adapter), "bench");
   } else if (options.finetune == "emojich") {
     train::freeze_all_but(*prior, {"*embedding*", "resblocks.*norm.*", "final_norm.*", "to_logits.*"}, "bench");
   } else if (options.finetune != "full") {

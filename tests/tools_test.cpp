@@ -338,6 +338,15 @@ TEST(Tools, TrainAPriorAndGenerateFromIt) {
   EXPECT_EQ(tokens_of("with-file"), tokens_of("adapted-out"));
   EXPECT_NE(tokens_of("with-file"), sidecar["image_tokens"]) << "the adapters change what is drawn";
   EXPECT_EQ(tokens_of("weight-0"), sidecar["image_tokens"]);
+  // The base the adapter names is where it was trained; moved elsewhere (another machine), the
+  // adapter still loads onto a copy, with a warning, and draws the same images.
+  std::filesystem::rename(dir / "prior", dir / "prior-moved");
+  const auto moved = run("dalle-generate", "--prior " + (dir / "prior-moved") + " --out " + (dir / "moved") +
+                                               " -n 2 --seed 7 --adapter " + (dir / "adapter.safetensors") + prompts);
+  std::filesystem::rename(dir / "prior-moved", dir / "prior");
+  ASSERT_EQ(moved.status, 0) << moved.output;
+  EXPECT_THAT(moved.output, ::testing::HasSubstr("was trained on"));
+  EXPECT_EQ(tokens_of("moved"), tokens_of("adapted-out"));
   const auto not_adapter = run("dalle-generate", "--prior " + (dir / "prior") + " --out " + (dir / "bad") +
                                                      " --adapter " + (dir / "prior/checkpoints/step-000000004/model.safetensors") +
                                                      prompts);

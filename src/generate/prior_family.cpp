@@ -45,10 +45,8 @@ void apply_adapters(torch::nn::Module& prior, const PipelineConfig& config, cons
       throw Error("pipeline: the adapter " + weighted.path + " was trained on a " + adapter.family + ", the prior " +
                   config.prior + " is a " + family);
     }
-    const bool same_base = adapter.base.empty() ||
-                           std::filesystem::weakly_canonical(io::resolve_checkpoint(adapter.base, "adapter base"),
-                                                             ignored) == ours;
-    if (!same_base) {
+    if (!adapter.base.empty() && std::filesystem::weakly_canonical(adapter.base, ignored) != ours) {
+      // The base's path is where it was trained, often on another machine: compared, never opened.
       log::warn("pipeline: the adapter ", weighted.path, " was trained on ", adapter.base, ", not on ", config.prior,
                 "; it is folded in all the same (a copy of the base under another path is fine, another model is not)");
     }

@@ -172,12 +172,20 @@ ExportedAdapter export_adapter(const std::string& run_or_checkpoint, const std::
     throw Error(exported.checkpoint + ": trained no adapters (its config's adapter.rank is 0); export the whole "
                 "model without --adapter");
   }
-  exported.base = io::base_of(checkpoint);
-  if (exported.base.empty()) {
-    bind_config_parts(config, [&](ConfigVisitor& v) {
-      v.field("init_from", exported.base, "");
-      v.field("init", exported.base, "");
-    });
+  // The model the run started from, as its recipe named it (not the run's own copy of its
+  // frozen weights, RUN/base), resolved to its checkpoint while it is there.
+  std::string started_from;
+  bind_config_parts(config, [&](ConfigVisitor& v) {
+    v.field("init_from", started_from, "");
+    v.field("init", started_from, "");
+  });
+  exported.base = started_from.empty() ? io::base_of(checkpoint) : started_from;
+  try {
+    if (!started_from.empty()) {
+      exported.base = fs::absolute(io::resolve_checkpoint(started_from, "base")).lexically_normal().string();
+    }
+  } catch (const Error&) {
+    // Moved since the run started: the file keeps the name the recipe gave it.
   }
   const auto family = peek_choice(config, "kind", "prior", {"prior", "bart_prior"});
   save_adapter_file(out, adapters, adapter, exported.base, family);

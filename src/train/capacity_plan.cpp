@@ -84,12 +84,7 @@ TrainedShape measure_trained(const PriorTrainConfig& recipe) {
   torch::NoGradGuard no_grad;
   models::Prior prior(config);
   models::add_adapters(*prior, recipe.adapter);
-  auto patterns = recipe.optimizer.trainable;
-  if (recipe.adapter.enabled()) {
-    patterns.push_back("*.lora_A.weight");
-    patterns.push_back("*.lora_B.weight");
-  }
-  freeze_all_but(*prior, patterns, "plan");
+  freeze_all_but(*prior, trainable_patterns(recipe.optimizer.trainable, recipe.adapter), "plan");
   TrainedShape shape;
   for (const auto& item : prior->named_parameters()) {
     const auto values = item.value().numel();

@@ -29,6 +29,14 @@ int64_t freeze_all_but(torch::nn::Module& model, const std::vector<std::string>&
   return trained;
 }
 
+std::vector<std::string> trainable_patterns(std::vector<std::string> trainable, const models::AdapterConfig& adapter) {
+  if (adapter.enabled()) {
+    trainable.push_back("*.lora_A.weight");
+    trainable.push_back("*.lora_B.weight");
+  }
+  return trainable;
+}
+
 std::vector<torch::Tensor> trained_only(const std::vector<torch::Tensor>& parameters) {
   std::vector<torch::Tensor> trained;
   for (const auto& parameter : parameters) {

@@ -147,7 +147,7 @@ struct TrainerState : RunRecord {
   void place_model() {
     add_adapters_to(*model);
     model->to(device);
-    const auto trained = freeze_all_but(*model, trainable_patterns(), what);
+    const auto trained = freeze_all_but(*model, trainable_patterns(config.optimizer.trainable, adapters()), what);
     ema_model = Model(config.model);
     add_adapters_to(*ema_model);
     ema_model->to(device);
@@ -170,15 +170,6 @@ struct TrainerState : RunRecord {
               "% of the model); the rest is frozen");
   }
 
-  // optimizer.trainable, and the adapters' tensors when the recipe adds adapters.
-  std::vector<std::string> trainable_patterns() const {
-    auto patterns = config.optimizer.trainable;
-    if (adapters().enabled()) {
-      patterns.push_back("*.lora_A.weight");
-      patterns.push_back("*.lora_B.weight");
-    }
-    return patterns;
-  }
   models::AdapterConfig adapters() const {
     if constexpr (requires(const Config& c) { c.adapter; }) return config.adapter;
     return {};

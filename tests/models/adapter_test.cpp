@@ -119,10 +119,12 @@ TEST(Adapter, WorksOnTheBartPriorsProjections) {
   BartEncoder encoder(config);
   encoder->eval();
   const AdapterConfig attention{.rank = 2, .alpha = 2, .targets = {"layers.*.self_attn.*_proj"}};
+  const auto text = torch::randint(0, config.text_vocab_size, {2, config.text_length});
+  const auto base = encoder->forward(text);
   EXPECT_EQ(add_adapters(*encoder, attention).size(), 8u);  // q, k, v, out in 2 layers
   train_adapters_at_random(*encoder);
-  const auto text = torch::randint(0, config.text_vocab_size, {2, config.text_length});
   const auto adapted = encoder->forward(text);
+  ASSERT_GT(relative_error(adapted, base), 1e-3) << "the adapters change the encoder";
   merge_adapters(*encoder);
   EXPECT_LT(relative_error(encoder->forward(text), adapted), 1e-5);
 }

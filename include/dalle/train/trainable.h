@@ -7,12 +7,18 @@
 #include <string>
 #include <vector>
 
+#include "dalle/models/adapter.h"
+
 namespace dalle::train {
 
 // Freezes the parameters of `model` that match none of `patterns` (fnmatch globs, `*`
 // crossing dots); nothing when `patterns` is empty. Returns how many parameters train.
 // Throws naming `what` for a pattern that matches no parameter, or patterns that leave none.
 int64_t freeze_all_but(torch::nn::Module& model, const std::vector<std::string>& patterns, const std::string& what);
+
+// What trains in a recipe: optimizer.trainable's patterns, and the adapters' tensors when
+// `adapter` adds adapters (empty, with no adapters: everything trains).
+std::vector<std::string> trainable_patterns(std::vector<std::string> trainable, const models::AdapterConfig& adapter);
 
 // The tensors of `parameters` that require gradients, in order.
 std::vector<torch::Tensor> trained_only(const std::vector<torch::Tensor>& parameters);
