@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <functional>
 #include <numeric>
 
@@ -24,8 +25,11 @@ ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> gro
     }
     layouts_.push_back(std::move(layouts));
     shard_numel_.push_back((total + ranks - 1) / ranks);
+    // A group of frozen tensors is gathered and never trained; an empty one trains nothing.
+    const bool trains = groups_[g].empty() || std::any_of(groups_[g].begin(), groups_[g].end(),
+                                                          [](const torch::Tensor& t) { return t.requires_grad(); });
     shards_.push_back(shard_of(g, groups_[g]).to(groups_[g].empty() ? torch::kCPU : groups_[g][0].device())
-                          .requires_grad_(true));
+                          .requires_grad_(trains));
     shard_impls_.insert(shards_.back().unsafeGetTensorImpl());
     release(g);
   }
@@ -84,6 +88,7 @@ torch::Tensor ShardedParameters::shard_of(size_t g, const std::vector<torch::Ten
 
 torch::Tensor ShardedParameters::all_gather(const torch::Tensor& shard) const {
   const auto values = shard.detach().to(group_->device(), torch::kFloat32).contiguous();
+  if (values.numel() == 0) return values;  // an empty group: nothing to send
   auto gathered = torch::empty({values.numel() * group_->size()}, values.options());
   group_->all_gather(values, gathered);
   bytes_moved_ += gathered.numel() * static_cast<int64_t>(gathered.element_size());
@@ -102,7 +107,7 @@ std::vector<torch::Tensor> ShardedParameters::unshard(size_t g, const torch::Ten
 }
 
 void ShardedParameters::prefetch(size_t g) {
-  if (g >= groups_.size() || prefetched_.count(g)) return;
+  if (g >= groups_.size() || prefetched_.count(g) || shard_numel_[g] == 0) return;
   Prefetch prefetch;
   prefetch.input = shards_[g].detach().to(group_->device(), torch::kFloat32).contiguous();
   prefetch.output = torch::empty({prefetch.input.numel() * group_->size()}, prefetch.input.options());
@@ -139,6 +144,12 @@ void ShardedParameters::release(size_t g) {
 
 void ShardedParameters::reduce_gradients(size_t g) {
   torch::NoGradGuard no_grad;
+  if (shard_numel_[g] == 0) {
+    // An empty group (a block whose matrices are all frozen): its empty gradient, so that
+    // the optimizer treats it as any other shard.
+    if (!shards_[g].grad().defined()) shards_[g].mutable_grad() = torch::zeros_like(shards_[g]);
+    return;
+  }
   std::vector<torch::Tensor> gradients;
   for (size_t i = 0; i < groups_[g].size(); ++i) {
     auto& tensor = groups_[g][i];
@@ -257,10 +268,11 @@ void ShardedReducer::prepare_low_rank() {
   int64_t slot = 0;
   for (size_t g = 0; g < sharded_->groups(); ++g) {
     const auto& shard = sharded_->shard(g);
-    errors_.push_back(torch::zeros({shard.numel()}, torch::TensorOptions().dtype(powersgd_->dtype).device(shard.device())));
+    const int64_t values = sharded_->trains(g) ? shard.numel() : 0;  // a frozen group sends nothing
+    errors_.push_back(torch::zeros({values}, torch::TensorOptions().dtype(powersgd_->dtype).device(shard.device())));
     std::vector<ShardRows> compressed;
     std::vector<LowRankState> states;
-    for (const auto& rows : sharded_->rows_in_shard(g)) {
+    for (const auto& rows : values == 0 ? std::vector<ShardRows>{} : sharded_->rows_in_shard(g)) {
       if (!compresses(rows.rows, rows.columns, *powersgd_)) continue;
       compressed.push_back(rows);
       states.push_back({initial_q(*powersgd_, slot + static_cast<int64_t>(rows.tensor), rows.rows, rows.columns, shard.device()),
@@ -278,6 +290,7 @@ void ShardedReducer::compress_shards() {
   std::vector<torch::Tensor> matrices, whole;
   std::vector<LowRankState*> states;
   for (size_t g = 0; g < sharded_->groups(); ++g) {
+    if (!sharded_->trains(g)) continue;
     auto shard = sharded_->shard(g);
     if (!shard.grad().defined()) shard.mutable_grad() = torch::zeros_like(shard);
     const auto gradient = shard.grad();
@@ -311,7 +324,7 @@ torch::Tensor ShardedReducer::shard_error(size_t g) {
   if (!low_rank_) return {};
   prepare_low_rank();
   auto error = errors_[g].to(across_group_->device(), torch::kFloat32).contiguous();
-  across_group_->all_reduce(error, ReduceOp::average);
+  if (error.numel() > 0) across_group_->all_reduce(error, ReduceOp::average);
   return error;
 }
 

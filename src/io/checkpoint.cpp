@@ -248,6 +248,7 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
   RankCheckpoint result;
   result.replicated = load_checkpoint_files(directory);
   auto& checkpoint = result.replicated;
+  fill_from_base(checkpoint, directory);
   std::optional<ShardLayout> written;
   if (const auto layout = checkpoint.state_metadata.find(kLayoutKey); layout != checkpoint.state_metadata.end()) {
     written = parse_layout(root, layout->second);
@@ -275,6 +276,10 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
       const int64_t values = values_of(wanted.groups[g]);
       const int64_t share = (values + ranks - 1) / ranks, low = rank * share, high = std::min(values, low + share);
       auto slice = torch::zeros({share});
+      if (values == 0) {  // an empty group (a block whose matrices are all frozen)
+        result.slices.emplace(slice_key(kind, g), std::move(slice));
+        continue;
+      }
       if (written) {
         if (values_of(written->groups[g]) != values) {
           throw Error(directory + ": the checkpoint's shard group " + std::to_string(g) + " holds " +

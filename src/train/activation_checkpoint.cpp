@@ -3,7 +3,6 @@
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
-#include "dalle/error.h"
 #include "dalle/train/precision.h"
 
 namespace dalle::train {
@@ -71,13 +70,11 @@ torch::Tensor ForwardState::rerun(const std::function<torch::Tensor(const torch:
 
 torch::Tensor checkpointed(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& x) {
   if (!torch::GradMode::is_enabled()) return fn(x);
-  if (!x.requires_grad()) {
-    // The checkpoint's output would not require grad, and fn's parameters would get none.
-    throw Error("activation checkpointing needs an input that requires grad");
-  }
   auto recompute = c10::make_intrusive<Recompute>();
   recompute->fn = fn;
-  return Checkpointed::apply(x, recompute);
+  // An input that needs no gradient (the first block behind frozen embeddings) becomes a leaf
+  // that requires one: else the output would require none, and fn's parameters get none.
+  return Checkpointed::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), recompute);
 }
 
 }  // namespace dalle::train

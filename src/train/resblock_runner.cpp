@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <unordered_map>
 
 #include "dalle/error.h"
@@ -54,20 +55,26 @@ models::ResblockRunner make_training_runner(const Resblocks& resblocks, Resblock
     throw Error("fp16 training needs a gradient scaler with one group per resblock");
   }
   std::unordered_map<const models::ResblockImpl*, int64_t> index;
-  for (size_t i = 0; i < resblocks.size(); ++i) index.emplace(resblocks[i].get(), i);
+  std::vector<bool> trains;  // a frozen block behind frozen layers has nothing to recompute for
+  for (size_t i = 0; i < resblocks.size(); ++i) {
+    index.emplace(resblocks[i].get(), i);
+    const auto parameters = resblocks[i]->parameters();
+    trains.push_back(std::any_of(parameters.begin(), parameters.end(), [](const auto& p) { return p.requires_grad(); }));
+  }
   std::optional<torch::ScalarType> autocast;
   if (training.precision == Precision::bf16) autocast = torch::kBFloat16;
   if (training.precision == Precision::fp16) autocast = torch::kFloat16;
 
-  return [index = std::move(index), training, autocast](models::ResblockImpl& block, const torch::Tensor& x,
-                                                         const models::ResblockContext& context) {
+  return [index = std::move(index), trains = std::move(trains), training, autocast](
+             models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
     const int64_t i = index.at(&block);
     // By value: a checkpointed branch runs again in backward, after this frame is gone.
     auto branch = [&block, context, autocast](const torch::Tensor& input) {
       AutocastGuard guard(input.device().type(), autocast);
       return block.branch(input, context);
     };
-    const bool checkpoint = training.checkpoint_every > 0 && i % training.checkpoint_every == 0 && !context.cache;
+    const bool checkpoint = training.checkpoint_every > 0 && i % training.checkpoint_every == 0 && !context.cache &&
+                            (x.requires_grad() || trains[i]);
     auto run = [&](const torch::Tensor& input) { return checkpoint ? checkpointed(branch, input) : branch(input); };
     if (training.precision != Precision::fp16) return x + run(x).to(x.scalar_type());
     const double scale = training.scaler->scale(static_cast<size_t>(i));

@@ -16,9 +16,10 @@ struct ShardedRun : torch::CustomClassHolder {
   std::function<torch::Tensor(const torch::Tensor&)> fn;
   std::shared_ptr<distributed::ShardedParameters> sharded;
   size_t block = 0, blocks = 0;
-  std::vector<size_t> groups;
+  std::vector<size_t> groups;  // of the block: its trained ones, then its frozen one
   ForwardState state;
 
+  std::vector<size_t> groups_of(size_t b) const { return {2 * b, 2 * b + 1, 2 * blocks + b}; }
   void gather() const {
     for (const size_t g : groups) sharded->gather(g);
   }
@@ -26,8 +27,12 @@ struct ShardedRun : torch::CustomClassHolder {
   // in backward.
   void prefetch(size_t next_block) const {
     if (next_block >= blocks) return;
-    sharded->prefetch(2 * next_block);
-    sharded->prefetch(2 * next_block + 1);
+    for (const size_t g : groups_of(next_block)) sharded->prefetch(g);
+  }
+  void reduce_gradients() const {
+    for (const size_t g : groups) {
+      if (sharded->trains(g)) sharded->reduce_gradients(g);
+    }
   }
   void release() const {
     for (const size_t g : groups) sharded->release(g);
@@ -54,7 +59,7 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
     run->gather();
     if (run->block > 0) run->prefetch(run->block - 1);
     torch::autograd::backward({run->state.rerun(run->fn, input)}, {grads[0]});
-    for (const size_t g : run->groups) run->sharded->reduce_gradients(g);
+    run->reduce_gradients();
     run->release();
     return {input.grad(), torch::Tensor()};
   }
@@ -63,48 +68,61 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
 }  // namespace
 
 ShardedResblocks::ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
-                                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap) {
+                                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
+                                   const KeepWhole& keep_whole)
+    : blocks_(prior.resblocks().size()) {
   std::unordered_map<const torch::TensorImpl*, std::string> name_of;
   for (const auto& item : prior.named_parameters()) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
-  std::vector<std::vector<torch::Tensor>> groups;
-  for (size_t b = 0; b < prior.resblocks().size(); ++b) {
+  std::vector<std::vector<torch::Tensor>> groups(2 * blocks_), frozen(blocks_);
+  names_.resize(3 * blocks_);
+  kept_whole_.resize(blocks_);
+  for (size_t b = 0; b < blocks_; ++b) {
     block_index_.emplace(prior.resblocks()[b].get(), b);
-    std::vector<torch::Tensor> matrices, rest;
-    std::vector<std::string> matrix_names, rest_names;
     for (const auto& parameter : prior.resblocks()[b]->parameters()) {
       const auto& name = name_of.at(parameter.unsafeGetTensorImpl());
-      const bool decay = decayed(name, parameter);
-      (decay ? matrices : rest).push_back(parameter);
-      (decay ? matrix_names : rest_names).push_back(name);
+      if (!parameter.requires_grad()) {
+        frozen[b].push_back(parameter);
+        names_[2 * blocks_ + b].push_back(name);
+      } else if (keep_whole && keep_whole(name)) {
+        kept_whole_[b].push_back(parameter);
+      } else {
+        const size_t g = decayed(name, parameter) ? 2 * b : 2 * b + 1;
+        groups[g].push_back(parameter);
+        names_[g].push_back(name);
+      }
     }
-    groups.push_back(std::move(matrices));
-    groups.push_back(std::move(rest));
-    names_.push_back(std::move(matrix_names));
-    names_.push_back(std::move(rest_names));
   }
+  groups.insert(groups.end(), frozen.begin(), frozen.end());
   sharded_ = std::make_shared<distributed::ShardedParameters>(std::move(groups), std::move(group), overlap);
 }
 
 std::vector<torch::Tensor> ShardedResblocks::decayed_shards() const {
   std::vector<torch::Tensor> shards;
-  for (size_t g = 0; g < sharded_->groups(); g += 2) shards.push_back(sharded_->shard(g));
+  for (size_t b = 0; b < blocks_; ++b) shards.push_back(sharded_->shard(2 * b));
   return shards;
 }
 
 std::vector<torch::Tensor> ShardedResblocks::undecayed_shards() const {
   std::vector<torch::Tensor> shards;
-  for (size_t g = 1; g < sharded_->groups(); g += 2) shards.push_back(sharded_->shard(g));
+  for (size_t b = 0; b < blocks_; ++b) shards.push_back(sharded_->shard(2 * b + 1));
   return shards;
 }
 
 std::vector<std::vector<torch::Tensor>> ShardedResblocks::scale_groups() const {
   std::vector<std::vector<torch::Tensor>> groups;
-  for (size_t g = 0; g < sharded_->groups(); g += 2) groups.push_back({sharded_->shard(g), sharded_->shard(g + 1)});
+  for (size_t b = 0; b < blocks_; ++b) {
+    groups.push_back({sharded_->shard(2 * b), sharded_->shard(2 * b + 1)});
+    groups.back().insert(groups.back().end(), kept_whole_[b].begin(), kept_whole_[b].end());
+  }
   return groups;
 }
 
 models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner) const {
-  return [inner = std::move(inner), sharded = sharded_, index = block_index_](
+  std::vector<bool> trains;
+  for (size_t b = 0; b < blocks_; ++b) {
+    trains.push_back(!kept_whole_[b].empty() || sharded_->shard(2 * b).numel() + sharded_->shard(2 * b + 1).numel() > 0);
+  }
+  return [inner = std::move(inner), sharded = sharded_, index = block_index_, trains = std::move(trains)](
              models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
     const size_t b = index.at(&block);
     auto run = c10::make_intrusive<ShardedRun>();
@@ -112,24 +130,40 @@ models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner) co
     run->sharded = sharded;
     run->block = b;
     run->blocks = index.size();
-    run->groups = {2 * b, 2 * b + 1};
-    if (!torch::GradMode::is_enabled() || !x.requires_grad()) {
+    run->groups = run->groups_of(b);
+    if (!torch::GradMode::is_enabled() || (!x.requires_grad() && !trains.at(b))) {
       run->gather();
       auto y = run->fn(x);
       run->release();
       return y;
     }
-    return ShardedBlock::apply(x, run);
+    // A block that trains behind frozen layers (adapters after frozen embeddings) gets an
+    // input that requires a gradient, without which its backward would never run.
+    return ShardedBlock::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), run);
   };
 }
 
-io::TensorMap ShardedResblocks::whole(const std::vector<torch::Tensor>& shard_like, const std::string& suffix) const {
+io::TensorMap ShardedResblocks::frozen_weights() const {
   io::TensorMap named;
-  for (size_t g = 0; g < sharded_->groups(); ++g) {
-    const auto full = sharded_->unshard(g, shard_like.at(g));
-    for (size_t i = 0; i < full.size(); ++i) named.emplace(names_[g][i] + suffix, full[i]);
+  for (size_t g = trained_groups(); g < sharded_->groups(); ++g) {
+    const auto full = sharded_->unshard(g, sharded_->shard(g));
+    for (size_t i = 0; i < full.size(); ++i) named.emplace(names_[g][i], full[i].clone());
   }
   return named;
+}
+
+void ShardedResblocks::restore_frozen(io::TensorMap& weights) const {
+  torch::NoGradGuard no_grad;
+  for (size_t g = trained_groups(); g < sharded_->groups(); ++g) {
+    std::vector<torch::Tensor> full;
+    for (const auto& name : names_[g]) {
+      const auto found = weights.find(name);
+      if (found == weights.end()) throw Error("the checkpoint and its base lack the frozen weight " + name);
+      full.push_back(found->second);
+    }
+    sharded_->shard(g).detach().copy_(sharded_->shard_of(g, full));
+    for (const auto& name : names_[g]) weights.erase(name);
+  }
 }
 
 }  // namespace dalle::train

@@ -217,15 +217,19 @@ struct TrainerState : RunRecord {
     }
     return true;
   }
-  // The frozen weights as the model holds them, as the checkpoint `base_checkpoint` names.
-  void write_base_copy() {
+  // The frozen weights as the model holds them, as the checkpoint `base_checkpoint` names;
+  // `released`: those the model does not hold whole (a sharded run's frozen blocks).
+  void write_base_copy(const io::TensorMap& released = {}) {
     write_base_copy_ = false;
     if (!writes_files || std::filesystem::exists(std::filesystem::path(base_checkpoint) / "model.safetensors")) return;
     io::Checkpoint copy;
     copy.config_yaml = "# The frozen weights of this run's init_from, under the model's names: the base its checkpoints\n"
                        "# refer to (docs/fine-tuning.md).\n";
     const auto parameters = model->named_parameters();
-    for (const auto& name : frozen_names()) copy.weights.emplace(name, parameters[name].detach().cpu());
+    for (const auto& name : frozen_names()) {
+      const auto found = released.find(name);
+      copy.weights.emplace(name, (found != released.end() ? found->second : parameters[name]).detach().cpu());
+    }
     io::save_checkpoint(base_checkpoint, copy);
   }
   bool write_base_copy_ = false;

@@ -311,6 +311,71 @@ TEST_F(TrainingJob, ShardedAndDataParallelRanksResumeEachOthersCheckpointsOnOthe
   EXPECT_LT(largest_difference(weights_at(dir / "one", 10), weights_at(dir / "job", 10)), 1e-5);
 }
 
+// Fine-tuning sharded: the frozen base is sharded with the blocks, the adapters stay whole on
+// every rank. Adapters on a trained prior train as data parallelism trains them, leave the
+// base as it was, resume exactly, and their checkpoints hold the adapters alone; Emojich's
+// recipe (attention and MLP matrices frozen, the blocks' norms and biases trained in shards)
+// in fp16 follows data parallelism's losses. Plateau decay: the learning rate does not depend
+// on run.steps.
+TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains) {
+  ScratchDir dir;
+  auto base = run_command(train_prior(dir / "base", "--set run.steps=5"));
+  ASSERT_EQ(base.status, 0) << base.output;
+  const std::string adapters = " --nproc-per-node 2 --set init_from=" + (dir / "base") +
+                               " --set adapter.rank=2 --set adapter.alpha=4 --set learning_rate.peak=1.0e-2"
+                               " --set learning_rate.decay=plateau";
+  const std::string sharded = " --set distributed.sharding=within_node";
+  for (const auto& [run, arguments] : {std::pair{std::string("job"), adapters}, {"sharded", adapters + sharded}}) {
+    auto trained = run_command(train_prior(dir / run, arguments));
+    ASSERT_EQ(trained.status, 0) << trained.output;
+  }
+  const auto tuned = weights_at(dir / "sharded", 10);
+  EXPECT_LT(largest_difference(weights_at(dir / "job", 10), tuned), 1e-5);
+  const auto started_from = io::inference_weights(io::load_checkpoint(dir / "base/checkpoints/step-000000005"));
+  for (const auto& [name, tensor] : tuned) {
+    if (name.find(".lora_") == std::string::npos) EXPECT_TRUE(torch::equal(tensor, started_from.at(name))) << name;
+  }
+  const auto checkpoint = dir / "sharded/checkpoints/step-000000010";
+  for (const auto& [name, tensor] : io::read_safetensors(checkpoint + "/model.safetensors").tensors) {
+    EXPECT_THAT(name, ::testing::HasSubstr(".lora_")) << "only the adapters are written";
+  }
+  for (const char* shard : {"/shard-00000-of-00002.safetensors", "/shard-00001-of-00002.safetensors"}) {
+    for (const auto& [name, tensor] : io::read_safetensors(checkpoint + shard).tensors) {
+      EXPECT_EQ(tensor.numel(), 0) << name << ": the blocks train nothing but their adapters, which stay whole";
+    }
+  }
+  for (const char* steps : {"5", "10"}) {
+    auto leg = run_command(train_prior(dir / "resumed", adapters + sharded + " --set run.steps=" + steps));
+    ASSERT_EQ(leg.status, 0) << leg.output;
+  }
+  EXPECT_EQ(largest_difference(tuned, weights_at(dir / "resumed", 10)), 0.0);
+  // From the adapter run, whose adapters fold into the base as it loads: the ranks gather the
+  // frozen blocks once, into the run's copy of the base, which its checkpoints refer to.
+  const std::string again = " --nproc-per-node 2 --set init_from=" + (dir / "sharded") +
+                            " --set adapter.rank=2 --set run.steps=5";
+  for (const auto& [run, arguments] : {std::pair{std::string("again"), again}, {"again-sharded", again + sharded}}) {
+    auto trained = run_command(train_prior(dir / run, arguments));
+    ASSERT_EQ(trained.status, 0) << trained.output;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "again-sharded/base/model.safetensors"));
+  EXPECT_LT(largest_difference(weights_at(dir / "again", 5), weights_at(dir / "again-sharded", 5)), 1e-5);
+
+  const std::string emojich = " --nproc-per-node 2 --set init_from=" + (dir / "base") +
+                              " --set 'optimizer.trainable=[\"*embedding*\",\"resblocks.*norm*\",\"to_logits.*\"]'"
+                              " --set precision.mode=fp16 --set learning_rate.decay=plateau";
+  for (const auto& [run, arguments] :
+       {std::pair{std::string("emojich"), emojich}, {"emojich-sharded", emojich + sharded}}) {
+    auto trained = run_command(train_prior(dir / run, arguments));
+    ASSERT_EQ(trained.status, 0) << trained.output;
+  }
+  for (int64_t step : {1, 5, 10}) {
+    EXPECT_NEAR(metrics_at(dir / "emojich-sharded", step)["loss"].get<double>(),
+                metrics_at(dir / "emojich", step)["loss"].get<double>(), 1e-5)
+        << "update " << step;
+  }
+  EXPECT_LT(largest_difference(weights_at(dir / "emojich", 10), weights_at(dir / "emojich-sharded", 10)), 1e-3);
+}
+
 TEST_F(TrainingJob, TwoRanksTrainSuperResolutionAsOneProcessDoes) {
   ScratchDir dir;
   const std::string train_sr = testing::tool_path("dalle-train-sr") + " --config " + DALLE_SOURCE_DIR +

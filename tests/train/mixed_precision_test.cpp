@@ -224,7 +224,9 @@ StepResult training_step(models::Prior& prior, const models::ResblockRunner& run
   const auto loss = models::prior_loss(prior->forward(tokens), tokens, prior->config()).total;
   loss.backward();
   StepResult result{{}, at::detail::getDefaultCPUGenerator().get_state(), loss.item<double>()};
-  for (const auto& parameter : prior->parameters()) result.gradients.push_back(parameter.grad().clone());
+  for (const auto& parameter : prior->parameters()) {
+    result.gradients.push_back(parameter.grad().defined() ? parameter.grad().clone() : torch::Tensor());
+  }
   return result;
 }
 
@@ -260,13 +262,34 @@ TEST(ActivationCheckpointing, Fp16GradientsAreIdenticalToo) {
   }
 }
 
-TEST(ActivationCheckpointing, RefusesAnInputWithoutGradient) {
+// Behind frozen layers (adapters after frozen embeddings) a block's input needs no gradient,
+// yet a checkpointed block's parameters get theirs: here block 0 is frozen too and is simply
+// run, blocks 1 and 2 train, and the gradients are those of the plain step.
+TEST(ActivationCheckpointing, BlocksBehindFrozenLayersGetTheirGradients) {
+  torch::manual_seed(0);
+  models::Prior prior(tiny_prior(/*dropout=*/0.2));
+  for (auto& item : prior->named_parameters()) {
+    item.value().requires_grad_(item.key().starts_with("resblocks.1.") || item.key().starts_with("resblocks.2."));
+  }
+  const auto plain = training_step(prior, nullptr);
+  const auto checkpointed_step =
+      training_step(prior, make_training_runner(prior->resblocks(), {.checkpoint_every = 1}));
+  EXPECT_EQ(checkpointed_step.loss, plain.loss);
+  const auto names = prior->named_parameters().keys();
+  for (size_t i = 0; i < plain.gradients.size(); ++i) {
+    const bool trains = names[i].starts_with("resblocks.1.") || names[i].starts_with("resblocks.2.");
+    ASSERT_EQ(plain.gradients[i].defined(), trains) << names[i];
+    ASSERT_EQ(checkpointed_step.gradients[i].defined(), trains) << names[i];
+    if (trains) EXPECT_TRUE(torch::equal(checkpointed_step.gradients[i], plain.gradients[i])) << names[i];
+  }
+  // checkpointed() itself: an input without gradient still trains the function's parameters.
   torch::nn::Linear linear(4, 4);
-  auto fn = [&](const torch::Tensor& x) { return linear(x); };
-  EXPECT_THAT([&] { checkpointed(fn, torch::randn({2, 4})); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("needs an input that requires grad")));
-  torch::NoGradGuard no_grad;  // nothing to recompute: the function simply runs
-  EXPECT_EQ(checkpointed(fn, torch::randn({2, 4})).sizes(), (std::vector<int64_t>{2, 4}));
+  const auto input = torch::randn({2, 4});
+  linear(input).square().sum().backward();
+  const auto expected = linear->weight.grad().clone();
+  linear->zero_grad();
+  checkpointed([&](const torch::Tensor& x) { return linear(x); }, input).square().sum().backward();
+  EXPECT_TRUE(torch::allclose(linear->weight.grad(), expected));
 }
 
 TEST(MixedPrecision, Fp16AndBf16StepsFollowFp32) {

@@ -1,7 +1,8 @@
 #pragma once
 // ZeRO-3 storage of parameter groups (DALL-E's layout: one group per resblock, sharded
 // across the GPUs of a machine). Each group is one flat fp32 vector, padded to a multiple of
-// the ranks, of which every rank keeps a 1/N shard: a leaf the optimizer steps. The group's
+// the ranks, of which every rank keeps a 1/N shard: a leaf the optimizer steps (or, for a
+// group of frozen tensors, a constant). The group's
 // own tensors stay the module's parameters, but hold values only between gather() and
 // release(); their gradients become the shard's by a reduce-scatter.
 #include <torch/types.h>
@@ -44,6 +45,9 @@ class ShardedParameters {
   const torch::Tensor& shard(size_t g) const { return shards_[g]; }
   std::vector<torch::Tensor> shards() const { return shards_; }
   bool holds(const torch::Tensor& tensor) const;
+  // Whether group g trains: a group of tensors none of which requires gradients (frozen) is
+  // gathered for forward and backward, but its shard requires none, and nothing reduces it.
+  bool trains(size_t g) const { return shards_[g].requires_grad(); }
 
   // Starts all-gathering group g, so that its gather() finds the values there (issued a
   // block ahead, the gather overlaps the computation). Call it only for a gather() that

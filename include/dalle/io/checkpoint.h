@@ -67,6 +67,7 @@ struct ShardLayout {
 // the end, as distributed::ShardedParameters cuts them). In a sharded checkpoint the slices
 // are read from the shard files that hold them, on any world size; in another, from the
 // whole tensors. A kind the checkpoint lacks (moments before the first update) has no slices.
+// The replicated part has its base's weights filled in, as load_checkpoint fills them.
 struct RankCheckpoint {
   Checkpoint replicated;  // the shard layout's own parameters absent
   TensorMap slices;       // "<kind>.<group>"

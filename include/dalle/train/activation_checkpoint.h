@@ -28,7 +28,8 @@ class ForwardState {
 
 // fn(x), whose backward reruns fn on the saved input with the random generator state and
 // autocast state of the first run, so that dropout masks and precisions repeat exactly.
-// Gradients reach x and every parameter fn uses, as without checkpointing.
+// Gradients reach x and every parameter fn uses, as without checkpointing, also when x
+// requires none (fn's parameters train behind frozen layers).
 torch::Tensor checkpointed(const std::function<torch::Tensor(const torch::Tensor&)>& fn, const torch::Tensor& x);
 
 }  // namespace dalle::train

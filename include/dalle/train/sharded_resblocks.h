@@ -1,8 +1,11 @@
 #pragma once
 // ZeRO-3 for a prior's resblocks, applied from outside the model as the training runner is
-// (train/resblock_runner.h), DALL-E's layout within a machine: each resblock's parameters
-// are two sharded groups (distributed/sharded_parameters.h), its matrices, which AdamW decays, and
-// the rest. A block is gathered before its forward, which keeps no activations, and
+// (train/resblock_runner.h), DALL-E's layout within a machine: each resblock's trained
+// parameters are two sharded groups (distributed/sharded_parameters.h), its matrices, which
+// AdamW decays, and the rest; its frozen ones (fine-tuning) a third, gathered as the others
+// but never reduced, stepped or checkpointed; and those kept whole (the small low-rank
+// adapters that train on a sharded base) stay replicated, reduced with the parameters outside
+// the blocks. A block is gathered before its forward, which keeps no activations, and
 // released after it; its backward gathers it again, reruns the forward with the random and
 // autocast state of the first run (activation checkpointing: DALL-E checkpointed every
 // resblock), backpropagates, reduce-scatters the block's gradients into its shards and
@@ -27,31 +30,44 @@ class ShardedResblocks {
  public:
   // Whether AdamW decays a parameter, by its name in the prior's state dict.
   using DecayRule = std::function<bool(const std::string& name, const torch::Tensor& parameter)>;
+  // Whether a block's trained parameter stays whole on every rank, by its name.
+  using KeepWhole = std::function<bool(const std::string& name)>;
   // Shards the blocks' current values (the same on every rank of `group`), named as in
-  // `prior`'s state dict.
+  // `prior`'s state dict; a parameter that requires no gradient is frozen.
   // `overlap`: a block's reduce-scatter runs while backward goes on (ShardedParameters).
   ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
-                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap = true);
+                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap = true,
+                   const KeepWhole& keep_whole = nullptr);
 
   const std::shared_ptr<distributed::ShardedParameters>& parameters() const { return sharded_; }
+  // The groups that train come first, two per block (2b: its matrices, 2b + 1: the rest,
+  // either possibly empty); the frozen groups follow (trained_groups() + b).
+  size_t trained_groups() const { return 2 * blocks_; }
   // The shards AdamW decays (the blocks' matrices) and those it does not.
   std::vector<torch::Tensor> decayed_shards() const;
   std::vector<torch::Tensor> undecayed_shards() const;
-  // One fp16 scale group per resblock: its two shards.
+  // One fp16 scale group per resblock: its two trained shards and its trained parameters
+  // kept whole.
   std::vector<std::vector<torch::Tensor>> scale_groups() const;
 
   // A runner that runs `inner` (x + branch, in the training precision) on gathered blocks,
   // as above. Without grad mode it gathers, runs and releases.
   models::ResblockRunner runner(models::ResblockRunner inner) const;
 
-  // Full values named by parameter, from a shard-shaped counterpart per group (the shards
-  // themselves, their moving averages, a moment), in group order; `suffix` ends the names.
-  io::TensorMap whole(const std::vector<torch::Tensor>& shard_like, const std::string& suffix = "") const;
+  // The names of group g's tensors.
   const std::vector<std::string>& names(size_t group) const { return names_[group]; }
 
+  // The frozen groups' values, whole, by name (every rank of the group calls it) ...
+  io::TensorMap frozen_weights() const;
+  // ... and this rank's shards of them from whole values by name (a checkpoint's base),
+  // each taken out of `weights` once used.
+  void restore_frozen(io::TensorMap& weights) const;
+
  private:
+  size_t blocks_ = 0;
   std::shared_ptr<distributed::ShardedParameters> sharded_;
   std::vector<std::vector<std::string>> names_;  // of each group's tensors
+  std::vector<std::vector<torch::Tensor>> kept_whole_;  // of each block
   std::unordered_map<const models::ResblockImpl*, size_t> block_index_;
 };
 

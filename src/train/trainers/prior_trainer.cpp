@@ -118,6 +118,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   // Sharded, a rank reads of a checkpoint only the replicated part and its own slices.
   void resume(const std::string& directory) override;
   void restore_shards(io::TensorMap& slices, const io::TensorMap& moments);
+  void restore_frozen_blocks(io::TensorMap& weights);
   void log_shard_reads(const std::map<int64_t, int64_t>& bytes_by_writer) const;
   void restore_warm_q(const io::TensorMap& own);
   io::ShardLayout shard_layout(bool moments, bool errors) const;
@@ -128,7 +129,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void average_shards();
   void save_checkpoint() override;
   void write_own_shards(const std::string& staging, bool moments, const std::vector<torch::Tensor>& errors) const;
-  void write_checkpoint_files(const std::string& staging, bool moments, bool errors);
+  void write_checkpoint_files(const std::string& staging, bool moments, bool errors, io::TensorMap frozen);
   // The moving average of the weights, whole, into `target`.
   void copy_average_to(models::Prior& target);
 };
@@ -268,16 +269,12 @@ void PriorTrainer::State::install_resblock_runner() {
   if (runner) model->set_resblock_runner(std::move(runner));
 }
 
-// Each rank of a machine keeps 1/N of every resblock (distributed.sharding within_node); the
-// blocks' own tensors are emptied.
+// Each rank of a machine keeps 1/N of every resblock (distributed.sharding within_node), of
+// its frozen base too; the blocks' own tensors are emptied. Adapters, small, stay whole.
 void PriorTrainer::State::cut_resblocks() {
   if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
-  if (!config.optimizer.trainable.empty() || config.adapter.enabled()) {
-    throw Error("prior training: optimizer.trainable and adapters (frozen parameters) do not yet combine with "
-                "distributed.sharding: within_node; train the unfrozen part replicated (sharding: none)");
-  }
   shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node(),
-                                              config.distributed.overlap);
+                                              config.distributed.overlap, models::is_adapter_tensor);
 }
 
 // The update state moved to the shards, before any resume, on a fresh update: no moments
@@ -287,14 +284,16 @@ void PriorTrainer::State::shard_resblocks() {
   io::TensorMap scales;
   precision->save_state(scales, "");
   const auto& sharded = *shards->parameters();
-  std::unordered_set<const torch::TensorImpl*> in_blocks;
-  for (const auto& block : model->resblocks()) {
-    for (const auto& parameter : block->parameters()) in_blocks.insert(parameter.unsafeGetTensorImpl());
+  // AdamW steps the shards and what trains whole (outside the blocks, and the adapters).
+  const auto in_shards = block_names();
+  std::unordered_set<const torch::TensorImpl*> sharded_tensors;
+  for (const auto& item : model->named_parameters()) {
+    if (in_shards.count(item.key())) sharded_tensors.insert(item.value().unsafeGetTensorImpl());
   }
   auto groups = parameter_groups(*model, config.optimizer.weight_decay, [&](const torch::Tensor& parameter) {
-    return in_blocks.count(parameter.unsafeGetTensorImpl()) == 0;
+    return parameter.requires_grad() && sharded_tensors.count(parameter.unsafeGetTensorImpl()) == 0;
   });
-  for (size_t g = 0; g < sharded.groups(); ++g) {
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
     ema->forget(shards->names(g));
     shard_averages.push_back(sharded.shard(g).detach().clone());
   }
@@ -305,6 +304,7 @@ void PriorTrainer::State::shard_resblocks() {
   const int64_t ranks = job->place().local_world_size;
   log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
             " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
+            frozen_names().empty() ? "" : " (of their frozen weights too; adapters stay whole)",
             job->place().nodes > 1 ? ", replicated on the " + std::to_string(job->place().nodes) + " machines" : "");
 }
 
@@ -349,7 +349,7 @@ io::ShardLayout PriorTrainer::State::shard_layout(bool moments, bool errors) con
     layout.kinds.insert({{"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}},
                          {"exp_avg_sq", {.prefix = "adamw.", .suffix = ".exp_avg_sq"}}});
   }
-  for (size_t g = 0; g < sharded.groups(); ++g) {
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
     const auto shapes = sharded.shapes(g);
     std::vector<io::ShardLayout::Parameter> parameters;
     for (size_t i = 0; i < shapes.size(); ++i) parameters.push_back({shards->names(g)[i], shapes[i]});
@@ -370,6 +370,8 @@ void PriorTrainer::State::resume(const std::string& directory) {
                                            job->place().local_world_size);
   log_shard_reads(read.shard_bytes_read);
   auto& checkpoint = read.replicated;
+  base_checkpoint = io::base_of(checkpoint);
+  restore_frozen_blocks(checkpoint.weights);
   io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors", block_names());
   checkpoint.weights.clear();
   ema->load(io::with_prefix_removed(checkpoint.state, "ema."));
@@ -393,9 +395,8 @@ void PriorTrainer::State::restore_warm_q(const io::TensorMap& own) {
       !job->across_nodes()) {
     return;
   }
-  const auto& sharded = *shards->parameters();
   bool restored = false;
-  for (size_t g = 0; g < sharded.groups(); ++g) {
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
     std::vector<torch::Tensor> qs;
     for (size_t k = 0;; ++k) {
       const auto found = own.find(kShardQ + std::to_string(g) + "." + std::to_string(k));
@@ -436,7 +437,7 @@ void PriorTrainer::State::restore_shards(io::TensorMap& slices, const io::Tensor
     slices.erase(found);
     return slice;
   };
-  for (size_t g = 0; g < sharded.groups(); ++g) {
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
     const auto weights = take("weights", g), average = take("ema", g);
     if (!weights.defined() || !average.defined()) {
       throw Error("the checkpoint lacks resblock group " + std::to_string(g) + "'s weights or moving average");
@@ -455,6 +456,20 @@ void PriorTrainer::State::restore_shards(io::TensorMap& slices, const io::Tensor
   }
 }
 
+// The frozen blocks' shards from the checkpoint's weights (its base's, filled in), and the
+// validation model's copy of them (place_model shares them with a model not sharded yet).
+void PriorTrainer::State::restore_frozen_blocks(io::TensorMap& weights) {
+  torch::NoGradGuard no_grad;
+  auto validation = ema_model->named_parameters();
+  for (size_t g = shards->trained_groups(); g < shards->parameters()->groups(); ++g) {
+    for (const auto& name : shards->names(g)) {
+      const auto found = weights.find(name);
+      if (found != weights.end()) validation[name].copy_(found->second);
+    }
+  }
+  shards->restore_frozen(weights);
+}
+
 void PriorTrainer::State::average_shards() {
   torch::NoGradGuard no_grad;
   const double weight = 1.0 - config.optimizer.ema_decay;
@@ -469,7 +484,7 @@ void PriorTrainer::State::copy_average_to(models::Prior& target) {
   torch::NoGradGuard no_grad;
   auto named = io::state_dict(*target);
   for (const auto& [name, average] : ema->weights()) named.at(name).copy_(average);
-  for (size_t g = 0; g < shards->parameters()->groups(); ++g) {
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
     const auto whole = shards->parameters()->unshard(g, shard_averages[g]);
     for (size_t i = 0; i < whole.size(); ++i) named.at(shards->names(g)[i]).copy_(whole[i]);
   }
@@ -481,16 +496,21 @@ void PriorTrainer::State::save_checkpoint() {
   // rest (the replicated parameters, the state) and the shards' layout, into a staging folder
   // that rank 0 renames into place once every rank has written. load_checkpoint reads it whole,
   // so any number of ranks, sharded or not, resumes from it and dalle-export reads it.
+  // Frozen blocks' weights are gathered (by every rank) only where no base holds them, or to
+  // write the base's copy.
+  io::TensorMap frozen;
+  if (base_checkpoint.empty() || write_base_copy_) frozen = shards->frozen_weights();
+  if (write_base_copy_) write_base_copy(frozen);
   if (writes_files) checkpoints.stage(step);
   job->barrier();
   const auto staging = checkpoints.staging_for(step);
   const bool moments = optimizer->state().count(shards->parameters()->shard(0).unsafeGetTensorImpl()) > 0;
   // PowerSGD's error feedback, as its mean over the machines: every rank takes part.
   std::vector<torch::Tensor> errors;
-  for (size_t g = 0; g < shards->parameters()->groups(); ++g) errors.push_back(sharded_reducer->shard_error(g));
+  for (size_t g = 0; g < shards->trained_groups(); ++g) errors.push_back(sharded_reducer->shard_error(g));
   const bool has_errors = !errors.empty() && errors.front().defined();
   if (job->place().node_rank == 0) write_own_shards(staging, moments, errors);
-  if (writes_files) write_checkpoint_files(staging, moments, has_errors);
+  if (writes_files) write_checkpoint_files(staging, moments, has_errors, std::move(frozen));
   job->barrier();
   if (writes_files) log::info(what, ": checkpoint ", checkpoints.publish(step));
 }
@@ -499,7 +519,7 @@ void PriorTrainer::State::write_own_shards(const std::string& staging, bool mome
                                            const std::vector<torch::Tensor>& errors) const {
   const auto& sharded = *shards->parameters();
   io::TensorMap mine;
-  for (size_t g = 0; g < sharded.groups(); ++g) {
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
     std::string index = ".";  // built up: GCC 12 misreads "." + std::to_string(g) at -O3
     index += std::to_string(g);
     mine.emplace("weights" + index, sharded.shard(g).detach().cpu());
@@ -520,15 +540,21 @@ void PriorTrainer::State::write_own_shards(const std::string& staging, bool mome
   io::write_checkpoint_shard(staging, job->place().local_rank, job->place().local_world_size, mine);
 }
 
-void PriorTrainer::State::write_checkpoint_files(const std::string& staging, bool moments, bool errors) {
+// `frozen`: the frozen blocks' weights, written whole where the run has no base.
+void PriorTrainer::State::write_checkpoint_files(const std::string& staging, bool moments, bool errors,
+                                                 io::TensorMap frozen) {
   const auto& sharded = *shards->parameters();
   const auto layout = shard_layout(moments, errors);
   auto weights = io::state_dict(*model);
+  for (const auto& name : block_names()) weights.erase(name);
+  if (base_checkpoint.empty()) {
+    weights.merge(frozen);
+  } else {
+    for (const auto& name : frozen_names()) weights.erase(name);
+  }
   auto replicated_moments = adamw_state(*optimizer, *model);
-  for (size_t g = 0; g < sharded.groups(); ++g) {
+  for (size_t g = 0; moments && g < shards->trained_groups(); ++g) {
     for (const auto& name : shards->names(g)) {
-      weights.erase(name);
-      if (!moments) continue;
       const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
           *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
       replicated_moments.emplace(name + ".step", torch::tensor(adam.step(), torch::kInt64));
@@ -538,6 +564,7 @@ void PriorTrainer::State::write_checkpoint_files(const std::string& staging, boo
                                     replicated_moments, step, loader_position());
   precision->save_state(checkpoint.state, "gradient_scaler.");
   sharded_reducer->save_state(checkpoint.state, "reducer.");
+  if (!base_checkpoint.empty()) io::refer_to_base(checkpoint, base_checkpoint);
   save_extra(checkpoint);
   io::write_checkpoint_files(staging, std::move(checkpoint), layout);
 }
