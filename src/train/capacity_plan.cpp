@@ -41,23 +41,35 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 std::string with_thousands(int64_t value);
 
-// One resblock as ShardedResblocks groups it: its matrices (which AdamW decays: no
-// embeddings live in a block), then the rest, each in the block's parameter order.
+// One resblock as ShardedResblocks groups it, once the recipe's adapters are added and
+// optimizer.trainable applied: its trained matrices (which AdamW decays: no embeddings live in
+// a block), its other trained tensors, its frozen ones, each in the block's parameter order,
+// and its adapters, which stay whole.
 struct BlockShape {
   bool attention = false;
-  std::vector<Shape> groups[2];
+  std::vector<Shape> groups[3];
+  std::vector<Shape> adapters;
   int64_t matrix_weights = 0;  // of its matrix multiplies
 
-  int64_t values(int g) const {
+  static int64_t values_of(const std::vector<Shape>& shapes) {
     int64_t sum = 0;
-    for (const auto& shape : groups[g]) sum += numel(shape);
+    for (const auto& shape : shapes) sum += numel(shape);
     return sum;
   }
-  int64_t values() const { return values(0) + values(1); }
-  int64_t shard_values(int64_t ranks) const { return ceil_div(values(0), ranks) + ceil_div(values(1), ranks); }
-  std::vector<Shape> shapes() const {
+  // The base's values: what the block has without adapters.
+  int64_t values() const { return values_of(groups[0]) + values_of(groups[1]) + values_of(groups[2]); }
+  int64_t trained_values() const { return values_of(groups[0]) + values_of(groups[1]) + adapter_values(); }
+  int64_t adapter_values() const { return values_of(adapters); }
+  // A rank's shards of the block: every group, or the trained ones, padded to the ranks.
+  int64_t shard_values(int64_t ranks) const { return trained_shard_values(ranks) + ceil_div(values_of(groups[2]), ranks); }
+  int64_t trained_shard_values(int64_t ranks) const {
+    return ceil_div(values_of(groups[0]), ranks) + ceil_div(values_of(groups[1]), ranks);
+  }
+  // What trains, as shapes: the trained groups' tensors and the adapters.
+  std::vector<Shape> trained_shapes() const {
     auto all = groups[0];
     all.insert(all.end(), groups[1].begin(), groups[1].end());
+    all.insert(all.end(), adapters.begin(), adapters.end());
     return all;
   }
 };
@@ -65,42 +77,23 @@ struct BlockShape {
 // The parameters' shapes of one layer's two resblocks and of everything outside them.
 struct ModelShape {
   std::vector<BlockShape> layer;  // attention, then MLP
-  std::vector<Shape> outside;
-  int64_t outside_matrix_weights = 0;
+  std::vector<Shape> outside, outside_trained;  // the base's; what trains, adapters included
+  int64_t outside_matrix_weights = 0, outside_adapters = 0;
+  bool frozen = false;  // optimizer.trainable or adapters leave part of the model frozen
 };
 
 // Built with one layer: every layer's blocks have the same parameters, whatever their mask.
-// The values of one layer (its two resblocks) and of the rest that train, and the adapters'
-// values in one layer, once the recipe's adapters are added and optimizer.trainable applied.
-struct TrainedShape {
-  int64_t layer = 0, outside = 0, layer_adapters = 0;
-  bool frozen = false;
-};
-
-TrainedShape measure_trained(const PriorTrainConfig& recipe) {
+ModelShape measure(const PriorTrainConfig& recipe) {
   auto config = recipe.model;
   config.layers = 1;
   config.attention.clear();
   torch::NoGradGuard no_grad;
   models::Prior prior(config);
+  const int64_t base_matrix_weights = models::matrix_weights(*prior);
   models::add_adapters(*prior, recipe.adapter);
   freeze_all_but(*prior, trainable_patterns(recipe.optimizer.trainable, recipe.adapter), "plan");
-  TrainedShape shape;
-  for (const auto& item : prior->named_parameters()) {
-    const auto values = item.value().numel();
-    const bool in_layer = item.key().rfind("resblocks.", 0) == 0;
-    if (models::is_adapter_tensor(item.key())) shape.layer_adapters += values;
-    if (!item.value().requires_grad()) shape.frozen = true;
-    if (item.value().requires_grad()) (in_layer ? shape.layer : shape.outside) += values;
-  }
-  return shape;
-}
-
-ModelShape measure(models::PriorConfig config) {
-  config.layers = 1;
-  config.attention.clear();
-  torch::NoGradGuard no_grad;
-  models::Prior prior(config);
+  std::unordered_map<const torch::TensorImpl*, std::string> name_of;
+  for (const auto& item : prior->named_parameters()) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
   ModelShape shape;
   std::unordered_set<const torch::TensorImpl*> in_blocks;
   int64_t block_matrix_weights = 0;
@@ -112,14 +105,28 @@ ModelShape measure(models::PriorConfig config) {
     block_matrix_weights += measured.matrix_weights;
     for (const auto& parameter : block->parameters()) {
       in_blocks.insert(parameter.unsafeGetTensorImpl());
-      measured.groups[parameter.dim() == 2 ? 0 : 1].push_back(parameter.sizes().vec());
+      auto sizes = parameter.sizes().vec();
+      if (!parameter.requires_grad()) {
+        measured.groups[2].push_back(std::move(sizes));
+      } else if (models::is_adapter_tensor(name_of.at(parameter.unsafeGetTensorImpl()))) {
+        measured.adapters.push_back(std::move(sizes));
+      } else {
+        measured.groups[parameter.dim() == 2 ? 0 : 1].push_back(std::move(sizes));
+      }
     }
     shape.layer.push_back(std::move(measured));
   }
   for (const auto& parameter : prior->parameters()) {
-    if (!in_blocks.count(parameter.unsafeGetTensorImpl())) shape.outside.push_back(parameter.sizes().vec());
+    shape.frozen = shape.frozen || !parameter.requires_grad();
+    if (in_blocks.count(parameter.unsafeGetTensorImpl())) continue;
+    if (models::is_adapter_tensor(name_of.at(parameter.unsafeGetTensorImpl()))) {
+      shape.outside_adapters += parameter.numel();
+    } else {
+      shape.outside.push_back(parameter.sizes().vec());
+    }
+    if (parameter.requires_grad()) shape.outside_trained.push_back(parameter.sizes().vec());
   }
-  shape.outside_matrix_weights = models::matrix_weights(*prior) - block_matrix_weights;
+  shape.outside_matrix_weights = base_matrix_weights - block_matrix_weights;
   return shape;
 }
 
@@ -163,19 +170,19 @@ LowRankCost flat_low_rank(const ModelShape& shape, int64_t layers, const distrib
   };
   LowRankCost total;
   for (const auto& block : shape.layer) {
-    for (const auto& parameter : block.shapes()) total += cost_of(parameter).times(static_cast<double>(layers));
+    for (const auto& parameter : block.trained_shapes()) total += cost_of(parameter).times(static_cast<double>(layers));
   }
-  for (const auto& parameter : shape.outside) total += cost_of(parameter);
+  for (const auto& parameter : shape.outside_trained) total += cost_of(parameter);
   return total;
 }
 
-// DALL-E's hierarchy (ShardedReducer): local rank `rank`'s shard of every group, its whole
-// rows of matrices compressed, the rest of the shard (cut rows, vectors, padding) whole.
+// DALL-E's hierarchy (ShardedReducer): local rank `rank`'s shard of every trained group, its
+// whole rows of matrices compressed, the rest of the shard (cut rows, vectors, padding) whole.
 LowRankCost shard_low_rank(const ModelShape& shape, int64_t layers, int64_t rank, int64_t ranks,
                            const distributed::PowerSgdOptions& options) {
   LowRankCost per_layer;
   for (const auto& block : shape.layer) {
-    for (const auto& group : block.groups) {
+    for (const auto& group : {block.groups[0], block.groups[1]}) {
       int64_t values = 0;
       for (const auto& tensor : group) values += numel(tensor);
       double left = static_cast<double>(ceil_div(values, ranks));
@@ -217,7 +224,7 @@ double wire_seconds(const TrafficPart& part, const ClusterShape& cluster) {
 class Planner {
  public:
   Planner(const PriorTrainConfig& recipe, const ClusterShape& cluster)
-      : recipe_(recipe), cluster_(cluster), shape_(measure(recipe.model)), trained_(measure_trained(recipe)) {
+      : recipe_(recipe), cluster_(cluster), shape_(measure(recipe)) {
     plan_.cluster = cluster;
     plan_.model = recipe.model;
     plan_.precision = recipe.precision.mode;
@@ -260,28 +267,31 @@ class Planner {
 
   void count_parameters() {
     auto& counts = plan_.parameters;
-    int64_t layer_values = 0, layer_shards = 0, layer_matrix_weights = 0;
+    int64_t layer_values = 0, layer_shards = 0, layer_trained_shards = 0, layer_trained = 0, layer_adapters = 0,
+            layer_matrix_weights = 0;
     for (const auto& block : shape_.layer) {
       layer_values += block.values();
       layer_shards += block.shard_values(gpus_);
+      layer_trained_shards += block.trained_shard_values(gpus_);
+      layer_trained += block.trained_values();
+      layer_adapters += block.adapter_values();
       layer_matrix_weights += block.matrix_weights;
-      largest_block_ = std::max(largest_block_, block.values());
+      largest_block_ = std::max(largest_block_, block.values() + block.adapter_values());
       largest_block_padded_ = std::max(largest_block_padded_, gpus_ * block.shard_values(gpus_));
     }
     for (const auto& parameter : shape_.outside) counts.outside_resblocks += numel(parameter);
+    for (const auto& parameter : shape_.outside_trained) outside_trained_ += numel(parameter);
     counts.in_resblocks = layers_ * layer_values;
-    counts.total = counts.in_resblocks + counts.outside_resblocks;
     counts.matrix_weights = layers_ * layer_matrix_weights + shape_.outside_matrix_weights;
+    counts.adapters = layers_ * layer_adapters + shape_.outside_adapters;
+    counts.total = counts.in_resblocks + counts.outside_resblocks + counts.adapters;
+    counts.trained = shape_.frozen ? layers_ * layer_trained + outside_trained_ : counts.total;
     shard_values_ = layers_ * layer_shards;
-    counts.per_rank = plan_.sharded ? shard_values_ + counts.outside_resblocks : counts.total;
-    counts.adapters = layers_ * trained_.layer_adapters;
-    counts.total += counts.adapters;
-    counts.per_rank += counts.adapters;
-    counts.trained = trained_.frozen ? layers_ * trained_.layer + trained_.outside : counts.total;
-    if (trained_.frozen && (plan_.sharded || powersgd_)) {
-      throw Error("plan: frozen parameters (optimizer.trainable, adapter) are not planned with sharding or PowerSGD; "
-                  "plan the fine-tuning with distributed.sharding none and gradient_reduction allreduce");
-    }
+    trained_shard_values_ = layers_ * layer_trained_shards;
+    // Sharded, a rank holds its shards of the blocks, the rest whole, and the adapters whole.
+    replicated_trained_ = layers_ * layer_adapters + outside_trained_;
+    counts.per_rank = plan_.sharded ? shard_values_ + counts.outside_resblocks + counts.adapters : counts.total;
+    trained_per_rank_ = plan_.sharded ? trained_shard_values_ + replicated_trained_ : counts.trained;
   }
 
   void add_memory(std::string name, MemoryPhase phase, double bytes, std::string rule) {
@@ -294,20 +304,24 @@ class Planner {
     const std::string what = plan_.sharded ? "1/" + std::to_string(gpus_) +
                                                  " of every resblock (padded) and the rest whole"
                                            : "the whole model";
-    add_memory("weights", MemoryPhase::kept, kFp32 * held,
-               "fp32, " + what + (trained_.frozen ? ", frozen and trained" : ""));
-    const bool frozen = trained_.frozen;
-    const double trained = frozen ? static_cast<double>(plan_.parameters.trained) : held;
-    const std::string trains = frozen ? "what trains (" + with_thousands(plan_.parameters.trained) + " values)" : what;
+    const bool frozen = shape_.frozen;
+    add_memory("weights", MemoryPhase::kept, kFp32 * held, "fp32, " + what + (frozen ? ", frozen and trained" : ""));
+    const double trained = static_cast<double>(trained_per_rank_);
+    const std::string trains =
+        frozen ? "what trains (" + with_thousands(plan_.parameters.trained) + " values" +
+                     (plan_.sharded ? ", the blocks' part sharded, adapters whole)" : ")")
+               : what;
     add_memory("gradients", MemoryPhase::kept, kFp32 * trained, "fp32, " + trains);
     const double moment = recipe_.precision.adam_moments == "bf16" ? 2 : 4;
     add_memory("AdamW moments", MemoryPhase::kept, 2 * moment * trained,
                "two, " + recipe_.precision.adam_moments + ", " + trains);
     add_memory("moving average", MemoryPhase::kept, kFp32 * trained, "fp32, " + trains);
+    // Frozen weights are shared with the model, but a sharded model's blocks are not whole.
+    const bool shares_frozen = frozen && !plan_.sharded;
     add_memory("validation model", MemoryPhase::kept,
-               kFp32 * (frozen ? trained : static_cast<double>(plan_.parameters.total)),
-               frozen ? "fp32, what trains: the frozen weights are the model's own"
-                      : "fp32, whole on every rank: the moving average copied in for validation and sample grids");
+               kFp32 * static_cast<double>(shares_frozen ? plan_.parameters.trained : plan_.parameters.total),
+               shares_frozen ? "fp32, what trains: the frozen weights are the model's own"
+                             : "fp32, whole on every rank: the moving average copied in for validation and sample grids");
     if (recipe_.precision.precision() == Precision::fp16) {
       add_memory("fp16 gradient scales", MemoryPhase::kept, 16.0 * static_cast<double>(resblocks_),
                  "a scale and its last backoff per resblock (host memory, counted anyway)");
@@ -382,7 +396,7 @@ class Planner {
         low_rank_ += cost.times(1.0 / static_cast<double>(gpus_));
         if (cost.pq_values + cost.compressed_values > largest.pq_values + largest.compressed_values) largest = cost;
       }
-      error_values = static_cast<double>(shard_values_);  // a buffer per shard, whole
+      error_values = static_cast<double>(trained_shard_values_);  // a buffer per trained shard, whole
     } else {
       low_rank_ = largest = flat_low_rank(shape_, layers_, options);
       error_values = largest.compressed_values;
@@ -422,7 +436,8 @@ class Planner {
     }
     // Before sharding, each rank holds the whole model and its validation copy (the blocks are
     // cut before the moving average is made).
-    plan_.startup_bytes = 2 * kFp32 * static_cast<double>(plan_.parameters.total);
+    plan_.startup_bytes = kFp32 * static_cast<double>(plan_.parameters.total + (shape_.frozen ? plan_.parameters.trained
+                                                                                            : plan_.parameters.total));
     plan_.fits_at_startup = !plan_.sharded || plan_.startup_bytes <= plan_.capacity_bytes;
   }
 
@@ -458,19 +473,22 @@ class Planner {
   }
 
   void sharded_traffic() {
-    double padded = 0;
-    for (const auto& block : shape_.layer) padded += static_cast<double>(gpus_ * block.shard_values(gpus_));
-    const double blocks = kFp32 * static_cast<double>(layers_) * padded;
+    const double blocks = kFp32 * static_cast<double>(gpus_ * shard_values_);
+    const double trained_blocks = kFp32 * static_cast<double>(gpus_ * trained_shard_values_);
     const auto within = CollectiveScope::within, across = CollectiveScope::across;
     const char* moved = "ShardedParameters::bytes_moved";
     add_traffic("resblocks gathered for forward", "all-gather", within, gpus_, blocks, moved, true);
     add_traffic("resblocks gathered again for backward", "all-gather", within, gpus_, blocks, moved, true);
-    add_traffic("resblock gradients reduce-scattered", "reduce-scatter", within, gpus_, blocks, moved, overlap_);
-    const int64_t outside = plan_.parameters.outside_resblocks;
-    if (cluster_.nodes == 1) {
-      add_traffic("replicated gradients (embeddings, output layer)", "all-reduce", within, gpus_,
-                  kFp32 * static_cast<double>(outside), "ShardedReducer::bytes_reduced (DataParallelReducer)",
+    if (trained_blocks > 0) {
+      add_traffic("resblock gradients reduce-scattered", "reduce-scatter", within, gpus_, trained_blocks, moved,
                   overlap_);
+    }
+    const int64_t outside = replicated_trained_;
+    if (cluster_.nodes == 1) {
+      add_traffic(shape_.frozen ? "replicated gradients (adapters, the rest)"
+                                : "replicated gradients (embeddings, output layer)",
+                  "all-reduce", within, gpus_, kFp32 * static_cast<double>(outside),
+                  "ShardedReducer::bytes_reduced (DataParallelReducer)", overlap_);
       return;
     }
     const double part = kFp32 * static_cast<double>(ceil_div(outside, gpus_));
@@ -481,7 +499,7 @@ class Planner {
     add_traffic("replicated gradients' part across machines", "all-reduce", across, machines, part,
                 "ShardedReducer::bytes_across_nodes");
     add_traffic("replicated gradients all-gathered in the machine", "all-gather", within, gpus_, part_whole, "");
-    const double shards = kFp32 * static_cast<double>(shard_values_);
+    const double shards = kFp32 * static_cast<double>(trained_shard_values_);
     plan_.bytes_across_uncompressed = part + shards;
     if (!powersgd_) {
       add_traffic("resblock shards across machines", "all-reduce", across, machines, shards,
@@ -538,10 +556,13 @@ class Planner {
   const PriorTrainConfig& recipe_;
   ClusterShape cluster_;
   ModelShape shape_;
-  TrainedShape trained_;
   CapacityPlan plan_;
   int64_t layers_ = 0, resblocks_ = 0, gpus_ = 1;
   int64_t shard_values_ = 0;  // of every resblock group on one rank, padding included
+  int64_t trained_shard_values_ = 0;  // of the trained groups only
+  int64_t outside_trained_ = 0;       // values that train outside the blocks, adapters included
+  int64_t replicated_trained_ = 0;    // values that train whole on every rank (outside, and adapters)
+  int64_t trained_per_rank_ = 0;      // the gradients, moments and average a rank keeps
   int64_t largest_block_ = 0, largest_block_padded_ = 0;
   bool powersgd_ = false;
   bool overlap_ = true;  // distributed.overlap: buckets and reduce-scatters start during backward

@@ -6,8 +6,10 @@
 
 #include "dalle/distributed/data_parallel.h"
 #include "dalle/distributed/sharded_parameters.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/prior_flops.h"
 #include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/trainable.h"
 #include "distributed/on_ranks.h"
 #include "test_support.h"
 
@@ -228,9 +230,62 @@ TEST(CapacityPlan, AdaptersAtTheXlLayoutHoldStateOnlyForWhatTrains) {
   EXPECT_TRUE(plan.fits) << capacity_plan_table(plan);
   EXPECT_FALSE(full.fits) << "full training at batch 8 needs more than 16 GiB";
 
+  // Sharded on 8 GPUs: each holds 1/8 of the frozen base, the adapters and their state whole.
   auto sharded = recipe;
   sharded.distributed.sharding = "within_node";
-  EXPECT_THROW_WITH(plan_capacity(sharded, {.gpus_per_node = 8}), Error, "not planned with sharding or PowerSGD");
+  const auto eight = plan_capacity(sharded, {.gpus_per_node = 8, .gpu_memory_gib = 16});
+  EXPECT_LT(eight.parameters.per_rank, plan.parameters.total / 4);
+  EXPECT_DOUBLE_EQ(part_named(eight, "gradients").bytes, 4.0 * static_cast<double>(adapters));
+}
+
+// Two ranks fine-tune the tiny prior sharded, with adapters on every linear layer and the
+// blocks' norms training too (in shards): the shards, their gradients and what the
+// collectives move are what the plan counts.
+TEST(CapacityPlan, ShardedFineTuningIsWhatTheShardsAndTheReducerCount) {
+  auto recipe = recipe_of(tiny_model(), 4);
+  recipe.distributed.sharding = "within_node";
+  recipe.adapter = {.rank = 2, .alpha = 4};
+  recipe.optimizer.trainable = {"resblocks.*norm*"};
+  const auto plan = plan_capacity(recipe, {.nodes = 1, .gpus_per_node = 2});
+  EXPECT_LT(plan.parameters.trained, plan.parameters.total / 4);
+  testing::on_ranks(2, [&](const LaunchEnvironment& place) {
+    auto group = testing::group_at(place);
+    models::Prior prior(recipe.model);
+    models::add_adapters(*prior, recipe.adapter);
+    freeze_all_but(*prior, trainable_patterns(recipe.optimizer.trainable, recipe.adapter), "test");
+    std::unordered_set<const torch::TensorImpl*> in_blocks;
+    for (const auto& block : prior->resblocks()) {
+      for (const auto& parameter : block->parameters()) in_blocks.insert(parameter.unsafeGetTensorImpl());
+    }
+    int64_t held = 0, trained = 0;
+    std::vector<torch::Tensor> learned;
+    for (const auto& item : prior->named_parameters()) {
+      const bool whole = !in_blocks.count(item.value().unsafeGetTensorImpl()) || models::is_adapter_tensor(item.key());
+      if (whole) held += item.value().numel();
+      if (whole && item.value().requires_grad()) learned.push_back(item.value());
+    }
+    ShardedResblocks shards(*prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, group,
+                            true, models::is_adapter_tensor);
+    for (size_t g = 0; g < shards.parameters()->groups(); ++g) {
+      held += shards.parameters()->shard(g).numel();
+      if (shards.parameters()->trains(g)) learned.push_back(shards.parameters()->shard(g));
+    }
+    for (const auto& tensor : learned) trained += tensor.numel();
+    EXPECT_EQ(held, plan.parameters.per_rank);
+    EXPECT_DOUBLE_EQ(4.0 * static_cast<double>(trained), part_named(plan, "gradients").bytes);
+    prior->set_resblock_runner(shards.runner(
+        [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
+          return x + block.branch(x, context);
+        }));
+    distributed::ShardedReducer reducer(shards.parameters(), group, group, nullptr, 25 << 20);
+    const auto tokens = torch::randint(0, 12, {2, recipe.model.length()});
+    models::prior_loss(prior->forward(tokens), tokens, recipe.model).total.backward();
+    reducer.reduce_scaled(learned);
+    EXPECT_DOUBLE_EQ(static_cast<double>(shards.parameters()->bytes_moved()),
+                     payload_counted_by(plan, "ShardedParameters::bytes_moved"));
+    EXPECT_DOUBLE_EQ(static_cast<double>(reducer.bytes_reduced()),
+                     payload_counted_by(plan, "ShardedReducer::bytes_reduced (DataParallelReducer)"));
+  });
 }
 
 TEST(CapacityPlan, JsonHoldsThePlan) {
