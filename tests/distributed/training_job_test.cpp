@@ -563,6 +563,36 @@ TEST_F(TrainingJob, ShardedPowerSgdAcrossMachinesTrainsAsDataParallelAtFullRankA
   EXPECT_LT(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10)), 1e-5);
 }
 
+// Fine-tuning in DALL-E's hierarchy: the MLP matrices train (in shards, compressed across the
+// machines), attention stays frozen (sharded, never reduced). The frozen weights stay as they
+// were, and a run stopped at update 5 and resumed takes the updates of an uninterrupted one.
+TEST_F(TrainingJob, ShardedPowerSgdFineTuningLeavesTheFrozenBlocksAndResumesExactly) {
+  ScratchDir dir;
+  auto base = run_command(train_prior(dir / "base", "--set run.steps=5"));
+  ASSERT_EQ(base.status, 0) << base.output;
+  const std::string tune = "--set init_from=" + (dir / "base") +
+                           " --set 'optimizer.trainable=[\"*embedding*\",\"resblocks.*.fc_*\",\"to_logits.*\"]'"
+                           " --set distributed.sharding=within_node --set distributed.gradient_reduction=powersgd"
+                           " --set distributed.powersgd.start_update=1 --set distributed.powersgd.rank=2"
+                           " --set distributed.powersgd.min_compression_rate=0 --set learning_rate.decay=plateau";
+  auto whole = run_command(on_two_machines_of_two(train_prior(dir / "whole", tune)));
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  for (const char* steps : {"5", "10"}) {
+    auto leg = run_command(on_two_machines_of_two(train_prior(dir / "resumed", tune + " --set run.steps=" + steps)));
+    ASSERT_EQ(leg.status, 0) << leg.output;
+  }
+  const auto tuned = weights_at(dir / "whole", 10);
+  EXPECT_LT(largest_difference(tuned, weights_at(dir / "resumed", 10)), 1e-5);
+  const auto started_from = io::inference_weights(io::load_checkpoint(dir / "base/checkpoints/step-000000005"));
+  for (const char* name : {"resblocks.0.qkv.weight", "resblocks.2.out.weight"}) {
+    EXPECT_TRUE(torch::equal(tuned.at(name), started_from.at(name))) << name << " is frozen";
+  }
+  EXPECT_FALSE(torch::equal(tuned.at("resblocks.1.fc_in.weight"), started_from.at("resblocks.1.fc_in.weight")));
+  const auto state = io::load_checkpoint(dir / "resumed/checkpoints/step-000000005").state;
+  EXPECT_TRUE(state.count("reducer.error.resblocks.1.fc_in.weight")) << "the trained shards' error feedback";
+  EXPECT_FALSE(state.count("reducer.error.resblocks.0.qkv.weight")) << "none for the frozen";
+}
+
 // Warm-started Q under sharding: each rank keeps its blocks' Q in its shard file, so that a
 // resume on as many ranks per machine continues the same power iterations (a resume that left
 // Q out would restart them from the seeded Gaussian and end elsewhere).
