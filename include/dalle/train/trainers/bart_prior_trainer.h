@@ -30,7 +30,7 @@ struct BartPriorTrainConfig {
   PriorDataConfig data;
   CosineSchedule learning_rate{1e-5, 1e-6, 10'000};
   OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.999, .epsilon = 1e-8, .weight_decay = 0.0, .grad_clip = 1.0,
-                            .ema_decay = 0.999};
+                            .ema_decay = 0.999, .trainable = {}};
   RunConfig run{.steps = 10'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
   DistributedConfig distributed;

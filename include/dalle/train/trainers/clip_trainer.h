@@ -45,7 +45,8 @@ struct ClipTrainConfig {
   CosineSchedule learning_rate{5e-4, 0.0, 10'000};
   // CLIP's AdamW for ViTs: betas 0.9, 0.98, epsilon 1e-6, weight decay 0.2 on the matrices
   // and embeddings only (gains, biases, the class embedding and logit_scale have none).
-  OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.98, .epsilon = 1e-6, .weight_decay = 0.2, .ema_decay = 0.0};
+  OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.98, .epsilon = 1e-6, .weight_decay = 0.2, .ema_decay = 0.0,
+                            .trainable = {}};
   RunConfig run{.steps = 10'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
   DistributedConfig distributed;

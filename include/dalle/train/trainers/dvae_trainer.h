@@ -29,7 +29,8 @@ struct DvaeTrainConfig {
   CosineSchedule kl_weight{0.0, 6.6, 5'000};
   bool straight_through = false;
   // DALL-E's AdamW: weight decay 1e-4; its EMA decay 0.999.
-  OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.999, .epsilon = 1e-8, .weight_decay = 1e-4, .ema_decay = 0.999};
+  OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.999, .epsilon = 1e-8, .weight_decay = 1e-4, .ema_decay = 0.999,
+                            .trainable = {}};
   RunConfig run{.steps = 1'200'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
   DistributedConfig distributed;

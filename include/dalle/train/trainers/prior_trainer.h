@@ -63,7 +63,8 @@ struct PriorTrainConfig {
   // DALL-E's AdamW: betas 0.9, 0.96, weight decay 4.5e-2 on the weight matrices only
   // (gains, biases and embeddings have none), the global norm clipped at 4.
   OptimizerConfig optimizer{
-      .beta1 = 0.9, .beta2 = 0.96, .epsilon = 1e-8, .weight_decay = 4.5e-2, .grad_clip = 4.0, .ema_decay = 0.99};
+      .beta1 = 0.9, .beta2 = 0.96, .epsilon = 1e-8, .weight_decay = 4.5e-2, .grad_clip = 4.0, .ema_decay = 0.99,
+      .trainable = {}};
   RunConfig run{.steps = 430'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
   DistributedConfig distributed;

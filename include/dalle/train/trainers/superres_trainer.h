@@ -28,7 +28,8 @@ struct SuperResTrainConfig {
   data::DegradationConfig degradation;
   CosineSchedule learning_rate{2e-4, 2e-6, 1'000'000};
   // Real-ESRNet's Adam: betas 0.9, 0.99, no weight decay; its EMA decay 0.999.
-  OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.99, .epsilon = 1e-8, .weight_decay = 0.0, .ema_decay = 0.999};
+  OptimizerConfig optimizer{.beta1 = 0.9, .beta2 = 0.99, .epsilon = 1e-8, .weight_decay = 0.0, .ema_decay = 0.999,
+                            .trainable = {}};
   RunConfig run{.steps = 1'000'000, .log_every = 100, .validate_every = 5000, .checkpoint_every = 5000};
   PrecisionConfig precision;
   DistributedConfig distributed;

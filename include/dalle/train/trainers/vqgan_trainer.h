@@ -58,7 +58,8 @@ struct VqganTrainConfig {
   int64_t restart_every = 200;
   DiscriminatorConfig discriminator;
   // taming's Adam: betas 0.5, 0.9, no weight decay; the discriminator's too.
-  OptimizerConfig optimizer{.beta1 = 0.5, .beta2 = 0.9, .epsilon = 1e-8, .weight_decay = 0.0, .ema_decay = 0.999};
+  OptimizerConfig optimizer{.beta1 = 0.5, .beta2 = 0.9, .epsilon = 1e-8, .weight_decay = 0.0, .ema_decay = 0.999,
+                            .trainable = {}};
   RunConfig run{.steps = 500'000, .log_every = 100, .validate_every = 1000, .checkpoint_every = 1000};
   PrecisionConfig precision;
   DistributedConfig distributed;
