@@ -315,8 +315,9 @@ TEST_F(TrainingJob, ShardedAndDataParallelRanksResumeEachOthersCheckpointsOnOthe
 // every rank. Adapters on a trained prior train as data parallelism trains them, leave the
 // base as it was, resume exactly, and their checkpoints hold the adapters alone; Emojich's
 // recipe (attention and MLP matrices frozen, the blocks' norms and biases trained in shards)
-// in fp16 follows data parallelism's losses. Plateau decay: the learning rate does not depend
-// on run.steps.
+// in fp16 follows data parallelism's losses; a fresh model with part frozen (no base) resumes
+// sharded as data parallelism trains it. Plateau decay: the learning rate does not depend on
+// run.steps.
 TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains) {
   ScratchDir dir;
   auto base = run_command(train_prior(dir / "base", "--set run.steps=5"));
@@ -374,6 +375,20 @@ TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains
         << "update " << step;
   }
   EXPECT_LT(largest_difference(weights_at(dir / "emojich", 10), weights_at(dir / "emojich-sharded", 10)), 1e-3);
+
+  // Without a base (a fresh model with part frozen) the frozen blocks are gathered into every
+  // checkpoint whole, and a sharded resume takes its frozen shards from there.
+  const std::string fresh = " --nproc-per-node 2 --set 'optimizer.trainable=[\"*embedding*\",\"resblocks.*.fc_*\"]'"
+                            " --set learning_rate.decay=plateau --set run.checkpoint_every=3";
+  auto replicated = run_command(train_prior(dir / "fresh", fresh + " --set run.steps=6"));
+  ASSERT_EQ(replicated.status, 0) << replicated.output;
+  for (const char* steps : {"3", "6"}) {
+    auto leg = run_command(train_prior(dir / "fresh-sharded", fresh + sharded + " --set run.steps=" + steps));
+    ASSERT_EQ(leg.status, 0) << leg.output;
+  }
+  EXPECT_TRUE(io::read_safetensors(dir / "fresh-sharded/checkpoints/step-000000006/model.safetensors")
+                  .tensors.count("resblocks.0.qkv.weight"));
+  EXPECT_LT(largest_difference(weights_at(dir / "fresh", 6), weights_at(dir / "fresh-sharded", 6)), 1e-5);
 }
 
 TEST_F(TrainingJob, TwoRanksTrainSuperResolutionAsOneProcessDoes) {
