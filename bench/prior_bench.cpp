@@ -16,6 +16,7 @@
 //             FLOPs utilisation (training-xl-slice --layers=24 is the whole 1.3B layout);
 //             --finetune=emojich freezes the attention and MLP matrices (ruDALL-E Emojich's
 //             recipe), --finetune=adapters --adapter-rank=R trains rank-R adapters on them alone;
+//             --frozen-weights=bf16|fp16 keeps the frozen resblock matrices in 16 bits;
 //   data-parallel: the same steps on N processes of this machine, with the bytes each rank
 //             hands to all-reduce.
 // Ratios are taken within one run, on one machine.
@@ -357,6 +358,7 @@ struct TrainingOptions {
   int64_t checkpoint_every = 0;
   std::string finetune = "full";  // full, emojich (matrices frozen) or adapters (on the matrices, the rest frozen)
   int64_t adapter_rank = 8;
+  std::string frozen_weights = "fp32";  // storage of the frozen resblock matrices: fp32, bf16 or fp16
   torch::Device device = torch::kCPU;
   double peak_tflops = 989;  // the GPU's dense 16-bit peak (H100 and H200 SXM): the MFU's denominator
 };
@@ -376,6 +378,13 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
     train::freeze_all_but(*prior, {"*embedding*", "resblocks.*norm.*", "final_norm.*", "to_logits.*"}, "bench");
   } else if (options.finetune != "full") {
     throw Error("--finetune: full, emojich or adapters");
+  }
+  if (options.frozen_weights != "fp32") {
+    if (options.precision == "fp32") {
+      throw Error("--frozen-weights " + options.frozen_weights + " needs --precision bf16 or fp16");
+    }
+    train::store_frozen_matrices(*prior, "resblocks.",
+                                 options.frozen_weights == "bf16" ? torch::kBFloat16 : torch::kFloat16);
   }
   prior->to(options.device);
   const bool on_gpu = options.device.is_cuda();
@@ -417,6 +426,7 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
                          {"checkpoint_every", options.checkpoint_every},
                          {"finetune", options.finetune == "adapters" ? "adapters rank " + std::to_string(options.adapter_rank)
                                                                       : options.finetune},
+                         {"frozen_weights", options.frozen_weights},
                          {"trained_parameters", trained},
                          {"skipped_updates", skipped},
                          {"step_s", seconds},
@@ -695,6 +705,7 @@ int main(int argc, char** argv) {
                                 .checkpoint_every = std::stoll(option(argc, argv, "checkpoint-every", "0")),
                                 .finetune = option(argc, argv, "finetune", "full"),
                                 .adapter_rank = std::stoll(option(argc, argv, "adapter-rank", "8")),
+                                .frozen_weights = option(argc, argv, "frozen-weights", "fp32"),
                                 .device = resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"),
                                 .peak_tflops = std::stod(option(argc, argv, "peak-tflops", "989"))};
   const bool cuda_graphs = option(argc, argv, "cuda-graphs", "on") != "off";

@@ -97,8 +97,9 @@ torch::Tensor AttentionResblockImpl::attend_cached(const torch::Tensor& queries,
   auto& cache_values = context.cache->values[cache_slot_];
   const auto& mask = context.cache->masks[cache_slot_];
   if (context.position.defined()) {
-    cache_keys.index_copy_(2, context.position, keys);
-    cache_values.index_copy_(2, context.position, values);
+    // In the cache's own type (autocast makes the new keys 16-bit in a model kept in fp32).
+    cache_keys.index_copy_(2, context.position, keys.to(cache_keys.scalar_type()));
+    cache_values.index_copy_(2, context.position, values.to(cache_values.scalar_type()));
     const auto visible = mask.index_select(0, context.position).narrow(1, 0, context.keys);
     return at::scaled_dot_product_attention(queries, cache_keys.narrow(2, 0, context.keys),
                                             cache_values.narrow(2, 0, context.keys), visible);

@@ -60,6 +60,11 @@ struct BlockShape {
   int64_t values() const { return values_of(groups[0]) + values_of(groups[1]) + values_of(groups[2]); }
   int64_t trained_values() const { return values_of(groups[0]) + values_of(groups[1]) + adapter_values(); }
   int64_t adapter_values() const { return values_of(adapters); }
+  int64_t frozen_matrix_values() const {
+    int64_t sum = 0;
+    for (const auto& shape : groups[2]) sum += shape.size() >= 2 ? numel(shape) : 0;
+    return sum;
+  }
   // A rank's shards of the block: every group, or the trained ones, padded to the ranks.
   int64_t shard_values(int64_t ranks) const { return trained_shard_values(ranks) + ceil_div(values_of(groups[2]), ranks); }
   int64_t trained_shard_values(int64_t ranks) const {
@@ -305,7 +310,19 @@ class Planner {
                                                  " of every resblock (padded) and the rest whole"
                                            : "the whole model";
     const bool frozen = shape_.frozen;
-    add_memory("weights", MemoryPhase::kept, kFp32 * held, "fp32, " + what + (frozen ? ", frozen and trained" : ""));
+    // frozen_weights: the frozen block matrices in 16 bits, in the model and in the validation
+    // model that shares them (a sharded run's shards stay fp32).
+    double sixteen_bit = 0;
+    if (recipe_.frozen_weights != "fp32" && recipe_.precision.precision() == Precision::fp32) {
+      throw Error("plan: frozen_weights " + recipe_.frozen_weights + " needs precision.mode bf16 or fp16");
+    }
+    if (recipe_.frozen_weights != "fp32") {
+      for (const auto& block : shape_.layer) sixteen_bit += static_cast<double>(layers_ * block.frozen_matrix_values());
+    }
+    const double saved = plan_.sharded ? 0 : 2 * sixteen_bit;
+    add_memory("weights", MemoryPhase::kept, kFp32 * held - saved,
+               saved > 0 ? "fp32, the whole model, its frozen resblock matrices in " + recipe_.frozen_weights
+                         : "fp32, " + what + (frozen ? ", frozen and trained" : ""));
     const double trained = static_cast<double>(trained_per_rank_);
     const std::string trains =
         frozen ? "what trains (" + with_thousands(plan_.parameters.trained) + " values" +
@@ -319,9 +336,12 @@ class Planner {
     // Frozen weights are shared with the model, but a sharded model's blocks are not whole.
     const bool shares_frozen = frozen && !plan_.sharded;
     add_memory("validation model", MemoryPhase::kept,
-               kFp32 * static_cast<double>(shares_frozen ? plan_.parameters.trained : plan_.parameters.total),
+               shares_frozen ? kFp32 * static_cast<double>(plan_.parameters.trained)
+                             : kFp32 * static_cast<double>(plan_.parameters.total) - 2 * sixteen_bit,
                shares_frozen ? "fp32, what trains: the frozen weights are the model's own"
-                             : "fp32, whole on every rank: the moving average copied in for validation and sample grids");
+                             : std::string("fp32, whole on every rank: the moving average copied in for validation and "
+                                           "sample grids") +
+                                   (sixteen_bit > 0 ? "; its frozen resblock matrices in " + recipe_.frozen_weights : ""));
     if (recipe_.precision.precision() == Precision::fp16) {
       add_memory("fp16 gradient scales", MemoryPhase::kept, 16.0 * static_cast<double>(resblocks_),
                  "a scale and its last backoff per resblock (host memory, counted anyway)");

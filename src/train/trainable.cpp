@@ -37,6 +37,19 @@ std::vector<std::string> trainable_patterns(std::vector<std::string> trainable, 
   return trainable;
 }
 
+std::vector<std::string> store_frozen_matrices(torch::nn::Module& model, const std::string& prefix,
+                                               torch::ScalarType storage) {
+  torch::NoGradGuard no_grad;
+  std::vector<std::string> stored;
+  for (auto& item : model.named_parameters()) {
+    // Matrices only: a norm reads its fp32 input with its own gains' type, autocast or not.
+    if (item.value().requires_grad() || item.value().dim() < 2 || !item.key().starts_with(prefix)) continue;
+    item.value().set_data(item.value().to(storage));
+    stored.push_back(item.key());
+  }
+  return stored;
+}
+
 std::vector<torch::Tensor> trained_only(const std::vector<torch::Tensor>& parameters) {
   std::vector<torch::Tensor> trained;
   for (const auto& parameter : parameters) {

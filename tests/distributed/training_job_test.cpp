@@ -360,6 +360,14 @@ TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains
   }
   EXPECT_TRUE(std::filesystem::exists(dir / "again-sharded/base/model.safetensors"));
   EXPECT_LT(largest_difference(weights_at(dir / "again", 5), weights_at(dir / "again-sharded", 5)), 1e-5);
+  // The frozen matrices kept in bf16 (frozen_weights) are gathered as such.
+  const std::string halved = adapters + " --set precision.mode=bf16 --set frozen_weights=bf16 --set run.steps=5";
+  for (const auto& [run, arguments] : {std::pair{std::string("bf16"), halved}, {"bf16-sharded", halved + sharded}}) {
+    auto trained = run_command(train_prior(dir / run, arguments));
+    ASSERT_EQ(trained.status, 0) << trained.output;
+  }
+  EXPECT_NEAR(metrics_at(dir / "bf16-sharded", 5)["loss"].get<double>(), metrics_at(dir / "bf16", 5)["loss"].get<double>(),
+              1e-3);
 
   const std::string emojich = " --nproc-per-node 2 --set init_from=" + (dir / "base") +
                               " --set 'optimizer.trainable=[\"*embedding*\",\"resblocks.*norm*\",\"to_logits.*\"]'"

@@ -208,8 +208,9 @@ TEST(CapacityPlan, TwelveBillionOnV100sNamesWhatDoesNotFit) {
 }
 
 // The shipped adapter recipe at ruDALL-E XL's layout (bf16, every resblock checkpointed) on
-// one 16 GiB GPU: the frozen 1.3B weights are held once, in fp32; gradients, moments, the
-// average and the validation copy only for the adapters' values, which are counted exactly.
+// one 16 GiB GPU: the frozen 1.3B weights are held once (their resblock matrices in fp16, the
+// rest fp32); gradients, moments, the average and the validation copy only for the adapters'
+// values, which are counted exactly.
 TEST(CapacityPlan, AdaptersAtTheXlLayoutHoldStateOnlyForWhatTrains) {
   auto source = ConfigSource::from_file(std::string(DALLE_SOURCE_DIR) + "/configs/prior/rudalle-xl-adapters.yaml");
   const auto recipe = load_config<PriorTrainConfig>(source);
@@ -223,7 +224,14 @@ TEST(CapacityPlan, AdaptersAtTheXlLayoutHoldStateOnlyForWhatTrains) {
                                       std::string(DALLE_SOURCE_DIR) + "/configs/prior/rudalle-xl.yaml")),
                                   one_gpu);
   EXPECT_EQ(plan.parameters.total, full.parameters.total + adapters);
-  EXPECT_DOUBLE_EQ(part_named(plan, "weights").bytes, 4.0 * static_cast<double>(plan.parameters.total));
+  // The recipe keeps the frozen resblock matrices (every matrix of the 48 blocks) in fp16.
+  const double matrices = 24 * (2048.0 * 6144 + 2048.0 * 2048 + 2048.0 * 8192 + 8192.0 * 2048);
+  EXPECT_DOUBLE_EQ(part_named(plan, "weights").bytes, 4.0 * static_cast<double>(plan.parameters.total) - 2 * matrices);
+  auto fp32_base = recipe;
+  fp32_base.frozen_weights = "fp32";
+  const auto whole_base = plan_capacity(fp32_base, one_gpu);
+  EXPECT_DOUBLE_EQ(part_named(whole_base, "weights").bytes, 4.0 * static_cast<double>(plan.parameters.total));
+  EXPECT_GT(whole_base.peak_bytes - plan.peak_bytes, 2.2 * (1 << 30));
   EXPECT_DOUBLE_EQ(part_named(plan, "gradients").bytes, 4.0 * static_cast<double>(adapters));
   EXPECT_DOUBLE_EQ(part_named(plan, "AdamW moments").bytes, 8.0 * static_cast<double>(adapters));
   EXPECT_DOUBLE_EQ(part_named(plan, "validation model").bytes, 4.0 * static_cast<double>(adapters));

@@ -362,6 +362,52 @@ TEST_F(PriorTrainerTest, AdaptersTrainInFp16AndBf16NearFp32) {
   EXPECT_NEAR(final_loss("bf16"), fp32, 0.03 * fp32);
 }
 
+// frozen_weights: the base's resblock matrices kept in 16 bits (vectors, the embeddings and
+// the output layer stay fp32) train adapters as the fp32 base does, to the 16-bit rounding of the frozen weights;
+// validation and the run's resume work on them; an fp32 run refuses them.
+TEST_F(PriorTrainerTest, FrozenWeightsIn16BitsTrainAdaptersAsTheFp32BaseDoes) {
+  ScratchDir runs;
+  auto base_config = tiny(3);
+  base_config.run.checkpoint_every = 3;
+  PriorTrainer(base_config, runs / "base").run();
+  auto config = tiny(12);
+  config.init_from = runs / "base";
+  config.adapter = {.rank = 4, .alpha = 8};
+  config.learning_rate.peak = 1e-2;
+  for (const char* mode : {"bf16", "fp16"}) {
+    config.precision.mode = mode;
+    auto stored = config;
+    stored.frozen_weights = mode;
+    PriorTrainer whole(config, runs / (std::string(mode) + "-fp32-base"));
+    whole.run();
+    PriorTrainer halved(stored, runs / (std::string(mode) + "-16-bit-base"));
+    const double before = halved.validate().loss;
+    halved.run();
+    for (const auto& item : halved.model()->named_parameters()) {
+      const bool in_16_bits = item.key().starts_with("resblocks.") && !models::is_adapter_tensor(item.key()) &&
+                              item.value().dim() == 2;
+      EXPECT_EQ(item.value().scalar_type(), in_16_bits ? (std::string(mode) == "bf16" ? torch::kBFloat16 : torch::kFloat16)
+                                                       : torch::kFloat32)
+          << mode << ": " << item.key();
+    }
+    const double after = halved.validate().loss;
+    EXPECT_LT(after, before) << mode;
+    EXPECT_NEAR(after, whole.validate().loss, 0.02 * after) << mode;
+  }
+  auto resumed = tiny(8);
+  resumed.init_from = config.init_from;
+  resumed.adapter = config.adapter;
+  resumed.precision.mode = "bf16";
+  resumed.frozen_weights = "bf16";
+  testing::expect_exact_resume<PriorTrainer>(resumed);
+
+  auto fp32 = config;
+  fp32.precision.mode = "fp32";
+  fp32.frozen_weights = "fp16";
+  EXPECT_THAT([&] { PriorTrainer(fp32, runs / "refused"); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("frozen_weights fp16 needs precision.mode bf16 or fp16")));
+}
+
 TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {
   PriorLearningRate rate{.peak = 1.0, .warmup_steps = 10, .decay = "cosine", .end = 0.1};
   EXPECT_DOUBLE_EQ(rate.at(0, 110, 0), 0.1);

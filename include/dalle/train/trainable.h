@@ -20,6 +20,12 @@ int64_t freeze_all_but(torch::nn::Module& model, const std::vector<std::string>&
 // `adapter` adds adapters (empty, with no adapters: everything trains).
 std::vector<std::string> trainable_patterns(std::vector<std::string> trainable, const models::AdapterConfig& adapter);
 
+// Keeps the frozen matrices (two or more dimensions) of `model` whose names start with
+// `prefix` in `storage` (16 bits: their consumers must run under autocast, which casts them
+// anyway); returns their names.
+std::vector<std::string> store_frozen_matrices(torch::nn::Module& model, const std::string& prefix,
+                                               torch::ScalarType storage);
+
 // The tensors of `parameters` that require gradients, in order.
 std::vector<torch::Tensor> trained_only(const std::vector<torch::Tensor>& parameters);
 

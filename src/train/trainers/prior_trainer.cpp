@@ -27,6 +27,7 @@
 #include "dalle/train/gradient_scaler.h"
 #include "dalle/models/trained.h"
 #include "dalle/train/optimizer_state.h"
+#include "dalle/train/precision.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
 #include "dalle/train/sharded_resblocks.h"
@@ -74,6 +75,11 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
           "recompute the activations of resblocks 0, k, 2k, ... in backward instead of keeping them "
           "(1: every resblock; 0: none)",
           {.min = 0});
+  v.field("frozen_weights", frozen_weights,
+          "storage of the resblocks' frozen weight matrices (optimizer.trainable, adapters) in bf16 and fp16 runs, "
+          "which autocast casts anyway: fp16 or bf16 halves the frozen base (fp16 keeps ruDALL-E's released weights "
+          "exactly); fp32 (the default) keeps them as loaded",
+          {.choices = {"fp32", "bf16", "fp16"}});
   v.field("tokenizer", tokenizer, "caption tokenizer model that made the dataset's text tokens (for sample grids)");
   v.field("image_tokenizer", image_tokenizer, "dVAE or VQGAN run that made the image tokens (for sample grids)");
   v.field("sample_captions", sample_captions, "captions drawn at each validation (needs tokenizer and image_tokenizer)");
@@ -97,6 +103,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   torch::Tensor batch_tokens(const std::vector<data::TokenExample>& examples, bool drop_captions);
   PriorStepMetrics train_step(const torch::Tensor& tokens);
   void install_resblock_runner();
+  void store_frozen_blocks();
   void log_step() const;
   void update_plateau(double validation_loss);
 
@@ -225,6 +232,7 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   const bool starts_from_init = !s.config.init_from.empty() && !s.checkpoints.latest();
   if (starts_from_init) initialise_from(*s.model, s.config);
   s.place_model();
+  s.store_frozen_blocks();
   if (starts_from_init) s.refer_to_base(s.config.init_from);
   // Sharded, the blocks are cut before the update state is built, so that no rank ever holds
   // a whole average of them.
@@ -267,6 +275,32 @@ void PriorTrainer::State::install_resblock_runner() {
     runner = shards->runner(std::move(runner));
   }
   if (runner) model->set_resblock_runner(std::move(runner));
+}
+
+// frozen_weights: the resblocks' frozen matrices in 16 bits, shared with the validation model,
+// whose blocks then run under autocast as the training runner's do.
+void PriorTrainer::State::store_frozen_blocks() {
+  if (config.frozen_weights == "fp32") return;
+  const auto autocast = config.precision.autocast_dtype();
+  if (!autocast) {
+    throw Error("prior training: frozen_weights " + config.frozen_weights +
+                " needs precision.mode bf16 or fp16 (an fp32 run computes without autocast)");
+  }
+  const auto stored = store_frozen_matrices(*model, "resblocks.",
+                                            config.frozen_weights == "bf16" ? torch::kBFloat16 : torch::kFloat16);
+  auto parameters = model->named_parameters(), validation = ema_model->named_parameters();
+  int64_t values = 0;
+  for (const auto& name : stored) {
+    validation[name].set_data(parameters[name]);
+    values += parameters[name].numel();
+  }
+  ema_model->set_resblock_runner([autocast](models::ResblockImpl& block, const torch::Tensor& x,
+                                            const models::ResblockContext& context) {
+    AutocastGuard guard(x.device().type(), autocast);
+    return x + block.branch(x, context).to(x.scalar_type());
+  });
+  log::info(what, ": the resblocks' ", values, " frozen matrix values are kept in ", config.frozen_weights,
+            "; validation runs their blocks in ", config.precision.mode);
 }
 
 // Each rank of a machine keeps 1/N of every resblock (distributed.sharding within_node), of
