@@ -239,7 +239,11 @@ torch::Tensor PriorImpl::through_resblocks(torch::Tensor x, const ResblockContex
 }
 
 torch::Tensor PriorImpl::forward(const torch::Tensor& tokens) {
-  return run(tokens, {.start = 0, .cache = nullptr, .path = parse_attention_path(config_.attention_path)});
+  return run(tokens, {.start = 0,
+                      .cache = nullptr,
+                      .path = parse_attention_path(config_.attention_path),
+                      .position = {},
+                      .keys = 0});
 }
 
 namespace {
@@ -255,7 +259,8 @@ void check_cache(const KvCache& cache, int64_t batch, const PriorConfig& config)
 
 torch::Tensor PriorImpl::forward_cached(const torch::Tensor& tokens, KvCache& cache) {
   check_cache(cache, tokens.size(0), config_);
-  auto logits = run(tokens, {.start = cache.length, .cache = &cache, .path = AttentionPath::dense});
+  auto logits =
+      run(tokens, {.start = cache.length, .cache = &cache, .path = AttentionPath::dense, .position = {}, .keys = 0});
   cache.length += tokens.size(1);
   return logits;
 }

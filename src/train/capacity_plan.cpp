@@ -66,7 +66,9 @@ struct BlockShape {
     return sum;
   }
   // A rank's shards of the block: every group, or the trained ones, padded to the ranks.
-  int64_t shard_values(int64_t ranks) const { return trained_shard_values(ranks) + ceil_div(values_of(groups[2]), ranks); }
+  int64_t shard_values(int64_t ranks) const {
+    return trained_shard_values(ranks) + ceil_div(values_of(groups[2]), ranks);
+  }
   int64_t trained_shard_values(int64_t ranks) const {
     return ceil_div(values_of(groups[0]), ranks) + ceil_div(values_of(groups[1]), ranks);
   }
@@ -341,7 +343,8 @@ class Planner {
                shares_frozen ? "fp32, what trains: the frozen weights are the model's own"
                              : std::string("fp32, whole on every rank: the moving average copied in for validation and "
                                            "sample grids") +
-                                   (sixteen_bit > 0 ? "; its frozen resblock matrices in " + recipe_.frozen_weights : ""));
+                                   (sixteen_bit > 0 ? "; its frozen resblock matrices in " + recipe_.frozen_weights
+                                                    : ""));
     if (recipe_.precision.precision() == Precision::fp16) {
       add_memory("fp16 gradient scales", MemoryPhase::kept, 16.0 * static_cast<double>(resblocks_),
                  "a scale and its last backoff per resblock (host memory, counted anyway)");

@@ -59,7 +59,8 @@ models::ResblockRunner make_training_runner(const Resblocks& resblocks, Resblock
   for (size_t i = 0; i < resblocks.size(); ++i) {
     index.emplace(resblocks[i].get(), i);
     const auto parameters = resblocks[i]->parameters();
-    trains.push_back(std::any_of(parameters.begin(), parameters.end(), [](const auto& p) { return p.requires_grad(); }));
+    trains.push_back(
+        std::any_of(parameters.begin(), parameters.end(), [](const auto& p) { return p.requires_grad(); }));
   }
   std::optional<torch::ScalarType> autocast;
   if (training.precision == Precision::bf16) autocast = torch::kBFloat16;

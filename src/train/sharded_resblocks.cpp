@@ -120,7 +120,8 @@ std::vector<std::vector<torch::Tensor>> ShardedResblocks::scale_groups() const {
 models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner) const {
   std::vector<bool> trains;
   for (size_t b = 0; b < blocks_; ++b) {
-    trains.push_back(!kept_whole_[b].empty() || sharded_->shard(2 * b).numel() + sharded_->shard(2 * b + 1).numel() > 0);
+    const int64_t in_shards = sharded_->shard(2 * b).numel() + sharded_->shard(2 * b + 1).numel();
+    trains.push_back(!kept_whole_[b].empty() || in_shards > 0);
   }
   return [inner = std::move(inner), sharded = sharded_, index = block_index_, trains = std::move(trains)](
              models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {

@@ -366,8 +366,8 @@ TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains
     auto trained = run_command(train_prior(dir / run, arguments));
     ASSERT_EQ(trained.status, 0) << trained.output;
   }
-  EXPECT_NEAR(metrics_at(dir / "bf16-sharded", 5)["loss"].get<double>(), metrics_at(dir / "bf16", 5)["loss"].get<double>(),
-              1e-3);
+  EXPECT_NEAR(metrics_at(dir / "bf16-sharded", 5)["loss"].get<double>(),
+              metrics_at(dir / "bf16", 5)["loss"].get<double>(), 1e-3);
 
   const std::string emojich = " --nproc-per-node 2 --set init_from=" + (dir / "base") +
                               " --set 'optimizer.trainable=[\"*embedding*\",\"resblocks.*norm*\",\"to_logits.*\"]'"

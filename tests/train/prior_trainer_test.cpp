@@ -386,9 +386,8 @@ TEST_F(PriorTrainerTest, FrozenWeightsIn16BitsTrainAdaptersAsTheFp32BaseDoes) {
     for (const auto& item : halved.model()->named_parameters()) {
       const bool in_16_bits = item.key().starts_with("resblocks.") && !models::is_adapter_tensor(item.key()) &&
                               item.value().dim() == 2;
-      EXPECT_EQ(item.value().scalar_type(), in_16_bits ? (std::string(mode) == "bf16" ? torch::kBFloat16 : torch::kFloat16)
-                                                       : torch::kFloat32)
-          << mode << ": " << item.key();
+      const auto sixteen = std::string(mode) == "bf16" ? torch::kBFloat16 : torch::kFloat16;
+      EXPECT_EQ(item.value().scalar_type(), in_16_bits ? sixteen : torch::kFloat32) << mode << ": " << item.key();
     }
     const double after = halved.validate().loss;
     EXPECT_LT(after, before) << mode;
@@ -405,7 +404,8 @@ TEST_F(PriorTrainerTest, FrozenWeightsIn16BitsTrainAdaptersAsTheFp32BaseDoes) {
   fp32.precision.mode = "fp32";
   fp32.frozen_weights = "fp16";
   EXPECT_THAT([&] { PriorTrainer(fp32, runs / "refused"); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("frozen_weights fp16 needs precision.mode bf16 or fp16")));
+              ::testing::ThrowsMessage<Error>(
+                  ::testing::HasSubstr("frozen_weights fp16 needs precision.mode bf16 or fp16")));
 }
 
 TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {
