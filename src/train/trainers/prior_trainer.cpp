@@ -288,6 +288,10 @@ void PriorTrainer::State::store_frozen_blocks() {
   }
   const auto stored = store_frozen_matrices(*model, "resblocks.",
                                             config.frozen_weights == "bf16" ? torch::kBFloat16 : torch::kFloat16);
+  if (stored.empty()) {
+    log::warn(what, ": frozen_weights ", config.frozen_weights, " changes nothing: no resblock matrix is frozen");
+    return;
+  }
   auto parameters = model->named_parameters(), validation = ema_model->named_parameters();
   int64_t values = 0;
   for (const auto& name : stored) {
