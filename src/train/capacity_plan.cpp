@@ -99,8 +99,6 @@ ModelShape measure(const PriorTrainConfig& recipe) {
   const int64_t base_matrix_weights = models::matrix_weights(*prior);
   models::add_adapters(*prior, recipe.adapter);
   freeze_all_but(*prior, trainable_patterns(recipe.optimizer.trainable, recipe.adapter), "plan");
-  std::unordered_map<const torch::TensorImpl*, std::string> name_of;
-  for (const auto& item : prior->named_parameters()) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
   ModelShape shape;
   std::unordered_set<const torch::TensorImpl*> in_blocks;
   int64_t block_matrix_weights = 0;
@@ -110,12 +108,13 @@ ModelShape measure(const PriorTrainConfig& recipe) {
     measured.attention = b % 2 == 0;
     measured.matrix_weights = models::matrix_weights(*block);
     block_matrix_weights += measured.matrix_weights;
-    for (const auto& parameter : block->parameters()) {
+    for (const auto& item : block->named_parameters()) {
+      const auto& parameter = item.value();
       in_blocks.insert(parameter.unsafeGetTensorImpl());
       auto sizes = parameter.sizes().vec();
       if (!parameter.requires_grad()) {
         measured.groups[2].push_back(std::move(sizes));
-      } else if (models::is_adapter_tensor(name_of.at(parameter.unsafeGetTensorImpl()))) {
+      } else if (models::is_adapter_tensor(item.key())) {
         measured.adapters.push_back(std::move(sizes));
       } else {
         measured.groups[parameter.dim() == 2 ? 0 : 1].push_back(std::move(sizes));
@@ -123,10 +122,11 @@ ModelShape measure(const PriorTrainConfig& recipe) {
     }
     shape.layer.push_back(std::move(measured));
   }
-  for (const auto& parameter : prior->parameters()) {
+  for (const auto& item : prior->named_parameters()) {
+    const auto& parameter = item.value();
     shape.frozen = shape.frozen || !parameter.requires_grad();
     if (in_blocks.count(parameter.unsafeGetTensorImpl())) continue;
-    if (models::is_adapter_tensor(name_of.at(parameter.unsafeGetTensorImpl()))) {
+    if (models::is_adapter_tensor(item.key())) {
       shape.outside_adapters += parameter.numel();
     } else {
       shape.outside.push_back(parameter.sizes().vec());

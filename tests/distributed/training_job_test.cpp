@@ -64,6 +64,12 @@ class TrainingJob : public ::testing::Test {
            arguments;
   }
 
+  // The suite's prior trained 5 updates into `run`: the base the fine-tuning tests start from.
+  static void train_base(const std::string& run) {
+    auto base = run_command(train_prior(run, "--set run.steps=5"));
+    ASSERT_EQ(base.status, 0) << base.output;
+  }
+
   static ScratchDir* data_;
 };
 
@@ -320,8 +326,7 @@ TEST_F(TrainingJob, ShardedAndDataParallelRanksResumeEachOthersCheckpointsOnOthe
 // run.steps.
 TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains) {
   ScratchDir dir;
-  auto base = run_command(train_prior(dir / "base", "--set run.steps=5"));
-  ASSERT_EQ(base.status, 0) << base.output;
+  ASSERT_NO_FATAL_FAILURE(train_base(dir / "base"));
   const std::string adapters = " --nproc-per-node 2 --set init_from=" + (dir / "base") +
                                " --set adapter.rank=2 --set adapter.alpha=4 --set learning_rate.peak=1.0e-2"
                                " --set learning_rate.decay=plateau";
@@ -591,8 +596,7 @@ TEST_F(TrainingJob, ShardedPowerSgdAcrossMachinesTrainsAsDataParallelAtFullRankA
 // were, and a run stopped at update 5 and resumed takes the updates of an uninterrupted one.
 TEST_F(TrainingJob, ShardedPowerSgdFineTuningLeavesTheFrozenBlocksAndResumesExactly) {
   ScratchDir dir;
-  auto base = run_command(train_prior(dir / "base", "--set run.steps=5"));
-  ASSERT_EQ(base.status, 0) << base.output;
+  ASSERT_NO_FATAL_FAILURE(train_base(dir / "base"));
   const std::string tune = "--set init_from=" + (dir / "base") +
                            " --set 'optimizer.trainable=[\"*embedding*\",\"resblocks.*.fc_*\",\"to_logits.*\"]'"
                            " --set distributed.sharding=within_node --set distributed.gradient_reduction=powersgd"

@@ -50,6 +50,12 @@ class PriorTrainerTest : public testing::TrainerSuite {
   static torch::Tensor tokens_for_test() {
     return torch::cat({torch::tensor({5, 3, 0, 0, 0, 0}), (torch::arange(16) + 5) % 16}).view({1, 22});
   }
+  // A tiny prior trained 3 updates into `run`, the base the fine-tuning tests start from.
+  static void trained_base(const std::string& run) {
+    auto config = tiny(3);
+    config.run.checkpoint_every = 3;
+    PriorTrainer(config, run).run();
+  }
   static PriorTrainConfig tiny(int64_t steps) {
     PriorTrainConfig config;
     config.model = {.text_length = 6, .text_vocab_size = 24, .grid_size = 4, .image_vocab_size = 16, .layers = 2,
@@ -251,9 +257,7 @@ TEST_F(PriorTrainerTest, FrozenParametersStayAsTheyWereAndHaveNoMoments) {
 // the base, are one model.
 TEST_F(PriorTrainerTest, AdaptersTrainAloneAndExportMergedOrAlone) {
   ScratchDir runs;
-  auto base_config = tiny(3);
-  base_config.run.checkpoint_every = 3;
-  PriorTrainer(base_config, runs / "base").run();
+  trained_base(runs / "base");
   auto config = tiny(6);
   config.run.checkpoint_every = 6;
   config.init_from = runs / "base";
@@ -332,9 +336,7 @@ TEST_F(PriorTrainerTest, AdaptersTrainAloneAndExportMergedOrAlone) {
 // untouched in each.
 TEST_F(PriorTrainerTest, AdaptersTrainInFp16AndBf16NearFp32) {
   ScratchDir runs;
-  auto base_config = tiny(3);
-  base_config.run.checkpoint_every = 3;
-  PriorTrainer(base_config, runs / "base").run();
+  trained_base(runs / "base");
   const auto base = io::inference_weights(io::load_checkpoint(runs / "base/checkpoints/step-000000003"));
   auto final_loss = [&](const std::string& mode) {
     auto config = tiny(16);
@@ -363,13 +365,11 @@ TEST_F(PriorTrainerTest, AdaptersTrainInFp16AndBf16NearFp32) {
 }
 
 // frozen_weights: the base's resblock matrices kept in 16 bits (vectors, the embeddings and
-// the output layer stay fp32) train adapters as the fp32 base does, to the 16-bit rounding of the frozen weights;
-// validation and the run's resume work on them; an fp32 run refuses them.
+// the output layer stay fp32) train adapters as the fp32 base does, to the 16-bit rounding of
+// the frozen weights; validation and the run's resume work on them; an fp32 run refuses them.
 TEST_F(PriorTrainerTest, FrozenWeightsIn16BitsTrainAdaptersAsTheFp32BaseDoes) {
   ScratchDir runs;
-  auto base_config = tiny(3);
-  base_config.run.checkpoint_every = 3;
-  PriorTrainer(base_config, runs / "base").run();
+  trained_base(runs / "base");
   auto config = tiny(12);
   config.init_from = runs / "base";
   config.adapter = {.rank = 4, .alpha = 8};
