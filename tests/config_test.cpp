@@ -149,6 +149,25 @@ TEST(Config, ADuplicateKeyIsRefusedWithBothLines) {
                     "key 'layers' is given twice (lines 1 and 2)");
 }
 
+// Nested aliases ("billion laughs"): each level names the one before ten times, 10^9 values
+// in all. The document is checked once per node and refused at once, as are aliases that
+// repeat a section a few times (kept) and an alias inside the section it names (a cycle).
+TEST(Config, NestedAliasesAreRefusedAtOnceAndAFewAreRead) {
+  std::string bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n";
+  for (char level = 'b'; level <= 'j'; ++level) {
+    const std::string before(1, static_cast<char>(level - 1));
+    bomb += std::string(1, level) + ": &" + std::string(1, level) + " [";
+    for (int i = 0; i < 10; ++i) bomb += (i ? ", *" : "*") + before;
+    bomb += "]\n";
+  }
+  EXPECT_THROW_WITH(parse(bomb), ConfigError, "test.yaml: its aliases expand to over 1000000 values");
+  const auto twice = parse("attention: &mask column\ncaptions: [*mask, *mask]\n");
+  EXPECT_EQ(twice.captions, (std::vector<std::string>{"column", "column"}));
+  EXPECT_THROW_WITH(parse("captions: &c [p, *c]\n"), ConfigError, "test.yaml:1:", "a cycle");
+  EXPECT_THROW_WITH(parse("optimizer: {decays: [0.5], decays: &d [0.25]}\nlayers: *d\n"), ConfigError,
+                    "key 'optimizer.decays' is given twice");
+}
+
 TEST(Config, MissingFileIsReported) {
   EXPECT_THROW_WITH(ConfigSource::from_file("/nonexistent/config.yaml"), ConfigError,
                     "/nonexistent/config.yaml", "cannot read");

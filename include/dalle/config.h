@@ -57,6 +57,8 @@ class ConfigVisitor {
   }
 };
 
+struct ConfigDocument;  // the parsed YAML, private to the config's implementation
+
 // A parsed YAML document plus the `--set key.path=value` overrides applied to it.
 class ConfigSource {
  public:
@@ -76,12 +78,10 @@ class ConfigSource {
 
   const std::string& name() const;
 
-  struct Impl;
-  const Impl& impl() const { return *impl_; }
-
  private:
-  explicit ConfigSource(std::shared_ptr<Impl> impl);
-  std::shared_ptr<Impl> impl_;
+  explicit ConfigSource(std::shared_ptr<ConfigDocument> document);
+  friend const ConfigDocument& document_of(const ConfigSource& source);
+  std::shared_ptr<ConfigDocument> document_;
 };
 
 using ConfigVisit = std::function<void(ConfigVisitor&)>;
