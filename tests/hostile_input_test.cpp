@@ -18,6 +18,7 @@
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/image.h"
+#include "dalle/data/image_grid.h"
 #include "dalle/input_limits.h"
 #include "dalle/runtime.h"
 #include "dalle/io/checkpoint.h"

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "dalle/data/image.h"
+#include "dalle/data/image_grid.h"
 #include "dalle/generate/output.h"
 #include "dalle/generate/pipeline.h"
 #include "dalle/input_limits.h"

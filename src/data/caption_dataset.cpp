@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "dalle/data/image.h"
+#include "dalle/data/image_grid.h"
 #include "dalle/data/sampler.h"
 #include "dalle/error.h"
 #include "dalle/input_limits.h"

@@ -11,69 +11,20 @@
 #include <sstream>
 #include <string_view>
 #include <vector>
-#include <zlib.h>
 
 #include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
+#include "data/byte_order.h"
+#include "data/opencv_image.h"
 
 namespace dalle::data {
 namespace F = torch::nn::functional;
 
 namespace {
 
-void require_image(const torch::Tensor& image, const char* what) {
-  if (image.dim() != 3 || (image.size(0) != 3 && image.size(0) != 1)) {
-    std::ostringstream shape;
-    shape << image.sizes();
-    throw ImageError(std::string(what) + ": expected an image tensor [3 or 1, H, W], got " + shape.str());
-  }
-}
-
-torch::Tensor from_mat(const cv::Mat& input, const std::string& name) {
-  // cvtColor takes 8-bit, 16-bit and float images only; other depths go through float.
-  cv::Mat decoded = input;
-  const int depth = input.depth();
-  if (depth != CV_8U && depth != CV_16U && depth != CV_32F) input.convertTo(decoded, CV_32F);
-  cv::Mat rgb;
-  switch (decoded.channels()) {
-    case 1: cv::cvtColor(decoded, rgb, cv::COLOR_GRAY2RGB); break;
-    case 3: cv::cvtColor(decoded, rgb, cv::COLOR_BGR2RGB); break;
-    case 4: cv::cvtColor(decoded, rgb, cv::COLOR_BGRA2RGB); break;
-    default: throw ImageError(name + ": unsupported number of channels " + std::to_string(decoded.channels()));
-  }
-  const double scale = rgb.depth() == CV_16U ? 1.0 / 65535.0 : rgb.depth() == CV_8U ? 1.0 / 255.0 : 1.0;
-  cv::Mat floats;
-  rgb.convertTo(floats, CV_32FC3, scale);
-  auto hwc = torch::from_blob(floats.data, {floats.rows, floats.cols, 3}, torch::kFloat32);
-  return hwc.permute({2, 0, 1}).clamp(0.0, 1.0).contiguous();
-}
-
-cv::Mat to_mat(const torch::Tensor& image) {
-  require_image(image, "writing an image");
-  auto rgb = image.size(0) == 1 ? image.expand({3, image.size(1), image.size(2)}) : image;
-  auto bytes = rgb.detach().to(torch::kCPU, torch::kFloat32).clamp(0.0, 1.0).mul(255.0).round()
-                   .to(torch::kUInt8).permute({1, 2, 0}).contiguous();
-  cv::Mat wrapped(static_cast<int>(bytes.size(0)), static_cast<int>(bytes.size(1)), CV_8UC3, bytes.data_ptr());
-  cv::Mat bgr;
-  cv::cvtColor(wrapped, bgr, cv::COLOR_RGB2BGR);  // copies out of the tensor's memory
-  return bgr;
-}
-
 struct PixelSize {
   int64_t width = 0, height = 0;
 };
-
-uint32_t big_endian(std::string_view bytes, size_t at, size_t count) {
-  uint32_t value = 0;
-  for (size_t i = 0; i < count; ++i) value = (value << 8) | static_cast<unsigned char>(bytes[at + i]);
-  return value;
-}
-
-uint32_t little_endian(std::string_view bytes, size_t at, size_t count) {
-  uint32_t value = 0;
-  for (size_t i = count; i-- > 0;) value = (value << 8) | static_cast<unsigned char>(bytes[at + i]);
-  return value;
-}
 
 // JPEG: the frame header (SOF0-SOF15 but DHT, JPG and DAC) follows the segments before it.
 std::optional<PixelSize> jpeg_size(std::string_view bytes) {
@@ -246,91 +197,6 @@ void write_png(const std::string& path, const torch::Tensor& image) {
   io::write_file_atomic(path, encode_png(image));
 }
 
-namespace {
-
-constexpr std::string_view kPngSignature = "\x89PNG\r\n\x1a\n";
-constexpr size_t kPngHeaderEnd = 8 + 4 + 4 + 13 + 4;  // signature, then IHDR: length, type, 13 bytes, CRC
-
-void append_big_endian(std::string& out, uint32_t value) {
-  for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xff));
-}
-
-uint32_t read_big_endian(std::string_view bytes, size_t at) {
-  uint32_t value = 0;
-  for (size_t i = 0; i < 4; ++i) value = (value << 8) | static_cast<unsigned char>(bytes[at + i]);
-  return value;
-}
-
-std::string png_chunk(std::string_view type, std::string_view data) {
-  std::string chunk;
-  append_big_endian(chunk, static_cast<uint32_t>(data.size()));
-  chunk.append(type).append(data);
-  // The CRC covers the type and the data, not the length.
-  const auto* covered = reinterpret_cast<const Bytef*>(chunk.data() + 4);
-  append_big_endian(chunk, static_cast<uint32_t>(crc32(0, covered, static_cast<uInt>(chunk.size() - 4))));
-  return chunk;
-}
-
-void check_png_keyword(const std::string& keyword) {
-  const bool printable = std::all_of(keyword.begin(), keyword.end(), [](char c) {
-    const auto byte = static_cast<unsigned char>(c);
-    return (byte >= 32 && byte <= 126) || byte >= 161;
-  });
-  if (keyword.empty() || keyword.size() > 79 || !printable) {
-    throw ImageError("a PNG text keyword has 1 to 79 printable Latin-1 characters: \"" + keyword + "\"");
-  }
-}
-
-// The text of a tEXt or iTXt chunk's data when its keyword is `keyword`.
-std::optional<std::string> text_under(std::string_view type, std::string_view data, const std::string& keyword) {
-  const auto end_of_keyword = data.find('\0');
-  if (end_of_keyword == std::string_view::npos || data.substr(0, end_of_keyword) != keyword) return std::nullopt;
-  auto rest = data.substr(end_of_keyword + 1);
-  if (type == "tEXt") return std::string(rest);
-  // iTXt: compression flag and method, then language tag and translated keyword, each ended by 0.
-  if (rest.size() < 2 || rest[0] != 0) return std::nullopt;  // compressed text is not ours
-  rest.remove_prefix(2);
-  for (int field = 0; field < 2; ++field) {
-    const auto end = rest.find('\0');
-    if (end == std::string_view::npos) return std::nullopt;
-    rest.remove_prefix(end + 1);
-  }
-  return std::string(rest);
-}
-
-}  // namespace
-
-std::string png_with_text(std::string_view png, const std::string& keyword, std::string_view text) {
-  check_png_keyword(keyword);
-  if (png.size() < kPngHeaderEnd || png.substr(0, 8) != kPngSignature || png.substr(12, 4) != "IHDR") {
-    throw ImageError("not a PNG with its header first: cannot add a text chunk");
-  }
-  std::string data = keyword;
-  data.append(std::string_view("\0\0\0\0\0", 5));  // end of keyword, not compressed, method, no language, no translation
-  data.append(text);
-  std::string out(png.substr(0, kPngHeaderEnd));
-  out += png_chunk("iTXt", data);
-  out.append(png.substr(kPngHeaderEnd));
-  return out;
-}
-
-std::optional<std::string> png_text(std::string_view png, const std::string& keyword) {
-  if (png.size() < 8 || png.substr(0, 8) != kPngSignature) throw ImageError("not a PNG (no PNG signature)");
-  for (size_t at = 8; at < png.size();) {
-    if (png.size() - at < 12) throw ImageError("a PNG chunk overruns the file at byte " + std::to_string(at));
-    const size_t length = read_big_endian(png, at);
-    if (length > png.size() - at - 12) throw ImageError("a PNG chunk overruns the file at byte " + std::to_string(at));
-    const auto type = png.substr(at + 4, 4);
-    const auto data = png.substr(at + 8, length);
-    if (type == "tEXt" || type == "iTXt") {
-      if (auto text = text_under(type, data, keyword)) return text;
-    }
-    if (type == "IEND") break;
-    at += 12 + length;
-  }
-  return std::nullopt;
-}
-
 torch::Tensor resize(const torch::Tensor& image, int64_t height, int64_t width) {
   require_image(image, "resize");
   if (height <= 0 || width <= 0) throw ImageError("resize: the size must be positive");
@@ -374,91 +240,4 @@ torch::Tensor random_crop(const torch::Tensor& image, int64_t height, int64_t wi
   const int64_t left = static_cast<int64_t>(rng() % static_cast<uint64_t>(image.size(2) - width + 1));
   return image.slice(1, top, top + height).slice(2, left, left + width);
 }
-
-namespace {
-
-constexpr int kFont = cv::FONT_HERSHEY_SIMPLEX;
-constexpr double kFontScale = 0.35;
-constexpr int kLineHeight = 12;
-
-// A label shows what a tile is, not the whole of a long caption: it is cut to a few lines,
-// enough for a two-item caption and its CLIP score under a 128-pixel tile.
-constexpr size_t kLabelBytes = 200;
-constexpr size_t kLabelLines = 6;
-
-std::vector<std::string> wrap_words(const std::string& text, int width) {
-  std::vector<std::string> lines;
-  std::istringstream words(std::string(utf8_prefix(text, kLabelBytes)));
-  std::string line;
-  for (std::string word; words >> word;) {
-    const std::string candidate = line.empty() ? word : line + " " + word;
-    int baseline = 0;
-    if (!line.empty() && cv::getTextSize(candidate, kFont, kFontScale, 1, &baseline).width > width) {
-      lines.push_back(line);
-      line = word;
-    } else {
-      line = candidate;
-    }
-  }
-  if (!line.empty()) lines.push_back(line);
-  if (lines.size() > kLabelLines || text.size() > kLabelBytes) {
-    lines.resize(std::min(lines.size(), kLabelLines));
-    if (!lines.empty()) lines.back() += "...";
-  }
-  return lines;
-}
-
-}  // namespace
-
-torch::Tensor make_grid(const std::vector<torch::Tensor>& images, const std::vector<std::string>& labels,
-                        const GridOptions& options) {
-  if (images.empty()) throw ImageError("make_grid: no images");
-  if (!labels.empty() && labels.size() != images.size()) {
-    throw ImageError("make_grid: " + std::to_string(labels.size()) + " labels for " +
-                     std::to_string(images.size()) + " images");
-  }
-  for (const auto& image : images) require_image(image, "make_grid");
-  const auto count = static_cast<int64_t>(images.size());
-  const int64_t columns = options.columns > 0
-      ? std::min(options.columns, count)
-      : static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(count))));
-  const int64_t rows = (count + columns - 1) / columns;
-  const int64_t tile_h = options.tile_size > 0 ? options.tile_size : images[0].size(1);
-  const int64_t tile_w = options.tile_size > 0 ? options.tile_size : images[0].size(2);
-  const int64_t pad = options.padding;
-
-  std::vector<std::vector<std::string>> wrapped;
-  size_t label_lines = 0;
-  for (const auto& label : labels) {
-    wrapped.push_back(wrap_words(label, static_cast<int>(tile_w)));
-    label_lines = std::max(label_lines, wrapped.back().size());
-  }
-  const int64_t label_h = static_cast<int64_t>(label_lines) * kLineHeight + (label_lines ? 4 : 0);
-  const int64_t cell_h = tile_h + label_h + pad, cell_w = tile_w + pad;
-
-  auto grid = torch::ones({3, rows * cell_h + pad, columns * cell_w + pad});
-  for (int64_t i = 0; i < count; ++i) {
-    auto tile = images[i].to(torch::kCPU, torch::kFloat32);
-    if (tile.size(0) == 1) tile = tile.expand({3, tile.size(1), tile.size(2)});
-    if (tile.size(1) != tile_h || tile.size(2) != tile_w) {
-      tile = F::interpolate(tile.unsqueeze(0), F::InterpolateFuncOptions()
-                                                   .size(std::vector<int64_t>{tile_h, tile_w})
-                                                   .mode(torch::kNearest)).squeeze(0);
-    }
-    const int64_t top = pad + (i / columns) * cell_h, left = pad + (i % columns) * cell_w;
-    grid.slice(1, top, top + tile_h).slice(2, left, left + tile_w).copy_(tile.clamp(0.0, 1.0));
-  }
-  if (label_lines == 0) return grid;
-
-  cv::Mat canvas = to_mat(grid);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t top = pad + (i / columns) * cell_h + tile_h, left = pad + (i % columns) * cell_w;
-    for (size_t line = 0; line < wrapped[i].size(); ++line) {
-      cv::Point origin(static_cast<int>(left), static_cast<int>(top + (line + 1) * kLineHeight));
-      cv::putText(canvas, wrapped[i][line], origin, kFont, kFontScale, cv::Scalar(0, 0, 0), 1, cv::LINE_AA);
-    }
-  }
-  return from_mat(canvas, "grid");
-}
-
 }  // namespace dalle::data

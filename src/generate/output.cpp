@@ -12,6 +12,8 @@
 #include <regex>
 
 #include "dalle/data/image.h"
+#include "dalle/data/image_grid.h"
+#include "dalle/data/png_text.h"
 #include "dalle/error.h"
 #include "dalle/generate/pipeline.h"
 #include "dalle/input_limits.h"

@@ -1,4 +1,6 @@
 #include "dalle/data/image.h"
+#include "dalle/data/image_grid.h"
+#include "dalle/data/png_text.h"
 
 #include <torch/torch.h>
 

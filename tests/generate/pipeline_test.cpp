@@ -5,6 +5,7 @@
 #include <set>
 
 #include "dalle/data/image.h"
+#include "dalle/data/png_text.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"

@@ -31,15 +31,6 @@ std::optional<torch::Tensor> decode_alpha(std::string_view bytes, const std::str
 void write_png(const std::string& path, const torch::Tensor& image);
 std::string encode_png(const torch::Tensor& image);
 
-// PNG text chunks, so that an image carries how it was made (dalle-generate and dalle-serve
-// store the generation's JSON under "dalle"). `png` with an iTXt chunk (UTF-8 `text`, not
-// compressed) under `keyword` (1-79 printable Latin-1 characters) right after the header,
-// where readers look first.
-std::string png_with_text(std::string_view png, const std::string& keyword, std::string_view text);
-// The text of the first tEXt or uncompressed iTXt chunk of `png` under `keyword`; nothing when
-// there is none. A file that is not a PNG, or whose chunks overrun it, throws ImageError.
-std::optional<std::string> png_text(std::string_view png, const std::string& keyword);
-
 // Area-averaging when shrinking, bilinear when enlarging.
 torch::Tensor resize(const torch::Tensor& image, int64_t height, int64_t width);
 // Scales so that the shorter side is `size`, keeping the aspect ratio.
@@ -47,15 +38,5 @@ torch::Tensor resize_shorter_side(const torch::Tensor& image, int64_t size);
 torch::Tensor center_crop(const torch::Tensor& image, int64_t height, int64_t width);
 torch::Tensor random_crop(const torch::Tensor& image, int64_t height, int64_t width,
                           std::mt19937_64& rng);
-
-struct GridOptions {
-  int64_t columns = 0;    // 0: as close to square as the count allows
-  int64_t tile_size = 0;  // tiles are scaled (nearest) to this size; 0 keeps the first image's
-  int64_t padding = 2;
-};
-// Tiles the images in rows; a non-empty `labels` (one per image) is printed under each tile,
-// wrapped to the tile's width.
-torch::Tensor make_grid(const std::vector<torch::Tensor>& images,
-                        const std::vector<std::string>& labels = {}, const GridOptions& options = {});
 
 }  // namespace dalle::data

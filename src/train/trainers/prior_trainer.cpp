@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "dalle/data/image.h"
+#include "dalle/data/image_grid.h"
 #include "dalle/data/loader.h"
 #include "dalle/data/token_dataset.h"
 #include "dalle/distributed/sharded_parameters.h"

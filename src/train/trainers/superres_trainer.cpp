@@ -10,6 +10,7 @@
 
 #include "dalle/data/caption_dataset.h"
 #include "dalle/data/image.h"
+#include "dalle/data/image_grid.h"
 #include "dalle/data/loader.h"
 #include "dalle/device.h"
 #include "dalle/io/checkpoint.h"

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "dalle/data/image.h"
+#include "dalle/data/image_grid.h"
 #include "dalle/log.h"
 #include "dalle/models/dvae_objective.h"
 
