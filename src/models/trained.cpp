@@ -11,6 +11,7 @@
 #include "dalle/io/state_dict.h"
 #include "dalle/model_config.h"
 #include "dalle/models/adapter.h"
+#include "dalle/models/rudalle_import.h"
 
 namespace dalle::models {
 

@@ -1,4 +1,5 @@
 #include "dalle/models/prior.h"
+#include "dalle/models/rudalle_import.h"
 
 #include <torch/torch.h>
 
