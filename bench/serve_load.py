@@ -23,7 +23,7 @@ load: starts dalle-serve on a free port of 127.0.0.1 and lets CLIENTS threads se
 bench: images/s and p50/p99 latency of fixed requests (n=1, --candidates candidates, no
   super-resolution) at each level of concurrent clients, --images requests per level, against
   one dalle-generate call drawing as many images with the same settings (as many prompts,
-  -n CANDIDATES --keep 1). dalle-generate's time is its pipeline call alone (from its last
+  --candidates CANDIDATES -n 1). dalle-generate's time is its pipeline call alone (from its last
   "generate:" progress line: tokens drawn / rate), so that neither side counts loading the
   models; its wall time is given too. Prints a JSON line per level, one for dalle-generate, and
   a summary with the ratio at the highest level. Meant for a quiet machine (it reports the
@@ -336,7 +336,7 @@ def generate_baseline(args, images, scratch):
     prompts.write_text("".join(PROMPTS[i % len(PROMPTS)] + "\n" for i in range(images)))
     model = ["--model", args.model] if args.model else ["--config", args.generate_config]
     command = [str(args.tools / "dalle-generate"), *model, "--out", str(scratch / "out"), "--prompts-file", str(prompts),
-               "-n", str(args.candidates), "--keep", "1", "--seed", "0", "--threads", str(args.threads),
+               "--candidates", str(args.candidates), "-n", "1", "--seed", "0", "--threads", str(args.threads),
                "--set", f"batch_size={args.batch_size}", "--set", 'superres=""', "--log-level", "info"]
     started = time.monotonic()
     result = subprocess.run(command, cwd=args.source, capture_output=True, text=True, timeout=args.deadline)

@@ -650,9 +650,9 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
                                   " --set data.validation=" + (dir / "fc/train") + " --set data.image_size=16" +
                                   " --set model.num_feat=8 --set model.num_block=1 --set model.num_grow_ch=4" +
                                   " --set data.batch_size=4 --set run.steps=2 --out " + (dir / "sr")));
-  const std::string pipeline = "--prior " + (dir / "prior") + " --clip " + (dir / "clip") + " -n 4 --seed 3";
-  check(run("dalle-generate", pipeline + " --keep 0 --out " + (dir / "ranked") + " 'a red bag'"));
-  check(run("dalle-generate", pipeline + " --keep 2 --superres " + (dir / "sr") + " --out " + (dir / "best") +
+  const std::string pipeline = "--prior " + (dir / "prior") + " --clip " + (dir / "clip") + " --candidates 4 --seed 3";
+  check(run("dalle-generate", pipeline + " -n 4 --out " + (dir / "ranked") + " 'a red bag'"));
+  check(run("dalle-generate", pipeline + " -n 2 --superres " + (dir / "sr") + " --out " + (dir / "best") +
                                   " 'a red bag'"));
   std::vector<double> scores;
   for (const char* stem : {"0000-00", "0000-01", "0000-02", "0000-03"}) {
@@ -683,15 +683,15 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
   io::write_safetensors(dir / "imported/state.safetensors", {});
   testing::write_text(dir / "imported/config.yaml", "kind: clip\n" + imported_yaml);
   const std::string merges = testing::fixture_path("clip_bpe_test.txt.gz");
-  const std::string imported_pipeline = "--prior " + (dir / "prior") + " --clip " + (dir / "imported") + " -n 4 --seed 3";
-  check(run("dalle-generate", imported_pipeline + " --set clip_tokenizer=" + merges + " --keep 1 --out " +
+  const std::string imported_pipeline = "--prior " + (dir / "prior") + " --clip " + (dir / "imported") + " --candidates 4 --seed 3";
+  check(run("dalle-generate", imported_pipeline + " --set clip_tokenizer=" + merges + " -n 1 --out " +
                                   (dir / "imported-out") + " 'a red bag'"));
   const auto best = nlohmann::json::parse(testing::read_text(dir / "imported-out/0000-00.json"));
   EXPECT_TRUE(best["clip_score"].is_number());
   EXPECT_EQ(best["pipeline"]["clip_tokenizer"], merges);
   EXPECT_GE(std::stoi(best["pipeline"]["threads"].get<std::string>()), 1)
       << "the thread count that drew the image, not the config's 0 (the samples depend on it)";
-  const auto without = run("dalle-generate", imported_pipeline + " --keep 1 --out " + (dir / "refused") + " 'a red bag'");
+  const auto without = run("dalle-generate", imported_pipeline + " -n 1 --out " + (dir / "refused") + " 'a red bag'");
   EXPECT_EQ(without.status, 1);
   EXPECT_THAT(without.output, ::testing::HasSubstr("set clip_tokenizer to CLIP's bpe_simple_vocab_16e6.txt.gz"));
   const auto misfit = run("dalle-generate", "--prior " + (dir / "prior") + " --clip " + (dir / "clip") +
@@ -727,7 +727,7 @@ std::string copy_of_shipped(const std::string& model, const ScratchDir& dir, con
 TEST(ToolsHostile, GenerateRunsAModelFolderFromAnywhere) {
   ScratchDir dir;
   const std::string folder = kSource + "/models/fashion-compose-f8";
-  auto result = run("dalle-generate", "--model " + folder + " -n 2 --keep 1 --threads 1 --out " + (dir / "out") +
+  auto result = run("dalle-generate", "--model " + folder + " --candidates 2 -n 1 --threads 1 --out " + (dir / "out") +
                                           " 'a red bag on the left'");
   ASSERT_EQ(result.status, 0) << result.output;
   const auto sidecar = nlohmann::json::parse(testing::read_text(dir / "out/0000-00.json"));
@@ -743,6 +743,30 @@ TEST(ToolsHostile, GenerateRunsAModelFolderFromAnywhere) {
   result = run("dalle-generate", "--model " + dir.path().string() + " --out " + (dir / "none") + " 'a red bag'");
   EXPECT_EQ(result.status, 1) << result.output;
   EXPECT_THAT(result.output, ::testing::HasSubstr("not a model folder"));
+}
+
+// -n is the images written per prompt, as dalle-serve's n: of a folder's 16 candidates (and
+// its CLIP) the best one; the --keep of before still works, with a warning.
+TEST(ToolsHostile, GenerateNIsTheImagesWrittenAsOverHttp) {
+  ScratchDir dir;
+  const std::string folder = "--model " + kSource + "/models/fashion-compose-f8 --threads 1 ";
+  auto result = run("dalle-generate", folder + "-n 1 --out " + (dir / "one") + " 'a red bag on the left'");
+  ASSERT_EQ(result.status, 0) << result.output;
+  const auto sidecar = nlohmann::json::parse(testing::read_text(dir / "one/0000-00.json"));
+  EXPECT_EQ(sidecar.at("pipeline").at("candidates"), "16") << "the folder's candidates, of which the best is kept";
+  EXPECT_EQ(sidecar.at("pipeline").at("keep"), "1");
+  EXPECT_FALSE(fs::exists(dir / "one/0000-01.png"));
+
+  result = run("dalle-generate", folder + "--candidates 2 --keep 1 --out " + (dir / "old") + " 'a red bag'");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("--keep is now -n"));
+  EXPECT_FALSE(fs::exists(dir / "old/0000-01.png"));
+  result = run("dalle-generate", folder + "-n 1 --keep 1 --out " + (dir / "both") + " 'a red bag'");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("give -n alone"));
+  result = run("dalle-generate", folder + "--candidates 2 -n 3 --out " + (dir / "more") + " 'a red bag'");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_THAT(result.output, ::testing::HasSubstr("-n 3 exceeds --candidates 2"));
 }
 
 TEST(ToolsHostile, AModelFolderWithoutSizesOrWithNanWeightsIsRefused) {

@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
   app.add_option("--api-key-file", api_key_file, "sets `api_key_file`: clients must send its key as a bearer token");
   // A request brings its own seed, n and candidates; the rest set the pipeline's defaults.
   tools::PipelineShorthands shorthands;
-  shorthands.add_to(app, {"--images-per-prompt", "--keep", "--seed", "--image-prompt", "--image-prompt-rows",
+  shorthands.add_to(app, {"-n", "--candidates", "--seed", "--image-prompt", "--image-prompt-rows",
                          "--image-prompt-mask"});
 
   return tools::run_tool(app, argc, argv, [&] {

@@ -71,8 +71,8 @@ namespace {
 const std::map<std::string, std::string>& pipeline_shorthands() {
   static const std::map<std::string, std::string> shorthands = {
       {"--prior", "prior"},         {"--tokenizer", "tokenizer"}, {"--decoder", "decoder"},
-      {"--clip", "clip"},           {"--superres", "superres"},   {"--images-per-prompt", "candidates"},
-      {"--keep", "keep"},           {"--temperature", "sampling.temperature"},
+      {"--clip", "clip"},           {"--superres", "superres"},   {"--candidates", "candidates"},
+      {"--temperature", "sampling.temperature"},
       {"--top-k", "sampling.top_k"}, {"--top-p", "sampling.top_p"},
       {"--guidance-scale", "sampling.guidance_scale"}, {"--seed", "sampling.seed"},
       {"--device", "device"},       {"--threads", "threads"},     {"--dtype", "dtype"},
@@ -86,9 +86,17 @@ const std::map<std::string, std::string>& pipeline_shorthands() {
 void PipelineShorthands::add_to(CLI::App& app, const std::set<std::string>& except) {
   for (const auto& [flag, key] : pipeline_shorthands()) {
     if (except.count(flag) > 0) continue;
-    const std::string names = flag == "--images-per-prompt" ? "-n,--images-per-prompt" : flag;
     const bool filter = flag == "--top-k" || flag == "--top-p";
-    app.add_option(names, values_[flag], "sets `" + key + "`" + (filter ? " and clears the config's `schedule`" : ""));
+    app.add_option(flag, values_[flag], "sets `" + key + "`" + (filter ? " and clears the config's `schedule`" : ""));
+  }
+  if (except.count("-n") == 0) {
+    app.add_option("-n,--images", images_,
+                   "images written per prompt, the best by CLIP score (dalle-serve's n): sets `keep`, and "
+                   "`candidates` to at least n (to n without CLIP)")
+        ->check(CLI::PositiveNumber);
+    // The spellings of before -n meant what dalle-serve means by n: kept, with a warning.
+    app.add_option("--keep", old_keep_, "")->group("");
+    app.add_option("--images-per-prompt", old_candidates_, "")->group("");
   }
   app.add_flag("--no-cache", no_cache_,
                "recompute the whole prefix for each token (slow; a check); sets sampling.use_cache");
@@ -99,20 +107,35 @@ void PipelineShorthands::add_to(CLI::App& app, const std::set<std::string>& exce
       ->take_all();
 }
 
+namespace {
+
+// `key`=`value` set in `source` under `prefix`; a value the key refuses is a usage error of `flag`.
+void set_shorthand(ConfigSource& source, const std::string& prefix, const std::string& flag, const std::string& key,
+                   const std::string& value) {
+  const std::string assignment = key + "=" + value;
+  // A shorthand's value is part of the command line: checked alone, its error is a usage error.
+  try {
+    auto alone = ConfigSource::empty();
+    alone.set(assignment);
+    load_config<generate::PipelineConfig>(alone);
+  } catch (const ConfigError& error) {
+    throw UsageError(flag + " " + excerpt(value) + ": " + error.what());
+  }
+  source.set(prefix + assignment);
+}
+
+}  // namespace
+
 void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const std::string& prefix) const {
   for (const auto& [flag, value] : values_) {
-    if (app.count(flag) == 0) continue;
-    const std::string assignment = pipeline_shorthands().at(flag) + "=" + value;
-    // A shorthand's value is part of the command line: checked alone, its error is a usage error.
-    try {
-      auto alone = ConfigSource::empty();
-      alone.set(assignment);
-      load_config<generate::PipelineConfig>(alone);
-    } catch (const ConfigError& error) {
-      throw UsageError(flag + " " + excerpt(value) + ": " + error.what());
-    }
-    source.set(prefix + assignment);
+    if (app.count(flag) > 0) set_shorthand(source, prefix, flag, pipeline_shorthands().at(flag), value);
   }
+  if (app.count("--images-per-prompt") > 0) {
+    if (app.count("--candidates") > 0) throw UsageError("--images-per-prompt is --candidates: give one");
+    log::warn("--images-per-prompt is now --candidates (the samples drawn per prompt); -n is the images written");
+    set_shorthand(source, prefix, "--images-per-prompt", "candidates", std::to_string(old_candidates_));
+  }
+  apply_images(app, source, prefix);
   // A filter asked for on the command line replaces a model folder's schedule of filters.
   if (app.count("--top-k") + app.count("--top-p") > 0) {
     source.set(prefix + "schedule.top_k=[]");
@@ -128,6 +151,30 @@ void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const 
     }
     source.set(prefix + "adapters=[" + list + "]");
   }
+}
+
+void PipelineShorthands::apply_images(const CLI::App& app, ConfigSource& source, const std::string& prefix) const {
+  const bool by_n = app.count("-n") > 0, by_keep = app.count("--keep") > 0;
+  if (!by_n && !by_keep) return;
+  if (by_n && by_keep) throw UsageError("-n is the images written per prompt, as --keep was: give -n alone");
+  if (by_keep) log::warn("--keep is now -n (the images written per prompt, as dalle-serve's n)");
+  const int64_t images = by_n ? images_ : old_keep_;
+  const auto config = load_config<generate::PipelineConfig>(source);
+  if (config.clip.empty()) {
+    // Nothing ranks the candidates: each one drawn is written.
+    if (app.count("--candidates") + app.count("--images-per-prompt") > 0 && config.candidates != images) {
+      throw UsageError("-n " + std::to_string(images) + " of " + std::to_string(config.candidates) +
+                       " candidates needs a CLIP model (--clip) to choose them; without one every candidate is written");
+    }
+    set_shorthand(source, prefix, "-n", "candidates", std::to_string(images));
+    return;
+  }
+  if (app.count("--candidates") + app.count("--images-per-prompt") > 0 && config.candidates < images) {
+    throw UsageError("-n " + std::to_string(images) + " exceeds --candidates " + std::to_string(config.candidates) +
+                     ": n of the candidates are written");
+  }
+  set_shorthand(source, prefix, "-n", "candidates", std::to_string(std::max(config.candidates, images)));
+  set_shorthand(source, prefix, "-n", "keep", std::to_string(images));
 }
 
 void start_run_log(const std::string& run, const distributed::LaunchEnvironment& place) {

@@ -46,10 +46,12 @@ struct ConfigOptions {
 };
 
 // The pipeline config's shorthand options (--prior, --clip, -n, --top-k, --threads, ...) of
-// dalle-generate and dalle-serve: each sets one key of generate::PipelineConfig.
+// dalle-generate and dalle-serve: each sets one key of generate::PipelineConfig, but -n, the
+// images written per prompt as dalle-serve's n counts them, which sets `keep` and as many
+// `candidates` as it needs.
 class PipelineShorthands {
  public:
-  // Adds every shorthand but those named in `except` ("--keep").
+  // Adds every shorthand but those named in `except` ("-n", "--candidates").
   void add_to(CLI::App& app, const std::set<std::string>& except = {});
   // Sets the keys of the shorthands given on `app`'s command line in `source`, each under
   // `prefix` ("" for a pipeline config, "pipeline." within dalle-serve's). A value the key
@@ -57,7 +59,11 @@ class PipelineShorthands {
   void apply(const CLI::App& app, ConfigSource& source, const std::string& prefix = "") const;
 
  private:
+  // -n (or the --keep of before) on `source`: keep, and candidates to at least n.
+  void apply_images(const CLI::App& app, ConfigSource& source, const std::string& prefix) const;
+
   std::map<std::string, std::string> values_;  // by option
+  int64_t images_ = 0, old_keep_ = 0, old_candidates_ = 0;
   std::vector<std::string> adapters_;
   bool no_cache_ = false;
 };
