@@ -20,4 +20,57 @@
 
 namespace dalle::models {
 
+class PriorImpl : public torch::nn::Module {
+ public:
+  explicit PriorImpl(PriorConfig config);
+
+  // tokens [B, n]: caption ids (0 = padding) then image codes, positions 0 .. n-1.
+  // Returns logits [B, n, text_classes + image_vocab_size].
+  torch::Tensor forward(const torch::Tensor& tokens);
+  // tokens [B, k] at positions cache.length .. cache.length + k - 1; grows the cache.
+  torch::Tensor forward_cached(const torch::Tensor& tokens, KvCache& cache);
+  // One image code per row, `codes` [B, 1], at the position `position` ([1] int64 on the
+  // device, at least text_length) holds, attending to the cache's first `keys` slots (the
+  // later ones masked) -> logits [B, 1, classes]. Fixed shapes, no check that reads the
+  // device and no cache.length: a step a CUDA graph can capture (models/decode_graphs.h).
+  torch::Tensor forward_step(const torch::Tensor& codes, KvCache& cache, const torch::Tensor& position, int64_t keys);
+  // A cache for `batch` rows on the model's device, its tensors from `make` when given.
+  KvCache make_cache(int64_t batch, const TensorMaker& make = {}) const;
+
+  const std::vector<std::shared_ptr<ResblockImpl>>& resblocks() const { return resblocks_; }
+  void set_resblock_runner(ResblockRunner runner) { runner_ = std::move(runner); }
+  const PriorConfig& config() const { return config_; }
+
+ private:
+  torch::Tensor embed(const torch::Tensor& tokens, int64_t start);
+  // Image codes at grid cells `cells` (positions after the caption), row and column added.
+  torch::Tensor embed_image(const torch::Tensor& codes, const torch::Tensor& cells);
+  torch::Tensor run(const torch::Tensor& tokens, const ResblockContext& context);
+  torch::Tensor through_resblocks(torch::Tensor x, const ResblockContext& context);
+  void init_weights();
+
+  PriorConfig config_;
+  torch::nn::Embedding text_embedding_{nullptr}, text_position_embedding_{nullptr}, image_embedding_{nullptr},
+      image_row_embedding_{nullptr}, image_column_embedding_{nullptr};
+  std::vector<std::shared_ptr<ResblockImpl>> resblocks_;
+  torch::nn::LayerNorm final_norm_{nullptr}, head_norm_{nullptr};
+  Linear to_logits_{nullptr};
+  ResblockRunner runner_;
+};
+TORCH_MODULE(Prior);
+
+struct PriorLoss {
+  torch::Tensor total, text, image;
+};
+
+// Next-token cross-entropy: text positions predict the next caption id among the text
+// classes (padding ids included), position text_length - 1 and the image positions
+// predict the next image code among the image classes; each type is averaged over its
+// own targets, then weighted text_loss_weight : 1 - text_loss_weight.
+PriorLoss prior_loss(const torch::Tensor& logits, const torch::Tensor& tokens, const PriorConfig& config);
+
+// The empty caption as the tokenizer encodes it ([eos, padding...]): the unconditional
+// input of caption dropout and classifier-free guidance.
+torch::Tensor empty_caption(int64_t text_length, int64_t batch = 1);
+
 }  // namespace dalle::models
