@@ -14,6 +14,11 @@ namespace dalle::models {
 namespace {
 
 constexpr std::string_view kDown = ".lora_A.weight", kUp = ".lora_B.weight";
+
+// `layer`'s tensor of `kind` (kDown or kUp). Appended: GCC 12 warns falsely
+// (-Wstringop-overflow) on string + string.
+std::string tensor_of(const std::string& layer, std::string_view kind) { return std::string(layer).append(kind); }
+
 constexpr const char* kFormat = "dalle-adapter";
 
 bool ends_with(const std::string& name, std::string_view suffix) { return name.ends_with(suffix); }
@@ -36,7 +41,7 @@ std::set<std::string> adapted_layers(const io::TensorMap& adapter, const std::st
     if (is_adapter_tensor(name)) layers.insert(layer_of(name));
   }
   for (const auto& layer : layers) {
-    const auto down = adapter.find(layer + std::string(kDown)), up = adapter.find(layer + std::string(kUp));
+    const auto down = adapter.find(tensor_of(layer, kDown)), up = adapter.find(tensor_of(layer, kUp));
     if (down == adapter.end() || up == adapter.end()) {
       throw Error(source + ": layer " + layer + " has only one of lora_A and lora_B");
     }
@@ -50,8 +55,8 @@ std::set<std::string> adapted_layers(const io::TensorMap& adapter, const std::st
 
 // scale * B A in float32.
 torch::Tensor low_rank_delta(const io::TensorMap& adapter, const std::string& layer, double scale) {
-  return torch::matmul(adapter.at(layer + std::string(kUp)).to(torch::kFloat32),
-                       adapter.at(layer + std::string(kDown)).to(torch::kFloat32)) *
+  return torch::matmul(adapter.at(tensor_of(layer, kUp)).to(torch::kFloat32),
+                       adapter.at(tensor_of(layer, kDown)).to(torch::kFloat32)) *
          scale;
 }
 

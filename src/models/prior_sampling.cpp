@@ -282,7 +282,9 @@ torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, c
   Choice choice{.options = options,
                 .batch = batch,
                 .text_classes = config.text_classes(),
-                .guided = options.guidance_scale != 1.0};
+                .guided = options.guidance_scale != 1.0,
+                .top_k = {},
+                .top_p = {}};
   if (row_filters) {
     const auto on = torch::TensorOptions().device(device);
     choice.top_k = torch::tensor(row_filters->top_k, on.dtype(torch::kInt64)).unsqueeze(1);

@@ -90,12 +90,10 @@ void write_grid(const torch::Tensor& low, const torch::Tensor& ours, const torch
   std::vector<torch::Tensor> tiles;
   std::vector<std::string> labels;
   const int64_t side = original.size(2);
+  const auto nearest =
+      torch::nn::functional::InterpolateFuncOptions().size(std::vector<int64_t>{side, side}).mode(torch::kNearest);
   for (int64_t i = 0; i < std::min<int64_t>(count, original.size(0)); ++i) {
-    tiles.push_back(torch::nn::functional::interpolate(
-                        low[i].unsqueeze(0), torch::nn::functional::InterpolateFuncOptions()
-                                                 .size(std::vector<int64_t>{side, side})
-                                                 .mode(torch::kNearest))
-                        .squeeze(0));
+    tiles.push_back(torch::nn::functional::interpolate(low[i].unsqueeze(0), nearest).squeeze(0));
     tiles.push_back(ours[i]);
     tiles.push_back(original[i]);
     labels.insert(labels.end(), {"low-res (nearest)", "ours, update " + std::to_string(step), "original"});
