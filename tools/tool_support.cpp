@@ -89,7 +89,8 @@ void PipelineShorthands::add_to(CLI::App& app, const std::set<std::string>& exce
     const bool filter = flag == "--top-k" || flag == "--top-p";
     app.add_option(flag, values_[flag], "sets `" + key + "`" + (filter ? " and clears the config's `schedule`" : ""));
   }
-  if (except.count("-n") == 0) {
+  counts_images_ = except.count("-n") == 0;
+  if (counts_images_) {
     app.add_option("-n,--images", images_,
                    "images written per prompt, the best by CLIP score (dalle-serve's n): sets `keep`, and "
                    "`candidates` to at least n (to n without CLIP)")
@@ -130,12 +131,7 @@ void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const 
   for (const auto& [flag, value] : values_) {
     if (app.count(flag) > 0) set_shorthand(source, prefix, flag, pipeline_shorthands().at(flag), value);
   }
-  if (app.count("--images-per-prompt") > 0) {
-    if (app.count("--candidates") > 0) throw UsageError("--images-per-prompt is --candidates: give one");
-    log::warn("--images-per-prompt is now --candidates (the samples drawn per prompt); -n is the images written");
-    set_shorthand(source, prefix, "--images-per-prompt", "candidates", std::to_string(old_candidates_));
-  }
-  apply_images(app, source, prefix);
+  if (counts_images_) apply_images(app, source, prefix);
   // A filter asked for on the command line replaces a model folder's schedule of filters.
   if (app.count("--top-k") + app.count("--top-p") > 0) {
     source.set(prefix + "schedule.top_k=[]");
@@ -154,6 +150,12 @@ void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const 
 }
 
 void PipelineShorthands::apply_images(const CLI::App& app, ConfigSource& source, const std::string& prefix) const {
+  const bool by_candidates = app.count("--candidates") > 0, by_old_candidates = app.count("--images-per-prompt") > 0;
+  if (by_old_candidates) {
+    if (by_candidates) throw UsageError("--images-per-prompt is --candidates: give one");
+    log::warn("--images-per-prompt is now --candidates (the samples drawn per prompt); -n is the images written");
+    set_shorthand(source, prefix, "--images-per-prompt", "candidates", std::to_string(old_candidates_));
+  }
   const bool by_n = app.count("-n") > 0, by_keep = app.count("--keep") > 0;
   if (!by_n && !by_keep) return;
   if (by_n && by_keep) throw UsageError("-n is the images written per prompt, as --keep was: give -n alone");
@@ -162,14 +164,14 @@ void PipelineShorthands::apply_images(const CLI::App& app, ConfigSource& source,
   const auto config = load_config<generate::PipelineConfig>(source);
   if (config.clip.empty()) {
     // Nothing ranks the candidates: each one drawn is written.
-    if (app.count("--candidates") + app.count("--images-per-prompt") > 0 && config.candidates != images) {
+    if ((by_candidates || by_old_candidates) && config.candidates != images) {
       throw UsageError("-n " + std::to_string(images) + " of " + std::to_string(config.candidates) +
                        " candidates needs a CLIP model (--clip) to choose them; without one every candidate is written");
     }
     set_shorthand(source, prefix, "-n", "candidates", std::to_string(images));
     return;
   }
-  if (app.count("--candidates") + app.count("--images-per-prompt") > 0 && config.candidates < images) {
+  if ((by_candidates || by_old_candidates) && config.candidates < images) {
     throw UsageError("-n " + std::to_string(images) + " exceeds --candidates " + std::to_string(config.candidates) +
                      ": n of the candidates are written");
   }

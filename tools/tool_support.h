@@ -59,10 +59,12 @@ class PipelineShorthands {
   void apply(const CLI::App& app, ConfigSource& source, const std::string& prefix = "") const;
 
  private:
-  // -n (or the --keep of before) on `source`: keep, and candidates to at least n.
+  // -n (or the --keep of before) on `source`: keep, and candidates to at least n; the
+  // --images-per-prompt of before as --candidates.
   void apply_images(const CLI::App& app, ConfigSource& source, const std::string& prefix) const;
 
   std::map<std::string, std::string> values_;  // by option
+  bool counts_images_ = false;  // -n and the old spellings were added (not in dalle-serve)
   int64_t images_ = 0, old_keep_ = 0, old_candidates_ = 0;
   std::vector<std::string> adapters_;
   bool no_cache_ = false;
