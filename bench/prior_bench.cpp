@@ -16,7 +16,7 @@
 //             FLOPs utilisation (training-xl-slice --layers=24 is the whole 1.3B layout);
 //             --finetune=emojich freezes the attention and MLP matrices (ruDALL-E Emojich's
 //             recipe), --finetune=adapters --adapter-rank=R trains rank-R adapters on them alone;
-//             --frozen-weights=bf16|fp16 keeps the frozen resblock matrices in 16 bits;
+//             --frozen-weights=bfloat16|float16 keeps the frozen resblock matrices in 16 bits;
 //   data-parallel: the same steps on N processes of this machine, with the bytes each rank
 //             hands to all-reduce.
 // Ratios are taken within one run, on one machine.
@@ -354,11 +354,11 @@ void grid_mega(int64_t images, const std::string& dtype, const torch::Device& de
 }
 
 struct TrainingOptions {
-  std::string precision = "fp32";
+  std::string precision = "float32";  // precision.mode, as a recipe spells it
   int64_t checkpoint_every = 0;
   std::string finetune = "full";  // full, emojich (matrices frozen) or adapters (on the matrices, the rest frozen)
   int64_t adapter_rank = 8;
-  std::string frozen_weights = "fp32";  // storage of the frozen resblock matrices: fp32, bf16 or fp16
+  std::string frozen_weights = "float32";  // storage of the frozen resblock matrices: float32, bfloat16 or float16
   torch::Device device = torch::kCPU;
   double peak_tflops = 989;  // the GPU's dense 16-bit peak (H100 and H200 SXM): the MFU's denominator
 };
@@ -379,12 +379,11 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
   } else if (options.finetune != "full") {
     throw Error("--finetune: full, emojich or adapters");
   }
-  if (options.frozen_weights != "fp32") {
-    if (options.precision == "fp32") {
-      throw Error("--frozen-weights " + options.frozen_weights + " needs --precision bf16 or fp16");
+  if (options.frozen_weights != "float32") {
+    if (options.precision == "float32") {
+      throw Error("--frozen-weights " + options.frozen_weights + " needs --precision bfloat16 or float16");
     }
-    train::store_frozen_matrices(*prior, "resblocks.",
-                                 options.frozen_weights == "bf16" ? torch::kBFloat16 : torch::kFloat16);
+    train::store_frozen_matrices(*prior, "resblocks.", float_type_named(options.frozen_weights));
   }
   prior->to(options.device);
   const bool on_gpu = options.device.is_cuda();
@@ -701,11 +700,11 @@ int main(int argc, char** argv) {
   const std::string which = argc > 1 ? argv[1] : "";
   bool quick = false;
   for (int i = 2; i < argc; ++i) quick = quick || std::strcmp(argv[i], "--quick") == 0;
-  const TrainingOptions options{.precision = option(argc, argv, "precision", "fp32"),
+  const TrainingOptions options{.precision = option(argc, argv, "precision", "float32"),
                                 .checkpoint_every = std::stoll(option(argc, argv, "checkpoint-every", "0")),
                                 .finetune = option(argc, argv, "finetune", "full"),
                                 .adapter_rank = std::stoll(option(argc, argv, "adapter-rank", "8")),
-                                .frozen_weights = option(argc, argv, "frozen-weights", "fp32"),
+                                .frozen_weights = option(argc, argv, "frozen-weights", "float32"),
                                 .device = resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"),
                                 .peak_tflops = std::stod(option(argc, argv, "peak-tflops", "989"))};
   const bool cuda_graphs = option(argc, argv, "cuda-graphs", "on") != "off";
@@ -776,7 +775,7 @@ int main(int argc, char** argv) {
                  "training-xl-slice|"
                  "data-parallel|"
                  "powersgd-compression|powersgd-qr "
-                 "[--quick] [--path=sparse|dense] [--precision=fp32|bf16|fp16] [--checkpoint-every=K] "
+                 "[--quick] [--path=sparse|dense] [--precision=float32|bfloat16|float16] [--checkpoint-every=K] "
                  "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice|mega|mini] [--layers=L] [--steps=N] "
                  "[--dtype=float32|bfloat16|float16|int8 (CPU)] [--batch=B] [--images=N] [--tokens=N] [--device=cpu|cuda] "
                  "[--peak-tflops=989]\n");

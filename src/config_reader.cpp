@@ -11,6 +11,7 @@
 #include "config_text.h"
 #include "dalle/config.h"
 #include "dalle/input_limits.h"
+#include "dalle/log.h"
 
 namespace dalle {
 
@@ -56,9 +57,7 @@ class YamlReader final : public ConfigVisitor {
   }
   void field(std::string_view key, std::string& value, std::string_view, const Limits& limits) override {
     read_scalar(key, "a string", [&](const YAML::Node& n) {
-      std::string parsed = n.as<std::string>();
-      check_choice(key, n, parsed, limits);
-      value = parsed;
+      value = checked_choice(key, n, n.as<std::string>(), limits);
     });
   }
   void field(std::string_view key, std::vector<int64_t>& value, std::string_view,
@@ -89,8 +88,7 @@ class YamlReader final : public ConfigVisitor {
       std::vector<std::string> parsed;
       for (const auto& item : n) {
         if (!item.IsScalar()) throw YAML::BadConversion(item.Mark());
-        parsed.push_back(item.as<std::string>());
-        check_choice(key, item, parsed.back(), limits);
+        parsed.push_back(checked_choice(key, item, item.as<std::string>(), limits));
       }
       value = std::move(parsed);
     });
@@ -135,11 +133,14 @@ class YamlReader final : public ConfigVisitor {
 
   [[noreturn]] void fail(const YAML::Node& node, const std::string& path,
                          const std::string& message) const {
+    // Built by append: GCC 12 warns falsely (-Wstringop-overflow) on "literal" + string&&.
+    throw ConfigError(where(node, path).append(": ").append(message));
+  }
+
+  // "--set a.b=c", or "file:line:column" (the base file that gave `path`, when one did).
+  std::string where(const YAML::Node& node, const std::string& path) const {
     auto override_text = source_.overrides.find(path);
-    if (override_text != source_.overrides.end()) {
-      // Built by append: GCC 12 warns falsely (-Wstringop-overflow) on "literal" + string&&.
-      throw ConfigError(std::string("--set ").append(override_text->second).append(": ").append(message));
-    }
+    if (override_text != source_.overrides.end()) return std::string("--set ").append(override_text->second);
     const YAML::Mark mark = node.Mark();
     const auto base = source_.from_base.find(path);
     std::string where = base == source_.from_base.end() ? source_.name : base->second;
@@ -147,7 +148,7 @@ class YamlReader final : public ConfigVisitor {
       // Appended piecewise for the same GCC 12 false warning.
       where.append(":").append(std::to_string(mark.line + 1)).append(":").append(std::to_string(mark.column + 1));
     }
-    throw ConfigError(where.append(": ").append(message));
+    return where;
   }
 
  private:
@@ -205,11 +206,18 @@ class YamlReader final : public ConfigVisitor {
     }
   }
 
-  void check_choice(std::string_view key, const YAML::Node& node, const std::string& value,
-                    const Limits& limits) const {
-    if (limits.choices.empty()) return;
-    if (std::find(limits.choices.begin(), limits.choices.end(), value) != limits.choices.end()) return;
+  // `value` when `limits` allow it; an older spelling of an allowed value becomes that value,
+  // with a warning; anything else is refused.
+  std::string checked_choice(std::string_view key, const YAML::Node& node, const std::string& value,
+                             const Limits& limits) const {
+    if (limits.choices.empty()) return value;
+    if (std::find(limits.choices.begin(), limits.choices.end(), value) != limits.choices.end()) return value;
     const std::string path = join_path(prefix_, key);
+    for (const auto& [old, now] : limits.old_spellings) {
+      if (old != value) continue;
+      log::warn(where(node, path), ": ", path, ": '", old, "' is now spelled '", now, "' (read as '", now, "')");
+      return now;
+    }
     fail(node, path, path + ": " + excerpt(value) + " is not allowed, expected " + describe_limits(limits));
   }
 

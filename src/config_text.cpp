@@ -1,5 +1,6 @@
 #include "config_text.h"
 
+#include <algorithm>
 #include <charconv>
 #include <sstream>
 
@@ -35,6 +36,18 @@ std::string describe_limits(const Limits& limits) {
     out << "<= " << format_number(*limits.max);
   }
   return out.str();
+}
+
+Limits dtype_choices(std::vector<std::string> dtypes) {
+  static const std::pair<const char*, const char*> kShortNames[] = {
+      {"fp32", "float32"}, {"bf16", "bfloat16"}, {"fp16", "float16"}};
+  Limits limits{.choices = std::move(dtypes)};
+  for (const auto& [old, now] : kShortNames) {
+    if (std::find(limits.choices.begin(), limits.choices.end(), now) != limits.choices.end()) {
+      limits.old_spellings.emplace_back(old, now);
+    }
+  }
+  return limits;
 }
 
 }  // namespace dalle

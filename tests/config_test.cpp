@@ -168,6 +168,29 @@ TEST(Config, NestedAliasesAreRefusedAtOnceAndAFewAreRead) {
                     "key 'optimizer.decays' is given twice");
 }
 
+// One spelling of a dtype in every recipe (torch's names); the short names of older recipes
+// load as the new ones (with a warning), where the key allows the type.
+TEST(Config, OlderDtypeSpellingsReadAsTorchsNames) {
+  struct Recipe {
+    std::string mode = "float32", moments = "float32";
+    std::vector<std::string> list;
+    void visit(ConfigVisitor& v) {
+      v.field("mode", mode, "", dtype_choices({"float32", "bfloat16", "float16"}));
+      v.field("moments", moments, "", dtype_choices({"float32", "bfloat16"}));
+      v.field("list", list, "", dtype_choices({"float32", "bfloat16", "float16", "int8"}));
+    }
+  };
+  const auto read = [](const std::string& yaml) { return load_config<Recipe>(ConfigSource::from_string(yaml, "r.yaml")); };
+  const auto old = read("mode: fp16\nmoments: bf16\nlist: [fp32, int8, bfloat16]\n");
+  EXPECT_EQ(old.mode, "float16");
+  EXPECT_EQ(old.moments, "bfloat16");
+  EXPECT_EQ(old.list, (std::vector<std::string>{"float32", "int8", "bfloat16"}));
+  EXPECT_EQ(read("mode: bfloat16\n").mode, "bfloat16");
+  EXPECT_THROW_WITH(read("moments: fp16\n"), ConfigError, "r.yaml:1:", "'fp16' is not allowed",
+                    "one of 'float32' 'bfloat16'");
+  EXPECT_THROW_WITH(read("mode: int8\n"), ConfigError, "'int8' is not allowed");
+}
+
 TEST(Config, MissingFileIsReported) {
   EXPECT_THROW_WITH(ConfigSource::from_file("/nonexistent/config.yaml"), ConfigError,
                     "/nonexistent/config.yaml", "cannot read");

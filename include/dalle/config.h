@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "dalle/error.h"
@@ -24,7 +25,15 @@ struct Limits {
   std::optional<double> min = {};
   std::optional<double> max = {};
   std::vector<std::string> choices = {};
+  // (older spelling, choice): a value an older recipe spelled otherwise, read as the choice
+  // with a warning, so that older configs still load.
+  std::vector<std::pair<std::string, std::string>> old_spellings = {};
 };
+
+// A floating-point type, as every recipe spells it: torch's names (float32, bfloat16, float16),
+// those of `dtypes` allowed (and any other word among them, such as int8). The short names of
+// older recipes (fp32, bf16, fp16) still load, with a warning.
+Limits dtype_choices(std::vector<std::string> dtypes);
 
 class ConfigVisitor {
  public:

@@ -72,7 +72,7 @@ void PipelineConfig::visit(ConfigVisitor& v) {
           "range and fast CPU kernels; float16 is for GPUs), or int8 on the CPU: its matrices' weights in 8 bits "
           "with a scale per output channel, a quarter of the memory, activations in float32 (FBGEMM); the other "
           "models stay float32",
-          {.choices = {"float32", "bfloat16", "float16", "int8"}});
+          dtype_choices({"float32", "bfloat16", "float16", "int8"}));
   v.section("sampling", "sampling from the prior", sampling);
   v.section("schedule",
             "ruDALL-E's stages: each prompt's candidates split evenly between (top_k, top_p) pairs, in order, "

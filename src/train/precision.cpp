@@ -2,6 +2,8 @@
 
 #include <ATen/autocast_mode.h>
 
+#include "dalle/device.h"
+
 namespace dalle::train {
 
 void GradientScalingConfig::visit(ConfigVisitor& v) {
@@ -30,17 +32,17 @@ void GradientScalingConfig::validate() const {
 
 void PrecisionConfig::visit(ConfigVisitor& v) {
   v.field("mode", mode,
-          "fp32: everything in fp32 (the reference); bf16: autocast to bfloat16; fp16: autocast to float16 with "
-          "dynamic gradient scales (one per resblock in the prior)",
-          {.choices = {"fp32", "bf16", "fp16"}});
-  v.field("adam_moments", adam_moments, "storage of Adam's moments (bf16 halves the optimizer's memory)",
-          {.choices = {"fp32", "bf16"}});
+          "float32: everything in float32 (the reference); bfloat16: autocast to bfloat16; float16: autocast to "
+          "float16 with dynamic gradient scales (one per resblock in the prior)",
+          dtype_choices({"float32", "bfloat16", "float16"}));
+  v.field("adam_moments", adam_moments, "storage of Adam's moments (bfloat16 halves the optimizer's memory)",
+          dtype_choices({"float32", "bfloat16"}));
   v.section("gradient_scaling", "fp16 only: the dynamic gradient scales", gradient_scaling);
 }
 
 Precision PrecisionConfig::precision() const {
-  if (mode == "bf16") return Precision::bf16;
-  if (mode == "fp16") return Precision::fp16;
+  if (mode == "bfloat16") return Precision::bf16;
+  if (mode == "float16") return Precision::fp16;
   return Precision::fp32;
 }
 
@@ -54,7 +56,7 @@ std::optional<torch::ScalarType> PrecisionConfig::autocast_dtype() const {
 }
 
 torch::ScalarType PrecisionConfig::moments_dtype() const {
-  return adam_moments == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+  return float_type_named(adam_moments);
 }
 
 AutocastGuard::AutocastGuard(torch::DeviceType device, std::optional<torch::ScalarType> dtype) : device_(device) {

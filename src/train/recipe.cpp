@@ -46,7 +46,7 @@ void PowerSgdConfig::visit(ConfigVisitor& v) {
   v.field("dtype", dtype,
           "of P and Q on the wire and of the error buffers: float32, or 16 bits as DALL-E kept them (bfloat16 has "
           "fp32's range; float16's infinities are clamped to 65504, and unscaled gradients below 6e-8 vanish)",
-          {.choices = {"float32", "bfloat16", "float16"}});
+          dtype_choices({"float32", "bfloat16", "float16"}));
 }
 
 void DistributedConfig::visit(ConfigVisitor& v) {

@@ -102,7 +102,7 @@ TEST(ShardedReducer, AnInfOnOneRankSkipsTheUpdateEverywhereAndBacksOffOnlyItsGro
     auto tensors = model();
     auto sharded = std::make_shared<ShardedParameters>(tensors, group);
     train::PrecisionConfig config;
-    config.mode = "fp16";
+    config.mode = "float16";
     train::ModelPrecision precision(config, sharded->shards(), {{sharded->shard(0)}, {sharded->shard(1)}},
                                     /*replicas=*/2);
     torch::optim::SGD sgd(sharded->shards(), torch::optim::SGDOptions(0.1));

@@ -167,7 +167,7 @@ TEST_P(TrainingJobAtWorldSize, OverlappedAndAfterBackwardReductionsGiveIdentical
   const int64_t ranks = GetParam();
   ScratchDir dir;
   const std::string job = " --nproc-per-node " + std::to_string(ranks) +
-                          " --set precision.mode=fp16 --set run.steps=4 --set run.checkpoint_every=4";
+                          " --set precision.mode=float16 --set run.steps=4 --set run.checkpoint_every=4";
   const std::vector<std::pair<std::string, std::string>> kinds{
       {"data-parallel", ""},
       {"sharded", " --set distributed.sharding=within_node"},
@@ -233,7 +233,7 @@ TEST_F(TrainingJob, PowerSgdResumesAsIfUninterrupted) {
 // last-bit differences of near-zero gradients into differences of up to a step.
 TEST_F(TrainingJob, ShardedFp16ScalesAndSkipsAsDataParallelDoes) {
   ScratchDir dir;
-  const std::string fp16 = " --nproc-per-node 2 --set precision.mode=fp16";
+  const std::string fp16 = " --nproc-per-node 2 --set precision.mode=float16";
   auto data_parallel = run_command(train_prior(dir / "job", fp16));
   ASSERT_EQ(data_parallel.status, 0) << data_parallel.output;
   auto sharded = run_command(train_prior(dir / "sharded", fp16 + " --set distributed.sharding=within_node"));
@@ -366,7 +366,7 @@ TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains
   EXPECT_TRUE(std::filesystem::exists(dir / "again-sharded/base/model.safetensors"));
   EXPECT_LT(largest_difference(weights_at(dir / "again", 5), weights_at(dir / "again-sharded", 5)), 1e-5);
   // The frozen matrices kept in bf16 (frozen_weights) are gathered as such.
-  const std::string halved = adapters + " --set precision.mode=bf16 --set frozen_weights=bf16 --set run.steps=5";
+  const std::string halved = adapters + " --set precision.mode=bfloat16 --set frozen_weights=bfloat16 --set run.steps=5";
   for (const auto& [run, arguments] : {std::pair{std::string("bf16"), halved}, {"bf16-sharded", halved + sharded}}) {
     auto trained = run_command(train_prior(dir / run, arguments));
     ASSERT_EQ(trained.status, 0) << trained.output;
@@ -376,7 +376,7 @@ TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains
 
   const std::string emojich = " --nproc-per-node 2 --set init_from=" + (dir / "base") +
                               " --set 'optimizer.trainable=[\"*embedding*\",\"resblocks.*norm*\",\"to_logits.*\"]'"
-                              " --set precision.mode=fp16 --set learning_rate.decay=plateau";
+                              " --set precision.mode=float16 --set learning_rate.decay=plateau";
   for (const auto& [run, arguments] :
        {std::pair{std::string("emojich"), emojich}, {"emojich-sharded", emojich + sharded}}) {
     auto trained = run_command(train_prior(dir / run, arguments));

@@ -89,7 +89,7 @@ TEST_F(BartPriorTrainerTest, ResumedRunContinuesWithTheSameLosses) {
 
 TEST_F(BartPriorTrainerTest, ResumedFp16RunContinuesWithTheSameLossesAndScale) {
   auto config = tiny(8);
-  config.precision.mode = "fp16";
+  config.precision.mode = "float16";
   testing::expect_exact_resume<BartPriorTrainer>(config);
 }
 

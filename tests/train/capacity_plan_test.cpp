@@ -176,8 +176,8 @@ TEST(CapacityPlan, ShardedBytesAreWhatTheShardsAndTheReducerCount) {
 TEST(CapacityPlan, TwelveBillionOnV100sNamesWhatDoesNotFit) {
   const ClusterShape v100s{.nodes = 128, .gpus_per_node = 8, .gpu_memory_gib = 16, .peak_tflops = 125};
   const std::vector<std::string> dalle = {
-      "data.batch_size=1024",         "precision.mode=fp16",
-      "precision.adam_moments=bf16",  "distributed.sharding=within_node",
+      "data.batch_size=1024",         "precision.mode=float16",
+      "precision.adam_moments=bfloat16",  "distributed.sharding=within_node",
       "distributed.gradient_reduction=powersgd", "distributed.powersgd.rank=112",
       "distributed.powersgd.dtype=bfloat16"};
   const auto sharded = plan_capacity(twelve_billion(dalle), v100s);
@@ -228,7 +228,7 @@ TEST(CapacityPlan, AdaptersAtTheXlLayoutHoldStateOnlyForWhatTrains) {
   const double matrices = 24 * (2048.0 * 6144 + 2048.0 * 2048 + 2048.0 * 8192 + 8192.0 * 2048);
   EXPECT_DOUBLE_EQ(part_named(plan, "weights").bytes, 4.0 * static_cast<double>(plan.parameters.total) - 2 * matrices);
   auto fp32_base = recipe;
-  fp32_base.frozen_weights = "fp32";
+  fp32_base.frozen_weights = "float32";
   const auto whole_base = plan_capacity(fp32_base, one_gpu);
   EXPECT_DOUBLE_EQ(part_named(whole_base, "weights").bytes, 4.0 * static_cast<double>(plan.parameters.total));
   EXPECT_GT(whole_base.peak_bytes - plan.peak_bytes, 2.2 * (1 << 30));

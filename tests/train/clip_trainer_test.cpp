@@ -88,8 +88,8 @@ TEST_F(ClipTrainerTest, ResumedRunContinuesWithTheSameLosses) { testing::expect_
 
 TEST_F(ClipTrainerTest, ResumedFp16RunContinuesWithTheSameLossesAndScale) {
   auto config = tiny(8);
-  config.precision.mode = "fp16";
-  config.precision.adam_moments = "bf16";
+  config.precision.mode = "float16";
+  config.precision.adam_moments = "bfloat16";
   testing::expect_exact_resume<ClipTrainer>(config);
 }
 

@@ -73,9 +73,9 @@ TEST_F(DvaeTrainerTest, Fp16AndBf16RunsFollowTheFp32Run) {
     DvaeTrainer(config, runs / mode).run();
     return training_lines(runs / mode).at(12);
   };
-  const auto fp32 = reconstruction_after("fp32");
-  const auto fp16 = reconstruction_after("fp16");
-  const auto bf16 = reconstruction_after("bf16");
+  const auto fp32 = reconstruction_after("float32");
+  const auto fp16 = reconstruction_after("float16");
+  const auto bf16 = reconstruction_after("bfloat16");
   const double expected = fp32["reconstruction"].get<double>();
   EXPECT_NEAR(fp16["reconstruction"].get<double>(), expected, 0.03 * std::abs(expected));
   EXPECT_NEAR(bf16["reconstruction"].get<double>(), expected, 0.05 * std::abs(expected));

@@ -107,18 +107,18 @@ TEST_F(PriorTrainerTest, Fp16AndBf16RunsEndNearTheFp32Run) {
     config.precision.mode = mode;
     PriorTrainer trainer(config, runs / mode);
     trainer.run();
-    if (mode == "fp16") EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
+    if (mode == "float16") EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
     return trainer.validate().loss;
   };
-  const double fp32 = final_loss("fp32");
-  EXPECT_NEAR(final_loss("fp16"), fp32, 0.03 * fp32);
-  EXPECT_NEAR(final_loss("bf16"), fp32, 0.03 * fp32);
+  const double fp32 = final_loss("float32");
+  EXPECT_NEAR(final_loss("float16"), fp32, 0.03 * fp32);
+  EXPECT_NEAR(final_loss("bfloat16"), fp32, 0.03 * fp32);
 }
 
 TEST_F(PriorTrainerTest, InfInOneResblockSkipsTheUpdateAndDividesOnlyItsScale) {
   ScratchDir runs;
   auto config = tiny(1);
-  config.precision.mode = "fp16";
+  config.precision.mode = "float16";
   config.run.validate_every = 100;
   std::vector<torch::Tensor> before;
   {
@@ -148,8 +148,8 @@ TEST_F(PriorTrainerTest, InfInOneResblockSkipsTheUpdateAndDividesOnlyItsScale) {
 TEST_F(PriorTrainerTest, ResumedFp16RunWithCheckpointingContinuesWithTheSameLosses) {
   ScratchDir runs;
   auto config = tiny(8);
-  config.precision.mode = "fp16";
-  config.precision.adam_moments = "bf16";
+  config.precision.mode = "float16";
+  config.precision.adam_moments = "bfloat16";
   config.checkpoint_activations_every = 1;
   // Cut back to update 3, still in the warmup, whose rates do not depend on `steps`.
   testing::expect_exact_resume<PriorTrainer>(config, runs);
@@ -345,11 +345,11 @@ TEST_F(PriorTrainerTest, AdaptersTrainInFp16AndBf16NearFp32) {
     config.learning_rate.peak = 1e-2;
     config.precision.mode = mode;
     // Checkpointed, the first block's input (frozen embeddings) needs no gradient; its adapters do.
-    config.checkpoint_activations_every = mode == "bf16" ? 1 : 0;
+    config.checkpoint_activations_every = mode == "bfloat16" ? 1 : 0;
     PriorTrainer trainer(config, runs / mode);
     const double before = trainer.validate().loss;
     trainer.run();
-    if (mode == "fp16") EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
+    if (mode == "float16") EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
     for (const auto& item : trainer.model()->named_parameters()) {
       if (!models::is_adapter_tensor(item.key())) {
         EXPECT_TRUE(torch::equal(item.value(), base.at(item.key()))) << mode << ": " << item.key() << " is frozen";
@@ -359,9 +359,9 @@ TEST_F(PriorTrainerTest, AdaptersTrainInFp16AndBf16NearFp32) {
     EXPECT_LT(after, before) << mode << ": the adapters lower the loss";
     return after;
   };
-  const double fp32 = final_loss("fp32");
-  EXPECT_NEAR(final_loss("fp16"), fp32, 0.03 * fp32);
-  EXPECT_NEAR(final_loss("bf16"), fp32, 0.03 * fp32);
+  const double fp32 = final_loss("float32");
+  EXPECT_NEAR(final_loss("float16"), fp32, 0.03 * fp32);
+  EXPECT_NEAR(final_loss("bfloat16"), fp32, 0.03 * fp32);
 }
 
 // frozen_weights: the base's resblock matrices kept in 16 bits (vectors, the embeddings and
@@ -374,7 +374,7 @@ TEST_F(PriorTrainerTest, FrozenWeightsIn16BitsTrainAdaptersAsTheFp32BaseDoes) {
   config.init_from = runs / "base";
   config.adapter = {.rank = 4, .alpha = 8};
   config.learning_rate.peak = 1e-2;
-  for (const char* mode : {"bf16", "fp16"}) {
+  for (const char* mode : {"bfloat16", "float16"}) {
     config.precision.mode = mode;
     auto stored = config;
     stored.frozen_weights = mode;
@@ -386,7 +386,7 @@ TEST_F(PriorTrainerTest, FrozenWeightsIn16BitsTrainAdaptersAsTheFp32BaseDoes) {
     for (const auto& item : halved.model()->named_parameters()) {
       const bool in_16_bits = item.key().starts_with("resblocks.") && !models::is_adapter_tensor(item.key()) &&
                               item.value().dim() == 2;
-      const auto sixteen = std::string(mode) == "bf16" ? torch::kBFloat16 : torch::kFloat16;
+      const auto sixteen = std::string(mode) == "bfloat16" ? torch::kBFloat16 : torch::kFloat16;
       EXPECT_EQ(item.value().scalar_type(), in_16_bits ? sixteen : torch::kFloat32) << mode << ": " << item.key();
     }
     const double after = halved.validate().loss;
@@ -396,16 +396,16 @@ TEST_F(PriorTrainerTest, FrozenWeightsIn16BitsTrainAdaptersAsTheFp32BaseDoes) {
   auto resumed = tiny(8);
   resumed.init_from = config.init_from;
   resumed.adapter = config.adapter;
-  resumed.precision.mode = "bf16";
-  resumed.frozen_weights = "bf16";
+  resumed.precision.mode = "bfloat16";
+  resumed.frozen_weights = "bfloat16";
   testing::expect_exact_resume<PriorTrainer>(resumed);
 
   auto fp32 = config;
-  fp32.precision.mode = "fp32";
-  fp32.frozen_weights = "fp16";
+  fp32.precision.mode = "float32";
+  fp32.frozen_weights = "float16";
   EXPECT_THAT([&] { PriorTrainer(fp32, runs / "refused"); },
               ::testing::ThrowsMessage<Error>(
-                  ::testing::HasSubstr("frozen_weights fp16 needs precision.mode bf16 or fp16")));
+                  ::testing::HasSubstr("frozen_weights float16 needs precision.mode bfloat16 or float16")));
 }
 
 TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {

@@ -142,8 +142,8 @@ TEST_F(SuperResTrainerTest, AResumedRunComputesWithTheThreadsItsCheckpointWasWri
 
 TEST_F(SuperResTrainerTest, ResumedBf16RunContinuesWithTheSameLossesAndWeights) {
   auto config = tiny(8);
-  config.precision.mode = "bf16";
-  config.precision.adam_moments = "bf16";
+  config.precision.mode = "bfloat16";
+  config.precision.adam_moments = "bfloat16";
   testing::expect_exact_resume<SuperResTrainer>(config);
 }
 

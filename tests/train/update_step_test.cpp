@@ -24,7 +24,7 @@ struct Fixture {
 
 PrecisionConfig fp16() {
   PrecisionConfig config;
-  config.mode = "fp16";
+  config.mode = "float16";
   return config;
 }
 

@@ -50,8 +50,8 @@ TEST_F(VqganTrainerTest, ResumedGumbelRunWithADiscriminatorContinuesWithTheSameL
 
 TEST_F(VqganTrainerTest, ResumedFp16RunWithADiscriminatorContinuesWithTheSameLossesAndScales) {
   auto config = with_discriminator(tiny(8), 2);
-  config.precision.mode = "fp16";
-  config.precision.adam_moments = "bf16";
+  config.precision.mode = "float16";
+  config.precision.adam_moments = "bfloat16";
   testing::expect_exact_resume<VqganTrainer>(config);
 }
 

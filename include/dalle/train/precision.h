@@ -30,8 +30,8 @@ struct GradientScalingConfig {
 };
 
 struct PrecisionConfig {
-  std::string mode = "fp32";
-  std::string adam_moments = "fp32";
+  std::string mode = "float32";
+  std::string adam_moments = "float32";
   GradientScalingConfig gradient_scaling;
 
   void visit(ConfigVisitor& v);

@@ -77,10 +77,10 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
           "(1: every resblock; 0: none)",
           {.min = 0});
   v.field("frozen_weights", frozen_weights,
-          "storage of the resblocks' frozen weight matrices (optimizer.trainable, adapters) in bf16 and fp16 runs, "
-          "which autocast casts anyway: fp16 or bf16 halves the frozen base (fp16 keeps ruDALL-E's released weights "
-          "exactly); fp32 (the default) keeps them as loaded",
-          {.choices = {"fp32", "bf16", "fp16"}});
+          "storage of the resblocks' frozen weight matrices (optimizer.trainable, adapters) in bfloat16 and float16 "
+          "runs, which autocast casts anyway: float16 or bfloat16 halves the frozen base (float16 keeps ruDALL-E's "
+          "released weights exactly); float32 (the default) keeps them as loaded",
+          dtype_choices({"float32", "bfloat16", "float16"}));
   v.field("tokenizer", tokenizer, "caption tokenizer model that made the dataset's text tokens (for sample grids)");
   v.field("image_tokenizer", image_tokenizer, "dVAE or VQGAN run that made the image tokens (for sample grids)");
   v.field("sample_captions", sample_captions, "captions drawn at each validation (needs tokenizer and image_tokenizer)");
@@ -281,14 +281,13 @@ void PriorTrainer::State::install_resblock_runner() {
 // frozen_weights: the resblocks' frozen matrices in 16 bits, shared with the validation model,
 // whose blocks then run under autocast as the training runner's do.
 void PriorTrainer::State::store_frozen_blocks() {
-  if (config.frozen_weights == "fp32") return;
+  if (config.frozen_weights == "float32") return;
   const auto autocast = config.precision.autocast_dtype();
   if (!autocast) {
     throw Error("prior training: frozen_weights " + config.frozen_weights +
-                " needs precision.mode bf16 or fp16 (an fp32 run computes without autocast)");
+                " needs precision.mode bfloat16 or float16 (a float32 run computes without autocast)");
   }
-  const auto stored = store_frozen_matrices(*model, "resblocks.",
-                                            config.frozen_weights == "bf16" ? torch::kBFloat16 : torch::kFloat16);
+  const auto stored = store_frozen_matrices(*model, "resblocks.", float_type_named(config.frozen_weights));
   if (stored.empty()) {
     log::warn(what, ": frozen_weights ", config.frozen_weights, " changes nothing: no resblock matrix is frozen");
     return;

@@ -70,7 +70,7 @@ struct PriorTrainConfig {
   DistributedConfig distributed;
   models::AdapterConfig adapter;  // low-rank adapters, trained with the rest frozen
   int64_t checkpoint_activations_every = 0;  // resblocks 0, k, 2k, ... recompute in backward; 0: none
-  std::string frozen_weights = "fp32";  // storage of the resblocks' frozen matrices: fp32, bf16 or fp16
+  std::string frozen_weights = "float32";  // storage of the resblocks' frozen matrices: float32, bfloat16 or float16
   std::string tokenizer;        // caption tokenizer model, for the sample grids
   std::string image_tokenizer;  // dVAE or VQGAN run that made the tokens, for the sample grids
   std::vector<std::string> sample_captions;
