@@ -761,12 +761,14 @@ TEST(ToolsHostile, GenerateNIsTheImagesWrittenAsOverHttp) {
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_THAT(result.output, ::testing::HasSubstr("--keep is now -n"));
   EXPECT_FALSE(fs::exists(dir / "old/0000-01.png"));
-  result = run("dalle-generate", folder + "-n 1 --keep 1 --out " + (dir / "both") + " 'a red bag'");
-  EXPECT_EQ(result.status, 2) << result.output;
-  EXPECT_THAT(result.output, ::testing::HasSubstr("give -n alone"));
-  result = run("dalle-generate", folder + "--candidates 2 -n 3 --out " + (dir / "more") + " 'a red bag'");
-  EXPECT_EQ(result.status, 2) << result.output;
-  EXPECT_THAT(result.output, ::testing::HasSubstr("-n 3 exceeds --candidates 2"));
+  for (const auto& [arguments, error] : {std::pair{"-n 1 --keep 1", "give -n alone"},
+                                          {"--candidates 2 -n 3", "-n 3 exceeds --candidates 2"},
+                                          {"--candidates 2 --images-per-prompt 2", "give one"}}) {
+    result = run("dalle-generate", folder + arguments + " --out " + (dir / "refused") + " 'a red bag'");
+    EXPECT_EQ(result.status, 2) << arguments << ": " << result.output;
+    EXPECT_THAT(result.output, ::testing::HasSubstr(error)) << arguments;
+  }
+  EXPECT_FALSE(fs::exists(dir / "refused"));
 }
 
 TEST(ToolsHostile, AModelFolderWithoutSizesOrWithNanWeightsIsRefused) {
