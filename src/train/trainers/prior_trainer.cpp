@@ -19,6 +19,7 @@
 #include "dalle/device.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/io/checkpoint.h"
+#include "dalle/io/sharded_checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
 #include "dalle/text/tokenizer.h"
