@@ -40,6 +40,24 @@ std::optional<int64_t> step_of(const fs::path& directory) {
   return std::stoll(digits);
 }
 
+// Renames the folder `built` to `target`, replacing a checkpoint already there: rename()
+// cannot replace a non-empty directory, so the old one goes aside first, comes back if the
+// rename fails, and is removed once the new one is in.
+void rename_into_place(const fs::path& built, const fs::path& target) {
+  std::optional<fs::path> previous;
+  if (fs::exists(target)) {
+    previous = temporary_sibling(target.string());
+    fs::rename(target, *previous);
+  }
+  try {
+    fs::rename(built, target);
+  } catch (...) {
+    if (previous) fs::rename(*previous, target);  // put the old checkpoint back
+    throw;
+  }
+  if (previous) fs::remove_all(*previous);
+}
+
 }  // namespace
 
 void detail::write_files(const std::string& folder, const Checkpoint& checkpoint) {
@@ -72,19 +90,7 @@ void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint)
   try {
     fs::create_directory(staging);
     detail::write_files(staging.string(), checkpoint);
-    // rename() cannot replace a non-empty directory: move the old one aside first.
-    std::optional<fs::path> previous;
-    if (fs::exists(target)) {
-      previous = temporary_sibling(directory);
-      fs::rename(target, *previous);
-    }
-    try {
-      fs::rename(staging, target);
-    } catch (...) {
-      if (previous) fs::rename(*previous, target);  // put the old checkpoint back
-      throw;
-    }
-    if (previous) fs::remove_all(*previous);
+    rename_into_place(staging, target);
   } catch (...) {
     std::error_code ignored;
     fs::remove_all(staging, ignored);
@@ -180,8 +186,7 @@ std::string CheckpointStore::save(int64_t step, const Checkpoint& checkpoint) {
   const std::string directory = directory_for(step);
   remove_stale_temporaries_in(root_);  // the steps a killed run was writing
   save_checkpoint(directory, checkpoint);
-  write_file_atomic((fs::path(root_) / "latest").string(), fs::path(directory).filename().string() + "\n");
-  prune();
+  make_latest(directory);
   return directory;
 }
 
@@ -201,16 +206,14 @@ void CheckpointStore::stage(int64_t step) const {
 std::string CheckpointStore::publish(int64_t step) {
   const std::string directory = directory_for(step);
   // A checkpoint of the same update, from an earlier attempt, goes aside until this one is in.
-  std::optional<fs::path> previous;
-  if (fs::exists(directory)) {
-    previous = temporary_sibling(directory);
-    fs::rename(directory, *previous);
-  }
-  fs::rename(staging_for(step), directory);
-  if (previous) fs::remove_all(*previous);
+  rename_into_place(staging_for(step), directory);
+  make_latest(directory);
+  return directory;
+}
+
+void CheckpointStore::make_latest(const std::string& directory) const {
   write_file_atomic((fs::path(root_) / "latest").string(), fs::path(directory).filename().string() + "\n");
   prune();
-  return directory;
 }
 
 std::vector<int64_t> CheckpointStore::steps() const {

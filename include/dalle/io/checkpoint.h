@@ -63,6 +63,8 @@ class CheckpointStore {
   std::string directory_for(int64_t step) const;
 
  private:
+  // `latest` names `directory`, and the old steps are pruned.
+  void make_latest(const std::string& directory) const;
   void prune() const;
 
   std::string root_;
