@@ -15,6 +15,7 @@
 #include "dalle/data/loader.h"
 #include "dalle/data/token_dataset.h"
 #include "dalle/distributed/sharded_parameters.h"
+#include "dalle/distributed/sharded_reducer.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/device.h"
 #include "dalle/io/atomic_file.h"
