@@ -95,8 +95,7 @@ torch::Tensor ShardedParameters::all_gather(const torch::Tensor& shard) const {
   return gathered;
 }
 
-std::vector<torch::Tensor> ShardedParameters::unshard(size_t g, const torch::Tensor& shard_like) const {
-  const auto flat = all_gather(shard_like);
+std::vector<torch::Tensor> ShardedParameters::unflatten(size_t g, const torch::Tensor& flat) const {
   std::vector<torch::Tensor> full;
   int64_t offset = 0;
   for (const auto& layout : layouts_[g]) {
@@ -104,6 +103,10 @@ std::vector<torch::Tensor> ShardedParameters::unshard(size_t g, const torch::Ten
     offset += layout.numel;
   }
   return full;
+}
+
+std::vector<torch::Tensor> ShardedParameters::unshard(size_t g, const torch::Tensor& shard_like) const {
+  return unflatten(g, all_gather(shard_like));
 }
 
 void ShardedParameters::prefetch(size_t g) {
@@ -121,11 +124,7 @@ void ShardedParameters::gather(size_t g) {
   std::vector<torch::Tensor> full;
   if (auto found = prefetched_.find(g); found != prefetched_.end()) {
     found->second.pending->wait();
-    int64_t offset = 0;
-    for (const auto& layout : layouts_[g]) {
-      full.push_back(found->second.output.narrow(0, offset, layout.numel).view(layout.shape));
-      offset += layout.numel;
-    }
+    full = unflatten(g, found->second.output);
     prefetched_.erase(found);
   } else {
     full = unshard(g, shards_[g]);

@@ -77,6 +77,8 @@ class ShardedParameters {
 
  private:
   torch::Tensor flatten(size_t g, const std::vector<torch::Tensor>& tensors) const;
+  // Group g's tensors, whole, as views of its flat values (gathered).
+  std::vector<torch::Tensor> unflatten(size_t g, const torch::Tensor& flat) const;
   torch::Tensor all_gather(const torch::Tensor& shard) const;
 
   // What each tensor of each group is when whole.
