@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "dalle/error.h"
+#include "dalle/io/sharded_checkpoint.h"
 
 namespace dalle::distributed {
 
@@ -24,7 +25,7 @@ ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> gro
       total += tensor.numel();
     }
     layouts_.push_back(std::move(layouts));
-    shard_numel_.push_back((total + ranks - 1) / ranks);
+    shard_numel_.push_back(io::shard_size(total, ranks));
     // A group of frozen tensors is gathered and never trained; an empty one trains nothing.
     const bool trains = groups_[g].empty() || std::any_of(groups_[g].begin(), groups_[g].end(),
                                                           [](const torch::Tensor& t) { return t.requires_grad(); });
@@ -48,7 +49,7 @@ std::vector<ShardRows> rows_in_shard(const std::vector<std::vector<int64_t>>& sh
     sizes.push_back(std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>()));
     total += sizes.back();
   }
-  const int64_t shard = (total + ranks - 1) / ranks, low = rank * shard, high = low + shard;
+  const int64_t shard = io::shard_size(total, ranks), low = rank * shard, high = low + shard;
   std::vector<ShardRows> found;
   int64_t start = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "dalle/error.h"
+#include "dalle/io/sharded_checkpoint.h"
 
 namespace dalle::distributed {
 
@@ -43,7 +44,7 @@ void ShardedReducer::average_replicated_hierarchically(const std::vector<torch::
   }
   const int64_t ranks = within_node_->size();
   auto whole = torch::cat(flat);
-  const int64_t part = (whole.numel() + ranks - 1) / ranks;
+  const int64_t part = io::shard_size(whole.numel(), ranks);
   whole = torch::constant_pad_nd(whole, {0, part * ranks - whole.numel()});
   auto mine = torch::empty({part}, whole.options());
   within_node_->reduce_scatter(whole, mine, ReduceOp::average);

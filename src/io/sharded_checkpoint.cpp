@@ -165,7 +165,7 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
     if (written && !written->kinds.count(kind)) continue;
     for (size_t g = 0; g < wanted.groups.size(); ++g) {
       const int64_t values = values_of(wanted.groups[g]);
-      const int64_t share = (values + ranks - 1) / ranks, low = rank * share, high = std::min(values, low + share);
+      const int64_t share = shard_size(values, ranks), low = rank * share, high = std::min(values, low + share);
       auto slice = torch::zeros({share});
       if (values == 0) {  // an empty group (a block whose matrices are all frozen)
         result.slices.emplace(slice_key(kind, g), std::move(slice));
@@ -177,7 +177,7 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
                       std::to_string(values_of(written->groups[g])) + " values where the model has " +
                       std::to_string(values));
         }
-        const int64_t written_share = (values + written->ranks - 1) / written->ranks;
+        const int64_t written_share = shard_size(values, written->ranks);
         for (int64_t writer = low / written_share; writer < written->ranks && writer * written_share < high; ++writer) {
           const auto& shard = shard_of_rank(writer);
           const auto found = shard.find(slice_key(kind, g));

@@ -12,6 +12,7 @@
 #include "dalle/distributed/powersgd.h"
 #include "dalle/distributed/sharded_parameters.h"
 #include "dalle/error.h"
+#include "dalle/io/sharded_checkpoint.h"
 #include "dalle/models/adapter.h"
 #include "dalle/models/prior_flops.h"
 #include "dalle/train/trainable.h"
@@ -36,8 +37,6 @@ using Shape = std::vector<int64_t>;
 int64_t numel(const Shape& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
 }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // One resblock as ShardedResblocks groups it, once the recipe's adapters are added and
 // optimizer.trainable applied: its trained matrices (which AdamW decays: no embeddings live in
@@ -65,10 +64,10 @@ struct BlockShape {
   }
   // A rank's shards of the block: every group, or the trained ones, padded to the ranks.
   int64_t shard_values(int64_t ranks) const {
-    return trained_shard_values(ranks) + ceil_div(values_of(groups[2]), ranks);
+    return trained_shard_values(ranks) + io::shard_size(values_of(groups[2]), ranks);
   }
   int64_t trained_shard_values(int64_t ranks) const {
-    return ceil_div(values_of(groups[0]), ranks) + ceil_div(values_of(groups[1]), ranks);
+    return io::shard_size(values_of(groups[0]), ranks) + io::shard_size(values_of(groups[1]), ranks);
   }
   // What trains, as shapes: the trained groups' tensors and the adapters.
   std::vector<Shape> trained_shapes() const {
@@ -190,7 +189,7 @@ LowRankCost shard_low_rank(const ModelShape& shape, int64_t layers, int64_t rank
     for (const auto& group : {block.groups[0], block.groups[1]}) {
       int64_t values = 0;
       for (const auto& tensor : group) values += numel(tensor);
-      double left = static_cast<double>(ceil_div(values, ranks));
+      double left = static_cast<double>(io::shard_size(values, ranks));
       for (const auto& rows : distributed::rows_in_shard(group, rank, ranks)) {
         if (!distributed::compresses(rows.rows, rows.columns, options)) continue;
         per_layer.add_matrix(rows.rows, rows.columns, options);
@@ -512,7 +511,7 @@ class Planner {
                   "ShardedReducer::bytes_reduced (DataParallelReducer)", overlap_);
       return;
     }
-    const double part = kFp32 * static_cast<double>(ceil_div(outside, gpus_));
+    const double part = kFp32 * static_cast<double>(io::shard_size(outside, gpus_));
     const double part_whole = part * static_cast<double>(gpus_);
     const int64_t machines = cluster_.nodes;
     add_traffic("replicated gradients reduce-scattered in the machine", "reduce-scatter", within, gpus_, part_whole,

@@ -13,6 +13,11 @@
 
 namespace dalle::io {
 
+// The values each of `ranks` ranks holds of a group of `values` cut into equal shards: values
+// / ranks rounded up, the last shard zero-padded at its end; how distributed::ShardedParameters
+// cuts its groups, the shard files hold them and the capacity plan counts them.
+constexpr int64_t shard_size(int64_t values, int64_t ranks) { return (values + ranks - 1) / ranks; }
+
 struct ShardLayout {
   struct Parameter {
     std::string name;
@@ -30,7 +35,7 @@ struct ShardLayout {
 // rank 0's files (the replicated parameters and the state; in a checkpoint that was not
 // sharded, every parameter, mapped and left unread until used) and, of each group of
 // `wanted` (the job's resblock groups and the kinds it restores), the slice of the group's
-// flat values that rank `rank` of `ranks` holds (values / ranks rounded up, zero-padded at
+// flat values that rank `rank` of `ranks` holds (shard_size(values, ranks), zero-padded at
 // the end, as distributed::ShardedParameters cuts them). In a sharded checkpoint the slices
 // are read from the shard files that hold them, on any world size; in another, from the
 // whole tensors. A kind the checkpoint lacks (moments before the first update) has no slices.
