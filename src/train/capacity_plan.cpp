@@ -201,12 +201,6 @@ LowRankCost shard_low_rank(const ModelShape& shape, int64_t layers, int64_t rank
   return per_layer.times(static_cast<double>(layers));
 }
 
-distributed::PowerSgdOptions powersgd_options(const PowerSgdConfig& config) {
-  return {.rank = config.rank,
-          .start_update = config.start_update,
-          .min_compression_rate = config.min_compression_rate};
-}
-
 double ring_factor(const std::string& collective, int64_t ranks) {
   const double n = static_cast<double>(ranks);
   return (collective == "all-reduce" ? 2.0 : 1.0) * (n - 1.0) / n;
@@ -405,7 +399,7 @@ class Planner {
   // rows a shard holds): memory takes the largest, traffic the mean.
   void powersgd_memory() {
     if (!reduces_low_rank()) return;
-    const auto options = powersgd_options(recipe_.distributed.powersgd);
+    const auto options = *powersgd_options(recipe_.distributed, recipe_.run);
     const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
     const auto& dtype = recipe_.distributed.powersgd.dtype;
     LowRankCost largest;

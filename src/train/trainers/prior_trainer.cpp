@@ -363,11 +363,9 @@ void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
                                                       .measure_norm = true,
                                                       .after_step = [this] { average_shards(); }},
                                         ema.get(), model.get());
-  std::optional<distributed::PowerSgdOptions> powersgd;
-  if (config.distributed.gradient_reduction == "powersgd") powersgd = detail::powersgd_options(config);
   sharded_reducer = std::make_shared<distributed::ShardedReducer>(
-      shards->parameters(), job->group(), job->within_node(), job->across_nodes(),
-      std::llround(config.distributed.bucket_megabytes * (1 << 20)), powersgd, config.distributed.overlap);
+      shards->parameters(), job->group(), job->within_node(), job->across_nodes(), bucket_bytes(config.distributed),
+      powersgd_options(config.distributed, config.run), config.distributed.overlap);
   update->set_reducer(sharded_reducer);
 }
 
