@@ -20,7 +20,6 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kConfigFile = "config.yaml";
-constexpr const char* kWeightsFile = "model.safetensors";
 constexpr const char* kStateFile = "state.safetensors";
 constexpr const char* kStepPrefix = "step-";
 
@@ -250,8 +249,8 @@ void CheckpointStore::prune() const {
 }
 
 std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what) {
-  if (fs::exists(fs::path(run_or_checkpoint) / "model.safetensors")) return run_or_checkpoint;
-  auto latest = CheckpointStore((fs::path(run_or_checkpoint) / "checkpoints").string()).latest();
+  if (fs::exists(fs::path(run_or_checkpoint) / kWeightsFile)) return run_or_checkpoint;
+  auto latest = CheckpointStore((fs::path(run_or_checkpoint) / kCheckpointsFolder).string()).latest();
   if (!latest) throw Error(run_or_checkpoint + ": neither a " + what + " checkpoint nor a run with checkpoints");
   return *latest;
 }

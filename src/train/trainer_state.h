@@ -208,7 +208,7 @@ struct TrainerState : RunRecord {
   // `released`: those the model does not hold whole (a sharded run's frozen blocks).
   void write_base_copy(const io::TensorMap& released = {}) {
     write_base_copy_ = false;
-    if (!writes_files || std::filesystem::exists(std::filesystem::path(base_checkpoint) / "model.safetensors")) return;
+    if (!writes_files || std::filesystem::exists(std::filesystem::path(base_checkpoint) / io::kWeightsFile)) return;
     io::Checkpoint copy;
     copy.config_yaml = "# The frozen weights of this run's init_from, under the model's names: the base its checkpoints\n"
                        "# refer to (docs/fine-tuning.md).\n";

@@ -13,6 +13,11 @@
 
 namespace dalle::io {
 
+// The weights file of a checkpoint (and of an exported model or a classifier directory), and
+// the folder of a run directory that holds its checkpoints (CheckpointStore's root).
+inline constexpr const char* kWeightsFile = "model.safetensors";
+inline constexpr const char* kCheckpointsFolder = "checkpoints";
+
 struct Checkpoint {
   std::string config_yaml;
   TensorMap weights;

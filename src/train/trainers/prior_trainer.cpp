@@ -410,7 +410,7 @@ void PriorTrainer::State::resume(const std::string& directory) {
   auto& checkpoint = read.replicated;
   base_checkpoint = io::base_of(checkpoint);
   restore_frozen_blocks(checkpoint.weights);
-  io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors", block_names());
+  io::load_state_dict(*model, checkpoint.weights, directory + "/" + io::kWeightsFile, block_names());
   checkpoint.weights.clear();
   ema->load(io::with_prefix_removed(checkpoint.state, "ema."));
   const auto moments = io::with_prefix_removed(checkpoint.state, "adamw.");
