@@ -79,7 +79,8 @@ int main(int argc, char** argv) {
   tools::ConfigOptions classifier_config;
   auto* train_command = app.add_subcommand(
       "train-classifier", "train the Fashion-MNIST item classifier and save it as a checkpoint directory");
-  train_command->add_option("--out", classifier_out, std::string("classifier directory: config.yaml, ") + io::kWeightsFile);
+  train_command->add_option("--out", classifier_out,
+                            std::string("classifier directory: config.yaml, ") + io::kWeightsFile);
   classifier_config.add_to(*train_command, "item classifier training");
 
   ScoreCommand score;
