@@ -41,6 +41,7 @@
 #include "dalle/distributed/local_ranks.h"
 #include "dalle/distributed/powersgd.h"
 #include "dalle/distributed/sharded_parameters.h"
+#include "dalle/distributed/sharded_reducer.h"
 #include "dalle/device.h"
 #include "dalle/models/bart_sampling.h"
 #include "dalle/models/linear.h"

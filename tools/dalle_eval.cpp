@@ -9,6 +9,7 @@
 #include "dalle/train/trainers/classifier_trainer.h"
 #include "dalle/eval/score.h"
 #include "dalle/io/atomic_file.h"
+#include "dalle/io/checkpoint.h"
 #include "dalle/log.h"
 #include "tool_support.h"
 
@@ -78,7 +79,8 @@ int main(int argc, char** argv) {
   tools::ConfigOptions classifier_config;
   auto* train_command = app.add_subcommand(
       "train-classifier", "train the Fashion-MNIST item classifier and save it as a checkpoint directory");
-  train_command->add_option("--out", classifier_out, "classifier directory: config.yaml, model.safetensors");
+  train_command->add_option("--out", classifier_out,
+                            std::string("classifier directory: config.yaml, ") + io::kWeightsFile);
   classifier_config.add_to(*train_command, "item classifier training");
 
   ScoreCommand score;

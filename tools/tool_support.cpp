@@ -205,7 +205,7 @@ void launch_local_ranks(const std::vector<std::string>& arguments, int64_t ranks
     if (outcome.exit_status != 0) throw ExitStatus{outcome.exit_status};
     return;
   }
-  const auto latest = io::CheckpointStore(run + "/checkpoints").latest();
+  const auto latest = io::CheckpointStore(run + "/" + io::kCheckpointsFolder).latest();
   throw Error("the job has ended: rank " + std::to_string(outcome.failed_rank) + " " + outcome.failure +
               " and the other ranks were stopped; " +
               (latest ? "the last complete checkpoint is " + *latest + ": rerun the same command to resume from it"

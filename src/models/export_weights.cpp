@@ -52,11 +52,11 @@ AdapterConfig adapter_config(const ConfigSource& config) {
 
 // The run's newest `count` checkpoint directories, oldest first.
 std::vector<std::string> newest_checkpoints(const std::string& run, int64_t count) {
-  if (fs::exists(fs::path(run) / "model.safetensors")) {
+  if (fs::exists(fs::path(run) / io::kWeightsFile)) {
     throw Error(run + ": averaging " + std::to_string(count) +
                 " checkpoints needs the run directory, not one checkpoint");
   }
-  const io::CheckpointStore store((fs::path(run) / "checkpoints").string());
+  const io::CheckpointStore store((fs::path(run) / io::kCheckpointsFolder).string());
   const auto steps = store.steps();
   if (static_cast<int64_t>(steps.size()) < count) {
     throw Error(run + ": has " + std::to_string(steps.size()) + " checkpoints, fewer than the " +
@@ -122,7 +122,7 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
     exported.averaged = {exported.checkpoint};
   }
   // Only an empty folder or an earlier export may be replaced, never a run or the source.
-  if (fs::exists(out) && !fs::is_empty(out) && !fs::exists(fs::path(out) / "model.safetensors")) {
+  if (fs::exists(out) && !fs::is_empty(out) && !fs::exists(fs::path(out) / io::kWeightsFile)) {
     throw Error(out + ": exists and is not a checkpoint directory; choose another output folder");
   }
   for (const auto& source : exported.averaged) {

@@ -36,8 +36,8 @@ torch::Tensor ItemClassifierImpl::features(const torch::Tensor& x) {
 torch::Tensor ItemClassifierImpl::head(const torch::Tensor& features) { return head_(features); }
 
 TrainedClassifier load_item_classifier(const std::string& directory) {
-  if (!std::filesystem::exists(std::filesystem::path(directory) / "model.safetensors")) {
-    throw Error(directory + ": not an item classifier directory (no model.safetensors; train one with "
+  if (!std::filesystem::exists(std::filesystem::path(directory) / io::kWeightsFile)) {
+    throw Error(directory + ": not an item classifier directory (no " + io::kWeightsFile + "; train one with "
                 "`dalle-eval train-classifier --out " + directory + "`)");
   }
   const auto checkpoint = io::load_checkpoint(directory);
@@ -50,7 +50,7 @@ TrainedClassifier load_item_classifier(const std::string& directory) {
   bind_config_parts(source, [&config](ConfigVisitor& v) { v.section("model", "", config); }, {"model"});
   require_model_sizes<ItemClassifierConfig>(source);
   TrainedClassifier trained{ItemClassifier(config), config, 0.0};
-  io::load_state_dict(*trained.model, checkpoint.weights, directory + "/model.safetensors");
+  io::load_state_dict(*trained.model, checkpoint.weights, directory + "/" + io::kWeightsFile);
   trained.model->eval();
   if (checkpoint.state_metadata.count("test_accuracy")) {
     trained.test_accuracy = std::stod(checkpoint.state_metadata.at("test_accuracy"));

@@ -53,7 +53,7 @@ ModelConfig read_model_config(const ConfigSource& source, const std::string& kin
 // Where a checkpoint's inference weights come from, for errors.
 std::string weights_source(const CheckpointConfig& opened) {
   const bool averaged = !io::with_prefix_removed(opened.checkpoint.state, "ema.").empty();
-  return opened.directory + "/model.safetensors" + (averaged ? " with the moving average of state.safetensors" : "");
+  return opened.directory + "/" + io::kWeightsFile + (averaged ? " with the moving average of state.safetensors" : "");
 }
 
 // The checkpoint's inference weights (its moving average where it keeps one) into `module`.

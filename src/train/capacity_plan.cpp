@@ -4,25 +4,26 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdarg>
 #include <cstdio>
 #include <functional>
-#include <nlohmann/json.hpp>
 #include <numeric>
 #include <unordered_set>
 
 #include "dalle/distributed/powersgd.h"
 #include "dalle/distributed/sharded_parameters.h"
 #include "dalle/error.h"
+#include "dalle/io/sharded_checkpoint.h"
 #include "dalle/models/adapter.h"
 #include "dalle/models/prior_flops.h"
 #include "dalle/train/trainable.h"
+#include "train/capacity_plan_text.h"
 
 namespace dalle::train {
 namespace {
 
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-constexpr double kMB = 1e6;  // as the metrics' across_machines_mb
+using detail::kGiB;
+using detail::with_thousands;
+
 constexpr double kFp32 = 4;
 // Values per token per unit of width a resblock keeps for its backward when not
 // checkpointed (capacity_plan.h): attention's norm, q, k, v and attended; the MLP's norm and
@@ -36,10 +37,6 @@ using Shape = std::vector<int64_t>;
 int64_t numel(const Shape& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
 }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-std::string with_thousands(int64_t value);
 
 // One resblock as ShardedResblocks groups it, once the recipe's adapters are added and
 // optimizer.trainable applied: its trained matrices (which AdamW decays: no embeddings live in
@@ -67,10 +64,10 @@ struct BlockShape {
   }
   // A rank's shards of the block: every group, or the trained ones, padded to the ranks.
   int64_t shard_values(int64_t ranks) const {
-    return trained_shard_values(ranks) + ceil_div(values_of(groups[2]), ranks);
+    return trained_shard_values(ranks) + io::shard_size(values_of(groups[2]), ranks);
   }
   int64_t trained_shard_values(int64_t ranks) const {
-    return ceil_div(values_of(groups[0]), ranks) + ceil_div(values_of(groups[1]), ranks);
+    return io::shard_size(values_of(groups[0]), ranks) + io::shard_size(values_of(groups[1]), ranks);
   }
   // What trains, as shapes: the trained groups' tensors and the adapters.
   std::vector<Shape> trained_shapes() const {
@@ -192,7 +189,7 @@ LowRankCost shard_low_rank(const ModelShape& shape, int64_t layers, int64_t rank
     for (const auto& group : {block.groups[0], block.groups[1]}) {
       int64_t values = 0;
       for (const auto& tensor : group) values += numel(tensor);
-      double left = static_cast<double>(ceil_div(values, ranks));
+      double left = static_cast<double>(io::shard_size(values, ranks));
       for (const auto& rows : distributed::rows_in_shard(group, rank, ranks)) {
         if (!distributed::compresses(rows.rows, rows.columns, options)) continue;
         per_layer.add_matrix(rows.rows, rows.columns, options);
@@ -202,12 +199,6 @@ LowRankCost shard_low_rank(const ModelShape& shape, int64_t layers, int64_t rank
     }
   }
   return per_layer.times(static_cast<double>(layers));
-}
-
-distributed::PowerSgdOptions powersgd_options(const PowerSgdConfig& config) {
-  return {.rank = config.rank,
-          .start_update = config.start_update,
-          .min_compression_rate = config.min_compression_rate};
 }
 
 double ring_factor(const std::string& collective, int64_t ranks) {
@@ -408,7 +399,7 @@ class Planner {
   // rows a shard holds): memory takes the largest, traffic the mean.
   void powersgd_memory() {
     if (!reduces_low_rank()) return;
-    const auto options = powersgd_options(recipe_.distributed.powersgd);
+    const auto options = *powersgd_options(recipe_.distributed, recipe_.run);
     const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
     const auto& dtype = recipe_.distributed.powersgd.dtype;
     LowRankCost largest;
@@ -514,7 +505,7 @@ class Planner {
                   "ShardedReducer::bytes_reduced (DataParallelReducer)", overlap_);
       return;
     }
-    const double part = kFp32 * static_cast<double>(ceil_div(outside, gpus_));
+    const double part = kFp32 * static_cast<double>(io::shard_size(outside, gpus_));
     const double part_whole = part * static_cast<double>(gpus_);
     const int64_t machines = cluster_.nodes;
     add_traffic("replicated gradients reduce-scattered in the machine", "reduce-scatter", within, gpus_, part_whole,
@@ -596,21 +587,6 @@ void require(bool holds, const std::string& what) {
   if (!holds) throw Error("the cluster: " + what);
 }
 
-std::string printed(const char* format, ...) {
-  char text[512];
-  va_list arguments;
-  va_start(arguments, format);
-  std::vsnprintf(text, sizeof text, format, arguments);
-  va_end(arguments);
-  return text;
-}
-
-std::string with_thousands(int64_t value) {
-  auto digits = std::to_string(value);
-  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(static_cast<size_t>(i), ",");
-  return digits;
-}
-
 }  // namespace
 
 void ClusterShape::validate() const {
@@ -623,137 +599,10 @@ void ClusterShape::validate() const {
   require(link_across_gbps > 0, "the link across machines must be faster than 0 Gbit/s");
 }
 
-const char* phase_name(MemoryPhase phase) {
-  switch (phase) {
-    case MemoryPhase::kept: return "kept";
-    case MemoryPhase::backward: return "backward";
-    case MemoryPhase::reduction: return "reduction";
-  }
-  return "";
-}
-
-const char* scope_name(CollectiveScope scope) {
-  switch (scope) {
-    case CollectiveScope::within: return "within";
-    case CollectiveScope::across: return "across";
-    case CollectiveScope::spanning: return "spanning";
-  }
-  return "";
-}
-
 CapacityPlan plan_capacity(const PriorTrainConfig& recipe, const ClusterShape& cluster) {
   cluster.validate();
   recipe.model.validate();
   return Planner(recipe, cluster).run();
-}
-
-std::string capacity_plan_json(const CapacityPlan& plan) {
-  const auto& c = plan.cluster;
-  nlohmann::json json = {
-      {"cluster",
-       {{"nodes", c.nodes}, {"gpus_per_node", c.gpus_per_node}, {"ranks", c.ranks()},
-        {"gpu_memory_gib", c.gpu_memory_gib}, {"peak_tflops", c.peak_tflops}, {"mfu", c.mfu},
-        {"link_within_gbps", c.link_within_gbps}, {"link_across_gbps", c.link_across_gbps}}},
-      {"model",
-       {{"layers", plan.model.layers}, {"width", plan.model.width}, {"heads", plan.model.heads},
-        {"sequence", plan.model.length()}}},
-      {"training",
-       {{"precision", plan.precision}, {"adam_moments", plan.adam_moments}, {"sharding", plan.sharding},
-        {"sharded", plan.sharded}, {"gradient_reduction", plan.gradient_reduction},
-        {"checkpointing", plan.checkpointing}, {"global_batch", plan.global_batch},
-        {"batch_per_rank", plan.batch_per_rank}, {"tokens_per_rank", plan.tokens_per_rank}}},
-      {"parameters",
-       {{"total", plan.parameters.total}, {"in_resblocks", plan.parameters.in_resblocks},
-        {"outside_resblocks", plan.parameters.outside_resblocks}, {"matrix_weights", plan.parameters.matrix_weights},
-        {"per_rank", plan.parameters.per_rank}, {"adapters", plan.parameters.adapters},
-        {"trained", plan.parameters.trained}}}};
-  auto& memory = json["memory"];
-  memory["parts"] = nlohmann::json::array();
-  for (const auto& part : plan.memory) {
-    memory["parts"].push_back(
-        {{"name", part.name}, {"phase", phase_name(part.phase)}, {"bytes", part.bytes}, {"rule", part.rule}});
-  }
-  memory.update({{"kept_bytes", plan.kept_bytes}, {"backward_bytes", plan.backward_bytes},
-                 {"reduction_bytes", plan.reduction_bytes}, {"peak_bytes", plan.peak_bytes},
-                 {"capacity_bytes", plan.capacity_bytes}, {"fits", plan.fits}, {"too_large", plan.too_large},
-                 {"startup_bytes", plan.startup_bytes}, {"fits_at_startup", plan.fits_at_startup}});
-  auto& traffic = json["traffic"];
-  traffic["parts"] = nlohmann::json::array();
-  for (const auto& part : plan.traffic) {
-    traffic["parts"].push_back({{"name", part.name}, {"collective", part.collective},
-                                {"scope", scope_name(part.scope)}, {"ranks", part.ranks},
-                                {"payload_bytes", part.payload_bytes}, {"counted_by", part.counted_by},
-                                {"seconds", part.seconds}, {"hidden", part.hidden}});
-  }
-  traffic.update({{"bytes_within", plan.bytes_within}, {"bytes_across", plan.bytes_across},
-                  {"bytes_across_uncompressed", plan.bytes_across_uncompressed}});
-  json["compute"] = {{"flops_per_token", plan.flops_per_token}, {"flops_per_update", plan.flops_per_update},
-                     {"compute_seconds", plan.compute_seconds},
-                     {"exposed_communication_seconds", plan.exposed_communication_seconds},
-                     {"step_seconds", plan.step_seconds}, {"tokens_per_second", plan.tokens_per_second}};
-  json["notes"] = plan.notes;
-  return json.dump(2) + "\n";
-}
-
-std::string capacity_plan_table(const CapacityPlan& plan) {
-  const auto& c = plan.cluster;
-  const auto& p = plan.parameters;
-  std::string out;
-  out += printed("cluster: %lld machines x %lld GPUs (%lld ranks), %.0f GiB, %.0f TFLOP/s each at %.0f%% MFU; links "
-                 "%.0f Gbit/s within a machine (per GPU), %.0f across (per machine)\n",
-                 static_cast<long long>(c.nodes), static_cast<long long>(c.gpus_per_node),
-                 static_cast<long long>(c.ranks()), c.gpu_memory_gib, c.peak_tflops, 100 * c.mfu, c.link_within_gbps,
-                 c.link_across_gbps);
-  out += "model: " + with_thousands(p.total) + " parameters (" + with_thousands(p.in_resblocks) + " in " +
-         std::to_string(2 * plan.model.layers) + " resblocks, " + with_thousands(p.outside_resblocks) +
-         " outside), " + std::to_string(plan.model.layers) + " layers x " + std::to_string(plan.model.width) +
-         ", sequence " + std::to_string(plan.model.length()) +
-         (p.trained < p.total ? "; " + with_thousands(p.trained) + " train (" + with_thousands(p.adapters) +
-                                    " in adapters), the rest frozen"
-                              : "") +
-         "\n";
-  out += "training: batch " + std::to_string(plan.global_batch) + " (" + std::to_string(plan.batch_per_rank) +
-         " per rank, " + std::to_string(plan.tokens_per_rank) + " tokens), " + plan.precision + ", moments " +
-         plan.adam_moments + ", sharding " + plan.sharding + (plan.sharded ? "" : " (not sharded)") + ", " +
-         plan.gradient_reduction + ", checkpointing " + plan.checkpointing + "\n\n";
-
-  out += printed("%-32s %10s  %-9s  %s\n", "memory per rank", "GiB", "when", "counted");
-  for (const auto& part : plan.memory) {
-    out += printed("  %-30s %10.2f  %-9s  %s\n", part.name.c_str(), part.bytes / kGiB, phase_name(part.phase),
-                   part.rule.c_str());
-  }
-  out += printed("  %-30s %10.2f  = kept %.2f + the larger of backward %.2f and reduction %.2f\n", "peak",
-                 plan.peak_bytes / kGiB, plan.kept_bytes / kGiB, plan.backward_bytes / kGiB,
-                 plan.reduction_bytes / kGiB);
-  std::string verdict = plan.fits ? printed("fits in %.0f GiB", c.gpu_memory_gib)
-                                   : printed("does not fit in %.0f GiB (over by %.2f GiB); too large:",
-                                             c.gpu_memory_gib, (plan.peak_bytes - plan.capacity_bytes) / kGiB);
-  for (size_t i = 0; i < plan.too_large.size(); ++i) verdict += (i ? ", " : " ") + plan.too_large[i];
-  out += "  " + verdict + "\n\n";
-
-  if (!plan.traffic.empty()) {
-    out += printed("%-52s %12s  %-14s %-8s %5s %9s  %s\n", "bytes per update per rank", "payload MB", "collective",
-                   "group", "ranks", "seconds", "counted by");
-    for (const auto& part : plan.traffic) {
-      out += printed("  %-50s %12.2f  %-14s %-8s %5lld %9.4f%s  %s\n", part.name.c_str(), part.payload_bytes / kMB,
-                     part.collective.c_str(), scope_name(part.scope), static_cast<long long>(part.ranks), part.seconds,
-                     part.hidden ? "*" : " ", part.counted_by.empty() ? "(no counter)" : part.counted_by.c_str());
-    }
-    out += printed("  within machines %.2f MB, across machines %.2f MB", plan.bytes_within / kMB,
-                   plan.bytes_across / kMB);
-    if (plan.bytes_across_uncompressed > plan.bytes_across * 1.0001) {
-      out += printed(" (whole: %.2f MB; %.1f%% fewer)", plan.bytes_across_uncompressed / kMB,
-                     100 * (1 - plan.bytes_across / plan.bytes_across_uncompressed));
-    }
-    out += "\n  * overlaps computation (a block's gather is prefetched one block ahead; with distributed.overlap,\n"
-           "    buckets and reduce-scatters start during backward)\n\n";
-  }
-  out += printed("compute: %.3g FLOP per token, %.3g per update; %.3f s at %.0f%% MFU\n", plan.flops_per_token,
-                 plan.flops_per_update, plan.compute_seconds, 100 * c.mfu);
-  out += printed("step: %.3f s = compute %.3f s + communication not hidden %.3f s; %.0f tokens/s\n", plan.step_seconds,
-                 plan.compute_seconds, plan.exposed_communication_seconds, plan.tokens_per_second);
-  for (const auto& note : plan.notes) out += "note: " + note + "\n";
-  return out;
 }
 
 }  // namespace dalle::train

@@ -46,14 +46,16 @@ Precision PrecisionConfig::precision() const {
   return Precision::fp32;
 }
 
-std::optional<torch::ScalarType> PrecisionConfig::autocast_dtype() const {
-  switch (precision()) {
+std::optional<torch::ScalarType> autocast_dtype(Precision precision) {
+  switch (precision) {
     case Precision::bf16: return torch::kBFloat16;
     case Precision::fp16: return torch::kFloat16;
     case Precision::fp32: break;
   }
   return std::nullopt;
 }
+
+std::optional<torch::ScalarType> PrecisionConfig::autocast_dtype() const { return train::autocast_dtype(precision()); }
 
 torch::ScalarType PrecisionConfig::moments_dtype() const {
   return float_type_named(adam_moments);

@@ -1,5 +1,9 @@
 #include "dalle/train/recipe.h"
 
+#include <cmath>
+
+#include "dalle/device.h"
+
 namespace dalle::train {
 
 void OptimizerConfig::visit(ConfigVisitor& v) {
@@ -81,6 +85,20 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           "for measurements: 'gbps,latency_ms' (for instance '10,0.5') delays every collective between machines "
           "(between all ranks on one machine) as such a link would; empty: none");
   v.section("powersgd", "PowerSGD's rank and choices (distributed.gradient_reduction powersgd)", powersgd);
+}
+
+int64_t bucket_bytes(const DistributedConfig& config) { return std::llround(config.bucket_megabytes * (1 << 20)); }
+
+std::optional<distributed::PowerSgdOptions> powersgd_options(const DistributedConfig& config, const RunConfig& run) {
+  if (config.gradient_reduction != "powersgd") return std::nullopt;
+  const auto& p = config.powersgd;
+  return distributed::PowerSgdOptions{.rank = p.rank,
+                                      .start_update = p.start_update,
+                                      .min_compression_rate = p.min_compression_rate,
+                                      .warm_start = p.warm_start,
+                                      .dtype = float_type_named(p.dtype),
+                                      .seed = static_cast<uint64_t>(run.seed),
+                                      .bucket_bytes = bucket_bytes(config)};
 }
 
 void visit_shared_sections(ConfigVisitor& v, const SharedSections& sections) {

@@ -62,9 +62,7 @@ models::ResblockRunner make_training_runner(const Resblocks& resblocks, Resblock
     trains.push_back(
         std::any_of(parameters.begin(), parameters.end(), [](const auto& p) { return p.requires_grad(); }));
   }
-  std::optional<torch::ScalarType> autocast;
-  if (training.precision == Precision::bf16) autocast = torch::kBFloat16;
-  if (training.precision == Precision::fp16) autocast = torch::kFloat16;
+  const auto autocast = autocast_dtype(training.precision);
 
   return [index = std::move(index), trains = std::move(trains), training, autocast](
              models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {

@@ -35,7 +35,7 @@ void check_run_directory(const fs::path& run, const std::string& what) {
   if (!fs::exists(run) || fs::is_empty(run)) return;
   // The lock file marks a run that stopped before its first metrics line.
   const bool a_run =
-      fs::exists(run / "checkpoints") || fs::exists(run / "metrics.jsonl") || fs::exists(run / kLockFile);
+      fs::exists(run / io::kCheckpointsFolder) || fs::exists(run / "metrics.jsonl") || fs::exists(run / kLockFile);
   if (!fs::is_directory(run) || !a_run) {
     throw Error(run.string() + " exists and is not a " + what + " run directory; refusing to write into it");
   }
@@ -99,7 +99,7 @@ RunLock& RunLock::operator=(RunLock&& other) noexcept {
 RunRecord::RunRecord(std::string what, fs::path run, int64_t keep_checkpoints)
     : what(std::move(what)),
       run(std::move(run)),
-      checkpoints((this->run / "checkpoints").string(), static_cast<int>(keep_checkpoints)),
+      checkpoints((this->run / io::kCheckpointsFolder).string(), static_cast<int>(keep_checkpoints)),
       metrics_log(this->run / "metrics.jsonl"),
       should_stop([] { return stop_requested(); }) {}
 
@@ -185,7 +185,7 @@ void restore_generator(at::Generator& generator, const torch::Tensor& state, con
 
 RestoredProgress restore_checkpoint(const io::Checkpoint& checkpoint, const std::string& directory,
                                     torch::nn::Module& model, Ema& ema, torch::optim::AdamW& optimizer) {
-  io::load_state_dict(model, checkpoint.weights, directory + "/model.safetensors");
+  io::load_state_dict(model, checkpoint.weights, directory + "/" + io::kWeightsFile);
   ema.load(io::with_prefix_removed(checkpoint.state, "ema."));
   load_adamw_state(optimizer, model, io::with_prefix_removed(checkpoint.state, "adamw."));
   return restore_progress(checkpoint);

@@ -45,19 +45,6 @@ std::unique_ptr<State> start_trainer(Config config, const std::string& run, cons
   return std::make_unique<State>(std::move(config), std::filesystem::path(run));
 }
 
-// distributed.powersgd as the reducers take it.
-template <class Config>
-distributed::PowerSgdOptions powersgd_options(const Config& config) {
-  const auto& p = config.distributed.powersgd;
-  return {.rank = p.rank,
-          .start_update = p.start_update,
-          .min_compression_rate = p.min_compression_rate,
-          .warm_start = p.warm_start,
-          .dtype = float_type_named(p.dtype),
-          .seed = static_cast<uint64_t>(config.run.seed),
-          .bucket_bytes = std::llround(config.distributed.bucket_megabytes * (1 << 20))};
-}
-
 // distributed.backend for a job on `device`: auto is NCCL on GPUs and gloo on the CPU.
 inline distributed::Backend job_backend(const std::string& backend, torch::Device device) {
   if (backend == "gloo") return distributed::Backend::gloo;
@@ -75,12 +62,12 @@ std::shared_ptr<distributed::Job> join_job(Config config, const distributed::Lau
                                            torch::Device device) {
   const auto& d = config.distributed;
   distributed::JobOptions options{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
-                                  .bucket_bytes = std::llround(d.bucket_megabytes * (1 << 20)),
+                                  .bucket_bytes = bucket_bytes(d),
                                   .backend = job_backend(d.backend, device),
                                   .cuda_device = device.is_cuda() ? device.index() : 0,
                                   .overlap = d.overlap};
   if (!d.simulated_link.empty()) options.link = distributed::parse_simulated_link(d.simulated_link);
-  if (d.gradient_reduction == "powersgd") options.powersgd = powersgd_options(config);
+  options.powersgd = powersgd_options(d, config.run);
   return std::make_shared<distributed::Job>(
       place, options,
       distributed::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))),
@@ -221,7 +208,7 @@ struct TrainerState : RunRecord {
   // `released`: those the model does not hold whole (a sharded run's frozen blocks).
   void write_base_copy(const io::TensorMap& released = {}) {
     write_base_copy_ = false;
-    if (!writes_files || std::filesystem::exists(std::filesystem::path(base_checkpoint) / "model.safetensors")) return;
+    if (!writes_files || std::filesystem::exists(std::filesystem::path(base_checkpoint) / io::kWeightsFile)) return;
     io::Checkpoint copy;
     copy.config_yaml = "# The frozen weights of this run's init_from, under the model's names: the base its checkpoints\n"
                        "# refer to (docs/fine-tuning.md).\n";

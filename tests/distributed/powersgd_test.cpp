@@ -1,6 +1,7 @@
 #include "dalle/distributed/powersgd.h"
 
 #include "dalle/distributed/sharded_parameters.h"
+#include "dalle/distributed/sharded_reducer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>

@@ -1,4 +1,5 @@
 #include "dalle/distributed/sharded_parameters.h"
+#include "dalle/distributed/sharded_reducer.h"
 
 #include <torch/torch.h>
 

@@ -1,4 +1,5 @@
 #include "dalle/io/checkpoint.h"
+#include "dalle/io/sharded_checkpoint.h"
 
 #include <torch/torch.h>
 

@@ -6,6 +6,7 @@
 
 #include "dalle/distributed/data_parallel.h"
 #include "dalle/distributed/sharded_parameters.h"
+#include "dalle/distributed/sharded_reducer.h"
 #include "dalle/models/adapter.h"
 #include "dalle/models/prior_flops.h"
 #include "dalle/train/sharded_resblocks.h"

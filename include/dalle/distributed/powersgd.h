@@ -11,7 +11,7 @@
 // bucketed fp32 all-reduce; before `start_update` every gradient does.
 //
 // Two users: PowerSgdReducer, the flat reducer of data parallelism (every rank compresses
-// its whole gradients with every other rank), and ShardedReducer (distributed/sharded_parameters.h),
+// its whole gradients with every other rank), and ShardedReducer (distributed/sharded_reducer.h),
 // DALL-E's hierarchy, which compresses each rank's shard across the machines.
 #include <torch/types.h>
 

@@ -4,19 +4,16 @@
 // the ranks, of which every rank keeps a 1/N shard: a leaf the optimizer steps (or, for a
 // group of frozen tensors, a constant). The group's
 // own tensors stay the module's parameters, but hold values only between gather() and
-// release(); their gradients become the shard's by a reduce-scatter.
+// release(); their gradients become the shard's by a reduce-scatter. ShardedReducer
+// (distributed/sharded_reducer.h) completes them in the update step.
 #include <torch/types.h>
 
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <unordered_set>
 #include <memory>
 #include <vector>
 
-#include "dalle/distributed/data_parallel.h"
-#include "dalle/distributed/gradient_reducer.h"
-#include "dalle/distributed/powersgd.h"
 #include "dalle/distributed/process_group.h"
 
 namespace dalle::distributed {
@@ -80,6 +77,8 @@ class ShardedParameters {
 
  private:
   torch::Tensor flatten(size_t g, const std::vector<torch::Tensor>& tensors) const;
+  // Group g's tensors, whole, as views of its flat values (gathered).
+  std::vector<torch::Tensor> unflatten(size_t g, const torch::Tensor& flat) const;
   torch::Tensor all_gather(const torch::Tensor& shard) const;
 
   // What each tensor of each group is when whole.
@@ -112,76 +111,4 @@ class ShardedParameters {
   mutable int64_t bytes_moved_ = 0;
 };
 
-// The reducer of a model whose sharded groups' gradients are already reduce-scattered
-// within the machine (by ShardedParameters::reduce_gradients, in backward): it averages the
-// shards with their replicas on the other machines (hybrid sharding: DALL-E's layout), the
-// replicated parameters over the whole job (on several machines, reduce-scattered within
-// the machine, averaged across, all-gathered within), and measures the norm over every
-// shard. With PowerSGD options, the shards' whole rows of matrices cross the machines
-// compressed (DALL-E's hierarchy: reduce-scatter within the machine, PowerSGD across
-// machines on each shard; the all-gather within the machine is the next forward's), the
-// rest of each shard whole in one all-reduce. Q stays fixed (DALL-E) or, with warm_start,
-// each block's last Q starts its next power iteration.
-class ShardedReducer final : public GradientReducer {
- public:
-  // `within_node`: the group the parameters are sharded over; `across_nodes`: the replicas
-  // of this rank's shards (null on one machine); `world`: every rank.
-  ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> world,
-                 std::shared_ptr<ProcessGroup> within_node, std::shared_ptr<ProcessGroup> across_nodes,
-                 int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd = std::nullopt, bool overlap = true);
-  // Before unscaling: the blocks' reduce-scatters (started in backward) waited for, and on
-  // one machine the replicated parameters' buckets (overlapped with backward when attached).
-  // After it: what crosses machines (the replicated parameters' hierarchy, the shards'
-  // averages, PowerSGD's), not overlapped.
-  void reduce_scaled(const std::vector<torch::Tensor>& parameters) override;
-  void reduce_unscaled(const std::vector<torch::Tensor>& parameters) override;
-  void before_backward(const std::vector<torch::Tensor>& parameters) override;
-  torch::Tensor agree(const torch::Tensor& flags) override { return replicated_.agree(flags); }
-  int64_t replicas() const override { return replicated_.replicas(); }
-  double gradient_norm(const std::vector<torch::Tensor>& parameters) override;
-  // PowerSGD's update count; the error feedback travels in the checkpoint's shards (below).
-  void save_state(io::TensorMap& state, const std::string& prefix) override;
-  void load_state(const io::TensorMap& state, const std::string& prefix) override;
-
-  // PowerSGD's error feedback of this rank's shard of group g (shard-shaped, zero where
-  // nothing is compressed) as its mean over the shard's replicas on the other machines (what
-  // enters their next averages), and the same set back from a checkpoint; undefined without
-  // PowerSGD across machines. Every rank calls it for every group.
-  torch::Tensor shard_error(size_t g);
-  void set_shard_error(size_t g, const torch::Tensor& error);
-  // Q of each compressed block of rows of this rank's shard of group g (the same on every
-  // machine), what warm_start carries into the next update, and the same set back from a
-  // checkpoint written by as many ranks per machine; empty without PowerSGD across machines.
-  std::vector<torch::Tensor> shard_q(size_t g);
-  void set_shard_q(size_t g, const std::vector<torch::Tensor>& qs);
-
-  // The all-reduce payload so far: the replicated parameters' on one machine, and what
-  // crossed machines on several.
-  int64_t bytes_reduced() const { return replicated_.bytes_reduced() + bytes_across_nodes(); }
-  // What this rank sent across machines: its part of the replicated gradients, and of its
-  // shards P and Q and what went whole.
-  int64_t bytes_across_nodes() const;
-  int64_t bytes_across_machines() const override { return bytes_across_nodes(); }
-
- private:
-  bool compressing() const;
-  std::vector<torch::Tensor> replicated(const std::vector<torch::Tensor>& parameters) const;
-  void average_replicated_hierarchically(const std::vector<torch::Tensor>& parameters);
-  void prepare_low_rank();
-  void compress_shards();
-
-  std::shared_ptr<ShardedParameters> sharded_;
-  std::shared_ptr<ProcessGroup> within_node_, across_group_;
-  DataParallelReducer replicated_;
-  std::unique_ptr<DataParallelReducer> across_nodes_;
-  std::optional<PowerSgdOptions> powersgd_;
-  std::unique_ptr<LowRankAverager> low_rank_;
-  // PowerSGD's state, made at its first update: per group, the error feedback of the shard
-  // (flat), and each compressed block of rows with its Q and its view of that buffer.
-  std::vector<torch::Tensor> errors_;
-  std::vector<std::vector<ShardRows>> compressed_rows_;
-  std::vector<std::vector<LowRankState>> states_;
-  int64_t updates_ = 0, whole_bytes_ = 0, replicated_across_bytes_ = 0;
-  std::optional<double> shard_square_;  // the shards' squared norm, from Q, after a compressed update
-};
 }  // namespace dalle::distributed

@@ -5,7 +5,6 @@
 // name and renamed into place, so a run killed at any moment leaves only complete
 // checkpoints behind.
 #include <cstdint>
-#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +12,11 @@
 #include "dalle/io/safetensors.h"
 
 namespace dalle::io {
+
+// The weights file of a checkpoint (and of an exported model or a classifier directory), and
+// the folder of a run directory that holds its checkpoints (CheckpointStore's root).
+inline constexpr const char* kWeightsFile = "model.safetensors";
+inline constexpr const char* kCheckpointsFolder = "checkpoints";
 
 struct Checkpoint {
   std::string config_yaml;
@@ -22,8 +26,9 @@ struct Checkpoint {
 };
 
 void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint);
-// A checkpoint, whole: one written in shards (below) comes back as if written by one process,
-// and one that refers to a base (below) with the base's weights filled in.
+// A checkpoint, whole: one written in shards (io/sharded_checkpoint.h) comes back as if
+// written by one process, and one that refers to a base (below) with the base's weights filled
+// in.
 Checkpoint load_checkpoint(const std::string& directory);
 
 // What inference reads of a checkpoint: its weights, with their moving average where it keeps
@@ -40,50 +45,6 @@ void refer_to_base(Checkpoint& checkpoint, const std::string& base_directory);
 std::string base_of(const Checkpoint& checkpoint);
 // The config a checkpoint was written with (its config.yaml), read alone.
 std::string checkpoint_config(const std::string& directory);
-
-// A checkpoint that the ranks of a job write together (a model whose parameters are sharded
-// between them). Rank 0 writes the checkpoint's own files, with the shard layout in its state
-// metadata; every rank writes its shard (flat tensors "<kind>.<group>", this rank's part of
-// each group's values, in the layout's order). load_checkpoint joins the shards and puts
-// each kind's values where the layout says, under their parameters' names.
-struct ShardLayout {
-  struct Parameter {
-    std::string name;
-    std::vector<int64_t> shape;
-  };
-  struct Kind {
-    bool into_weights = false;  // else into the state
-    std::string prefix = {}, suffix = {};  // of the names there ("ema." + name, "adamw." + name + ".exp_avg")
-  };
-  int64_t ranks = 1;
-  std::vector<std::vector<Parameter>> groups = {};
-  std::map<std::string, Kind> kinds = {};
-};
-// A checkpoint as one rank of a sharded job needs it, reading only what that rank will hold:
-// rank 0's files (the replicated parameters and the state; in a checkpoint that was not
-// sharded, every parameter, mapped and left unread until used) and, of each group of
-// `wanted` (the job's resblock groups and the kinds it restores), the slice of the group's
-// flat values that rank `rank` of `ranks` holds (values / ranks rounded up, zero-padded at
-// the end, as distributed::ShardedParameters cuts them). In a sharded checkpoint the slices
-// are read from the shard files that hold them, on any world size; in another, from the
-// whole tensors. A kind the checkpoint lacks (moments before the first update) has no slices.
-// The replicated part has its base's weights filled in, as load_checkpoint fills them.
-struct RankCheckpoint {
-  Checkpoint replicated;  // the shard layout's own parameters absent
-  TensorMap slices;       // "<kind>.<group>"
-  // The bytes of values read from each shard file, by the rank that wrote it.
-  std::map<int64_t, int64_t> shard_bytes_read;
-  // The other entries of this rank's own shard file (what is cut by the ranks' blocks of
-  // rows, such as PowerSGD's Q), when the checkpoint was written by `ranks` ranks.
-  TensorMap own;
-};
-RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
-                                        int64_t ranks);
-
-// Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata.
-void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout);
-// Rank `rank`'s shard into `staging`.
-void write_checkpoint_shard(const std::string& staging, int64_t rank, int64_t ranks, const TensorMap& shard);
 
 // The checkpoints of one run: <root>/step-<N>/ directories, a `latest` file naming the
 // newest complete one, and pruning to the newest `keep` (0 keeps all).
@@ -107,6 +68,8 @@ class CheckpointStore {
   std::string directory_for(int64_t step) const;
 
  private:
+  // `latest` names `directory`, and the old steps are pruned.
+  void make_latest(const std::string& directory) const;
   void prune() const;
 
   std::string root_;

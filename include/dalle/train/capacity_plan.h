@@ -1,62 +1,8 @@
 #pragma once
 // A capacity plan for training the prior (dalle-plan): from a dalle-train recipe and a
 // cluster's shape, what each rank holds in memory, what it hands to collectives per update,
-// the model FLOPs per update, a predicted step time, and whether it fits.
-//
-// Counted exactly, as the code does it:
-// - Parameters: one layer of the model is built on the CPU and its two resblocks counted
-//   `layers` times, the embeddings and output layer once, so the counts are the real model's.
-// - State per rank: fp32 weights, fp32 gradients, AdamW's two moments in
-//   precision.adam_moments, the fp32 moving average, and the whole fp32 model every rank
-//   keeps for validation (the trainer's ema_model). Fine-tuning with frozen parameters
-//   (optimizer.trainable, adapter): the weights (adapters included) stay whole, gradients,
-//   moments, average and the validation copy count only what trains (the validation model
-//   shares the frozen weights), measured by freezing one layer built on the CPU as the
-//   trainer does; activations are counted as in full training (an upper bound: a frozen
-//   layer's input is not kept for its weight's gradient). Not planned with frozen parameters:
-//   sharding (refused by the trainer too) and PowerSGD. Sharded (distributed.sharding within_node
-//   on more than one GPU per machine), each resblock is two groups (its matrices, the rest),
-//   each cut into ceil(values / GPUs) per rank, padding included; the rest stays whole.
-// - Bytes per update: the payload each rank hands to a collective, as the counters count it:
-//   DataParallelReducer::bytes_reduced (the fp32 gradients), ShardedParameters::bytes_moved
-//   (each group gathered whole twice, forward and backward, and reduce-scattered whole once),
-//   ShardedReducer::bytes_across_nodes and LowRankAverager's P and Q (in powersgd.dtype).
-//   PowerSGD is counted once compressing (after powersgd.start_update); before, everything
-//   goes whole, as `bytes_across_uncompressed` says.
-//
-// Estimated, by simple documented rules:
-// - Activations per rank, with T = tokens per rank (batch per rank x sequence), d = width, R =
-//   resblocks (2 x layers) and b = 2 bytes in fp16/bf16, 4 in fp32:
-//   every resblock's input, R x T x d x 4 (the residual stream is fp32; with per-resblock
-//   checkpointing these are all that is kept); each resblock that is not checkpointed also
-//   keeps its internals, 6 T d b for attention (norm, q, k, v, attended) and 10 T d b for the
-//   MLP (norm, the 4d hidden before and after GELU), and a checkpointed one recomputes them
-//   one block at a time (the MLP's, the larger, counted once); the logits, fp32 values,
-//   log-softmax and gradient, T x classes x 12. Attention scores are not kept (SDPA's
-//   memory-efficient kernel, the sparse path's blocks). Sharding implies per-resblock
-//   checkpointing, as in the trainer; else checkpoint_activations_every k checkpoints
-//   resblocks 0, k, 2k, ... With the benchmark's state (fp32 weights, gradients and moments,
-//   no average), the rule gives the 1.3B layout's measured peaks on an H100 (docs/benchmarks.md:
-//   bf16, batch 8, 42.1 GiB without checkpointing, 24.6 GiB with every resblock's) within -2%
-//   and +5%.
-// - 16-bit weight copies: autocast casts a block's fp32 weights to 16 bits, and keeps the
-//   copies of every block whose activations are kept.
-// - Peak memory = what is kept between updates + the larger of two phases: backward
-//   (activations, logits, weight copies, a gathered block and the next one prefetched) and
-//   the gradient reduction (PowerSGD's P and Q, and in 16 bits its fp32 working copies).
-//   Allocator fragmentation, CUDA's context and library workspaces are not counted.
-// - Step time = compute + communication not hidden. Compute: model FLOPs (models/prior_flops.h)
-//   of the rank's tokens at `mfu` of `peak_tflops` (recomputation is inside the MFU).
-//   Communication on rings: all-reduce sends 2(N-1)/N of its payload per rank,
-//   all-gather and reduce-scatter (N-1)/N of the whole (the counters' payload); a collective
-//   within a machine runs at `link_within_gbps`; one across machines, made by all GPUs of a
-//   machine at once (one group per local rank), shares the machine's `link_across_gbps`; a
-//   flat one over every rank is held back by the slower of the two. Latency is not modelled.
-//   Hidden, up to the compute time: the sharded blocks' gathers (prefetched one block
-//   ahead) and, with distributed.overlap, what starts during backward (data parallelism's
-//   buckets, PowerSGD's uncompressed gradients, the blocks' reduce-scatters, on one machine
-//   the replicated gradients); not hidden: what crosses machines after unscaling (the
-//   hierarchy's replicated gradients, the shards' averages, PowerSGD's P and Q).
+// the model FLOPs per update, a predicted step time, and whether it fits. What it counts
+// exactly, what it estimates and by which rules: docs/distributed.md, "The planner's rules".
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -14,6 +14,9 @@ namespace dalle::train {
 
 enum class Precision { fp32, bf16, fp16 };
 
+// The autocast type of fp16/bf16 (none for fp32).
+std::optional<torch::ScalarType> autocast_dtype(Precision precision);
+
 // Scales are powers of two, times the number of data-parallel replicas: start at 2^13,
 // grow by 2^(1/1000) per update with finite gradients, back off by sqrt(2) on non-finite
 // ones (at most once per `backoff_interval` updates), stay within [2^7, 2^24].
@@ -36,7 +39,7 @@ struct PrecisionConfig {
 
   void visit(ConfigVisitor& v);
   Precision precision() const;
-  // The autocast type of fp16/bf16 (none for fp32).
+  // autocast_dtype(precision()).
   std::optional<torch::ScalarType> autocast_dtype() const;
   torch::ScalarType moments_dtype() const;
 };

@@ -4,10 +4,12 @@
 // (how long, how often, where), `precision` (train/precision.h) and `distributed`. Each trainer gives its
 // own defaults (the paper's or the reference's), not its own keys.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "dalle/config.h"
+#include "dalle/distributed/powersgd.h"
 #include "dalle/train/precision.h"
 
 namespace dalle::train {
@@ -63,6 +65,12 @@ struct DistributedConfig {
 
   void visit(ConfigVisitor& v);
 };
+
+// distributed.bucket_megabytes in bytes, as the reducers take it.
+int64_t bucket_bytes(const DistributedConfig& config);
+// distributed.powersgd as the reducers take it (the first Q seeded by run.seed) when
+// distributed.gradient_reduction is powersgd; none otherwise.
+std::optional<distributed::PowerSgdOptions> powersgd_options(const DistributedConfig& config, const RunConfig& run);
 
 // What every recipe holds beyond its model and data, in these sections.
 struct SharedSections {

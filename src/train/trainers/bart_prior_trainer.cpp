@@ -89,7 +89,7 @@ BartPriorTrainer::BartPriorTrainer(BartPriorTrainConfig config, std::string run_
   if (!config.init.empty()) {
     // A run that resumes takes its weights from its own checkpoint: init's sizes, which that
     // checkpoint's config holds, are all it needs of init then.
-    const auto resumed = io::CheckpointStore((fs::path(run_directory) / "checkpoints").string()).latest();
+    const auto resumed = io::CheckpointStore((fs::path(run_directory) / io::kCheckpointsFolder).string()).latest();
     if (resumed) {
       config.model = load_config<BartPriorTrainConfig>(ConfigSource::from_file(*resumed + "/config.yaml")).model;
     } else {

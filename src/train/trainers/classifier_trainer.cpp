@@ -60,7 +60,7 @@ torch::Tensor shifted(const torch::Tensor& batch, int64_t shift, std::mt19937_64
 void check_output(const fs::path& out) {
   if (!fs::exists(out)) return;
   if (!fs::is_directory(out)) throw Error(out.string() + ": exists and is not a directory");
-  if (fs::is_empty(out) || fs::exists(out / "model.safetensors")) return;
+  if (fs::is_empty(out) || fs::exists(out / io::kWeightsFile)) return;
   throw Error(out.string() + ": exists and is not an item classifier directory; refusing to replace it");
 }
 

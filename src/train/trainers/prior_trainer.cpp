@@ -16,10 +16,12 @@
 #include "dalle/data/loader.h"
 #include "dalle/data/token_dataset.h"
 #include "dalle/distributed/sharded_parameters.h"
+#include "dalle/distributed/sharded_reducer.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/device.h"
 #include "dalle/io/atomic_file.h"
 #include "dalle/io/checkpoint.h"
+#include "dalle/io/sharded_checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/log.h"
 #include "dalle/text/tokenizer.h"
@@ -361,11 +363,9 @@ void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
                                                       .measure_norm = true,
                                                       .after_step = [this] { average_shards(); }},
                                         ema.get(), model.get());
-  std::optional<distributed::PowerSgdOptions> powersgd;
-  if (config.distributed.gradient_reduction == "powersgd") powersgd = detail::powersgd_options(config);
   sharded_reducer = std::make_shared<distributed::ShardedReducer>(
-      shards->parameters(), job->group(), job->within_node(), job->across_nodes(),
-      std::llround(config.distributed.bucket_megabytes * (1 << 20)), powersgd, config.distributed.overlap);
+      shards->parameters(), job->group(), job->within_node(), job->across_nodes(), bucket_bytes(config.distributed),
+      powersgd_options(config.distributed, config.run), config.distributed.overlap);
   update->set_reducer(sharded_reducer);
 }
 
@@ -410,7 +410,7 @@ void PriorTrainer::State::resume(const std::string& directory) {
   auto& checkpoint = read.replicated;
   base_checkpoint = io::base_of(checkpoint);
   restore_frozen_blocks(checkpoint.weights);
-  io::load_state_dict(*model, checkpoint.weights, directory + "/model.safetensors", block_names());
+  io::load_state_dict(*model, checkpoint.weights, directory + "/" + io::kWeightsFile, block_names());
   checkpoint.weights.clear();
   ema->load(io::with_prefix_removed(checkpoint.state, "ema."));
   const auto moments = io::with_prefix_removed(checkpoint.state, "adamw.");

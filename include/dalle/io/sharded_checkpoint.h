@@ -1,0 +1,60 @@
+#pragma once
+// A checkpoint that the ranks of a job write together (a model whose parameters are sharded
+// between them). Rank 0 writes the checkpoint's own files, with the shard layout in its state
+// metadata; every rank writes its shard (flat tensors "<kind>.<group>", this rank's part of
+// each group's values, in the layout's order). load_checkpoint (io/checkpoint.h) joins the
+// shards and puts each kind's values where the layout says, under their parameters' names.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dalle/io/checkpoint.h"
+
+namespace dalle::io {
+
+// The values each of `ranks` ranks holds of a group of `values` cut into equal shards: values
+// / ranks rounded up, the last shard zero-padded at its end; how distributed::ShardedParameters
+// cuts its groups, the shard files hold them and the capacity plan counts them.
+constexpr int64_t shard_size(int64_t values, int64_t ranks) { return (values + ranks - 1) / ranks; }
+
+struct ShardLayout {
+  struct Parameter {
+    std::string name;
+    std::vector<int64_t> shape;
+  };
+  struct Kind {
+    bool into_weights = false;  // else into the state
+    std::string prefix = {}, suffix = {};  // of the names there ("ema." + name, "adamw." + name + ".exp_avg")
+  };
+  int64_t ranks = 1;
+  std::vector<std::vector<Parameter>> groups = {};
+  std::map<std::string, Kind> kinds = {};
+};
+// A checkpoint as one rank of a sharded job needs it, reading only what that rank will hold:
+// rank 0's files (the replicated parameters and the state; in a checkpoint that was not
+// sharded, every parameter, mapped and left unread until used) and, of each group of
+// `wanted` (the job's resblock groups and the kinds it restores), the slice of the group's
+// flat values that rank `rank` of `ranks` holds (shard_size(values, ranks), zero-padded at
+// the end, as distributed::ShardedParameters cuts them). In a sharded checkpoint the slices
+// are read from the shard files that hold them, on any world size; in another, from the
+// whole tensors. A kind the checkpoint lacks (moments before the first update) has no slices.
+// The replicated part has its base's weights filled in, as load_checkpoint fills them.
+struct RankCheckpoint {
+  Checkpoint replicated;  // the shard layout's own parameters absent
+  TensorMap slices;       // "<kind>.<group>"
+  // The bytes of values read from each shard file, by the rank that wrote it.
+  std::map<int64_t, int64_t> shard_bytes_read;
+  // The other entries of this rank's own shard file (what is cut by the ranks' blocks of
+  // rows, such as PowerSGD's Q), when the checkpoint was written by `ranks` ranks.
+  TensorMap own;
+};
+RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
+                                        int64_t ranks);
+
+// Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata.
+void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout);
+// Rank `rank`'s shard into `staging`.
+void write_checkpoint_shard(const std::string& staging, int64_t rank, int64_t ranks, const TensorMap& shard);
+
+}  // namespace dalle::io

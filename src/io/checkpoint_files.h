@@ -1,0 +1,23 @@
+#pragma once
+// What io/checkpoint.cpp and io/sharded_checkpoint.cpp share: the files of a checkpoint
+// directory, a fine-tuned checkpoint's base, and the joining of a sharded checkpoint's shards.
+// Private to the library.
+#include <string>
+
+#include "dalle/io/checkpoint.h"
+
+namespace dalle::io::detail {
+
+// config.yaml, model.safetensors and state.safetensors (with its metadata) into `folder`.
+void write_files(const std::string& folder, const Checkpoint& checkpoint);
+// Those three files of `directory` (a sharded checkpoint's rank 0 files), the shards left where
+// they are.
+Checkpoint read_files(const std::string& directory);
+// The base's inference weights into every name `checkpoint` lacks (refer_to_base).
+void fill_from_base(Checkpoint& checkpoint, const std::string& directory);
+// A checkpoint written in shards (its state metadata holds the layout): the shards of
+// `directory` joined into `checkpoint`'s weights and state where the layout says, the layout
+// taken out of the metadata. Another checkpoint is left as it is.
+void join_shards(const std::string& directory, Checkpoint& checkpoint);
+
+}  // namespace dalle::io::detail

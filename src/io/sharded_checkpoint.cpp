@@ -1,0 +1,236 @@
+#include "dalle/io/sharded_checkpoint.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include "dalle/error.h"
+#include "io/checkpoint_files.h"
+
+namespace dalle::io {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kLayoutKey = "shard_layout";
+
+std::string shard_file(int64_t rank, int64_t ranks) {
+  char name[64];
+  std::snprintf(name, sizeof name, "shard-%05lld-of-%05lld.safetensors", static_cast<long long>(rank),
+                static_cast<long long>(ranks));
+  return name;
+}
+
+std::string layout_json(const ShardLayout& layout) {
+  nlohmann::json json;
+  json["ranks"] = layout.ranks;
+  json["groups"] = nlohmann::json::array();
+  for (const auto& group : layout.groups) {
+    auto parameters = nlohmann::json::array();
+    for (const auto& parameter : group) parameters.push_back({{"name", parameter.name}, {"shape", parameter.shape}});
+    json["groups"].push_back(parameters);
+  }
+  for (const auto& [kind, where] : layout.kinds) {
+    json["kinds"][kind] = {{"into", where.into_weights ? "weights" : "state"}, {"prefix", where.prefix},
+                           {"suffix", where.suffix}};
+  }
+  return json.dump();
+}
+
+ShardLayout parse_layout(const fs::path& directory, const std::string& layout_text) {
+  const auto json = nlohmann::json::parse(layout_text, nullptr, false);
+  if (json.is_discarded() || !json.contains("ranks") || !json.contains("groups") || !json.contains("kinds")) {
+    throw Error(directory.string() + ": the checkpoint's shard layout is unreadable");
+  }
+  ShardLayout layout{.ranks = json["ranks"].get<int64_t>()};
+  for (const auto& group : json["groups"]) {
+    std::vector<ShardLayout::Parameter> parameters;
+    for (const auto& parameter : group) {
+      parameters.push_back({parameter["name"].get<std::string>(), parameter["shape"].get<std::vector<int64_t>>()});
+    }
+    layout.groups.push_back(std::move(parameters));
+  }
+  for (const auto& [kind, where] : json["kinds"].items()) {
+    layout.kinds[kind] = {.into_weights = where["into"] == "weights",
+                          .prefix = where["prefix"].get<std::string>(),
+                          .suffix = where["suffix"].get<std::string>()};
+  }
+  return layout;
+}
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t numel = 1;
+  for (const auto size : shape) numel *= size;
+  return numel;
+}
+
+int64_t values_of(const std::vector<ShardLayout::Parameter>& group) {
+  int64_t values = 0;
+  for (const auto& parameter : group) values += numel_of(parameter.shape);
+  return values;
+}
+
+std::string slice_key(const std::string& kind, size_t group) { return kind + "." + std::to_string(group); }
+
+std::string name_in(const ShardLayout::Kind& where, const std::string& parameter) {
+  return where.prefix + parameter + where.suffix;
+}
+
+// Copies the values [low, high) of a group's flat values into `slice` (which starts at
+// `low`), from pieces that each hold the values [start, start + numel): only what overlaps
+// is read.
+struct Piece {
+  int64_t start;
+  torch::Tensor values;  // flat
+};
+int64_t copy_overlap(const Piece& piece, int64_t low, int64_t high, torch::Tensor& slice) {
+  const int64_t from = std::max(low, piece.start), to = std::min(high, piece.start + piece.values.numel());
+  if (to <= from) return 0;
+  slice.narrow(0, from - low, to - from).copy_(piece.values.narrow(0, from - piece.start, to - from));
+  return (to - from) * static_cast<int64_t>(piece.values.element_size());
+}
+
+// Joins the shards of `directory` into `checkpoint`, as `layout` lays them out.
+void join(const fs::path& directory, const ShardLayout& layout, Checkpoint& checkpoint) {
+  std::vector<TensorMap> shards;
+  for (int64_t rank = 0; rank < layout.ranks; ++rank) {
+    const auto path = directory / shard_file(rank, layout.ranks);
+    if (!fs::exists(path)) throw Error(directory.string() + ": incomplete checkpoint, " + path.filename().string() + " is missing");
+    shards.push_back(read_safetensors(path.string()).tensors);
+  }
+  for (const auto& [kind, where] : layout.kinds) {
+    auto& target = where.into_weights ? checkpoint.weights : checkpoint.state;
+    for (size_t g = 0; g < layout.groups.size(); ++g) {
+      const std::string key = slice_key(kind, g);
+      std::vector<torch::Tensor> parts;
+      for (const auto& shard : shards) {
+        const auto found = shard.find(key);
+        if (found == shard.end()) throw Error(directory.string() + ": a shard lacks '" + key + "'");
+        parts.push_back(found->second.reshape({-1}));
+      }
+      const auto flat = torch::cat(parts);
+      int64_t offset = 0;
+      for (const auto& parameter : layout.groups[g]) {
+        const int64_t numel = numel_of(parameter.shape);
+        if (offset + numel > flat.numel()) throw Error(directory.string() + ": the shards of '" + key + "' are short");
+        target[name_in(where, parameter.name)] = flat.narrow(0, offset, numel).view(parameter.shape).clone();
+        offset += numel;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void detail::join_shards(const std::string& directory, Checkpoint& checkpoint) {
+  const auto layout = checkpoint.state_metadata.find(kLayoutKey);
+  if (layout == checkpoint.state_metadata.end()) return;
+  join(fs::path(directory), parse_layout(fs::path(directory), layout->second), checkpoint);
+  checkpoint.state_metadata.erase(layout);
+}
+
+RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
+                                        int64_t ranks) {
+  const fs::path root(directory);
+  RankCheckpoint result;
+  result.replicated = detail::read_files(directory);
+  auto& checkpoint = result.replicated;
+  detail::fill_from_base(checkpoint, directory);
+  std::optional<ShardLayout> written;
+  if (const auto layout = checkpoint.state_metadata.find(kLayoutKey); layout != checkpoint.state_metadata.end()) {
+    written = parse_layout(root, layout->second);
+    checkpoint.state_metadata.erase(layout);
+    if (written->groups.size() != wanted.groups.size()) {
+      throw Error(directory + ": the checkpoint's shards hold " + std::to_string(written->groups.size()) +
+                  " groups where the model has " + std::to_string(wanted.groups.size()));
+    }
+  }
+  std::map<int64_t, Safetensors> shard_files;  // mapped when first needed
+  const auto shard_of_rank = [&](int64_t writer) -> const TensorMap& {
+    auto found = shard_files.find(writer);
+    if (found == shard_files.end()) {
+      const auto path = root / shard_file(writer, written->ranks);
+      if (!fs::exists(path)) {
+        throw Error(directory + ": incomplete checkpoint, " + path.filename().string() + " is missing");
+      }
+      found = shard_files.emplace(writer, read_safetensors(path.string())).first;
+    }
+    return found->second.tensors;
+  };
+  for (const auto& [kind, where] : wanted.kinds) {
+    if (written && !written->kinds.count(kind)) continue;
+    for (size_t g = 0; g < wanted.groups.size(); ++g) {
+      const int64_t values = values_of(wanted.groups[g]);
+      const int64_t share = shard_size(values, ranks), low = rank * share, high = std::min(values, low + share);
+      auto slice = torch::zeros({share});
+      if (values == 0) {  // an empty group (a block whose matrices are all frozen)
+        result.slices.emplace(slice_key(kind, g), std::move(slice));
+        continue;
+      }
+      if (written) {
+        if (values_of(written->groups[g]) != values) {
+          throw Error(directory + ": the checkpoint's shard group " + std::to_string(g) + " holds " +
+                      std::to_string(values_of(written->groups[g])) + " values where the model has " +
+                      std::to_string(values));
+        }
+        const int64_t written_share = shard_size(values, written->ranks);
+        for (int64_t writer = low / written_share; writer < written->ranks && writer * written_share < high; ++writer) {
+          const auto& shard = shard_of_rank(writer);
+          const auto found = shard.find(slice_key(kind, g));
+          if (found == shard.end()) throw Error(directory + ": a shard lacks '" + slice_key(kind, g) + "'");
+          result.shard_bytes_read[writer] +=
+              copy_overlap({writer * written_share, found->second.reshape({-1})}, low, high, slice);
+        }
+      } else {
+        auto& source = where.into_weights ? checkpoint.weights : checkpoint.state;
+        int64_t start = 0, present = 0;
+        for (const auto& parameter : wanted.groups[g]) {
+          const auto found = source.find(name_in(where, parameter.name));
+          if (found != source.end()) {
+            copy_overlap({start, found->second.reshape({-1})}, low, high, slice);
+            ++present;
+          }
+          start += numel_of(parameter.shape);
+        }
+        if (present == 0) continue;  // a kind the checkpoint lacks
+        if (present != static_cast<int64_t>(wanted.groups[g].size())) {
+          throw Error(directory + ": the checkpoint holds '" + kind + "' for some of group " + std::to_string(g) +
+                      "'s parameters only");
+        }
+      }
+      result.slices.emplace(slice_key(kind, g), std::move(slice));
+    }
+  }
+  if (written && written->ranks == ranks) {
+    const auto in_layout = [&](const std::string& key) {
+      const auto dot = key.rfind('.');
+      return dot != std::string::npos && written->kinds.count(key.substr(0, dot)) > 0;
+    };
+    for (const auto& [key, tensor] : shard_of_rank(rank)) {
+      if (!in_layout(key)) result.own.emplace(key, tensor.clone());
+    }
+  }
+  // What the slices came from is not the replicated part.
+  for (const auto& [kind, where] : wanted.kinds) {
+    auto& source = where.into_weights ? checkpoint.weights : checkpoint.state;
+    for (const auto& group : wanted.groups) {
+      for (const auto& parameter : group) source.erase(name_in(where, parameter.name));
+    }
+  }
+  return result;
+}
+
+void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout) {
+  checkpoint.state_metadata[kLayoutKey] = layout_json(layout);
+  detail::write_files(staging, checkpoint);
+}
+
+void write_checkpoint_shard(const std::string& staging, int64_t rank, int64_t ranks, const TensorMap& shard) {
+  write_safetensors((fs::path(staging) / shard_file(rank, ranks)).string(), shard);
+}
+
+}  // namespace dalle::io
