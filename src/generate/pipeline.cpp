@@ -5,7 +5,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cmath>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -16,6 +15,7 @@
 #include "dalle/log.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/tiled_upscale.h"
+#include "dalle/models/token_grid.h"
 #include "dalle/models/trained.h"
 #include "dalle/runtime.h"
 #include "dalle/text/clip_tokenizer.h"
@@ -241,7 +241,7 @@ bool wants_preview(const PromptRequest& request, int64_t candidate, int64_t done
 }
 
 // The side of the square grid of `positions` tokens.
-int64_t grid_side(int64_t positions) { return std::llround(std::sqrt(static_cast<double>(positions))); }
+int64_t grid_side(int64_t positions) { return models::grid_side(positions, "pipeline: the prior's image positions"); }
 
 // `images` [B, 3, H, W] blank (white) but for the pixels of the first `done` of the grid's
 // positions.
