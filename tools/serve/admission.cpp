@@ -58,20 +58,21 @@ int64_t HttpServer::State::random_seed() {
   return static_cast<int64_t>(seeds() >> 11);
 }
 
-generate::PromptRequest HttpServer::State::prompt_of(const ImageRequest& request,
+generate::PreparedRequest HttpServer::State::prepare(const ImageRequest& request,
                                                      std::shared_ptr<const generate::PromptImage> image_prompt) {
-  auto prompt = to_prompt_request(request, pipeline.request(request.prompt), random_seed());
-  prompt.image_prompt = std::move(image_prompt);
+  const auto seed = random_seed();
   try {
-    pipeline.check(prompt);  // what the model itself refuses (a BART prior's filters, say)
-  } catch (const Error& error) {
+    return pipeline.prepare(request.prompt, 0, [&](generate::PromptRequest& prompt) {
+      prompt = to_prompt_request(request, std::move(prompt), seed);
+      prompt.image_prompt = std::move(image_prompt);
+      prompt.preview_every = request.preview_every(model);
+    });
+  } catch (const Error& error) {  // what the model itself refuses (a BART prior's filters, say)
     throw ApiError(400, error.what(), "", "invalid_value");
   }
-  prompt.preview_every = request.preview_every(model);
-  return prompt;
 }
 
-std::shared_ptr<Job> HttpServer::State::admit(generate::PromptRequest prompt,
+std::shared_ptr<Job> HttpServer::State::admit(generate::PreparedRequest prompt,
                                               std::function<void(const std::shared_ptr<Job>&)> on_change) {
   Scheduler::Refusal refusal = Scheduler::Refusal::none;
   auto job = scheduler.submit(std::move(prompt), refusal, std::move(on_change));
@@ -89,7 +90,7 @@ std::shared_ptr<Job> HttpServer::State::admit(generate::PromptRequest prompt,
 
 MHD_Result HttpServer::State::generations(const std::shared_ptr<Exchange>& exchange) {
   const auto request = read_request(*exchange);
-  return answer_with_job(exchange, request, prompt_of(request));
+  return answer_with_job(exchange, request, prepare(request));
 }
 
 MHD_Result HttpServer::State::edits(const std::shared_ptr<Exchange>& exchange) {
@@ -103,12 +104,12 @@ MHD_Result HttpServer::State::edits(const std::shared_ptr<Exchange>& exchange) {
   if (exchange->form_unreadable) throw ApiError(400, "The multipart form could not be read.", "", "invalid_body");
   auto edit = read_edit_request(exchange->form, model);
   exchange->form.clear();
-  auto prompt = prompt_of(edit.request, std::make_shared<const generate::PromptImage>(std::move(edit.image_prompt)));
+  auto prompt = prepare(edit.request, std::make_shared<const generate::PromptImage>(std::move(edit.image_prompt)));
   return answer_with_job(exchange, edit.request, std::move(prompt));
 }
 
 MHD_Result HttpServer::State::answer_with_job(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
-                                              generate::PromptRequest prompt) {
+                                              generate::PreparedRequest prompt) {
   if (request.stream) return stream(exchange, request, std::move(prompt));
   {
     // Held until the connection is parked: the job's answer cannot come before.
@@ -130,7 +131,7 @@ MHD_Result HttpServer::State::answer_with_job(const std::shared_ptr<Exchange>& e
 }
 
 MHD_Result HttpServer::State::stream(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
-                                     generate::PromptRequest prompt) {
+                                     generate::PreparedRequest prompt) {
   {
     std::lock_guard lock(exchange->mutex);
     exchange->streaming = true;
@@ -189,8 +190,7 @@ Answer HttpServer::State::submit_job(const Exchange& exchange) {
     throw ApiError(400, "A job is fetched, not streamed: `stream` is for POST /v1/images/generations.", "stream",
                    "invalid_value");
   }
-  auto prompt = prompt_of(request);
-  prompt.preview_every = 0;
+  auto prompt = prepare(request);  // no previews: partial_images are streamed
   const auto id = random_id();
   if (!jobs.add(id)) {
     throw ApiError(429, "The server keeps " + std::to_string(config.max_stored_jobs) +

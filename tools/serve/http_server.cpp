@@ -98,7 +98,7 @@ HttpServer::State::State(const ServeConfig& config_, generate::Pipeline& pipelin
                    .max_per_client = config_.max_connections_per_client,
                    .header_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.header_timeout_seconds * 1000)),
                    .body_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.body_timeout_seconds * 1000))}),
-      scheduler([&pipeline_](const std::vector<generate::PromptRequest>& requests,
+      scheduler([&pipeline_](const std::vector<generate::PreparedRequest>& requests,
                              const generate::PreviewCallback& on_preview) { return pipeline_.generate(requests, on_preview); },
                 {.max_queue = config_.max_queue,
                  .batch_window = std::chrono::milliseconds(config_.batch_window_ms),

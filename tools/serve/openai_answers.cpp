@@ -88,7 +88,7 @@ std::string HttpServer::State::base_url(const std::string& host) const {
 }
 
 json HttpServer::State::answer_json(const std::string& host, const ImageRequest& request, const Job& job) {
-  const auto settings = pipeline.config_of(job.request);
+  const auto& settings = job.request.settings();
   json data = json::array();
   for (const auto& image : job.images) {
     auto png = generate::encode_generated_png(settings, image);

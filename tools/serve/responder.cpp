@@ -106,7 +106,7 @@ std::string HttpServer::State::stream_events(Exchange& exchange, const Job& job,
   }
   if (progress.state != Job::State::done) return events;
   if (!job.error.empty()) return events + sse_event("error", json::parse(generation_error(job.error).json()));
-  const auto settings = pipeline.config_of(job.request);
+  const auto& settings = job.request.settings();
   for (const auto& image : job.images) {
     auto event = image_event(base64(generate::encode_generated_png(settings, image)), image.image.size(-1));
     event["candidate"] = image.candidate;

@@ -121,13 +121,13 @@ struct HttpServer::State {
   MHD_Result edits(const std::shared_ptr<Exchange>& exchange);
   // Answers `request` once its job is done, or streams it.
   MHD_Result answer_with_job(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
-                             generate::PromptRequest prompt);
+                             generate::PreparedRequest prompt);
   void take_body(Exchange& exchange, const char* data, size_t size);
   int64_t body_limit(const Exchange& exchange) const {
     return exchange.form_reader ? 2 * config.max_image_bytes + config.max_body_bytes : config.max_body_bytes;
   }
   MHD_Result stream(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
-                    generate::PromptRequest prompt);
+                    generate::PreparedRequest prompt);
   Answer submit_job(const Exchange& exchange);
   Answer job(const Exchange& exchange, const std::string& id);
   Answer get(const Exchange& exchange);
@@ -139,9 +139,12 @@ struct HttpServer::State {
   }
   void check_admissible(const Exchange& exchange) const;
   ImageRequest read_request(const Exchange& exchange) const;
-  generate::PromptRequest prompt_of(const ImageRequest& request,
+  // `request` (with an edit's image prompt) as the pipeline prepares it: the pipeline's one call
+  // for a request outside generate. Throws ApiError 400 for what the model refuses.
+  generate::PreparedRequest prepare(const ImageRequest& request,
                                     std::shared_ptr<const generate::PromptImage> image_prompt = nullptr);
-  std::shared_ptr<Job> admit(generate::PromptRequest prompt, std::function<void(const std::shared_ptr<Job>&)> on_change);
+  std::shared_ptr<Job> admit(generate::PreparedRequest prompt,
+                             std::function<void(const std::shared_ptr<Job>&)> on_change);
   nlohmann::json answer_json(const std::string& host, const ImageRequest& request, const Job& job);
   std::string base_url(const std::string& host) const;
   nlohmann::json model_object() const;
@@ -160,7 +163,8 @@ struct HttpServer::State {
   void drop_waiting();  // before the event loop stops: nothing may stay suspended
 
   ServeConfig config;
-  generate::Pipeline& pipeline;
+  // Const: only its thread-safe methods here; generate() runs on the scheduler's worker alone.
+  const generate::Pipeline& pipeline;
   ServedModel model;
   std::string api_key;
   Metrics metrics;
