@@ -110,31 +110,10 @@ MHD_Result HttpServer::State::edits(const std::shared_ptr<Exchange>& exchange) {
 
 MHD_Result HttpServer::State::answer_with_job(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
                                               generate::PreparedRequest prompt) {
-  if (request.stream) return stream(exchange, request, std::move(prompt));
   {
-    // Held until the connection is parked: the job's answer cannot come before.
+    // Held until the connection is parked, or streams: the job's answer cannot come before.
     std::lock_guard lock(exchange->mutex);
-    exchange->request = request;
-    exchange->deadline = exchange->arrived + std::chrono::duration_cast<Clock::duration>(
-                                                 std::chrono::duration<double>(config.request_timeout_seconds));
-    std::weak_ptr<Exchange> weak = exchange;
-    exchange->job = admit(std::move(prompt), [this, weak](const std::shared_ptr<Job>& job) {
-      post([this, weak, job] {
-        if (auto exchange = weak.lock()) settle(exchange, job);
-      });
-    });
-    exchange->park();
-  }
-  std::lock_guard lock(waiting_mutex);
-  waiting.insert(exchange);
-  return MHD_YES;
-}
-
-MHD_Result HttpServer::State::stream(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
-                                     generate::PreparedRequest prompt) {
-  {
-    std::lock_guard lock(exchange->mutex);
-    exchange->streaming = true;
+    exchange->streaming = request.stream;
     exchange->request = request;
     exchange->deadline = exchange->arrived + std::chrono::duration_cast<Clock::duration>(
                                                  std::chrono::duration<double>(config.request_timeout_seconds));
@@ -145,11 +124,16 @@ MHD_Result HttpServer::State::stream(const std::shared_ptr<Exchange>& exchange, 
         if (auto exchange = weak.lock()) settle(exchange, job);
       });
     });
+    if (!request.stream) exchange->park();
   }
   {
     std::lock_guard lock(waiting_mutex);
     waiting.insert(exchange);
   }
+  return request.stream ? stream(exchange) : MHD_YES;
+}
+
+MHD_Result HttpServer::State::stream(const std::shared_ptr<Exchange>& exchange) {
   auto* response = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, read_stream,
                                                      new std::shared_ptr<Exchange>(exchange), free_stream);
   MHD_add_response_header(response, "Content-Type", "text/event-stream");

@@ -119,15 +119,16 @@ struct HttpServer::State {
   MHD_Result send(Exchange& exchange, const Answer& answer);
   MHD_Result generations(const std::shared_ptr<Exchange>& exchange);
   MHD_Result edits(const std::shared_ptr<Exchange>& exchange);
-  // Answers `request` once its job is done, or streams it.
+  // Admits `prompt` for `request`, which the responder then answers once its job is done or
+  // streams as it is drawn: one path for both, the deadline running from the request's arrival.
   MHD_Result answer_with_job(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
                              generate::PreparedRequest prompt);
   void take_body(Exchange& exchange, const char* data, size_t size);
   int64_t body_limit(const Exchange& exchange) const {
     return exchange.form_reader ? 2 * config.max_image_bytes + config.max_body_bytes : config.max_body_bytes;
   }
-  MHD_Result stream(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
-                    generate::PreparedRequest prompt);
+  // Answers an admitted streaming request with server-sent events as the responder adds them.
+  MHD_Result stream(const std::shared_ptr<Exchange>& exchange);
   Answer submit_job(const Exchange& exchange);
   Answer job(const Exchange& exchange, const std::string& id);
   Answer get(const Exchange& exchange);
