@@ -1,8 +1,12 @@
 #include "dalle/generate/pipeline.h"
 
+#include <atomic>
+#include <chrono>
+#include <future>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
+#include <thread>
 
 #include "dalle/data/image.h"
 #include "dalle/io/checkpoint.h"
@@ -263,6 +267,85 @@ TEST(PipelineRequests, EachRequestDrawsWhatAPipelineWithItsSettingsDraws) {
   // generate takes only what its own pipeline prepared: nothing else was checked against it.
   EXPECT_THROW_WITH(Pipeline(base).generate({with_seed}), Error, "request 0 was not prepared by this pipeline");
   EXPECT_THROW_WITH(pipeline.generate({with_seed, PreparedRequest()}), Error, "request 1 was not prepared");
+}
+
+// pipeline.h's thread rule: prepare, image_size, image_tokens and config, called from several
+// threads while generate draws on another, give what they give alone, and the draw is the one
+// drawn alone (dalle-serve prepares on its event loop while its worker generates).
+TEST(PipelineThreads, PrepareAndTheSizesAnswerFromAnyThreadWhileGenerateDraws) {
+  using namespace std::chrono_literals;
+  Pipeline pipeline(demo_pipeline(2));
+  const auto drawn = pipeline.prepare("a red bag on the left", 0, [](PromptRequest& r) {
+    r.candidates = 3;
+    r.preview_every = 8;
+  });
+  const auto alone = pipeline.generate({drawn});
+  const auto settings_of = [](int64_t reader) {
+    return [reader](PromptRequest& r) {
+      r.sampling.seed = 100 + reader;
+      r.candidates = 1 + reader;
+    };
+  };
+  const auto size = pipeline.image_size(false), tokens = pipeline.image_tokens();
+  const auto batch_size = pipeline.config().batch_size;
+  auto expected = pipeline.prepare("a blue sneaker at the top", 1, settings_of(0)).settings();
+  const auto expected_yaml = config_to_yaml(visit_of(expected));
+
+  constexpr int64_t kReaders = 4;
+  std::atomic<bool> generating{false}, finished{false};
+  std::atomic<int64_t> calls_while_generating{0}, wrong{0};
+  std::vector<int64_t> calls_at_preview;
+  auto generation = std::async(std::launch::async, [&] {
+    auto images = pipeline.generate({drawn}, [&](const std::vector<Preview>&) {
+      if (!generating.exchange(true)) {
+        // The readers have called at least once each before the draw goes on (at most 30 s).
+        for (const auto give_up = std::chrono::steady_clock::now() + 30s;
+             calls_while_generating < kReaders && std::chrono::steady_clock::now() < give_up;) {
+          std::this_thread::sleep_for(1ms);
+        }
+      }
+      calls_at_preview.push_back(calls_while_generating);
+    });
+    finished = true;
+    return images;
+  });
+  std::vector<std::future<void>> readers;
+  for (int64_t reader = 0; reader < kReaders; ++reader) {
+    readers.push_back(std::async(std::launch::async, [&, reader] {
+      while (!finished) {
+        const auto prepared = pipeline.prepare("a blue sneaker at the top", 1, settings_of(reader));
+        const auto& request = prepared.request();
+        auto settings = prepared.settings();
+        settings.candidates = expected.candidates;
+        settings.sampling.seed = expected.sampling.seed;
+        const bool right = request.prompt == "a blue sneaker at the top" && request.stream_index == 1 &&
+                           request.candidates == 1 + reader && request.sampling.seed == 100 + reader &&
+                           prepared.settings().candidates == 1 + reader &&
+                           config_to_yaml(visit_of(settings)) == expected_yaml &&
+                           pipeline.image_size(false) == size && pipeline.image_tokens() == tokens &&
+                           pipeline.config().batch_size == batch_size;
+        bool refused = false;
+        try {
+          pipeline.prepare(" ");
+        } catch (const Error& error) {
+          refused = std::string(error.what()) == "pipeline: the prompt is blank";
+        }
+        if (!right || !refused) ++wrong;
+        if (generating && !finished) ++calls_while_generating;
+      }
+    }));
+  }
+  ASSERT_EQ(generation.wait_for(300s), std::future_status::ready) << "generate did not end";
+  for (auto& reader : readers) ASSERT_EQ(reader.wait_for(30s), std::future_status::ready) << "a reader hung";
+  const auto together = generation.get();
+  EXPECT_EQ(wrong, 0) << "an answer from another thread differed from the one given alone";
+  ASSERT_GE(calls_at_preview.size(), 2u);
+  EXPECT_GE(calls_at_preview.front(), kReaders) << "the readers called while generate ran";
+  EXPECT_GT(calls_at_preview.back(), calls_at_preview.front()) << "and went on calling while it drew";
+  ASSERT_EQ(together.size(), alone.size());
+  for (size_t i = 0; i < alone.size(); ++i) {
+    EXPECT_TRUE(torch::equal(together[i].tokens, alone[i].tokens)) << "the same draw, image " << i;
+  }
 }
 
 // A request may skip super-resolution; every written PNG carries its sidecar's JSON.
