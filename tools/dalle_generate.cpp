@@ -96,11 +96,13 @@ int main(int argc, char** argv) {
     if (prompts.empty()) throw tools::UsageError("no captions: give them as arguments or with --prompts-file");
     generate::OutputFolder output(out);
     generate::Pipeline pipeline(config);
-    std::vector<generate::PromptRequest> requests;
+    std::vector<generate::PreparedRequest> requests;
     for (size_t index = 0; index < prompts.size(); ++index) {
-      requests.push_back(pipeline.request(prompts[index], static_cast<int64_t>(index)));
-      requests.back().preview_every = preview_every;
-      requests.back().preview_candidates = preview_candidates;
+      requests.push_back(pipeline.prepare(prompts[index], static_cast<int64_t>(index),
+                                          [&](generate::PromptRequest& request) {
+                                            request.preview_every = preview_every;
+                                            request.preview_candidates = preview_candidates;
+                                          }));
     }
     const auto preview = preview_path(out);
     const auto columns = preview_candidates == 0 ? config.candidates : std::min(preview_candidates, config.candidates);

@@ -5,7 +5,6 @@
 // logits.
 #include <torch/torch.h>
 
-#include <cmath>
 #include <filesystem>
 #include <optional>
 
@@ -13,6 +12,7 @@
 #include "dalle/error.h"
 #include "dalle/generate/image_prompt.h"
 #include "dalle/models/bart_sampling.h"
+#include "dalle/models/token_grid.h"
 #include "dalle/models/trained.h"
 #include "dalle/runtime.h"
 #include "dalle/text/bart_tokenizer.h"
@@ -57,15 +57,13 @@ void check_encoder_fits(const models::TrainedImageTokenizer& encoder, const Pipe
   }
 }
 
-int64_t grid_side(const models::BartPriorConfig& prior) {
-  return static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(prior.image_length))));
-}
-
 class MegaFamily : public PriorFamily {
  public:
-  MegaFamily(models::TrainedBartPrior prior, text::BartTokenizer tokenizer, models::VqganDetokenizer detokenizer,
-             std::optional<models::TrainedImageTokenizer> encoder, std::optional<models::ImagePrompt> image_prompt)
+  MegaFamily(models::TrainedBartPrior prior, int64_t side, text::BartTokenizer tokenizer,
+             models::VqganDetokenizer detokenizer, std::optional<models::TrainedImageTokenizer> encoder,
+             std::optional<models::ImagePrompt> image_prompt)
       : prior_(std::move(prior)),
+        side_(side),
         tokenizer_(std::move(tokenizer)),
         detokenizer_(std::move(detokenizer)),
         encoder_(std::move(encoder)),
@@ -87,7 +85,7 @@ class MegaFamily : public PriorFamily {
     const auto* image_prompt = batch.image_prompt ? batch.image_prompt : image_prompt_ ? &*image_prompt_ : nullptr;
     return models::sample_bart_image_tokens(prior_.model->encoder, prior_.model->decoder, batch.captions, options,
                                             batch.streams, batch.on_token, batch.seeds, batch.graphs, image_prompt)
-        .view({batch.captions.size(0), side(), side()});
+        .view({batch.captions.size(0), side_, side_});
   }
 
   // check() refused a request's image prompt when there is no encoder.
@@ -105,13 +103,12 @@ class MegaFamily : public PriorFamily {
   }
 
   int64_t image_length() const override { return prior_.config.image_length; }
-  int64_t image_size() const override { return side() * detokenizer_->config().downsampling_factor(); }
+  int64_t image_size() const override { return side_ * detokenizer_->config().downsampling_factor(); }
   bool filters_per_batch() const override { return true; }
 
  private:
-  int64_t side() const { return grid_side(prior_.config); }
-
   models::TrainedBartPrior prior_;
+  int64_t side_;  // of the token grid
   text::BartTokenizer tokenizer_;
   models::VqganDetokenizer detokenizer_;
   std::optional<models::TrainedImageTokenizer> encoder_;  // dalle-mini's VQGAN, for image prompts
@@ -125,6 +122,8 @@ std::unique_ptr<PriorFamily> load_mega_family(PipelineConfig& config, torch::Dev
   apply_adapters(*prior.model, config, "bart_prior");
   quantize_if_int8(*prior.model, config);
   check_mega_fits(config, prior.config);
+  const auto side = models::grid_side(prior.config.image_length, "pipeline: the BART prior " + config.prior +
+                                                                     "'s image_length");
   if (config.tokenizer.empty()) config.tokenizer = prior.tokenizer;
   if (config.decoder.empty()) config.decoder = prior.image_tokenizer;
   if (config.tokenizer.empty() || config.decoder.empty()) {
@@ -141,7 +140,7 @@ std::unique_ptr<PriorFamily> load_mega_family(PipelineConfig& config, torch::Dev
   std::optional<models::TrainedImageTokenizer> encoder;
   if (!config.encoder.empty()) {
     encoder = models::load_image_tokenizer(config.encoder);
-    check_encoder_fits(*encoder, config, prior.config, grid_side(prior.config));
+    check_encoder_fits(*encoder, config, prior.config, side);
   }
   prior.model->to(device);
   detokenizer->to(device);
@@ -150,7 +149,7 @@ std::unique_ptr<PriorFamily> load_mega_family(PipelineConfig& config, torch::Dev
     encoder->model->module().to(device);
     if (config.image_prompt.enabled()) image_prompt = load_image_prompt(config.image_prompt, *encoder);
   }
-  return std::make_unique<MegaFamily>(std::move(prior), std::move(tokenizer), std::move(detokenizer),
+  return std::make_unique<MegaFamily>(std::move(prior), side, std::move(tokenizer), std::move(detokenizer),
                                       std::move(encoder), std::move(image_prompt));
 }
 

@@ -5,7 +5,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cmath>
+#include <atomic>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -16,6 +16,7 @@
 #include "dalle/log.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/tiled_upscale.h"
+#include "dalle/models/token_grid.h"
 #include "dalle/models/trained.h"
 #include "dalle/runtime.h"
 #include "dalle/text/clip_tokenizer.h"
@@ -111,10 +112,18 @@ std::vector<std::vector<size_t>> group_requests(const std::vector<PromptRequest>
 
 }  // namespace
 
+// What a pipeline loaded. After the constructor, generate() alone changes anything here (the
+// decoding graphs, whatever a model's forward keeps); the methods any thread may call read
+// config, id, the sizes below and family->check(), which reads its prior's config alone.
 struct Pipeline::Stages {
   PipelineConfig config;
   torch::Device device = torch::kCPU;
   std::unique_ptr<PriorFamily> family;
+  // Which pipeline this is, for the requests it prepared: unique in the process, never 0.
+  uint64_t id = next_id();
+  // Fixed once the models are loaded: tokens per image, the decoded and the upscaled image's
+  // side (the decoded one without super-resolution).
+  int64_t image_tokens = 0, decoded_size = 0, upscaled_size = 0;
   models::Clip clip{nullptr};
   std::optional<text::ClipTokenizer> clip_tokenizer{};  // the imported CLIP's own: CLIP's BPE, or
   std::optional<text::YttmTokenizer> clip_yttm{};       // ruCLIP's YouTokenToMe model
@@ -133,8 +142,9 @@ struct Pipeline::Stages {
   // so far are `drawn`, one [B] tensor per position.
   std::vector<Preview> previews(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
                                 const std::vector<torch::Tensor>& drawn, int64_t total);
-  // Refuses what generate cannot do of `request`; `where` begins the messages.
-  void check(const PromptRequest& request, const std::string& where) const;
+  // Refuses what generate cannot do of `request`, `where` beginning the messages; the config
+  // with the settings `request` gives its own.
+  PipelineConfig check(const PromptRequest& request, const std::string& where) const;
   // Reranks (with CLIP), keeps and upscales the candidates of one request.
   void finish(std::vector<GeneratedImage>& candidates, const PromptRequest& request, const torch::Tensor& clip_caption);
   // The prompt as CLIP reads it: the caption tokenizer's `caption` [L], or with CLIP's own
@@ -150,6 +160,11 @@ struct Pipeline::Stages {
     const auto& s = request.sampling;
     return {s.temperature, s.guidance_scale, s.use_cache, family->filters_per_batch() ? s.top_k : 0,
             request.image_prompt.get()};
+  }
+
+  static uint64_t next_id() {
+    static std::atomic<uint64_t> last{0};
+    return ++last;
   }
 };
 
@@ -181,6 +196,9 @@ Pipeline::Pipeline(PipelineConfig config) {
     s.superres = models::load_trained_rrdbnet(s.config.superres);
     s.superres->to(device);
   }
+  s.image_tokens = s.family->image_length();
+  s.decoded_size = s.family->image_size();
+  s.upscaled_size = s.superres ? s.decoded_size * s.superres->config().scale : s.decoded_size;
 }
 
 Pipeline::~Pipeline() = default;
@@ -191,6 +209,13 @@ const PipelineConfig& Pipeline::config() const { return stages_->config; }
 
 namespace {
 
+// The request `config` makes of `prompt` at prompt index `stream_index`.
+PromptRequest request_of(const PipelineConfig& config, std::string prompt, int64_t stream_index) {
+  return {.prompt = std::move(prompt), .stream_index = stream_index, .candidates = config.candidates,
+          .keep = config.keep, .sampling = config.sampling, .schedule = config.schedule, .superres = true,
+          .preview_every = 0, .preview_candidates = 0, .image_prompt = nullptr};
+}
+
 // `config` with the settings `request` gives its own (its sidecars' record, and what check()
 // holds it to). A request's own image prompt is recorded by its rows, not its pixels.
 PipelineConfig with_settings_of(const PromptRequest& request, PipelineConfig config) {
@@ -199,7 +224,7 @@ PipelineConfig with_settings_of(const PromptRequest& request, PipelineConfig con
   config.sampling = request.sampling;
   config.schedule = request.schedule;
   if (request.image_prompt) {
-    config.image_prompt = {.image = "(the request's image)", .top_rows = request.image_prompt->top_rows};
+    config.image_prompt = {.image = "(the request's image)", .top_rows = request.image_prompt->top_rows, .mask = ""};
   }
   return config;
 }
@@ -209,7 +234,7 @@ PipelineConfig with_settings_of(const PromptRequest& request, PipelineConfig con
 // row shares that filter.
 RowBatch batch_of(const std::vector<Row>& rows, const std::vector<PromptRequest>& requests,
                   const std::vector<torch::Tensor>& captions, models::RowFilters& filters) {
-  RowBatch batch{.filters = nullptr};
+  RowBatch batch{};  // filters null: every row shares options' filter
   std::vector<torch::Tensor> batch_captions;
   for (const auto& row : rows) {
     const auto& request = requests[row.request];
@@ -241,7 +266,7 @@ bool wants_preview(const PromptRequest& request, int64_t candidate, int64_t done
 }
 
 // The side of the square grid of `positions` tokens.
-int64_t grid_side(int64_t positions) { return std::llround(std::sqrt(static_cast<double>(positions))); }
+int64_t grid_side(int64_t positions) { return models::grid_side(positions, "pipeline: the prior's image positions"); }
 
 // `images` [B, 3, H, W] blank (white) but for the pixels of the first `done` of the grid's
 // positions.
@@ -391,32 +416,29 @@ void Pipeline::Stages::finish(std::vector<GeneratedImage>& candidates, const Pro
   if (superres && request.superres) upscale(candidates);
 }
 
-PromptRequest Pipeline::request(std::string prompt, int64_t stream_index) const {
-  const auto& config = stages_->config;
-  return {.prompt = std::move(prompt), .stream_index = stream_index, .candidates = config.candidates,
-          .keep = config.keep, .sampling = config.sampling, .schedule = config.schedule, .superres = true};
+PreparedRequest Pipeline::prepare(std::string prompt, int64_t stream_index, const RequestSettings& settings) const {
+  auto request = request_of(stages_->config, std::move(prompt), stream_index);
+  if (settings) settings(request);
+  return prepared(std::move(request), "pipeline");
 }
 
-PipelineConfig Pipeline::config_of(const PromptRequest& request) const {
-  auto config = with_settings_of(request, stages_->config);
-  if (!request.superres) config.superres.clear();
-  return config;
+PreparedRequest Pipeline::prepared(PromptRequest request, const std::string& where) const {
+  const auto& s = *stages_;
+  auto settings = s.check(request, where);
+  if (!request.superres) settings.superres.clear();
+  return {std::move(request), std::move(settings), s.id};
 }
 
 int64_t Pipeline::image_size(bool superres) const {
-  const auto& s = *stages_;
-  const auto decoded = s.family->image_size();
-  return superres && s.superres ? decoded * s.superres->config().scale : decoded;
+  return superres ? stages_->upscaled_size : stages_->decoded_size;
 }
 
-int64_t Pipeline::image_tokens() const { return stages_->family->image_length(); }
+int64_t Pipeline::image_tokens() const { return stages_->image_tokens; }
 
-void Pipeline::check(const PromptRequest& request) const { stages_->check(request, "pipeline"); }
-
-void Pipeline::Stages::check(const PromptRequest& request, const std::string& where) const {
+PipelineConfig Pipeline::Stages::check(const PromptRequest& request, const std::string& where) const {
   check_prompt(request.prompt, where);
   try {
-    const auto changed = with_settings_of(request, config);
+    auto changed = with_settings_of(request, config);
     check_config(changed);
     family->check(changed);
     if (request.candidates < 1 || request.stream_index < 0 || request.stream_index > UINT32_MAX ||
@@ -429,7 +451,7 @@ void Pipeline::Stages::check(const PromptRequest& request, const std::string& wh
                   "; give the image positions between previews, or 0 for none");
     }
     if (const auto& own = request.image_prompt) {
-      const auto grid = grid_side(family->image_length());
+      const auto grid = grid_side(image_tokens);
       if (own->top_rows < 1 || own->top_rows >= grid) {
         throw Error("pipeline: an image prompt keeps " + std::to_string(own->top_rows) + " token rows; the " +
                     std::to_string(grid) + "-row grid takes 1 to " + std::to_string(grid - 1));
@@ -442,6 +464,7 @@ void Pipeline::Stages::check(const PromptRequest& request, const std::string& wh
       throw Error("pipeline: preview_candidates is " + std::to_string(request.preview_candidates) +
                   "; give how many candidates to preview, or 0 for all");
     }
+    return changed;
   } catch (const Error& error) {
     if (where == "pipeline") throw;
     throw Error(std::string(error.what()) + " (" + where.substr(std::string("pipeline: ").size()) + ")");
@@ -449,20 +472,27 @@ void Pipeline::Stages::check(const PromptRequest& request, const std::string& wh
 }
 
 std::vector<GeneratedImage> Pipeline::generate(const std::vector<std::string>& prompts) {
-  std::vector<PromptRequest> requests;
+  if (prompts.empty()) throw Error("pipeline: no prompts");
+  // Before any sampling: a request the sidecars cannot hold must not cost a run.
+  std::vector<PreparedRequest> requests;
   for (size_t index = 0; index < prompts.size(); ++index) {
-    requests.push_back(request(prompts[index], static_cast<int64_t>(index)));
+    const auto stream_index = static_cast<int64_t>(index);
+    requests.push_back(prepared(request_of(stages_->config, prompts[index], stream_index),
+                                "pipeline: prompt " + std::to_string(index)));
   }
   return generate(requests);
 }
 
-std::vector<GeneratedImage> Pipeline::generate(const std::vector<PromptRequest>& requests,
+std::vector<GeneratedImage> Pipeline::generate(const std::vector<PreparedRequest>& prepared_requests,
                                                const PreviewCallback& on_preview) {
   auto& s = *stages_;
-  if (requests.empty()) throw Error("pipeline: no prompts");
-  // Before any sampling: a request the sidecars cannot hold must not cost a run.
-  for (size_t index = 0; index < requests.size(); ++index) {
-    s.check(requests[index], "pipeline: prompt " + std::to_string(index));
+  if (prepared_requests.empty()) throw Error("pipeline: no prompts");
+  std::vector<PromptRequest> requests;
+  for (size_t index = 0; index < prepared_requests.size(); ++index) {
+    if (prepared_requests[index].pipeline_ != s.id) {
+      throw Error("pipeline: request " + std::to_string(index) + " was not prepared by this pipeline (prepare())");
+    }
+    requests.push_back(prepared_requests[index].request());
   }
   std::vector<torch::Tensor> captions, clip_captions;
   int64_t rows = 0;

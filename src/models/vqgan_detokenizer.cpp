@@ -2,9 +2,8 @@
 
 #include <torch/torch.h>
 
-#include <cmath>
-
 #include "dalle/error.h"
+#include "dalle/models/token_grid.h"
 
 namespace dalle::models {
 
@@ -28,21 +27,21 @@ VqganDetokenizerImpl::VqganDetokenizerImpl(const VqganConfig& config) : config_(
 }
 
 torch::Tensor VqganDetokenizerImpl::forward(const torch::Tensor& tokens) {
-  const auto side =
-      tokens.dim() == 2 ? static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(tokens.size(1))))) : 0;
-  if (tokens.dim() != 2 || side * side != tokens.size(1)) {
-    throw Error("VQGAN detokenizer: expected tokens [B, side * side], got " + c10::str(tokens.sizes()));
-  }
+  const auto expected = [&] {
+    return "VQGAN detokenizer: expected tokens [B, side * side], got " + c10::str(tokens.sizes());
+  };
+  if (tokens.dim() != 2) throw Error(expected());
+  const auto side = grid_side(tokens.size(1), expected());
   const auto codes = embedding(tokens).view({tokens.size(0), side, side, config_.embed_dim}).permute({0, 3, 1, 2});
   return decoder(post_quant_conv(codes.contiguous())).clamp(0, 1);
 }
 
 torch::Tensor min_dalle_grid(const torch::Tensor& images) {
-  const auto grid =
-      images.dim() == 4 ? static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(images.size(0))))) : 0;
-  if (images.dim() != 4 || grid * grid != images.size(0)) {
-    throw Error("min-dalle grid: expected [g * g, C, H, W] images, got " + c10::str(images.sizes()));
-  }
+  const auto expected = [&] {
+    return "min-dalle grid: expected [g * g, C, H, W] images, got " + c10::str(images.sizes());
+  };
+  if (images.dim() != 4) throw Error(expected());
+  const auto grid = grid_side(images.size(0), expected());
   const int64_t channels = images.size(1), height = images.size(2), width = images.size(3);
   // [column, row, C, H, W] -> [row, H, column, W, C]
   return (images.view({grid, grid, channels, height, width}).permute({1, 3, 0, 4, 2}) * 255)

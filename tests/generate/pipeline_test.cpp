@@ -1,8 +1,12 @@
 #include "dalle/generate/pipeline.h"
 
+#include <atomic>
+#include <chrono>
+#include <future>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
+#include <thread>
 
 #include "dalle/data/image.h"
 #include "dalle/data/png_text.h"
@@ -221,21 +225,23 @@ TEST(PipelineRequests, EachRequestDrawsWhatAPipelineWithItsSettingsDraws) {
   auto base = demo_pipeline(2);
   base.batch_size = 3;  // batches that straddle requests
   Pipeline pipeline(base);
-  auto with_seed = pipeline.request("a red bag on the left");
-  with_seed.sampling.seed = 11;
-  auto filtered = pipeline.request("a blue sneaker at the top", 1);
-  filtered.candidates = 3;
-  filtered.sampling.top_k = 20;
-  auto guided = pipeline.request("a red bag on the left");
-  guided.sampling.guidance_scale = 2.0;  // another batch group: two model calls per token
-  guided.sampling.seed = 11;
-  const auto together = pipeline.generate(std::vector<PromptRequest>{with_seed, guided, filtered});
+  const auto with_seed = pipeline.prepare("a red bag on the left", 0, [](PromptRequest& r) { r.sampling.seed = 11; });
+  const auto filtered = pipeline.prepare("a blue sneaker at the top", 1, [](PromptRequest& r) {
+    r.candidates = 3;
+    r.sampling.top_k = 20;
+  });
+  const auto guided = pipeline.prepare("a red bag on the left", 0, [](PromptRequest& r) {
+    r.sampling.guidance_scale = 2.0;  // another batch group: two model calls per token
+    r.sampling.seed = 11;
+  });
+  const auto together = pipeline.generate({with_seed, guided, filtered});
   ASSERT_EQ(together.size(), 7u);
   const std::vector<int64_t> request_of_image = {0, 0, 1, 1, 2, 2, 2};
   for (size_t i = 0; i < together.size(); ++i) EXPECT_EQ(together[i].request, request_of_image[i]) << i;
 
-  const auto alone = [&](const PromptRequest& request, int64_t index) {
-    auto config = pipeline.config_of(request);
+  const auto alone = [&](const PreparedRequest& prepared, int64_t index) {
+    const auto& request = prepared.request();
+    auto config = prepared.settings();
     std::vector<std::string> prompts(static_cast<size_t>(index), "a green dress");  // prompts before it
     prompts.push_back(request.prompt);
     auto images = Pipeline(config).generate(prompts);
@@ -243,9 +249,10 @@ TEST(PipelineRequests, EachRequestDrawsWhatAPipelineWithItsSettingsDraws) {
     return images;
   };
   size_t at = 0;
-  for (const auto& [request, index] : std::vector<std::pair<PromptRequest, int64_t>>{
+  for (const auto& [prepared, index] : std::vector<std::pair<PreparedRequest, int64_t>>{
            {with_seed, 0}, {guided, 0}, {filtered, 1}}) {
-    for (const auto& expected : alone(request, index)) {
+    const auto& request = prepared.request();
+    for (const auto& expected : alone(prepared, index)) {
       const auto& image = together.at(at++);
       EXPECT_TRUE(torch::equal(image.tokens, expected.tokens)) << request.prompt << " candidate " << image.candidate;
       EXPECT_EQ(image.seed, request.sampling.seed);
@@ -253,13 +260,93 @@ TEST(PipelineRequests, EachRequestDrawsWhatAPipelineWithItsSettingsDraws) {
       EXPECT_EQ(image.top_k, request.sampling.top_k);
     }
   }
-  auto refused = with_seed;
-  refused.keep = 1;
-  EXPECT_THROW_WITH(pipeline.generate(std::vector<PromptRequest>{with_seed, refused}), Error,
-                    "keeping 1 of 2 candidates needs a CLIP model", "(prompt 1)");
-  refused = with_seed;
-  refused.prompt = " ";
-  EXPECT_THROW_WITH(pipeline.check(refused), Error, "pipeline: the prompt is blank");
+  EXPECT_THROW_WITH(pipeline.prepare("a red bag on the left", 0, [](PromptRequest& r) { r.keep = 1; }), Error,
+                    "keeping 1 of 2 candidates needs a CLIP model");
+  EXPECT_THROW_WITH(pipeline.prepare(" "), Error, "pipeline: the prompt is blank");
+  EXPECT_THROW_WITH(pipeline.generate(std::vector<std::string>{"a red bag on the left", " "}), Error,
+                    "pipeline: prompt 1: the prompt is blank");
+  // generate takes only what its own pipeline prepared: nothing else was checked against it.
+  EXPECT_THROW_WITH(Pipeline(base).generate({with_seed}), Error, "request 0 was not prepared by this pipeline");
+  EXPECT_THROW_WITH(pipeline.generate({with_seed, PreparedRequest()}), Error, "request 1 was not prepared");
+}
+
+// pipeline.h's thread rule: prepare, image_size, image_tokens and config, called from several
+// threads while generate draws on another, give what they give alone, and the draw is the one
+// drawn alone (dalle-serve prepares on its event loop while its worker generates).
+TEST(PipelineThreads, PrepareAndTheSizesAnswerFromAnyThreadWhileGenerateDraws) {
+  using namespace std::chrono_literals;
+  Pipeline pipeline(demo_pipeline(2));
+  const auto drawn = pipeline.prepare("a red bag on the left", 0, [](PromptRequest& r) {
+    r.candidates = 3;
+    r.preview_every = 8;
+  });
+  const auto alone = pipeline.generate({drawn});
+  const auto settings_of = [](int64_t reader) {
+    return [reader](PromptRequest& r) {
+      r.sampling.seed = 100 + reader;
+      r.candidates = 1 + reader;
+    };
+  };
+  const auto size = pipeline.image_size(false), tokens = pipeline.image_tokens();
+  const auto batch_size = pipeline.config().batch_size;
+  auto expected = pipeline.prepare("a blue sneaker at the top", 1, settings_of(0)).settings();
+  const auto expected_yaml = config_to_yaml(visit_of(expected));
+
+  constexpr int64_t kReaders = 4;
+  std::atomic<bool> generating{false}, finished{false};
+  std::atomic<int64_t> calls_while_generating{0}, wrong{0};
+  std::vector<int64_t> calls_at_preview;
+  auto generation = std::async(std::launch::async, [&] {
+    auto images = pipeline.generate({drawn}, [&](const std::vector<Preview>&) {
+      if (!generating.exchange(true)) {
+        // The readers have called at least once each before the draw goes on (at most 30 s).
+        for (const auto give_up = std::chrono::steady_clock::now() + 30s;
+             calls_while_generating < kReaders && std::chrono::steady_clock::now() < give_up;) {
+          std::this_thread::sleep_for(1ms);
+        }
+      }
+      calls_at_preview.push_back(calls_while_generating);
+    });
+    finished = true;
+    return images;
+  });
+  std::vector<std::future<void>> readers;
+  for (int64_t reader = 0; reader < kReaders; ++reader) {
+    readers.push_back(std::async(std::launch::async, [&, reader] {
+      while (!finished) {
+        const auto prepared = pipeline.prepare("a blue sneaker at the top", 1, settings_of(reader));
+        const auto& request = prepared.request();
+        auto settings = prepared.settings();
+        settings.candidates = expected.candidates;
+        settings.sampling.seed = expected.sampling.seed;
+        const bool right = request.prompt == "a blue sneaker at the top" && request.stream_index == 1 &&
+                           request.candidates == 1 + reader && request.sampling.seed == 100 + reader &&
+                           prepared.settings().candidates == 1 + reader &&
+                           config_to_yaml(visit_of(settings)) == expected_yaml &&
+                           pipeline.image_size(false) == size && pipeline.image_tokens() == tokens &&
+                           pipeline.config().batch_size == batch_size;
+        bool refused = false;
+        try {
+          pipeline.prepare(" ");
+        } catch (const Error& error) {
+          refused = std::string(error.what()) == "pipeline: the prompt is blank";
+        }
+        if (!right || !refused) ++wrong;
+        if (generating && !finished) ++calls_while_generating;
+      }
+    }));
+  }
+  ASSERT_EQ(generation.wait_for(300s), std::future_status::ready) << "generate did not end";
+  for (auto& reader : readers) ASSERT_EQ(reader.wait_for(30s), std::future_status::ready) << "a reader hung";
+  const auto together = generation.get();
+  EXPECT_EQ(wrong, 0) << "an answer from another thread differed from the one given alone";
+  ASSERT_GE(calls_at_preview.size(), 2u);
+  EXPECT_GE(calls_at_preview.front(), kReaders) << "the readers called while generate ran";
+  EXPECT_GT(calls_at_preview.back(), calls_at_preview.front()) << "and went on calling while it drew";
+  ASSERT_EQ(together.size(), alone.size());
+  for (size_t i = 0; i < alone.size(); ++i) {
+    EXPECT_TRUE(torch::equal(together[i].tokens, alone[i].tokens)) << "the same draw, image " << i;
+  }
 }
 
 // A request may skip super-resolution; every written PNG carries its sidecar's JSON.
@@ -269,19 +356,20 @@ TEST(PipelineRequests, SuperResolutionPerRequestAndSettingsInThePng) {
   Pipeline pipeline(config);
   EXPECT_EQ(pipeline.image_size(false), 64);
   EXPECT_EQ(pipeline.image_size(true), 128);
-  auto small = pipeline.request("a red bag on the left");
-  small.superres = false;
-  small.sampling.seed = 4;
-  const auto images = pipeline.generate(std::vector<PromptRequest>{pipeline.request("a red bag on the left"), small});
+  const auto small = pipeline.prepare("a red bag on the left", 0, [](PromptRequest& r) {
+    r.superres = false;
+    r.sampling.seed = 4;
+  });
+  const auto images = pipeline.generate({pipeline.prepare("a red bag on the left"), small});
   ASSERT_EQ(images.size(), 2u);
   EXPECT_EQ(images[0].image.size(2), 128);
   EXPECT_EQ(images[1].image.size(2), 64);
-  EXPECT_EQ(pipeline.config_of(small).superres, "");
+  EXPECT_EQ(small.settings().superres, "");
 
-  const auto png = encode_generated_png(pipeline.config_of(small), images[1]);
+  const auto png = encode_generated_png(small.settings(), images[1]);
   const auto text = data::png_text(png, kPngTextKeyword);
   ASSERT_TRUE(text.has_value());
-  EXPECT_EQ(*text, image_metadata(pipeline.config_of(small), images[1]));
+  EXPECT_EQ(*text, image_metadata(small.settings(), images[1]));
   EXPECT_NE(text->find("\"seed\": 4"), std::string::npos) << *text;
   EXPECT_TRUE(torch::allclose(data::decode_image(png, "png"), images[1].image, 0, 1.0 / 255));
 
@@ -311,8 +399,13 @@ std::string random_rudalle_prior(const testing::ScratchDir& dir) {
 // Prompts reach a ruDALL-E prior through its own tokenizer, lower-cased as rudalle does.
 TEST(PipelinePreviews, ShowTheRowsDrawnSoFarAndTheLastIsTheImageWithoutChangingAnyDraw) {
   Pipeline pipeline(demo_pipeline(2));
-  auto previewed = pipeline.request("a red bag on the left"), plain = pipeline.request("a blue sneaker at the top", 1);
-  previewed.preview_every = 24;
+  const auto previewed_with = [&](int64_t every, int64_t candidates) {
+    return pipeline.prepare("a red bag on the left", 0, [&](PromptRequest& r) {
+      r.preview_every = every;
+      r.preview_candidates = candidates;
+    });
+  };
+  const auto previewed = previewed_with(24, 0), plain = pipeline.prepare("a blue sneaker at the top", 1);
   std::vector<Preview> shown;
   const auto images = pipeline.generate({previewed, plain}, [&](const std::vector<Preview>& previews) {
     shown.insert(shown.end(), previews.begin(), previews.end());
@@ -339,13 +432,12 @@ TEST(PipelinePreviews, ShowTheRowsDrawnSoFarAndTheLastIsTheImageWithoutChangingA
     EXPECT_TRUE(torch::equal(last.tokens, image.tokens)) << "the last preview is the image's tokens";
     EXPECT_TRUE(torch::equal(last.image, image.image)) << "and its pixels";
   }
-  const auto unpreviewed = pipeline.generate({pipeline.request("a red bag on the left"), plain});
+  const auto unpreviewed = pipeline.generate({pipeline.prepare("a red bag on the left"), plain});
   ASSERT_EQ(unpreviewed.size(), images.size());
   for (size_t i = 0; i < images.size(); ++i) {
     EXPECT_TRUE(torch::equal(unpreviewed[i].tokens, images[i].tokens)) << "previews change no draw: image " << i;
   }
-  auto first_only = previewed;
-  first_only.preview_candidates = 1;
+  const auto first_only = previewed_with(24, 1);
   std::vector<Preview> of_first;
   const auto again = pipeline.generate({first_only, plain}, [&](const std::vector<Preview>& previews) {
     of_first.insert(of_first.end(), previews.begin(), previews.end());
@@ -357,10 +449,8 @@ TEST(PipelinePreviews, ShowTheRowsDrawnSoFarAndTheLastIsTheImageWithoutChangingA
     EXPECT_TRUE(torch::allclose(of_first[i].image, shown[2 * i].image, 0.0, 1e-5));
   }
   EXPECT_TRUE(torch::equal(again.at(1).tokens, images.at(1).tokens));
-  first_only.preview_candidates = -2;
-  EXPECT_THROW_WITH(pipeline.generate({first_only}), Error, "preview_candidates is -2");
-  previewed.preview_every = -1;
-  EXPECT_THROW_WITH(pipeline.generate({previewed}), Error, "preview_every is -1");
+  EXPECT_THROW_WITH(previewed_with(24, -2), Error, "preview_candidates is -2");
+  EXPECT_THROW_WITH(previewed_with(-1, 0), Error, "preview_every is -1");
 }
 
 TEST(PipelineYttm, RudallesTokenizerFeedsThePrior) {
@@ -457,9 +547,14 @@ TEST_F(ImagePrompt, HalfGivenOrImpossiblePromptsAreRefused) {
 TEST_F(ImagePrompt, ARequestsOwnImagePromptDrawsWhatTheConfigsDrawsBesideRequestsWithout) {
   const auto from_config = continued({.image = picture_, .top_rows = 3});
   Pipeline pipeline(demo_pipeline(4));
-  auto own = pipeline.request("a blue sneaker at the top");
-  own.image_prompt = std::make_shared<const PromptImage>(PromptImage{.image = data::read_image(picture_), .top_rows = 3});
-  const auto plain = pipeline.request("a red bag on the left", 1);
+  const auto own_prompt = [&](int64_t top_rows) {
+    return pipeline.prepare("a blue sneaker at the top", 0, [&](PromptRequest& r) {
+      r.image_prompt = std::make_shared<const PromptImage>(
+          PromptImage{.image = data::read_image(picture_), .top_rows = top_rows});
+    });
+  };
+  const auto own = own_prompt(3);
+  const auto plain = pipeline.prepare("a red bag on the left", 1);
   const auto images = pipeline.generate({plain, own});
   ASSERT_EQ(images.size(), 8u);
   for (int64_t c = 0; c < 4; ++c) {
@@ -467,10 +562,9 @@ TEST_F(ImagePrompt, ARequestsOwnImagePromptDrawsWhatTheConfigsDrawsBesideRequest
   }
   const auto alone = pipeline.generate({plain});
   for (size_t c = 0; c < 4; ++c) EXPECT_TRUE(torch::equal(images[c].tokens, alone[c].tokens)) << "untouched " << c;
-  EXPECT_EQ(pipeline.config_of(own).image_prompt.top_rows, 3);
+  EXPECT_EQ(own.settings().image_prompt.top_rows, 3);
 
-  own.image_prompt = std::make_shared<const PromptImage>(PromptImage{.image = data::read_image(picture_), .top_rows = 8});
-  EXPECT_THROW_WITH(pipeline.check(own), Error, "the 8-row grid takes 1 to 7");
+  EXPECT_THROW_WITH(own_prompt(8), Error, "the 8-row grid takes 1 to 7");
 }
 
 // `encoder` encodes image prompts in the decoder's place. Here the demo's VQGAN reading its
@@ -497,8 +591,10 @@ TEST_F(ImagePrompt, TheEncoderKeyEncodesPromptsInTheDecodersPlace) {
     EXPECT_TRUE(torch::equal(image.tokens.flatten().index({Slice(0, 24)}), encoded.index({Slice(0, 24)})))
         << image.candidate;
   }
-  auto own = pipeline.request("a blue sneaker at the top");
-  own.image_prompt = std::make_shared<const PromptImage>(PromptImage{.image = data::read_image(picture_), .top_rows = 2});
+  const auto own = pipeline.prepare("a blue sneaker at the top", 0, [&](PromptRequest& r) {
+    r.image_prompt =
+        std::make_shared<const PromptImage>(PromptImage{.image = data::read_image(picture_), .top_rows = 2});
+  });
   for (const auto& image : pipeline.generate({own})) {
     EXPECT_TRUE(torch::equal(image.tokens.flatten().index({Slice(0, 16)}), encoded.index({Slice(0, 16)})))
         << "a request's own prompt too, candidate " << image.candidate;

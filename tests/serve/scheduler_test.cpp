@@ -26,8 +26,10 @@ struct FakeModel {
 
   static constexpr int64_t kPositions = 8;
 
-  std::vector<generate::GeneratedImage> operator()(const std::vector<generate::PromptRequest>& requests,
+  std::vector<generate::GeneratedImage> operator()(const std::vector<generate::PreparedRequest>& prepared,
                                                    const generate::PreviewCallback& on_preview = {}) {
+    std::vector<generate::PromptRequest> requests;
+    for (const auto& request : prepared) requests.push_back(request.request());
     {
       std::lock_guard lock(mutex);
       calls.emplace_back();
@@ -60,12 +62,29 @@ struct FakeModel {
   }
 };
 
-generate::PromptRequest request(const std::string& prompt, int64_t seed = 0, int64_t candidates = 1) {
-  return {.prompt = prompt, .candidates = candidates, .sampling = {.seed = seed}};
+// Requests come prepared, as the server prepares them: by the shipped demo pipeline, which
+// the stand-in model then draws in place of.
+const generate::Pipeline& demo_pipeline() {
+  static const auto* pipeline = [] {
+    const std::string models = std::string(DALLE_SOURCE_DIR) + "/models/fashion-compose-f8/";
+    return new generate::Pipeline({.prior = models + "prior", .tokenizer = models + "tokenizer.model",
+                                   .decoder = models + "vqgan", .threads = 1});
+  }();
+  return *pipeline;
+}
+
+generate::PreparedRequest request(const std::string& prompt, int64_t seed = 0, int64_t candidates = 1,
+                                  int64_t preview_every = 0) {
+  return demo_pipeline().prepare(prompt, 0, [&](generate::PromptRequest& request) {
+    request.candidates = candidates;
+    request.keep = 0;
+    request.sampling.seed = seed;
+    request.preview_every = preview_every;
+  });
 }
 
 Scheduler::Generate through(FakeModel& model) {
-  return [&model](const std::vector<generate::PromptRequest>& requests, const generate::PreviewCallback& on_preview) {
+  return [&model](const std::vector<generate::PreparedRequest>& requests, const generate::PreviewCallback& on_preview) {
     return model(requests, on_preview);
   };
 }
@@ -105,8 +124,7 @@ TEST(Scheduler, AJobsPreviewsReachItsListenerInOrderBeforeItIsDoneAndNoOtherJobs
   FakeModel model;
   Scheduler scheduler(through(model), {.max_queue = 8, .batch_window = 200ms, .batch_rows = 8});
   Scheduler::Refusal refusal;
-  auto previewed = request("previewed", 1);
-  previewed.preview_every = 3;
+  const auto previewed = request("previewed", 1, 1, 3);
   std::vector<int64_t> shown;
   std::vector<Job::State> states_told;
   const auto first = scheduler.submit(previewed, refusal, [&](const std::shared_ptr<Job>& job) {

@@ -1,10 +1,12 @@
 #include "serve/edit_request.h"
 
-#include <cmath>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "dalle/data/image.h"
+#include "dalle/models/token_grid.h"
 #include "serve/api_error.h"
 
 namespace dalle::serve {
@@ -67,7 +69,7 @@ std::string which_masks_work(int64_t grid, int64_t side) {
 }
 
 int64_t top_rows_of(const Form& form, const torch::Tensor& image, const ServedModel& model) {
-  const auto grid = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(model.image_tokens))));
+  const auto grid = models::grid_side(model.image_tokens, "serve: the model's image tokens");
   if (const auto at = form.find("top_rows"); at != form.end()) {
     char* end = nullptr;
     const long long rows = std::strtoll(at->second.data.c_str(), &end, 10);

@@ -52,9 +52,10 @@ std::string side_by_side(int64_t side);
 // type or a value out of range, 404 (model_not_found) for another model.
 ImageRequest read_image_request(std::string_view body, const ServedModel& model);
 
-// The pipeline request for `request`: `defaults` (Pipeline::request of its prompt) with the
-// client's fields; a filter given replaces the config's schedule, as dalle-generate's
-// --top-k does. Without `seed` the request draws with `random_seed`.
+// The pipeline request for `request`: `defaults` (the config's, as Pipeline::prepare hands
+// them to its settings) with the client's fields; a filter given replaces the config's
+// schedule, as dalle-generate's --top-k does. Without `seed` the request draws with
+// `random_seed`.
 generate::PromptRequest to_prompt_request(const ImageRequest& request, generate::PromptRequest defaults,
                                           int64_t random_seed);
 

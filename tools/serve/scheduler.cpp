@@ -23,7 +23,7 @@ Scheduler::~Scheduler() {
   worker_.join();
 }
 
-std::shared_ptr<Job> Scheduler::submit(generate::PromptRequest request, Refusal& refusal,
+std::shared_ptr<Job> Scheduler::submit(generate::PreparedRequest request, Refusal& refusal,
                                        std::function<void(const std::shared_ptr<Job>&)> on_change) {
   std::lock_guard lock(mutex_);
   refusal = draining_ ? Refusal::draining
@@ -85,7 +85,7 @@ std::vector<std::shared_ptr<Job>> Scheduler::take_batch() {
   std::vector<std::shared_ptr<Job>> batch;
   int64_t rows = 0;
   while (!queue_.empty()) {
-    const auto candidates = queue_.front()->request.candidates;
+    const auto candidates = queue_.front()->request.request().candidates;
     if (!batch.empty() && rows + candidates > options_.batch_rows) break;
     rows += candidates;
     batch.push_back(std::move(queue_.front()));
@@ -106,7 +106,7 @@ void Scheduler::work() {
     const auto closes = queue_.front()->admitted + options_.batch_window;
     changed_.wait_until(lock, closes, [&] {
       int64_t rows = 0;
-      for (const auto& job : queue_) rows += job->request.candidates;
+      for (const auto& job : queue_) rows += job->request.request().candidates;
       return draining_ || queue_.empty() || rows >= options_.batch_rows;
     });
     auto batch = take_batch();
@@ -120,7 +120,7 @@ void Scheduler::work() {
 }
 
 void Scheduler::run(const std::vector<std::shared_ptr<Job>>& batch) {
-  std::vector<generate::PromptRequest> requests;
+  std::vector<generate::PreparedRequest> requests;
   for (const auto& job : batch) requests.push_back(job->request);
   const auto start = Clock::now();
   std::vector<generate::GeneratedImage> images;

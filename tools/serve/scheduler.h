@@ -3,8 +3,9 @@
 // requests, one worker thread takes what has queued (after a short window, so that requests
 // arriving together run together) and runs it through one Pipeline::generate call, which
 // batches their candidates. The queue is bounded: a request beyond it is refused at once.
-// One worker, because a Pipeline is not safe to call from several threads (and concurrent
-// calls would only contend for the same cores); batching is what serves many clients.
+// One worker, because a Pipeline's generate is not safe to call from several threads (and
+// concurrent calls would only contend for the same cores); batching is what serves many
+// clients. The requests come prepared (Pipeline::prepare, on the connections' side).
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -23,7 +24,7 @@ namespace dalle::serve {
 // One request's passage through the queue. Its fields after `request` are the scheduler's,
 // read by the submitter once progress() says the job is done.
 struct Job {
-  generate::PromptRequest request;
+  generate::PreparedRequest request;  // with the settings its images record
   // Called on the worker's thread, with no lock held, when the job gets previews and when it
   // is done: the connection that waits for it is woken, nothing blocks a thread on it.
   std::function<void(const std::shared_ptr<Job>&)> on_change;
@@ -38,8 +39,8 @@ struct Job {
 
 class Scheduler {
  public:
-  using Generate = std::function<std::vector<generate::GeneratedImage>(const std::vector<generate::PromptRequest>&,
-                                                                       const generate::PreviewCallback&)>;
+  using Generate = std::function<std::vector<generate::GeneratedImage>(
+      const std::vector<generate::PreparedRequest>&, const generate::PreviewCallback&)>;
   struct Options {
     int64_t max_queue = 16;                   // queued (not running) jobs at most
     std::chrono::milliseconds batch_window{20};
@@ -54,7 +55,7 @@ class Scheduler {
 
   // Queues `request`; nothing (and why) when the queue is full or the scheduler drains.
   // `on_change` becomes the job's (Job::on_change).
-  std::shared_ptr<Job> submit(generate::PromptRequest request, Refusal& refusal,
+  std::shared_ptr<Job> submit(generate::PreparedRequest request, Refusal& refusal,
                               std::function<void(const std::shared_ptr<Job>&)> on_change = {});
   // Gives `job` up (its client left, its time ran out, it was cancelled): dropped from the
   // queue if it still waits there (freeing its place), its images thrown away if it is being

@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dalle/config.h"
@@ -70,7 +71,7 @@ inline constexpr const char* kModelFolderConfig = "generate.yaml";
 PipelineConfig read_model_folder(const std::string& folder);
 
 // One prompt of a generate call with settings of its own, as dalle-serve's requests ask:
-// Pipeline::request(prompt) gives the config's. Prompts whose temperature, guidance scale
+// Pipeline::prepare(prompt) starts from the config's. Prompts whose temperature, guidance scale
 // and use_cache agree share batches (for a BART prior, top_k too); the seed, filters,
 // candidates, keep and super-resolution may differ row by row, and a prompt's images are
 // what a pipeline configured with its settings draws for it at `stream_index`.
@@ -93,6 +94,28 @@ struct PromptRequest {
   std::shared_ptr<const PromptImage> image_prompt;
 
   int64_t kept() const { return keep == 0 ? candidates : keep; }
+};
+
+// A request as Pipeline::prepare checked it, with the settings its images are drawn and recorded
+// with. generate takes only those its own pipeline prepared. Plain data (a request's own image
+// prompt is shared, never written): it may be copied and read on any thread.
+class PreparedRequest {
+ public:
+  PreparedRequest() = default;  // prepared by no pipeline: generate refuses it
+
+  const PromptRequest& request() const { return request_; }
+  // The pipeline's config as the request changes it (candidates, keep, sampling, schedule, its
+  // own image prompt; superres cleared when off): what its images' sidecars record.
+  const PipelineConfig& settings() const { return settings_; }
+
+ private:
+  friend class Pipeline;
+  PreparedRequest(PromptRequest request, PipelineConfig settings, uint64_t pipeline)
+      : request_(std::move(request)), settings_(std::move(settings)), pipeline_(pipeline) {}
+
+  PromptRequest request_;
+  PipelineConfig settings_;
+  uint64_t pipeline_ = 0;  // the pipeline that prepared it (Pipeline::Stages::id); 0: none
 };
 
 struct GeneratedImage {
@@ -129,10 +152,15 @@ inline uint64_t sampling_stream(int64_t prompt_index, int64_t candidate) {
   return (static_cast<uint64_t>(prompt_index) << 32) | static_cast<uint64_t>(candidate);
 }
 
-// One Pipeline is not safe to call from several threads at once: generate() runs the models
-// with the process's torch threads and one set of loaded weights, so concurrent calls would
-// only contend for the same cores. Callers with many clients (dalle-serve) queue their
-// requests to one thread, which batches them into one generate() call.
+// Threads. prepare(), image_size(), image_tokens() and config() may be called from any thread
+// at any time, while another thread runs generate() too: they are const, read only settings
+// and sizes the constructor fixed, which generate() never changes, and touch no torch state
+// (they make no tensor, run no model, set no thread count). generate() is not safe to call
+// from several threads at once: it runs the models with the process's torch threads and one
+// set of loaded weights, so concurrent calls would only contend for the same cores. Callers
+// with many clients (dalle-serve) prepare each request where it arrives and queue it to one
+// thread, which batches them into one generate() call. The constructor, moves and the
+// destructor must overlap no other call.
 class Pipeline {
  public:
   explicit Pipeline(PipelineConfig config);
@@ -143,33 +171,35 @@ class Pipeline {
   // For each prompt, its K images in rank order. Batches of batch_size candidates run
   // across prompts; candidate c of prompt i draws from sampling stream
   // sampling_stream(i, c) of sampling.seed, so its image does not depend on batch_size
-  // or on the other prompts.
+  // or on the other prompts. generate(prompts) is generate of prepare(prompts[i], i) for
+  // each i, its errors naming the prompt.
   std::vector<GeneratedImage> generate(const std::vector<std::string>& prompts);
-  // For each request, in order, its K images in rank order; each request is checked before
-  // anything is drawn. generate(prompts) is generate of request(prompts[i], i) for each i.
-  // Requests with a preview_every are shown to `on_preview` as they are drawn; previews
-  // change no draw.
-  std::vector<GeneratedImage> generate(const std::vector<PromptRequest>& requests,
+  // For each request, in order, its K images in rank order; every request must come from this
+  // pipeline's prepare(), and is not checked again. Requests with a preview_every are shown to
+  // `on_preview` as they are drawn; previews change no draw.
+  std::vector<GeneratedImage> generate(const std::vector<PreparedRequest>& requests,
                                        const PreviewCallback& on_preview = {});
 
-  // The request the config makes of `prompt` at prompt index `stream_index`.
-  PromptRequest request(std::string prompt, int64_t stream_index = 0) const;
-  // The config as `request` changes it (candidates, keep, sampling, schedule, superres
-  // cleared when off): what its images' sidecars record.
-  PipelineConfig config_of(const PromptRequest& request) const;
+  // Sets a request's own settings on the config's (the fields of PromptRequest).
+  using RequestSettings = std::function<void(PromptRequest&)>;
+  // The request the config makes of `prompt` at prompt index `stream_index`, as `settings`
+  // changes it, checked: throws Error, naming the field, for what generate cannot do. The one
+  // call a request needs before generate; any thread may make it.
+  PreparedRequest prepare(std::string prompt, int64_t stream_index = 0, const RequestSettings& settings = {}) const;
   // The side of the square images generate returns, with or without super-resolution
   // (the same when the pipeline has none).
   int64_t image_size(bool superres) const;
   // The image positions (tokens) each candidate is drawn in.
   int64_t image_tokens() const;
-  // Refuses, naming the field, what generate would refuse of `request`.
-  void check(const PromptRequest& request) const;
 
   // The config with every default resolved (tokenizer and decoder paths, device).
   const PipelineConfig& config() const;
 
  private:
   struct Stages;
+  // `request` checked (errors begin with `where`) and prepared by this pipeline.
+  PreparedRequest prepared(PromptRequest request, const std::string& where) const;
+
   std::unique_ptr<Stages> stages_;
 };
 
