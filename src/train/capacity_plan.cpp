@@ -306,10 +306,10 @@ class Planner {
     // frozen_weights: the frozen block matrices in 16 bits, in the model and in the validation
     // model that shares them (a sharded run's shards stay fp32).
     double sixteen_bit = 0;
-    if (recipe_.frozen_weights != "fp32" && recipe_.precision.precision() == Precision::fp32) {
-      throw Error("plan: frozen_weights " + recipe_.frozen_weights + " needs precision.mode bf16 or fp16");
+    if (recipe_.frozen_weights != "float32" && recipe_.precision.precision() == Precision::fp32) {
+      throw Error("plan: frozen_weights " + recipe_.frozen_weights + " needs precision.mode bfloat16 or float16");
     }
-    if (recipe_.frozen_weights != "fp32") {
+    if (recipe_.frozen_weights != "float32") {
       for (const auto& block : shape_.layer) sixteen_bit += static_cast<double>(layers_ * block.frozen_matrix_values());
     }
     const double saved = plan_.sharded ? 0 : 2 * sixteen_bit;
@@ -322,7 +322,7 @@ class Planner {
                      (plan_.sharded ? ", the blocks' part sharded, adapters whole)" : ")")
                : what;
     add_memory("gradients", MemoryPhase::kept, kFp32 * trained, "fp32, " + trains);
-    const double moment = recipe_.precision.adam_moments == "bf16" ? 2 : 4;
+    const double moment = static_cast<double>(c10::elementSize(recipe_.precision.moments_dtype()));
     add_memory("AdamW moments", MemoryPhase::kept, 2 * moment * trained,
                "two, " + recipe_.precision.adam_moments + ", " + trains);
     add_memory("moving average", MemoryPhase::kept, kFp32 * trained, "fp32, " + trains);
