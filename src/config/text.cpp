@@ -1,4 +1,4 @@
-#include "config_text.h"
+#include "config/text.h"
 
 #include <algorithm>
 #include <charconv>

@@ -5,7 +5,7 @@
 #include <sstream>
 #include <utility>
 
-#include "config_text.h"
+#include "config/text.h"
 #include "dalle/config.h"
 #include "dalle/io/atomic_file.h"
 

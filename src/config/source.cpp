@@ -11,8 +11,8 @@
 #include <sstream>
 #include <utility>
 
-#include "config_document.h"
-#include "config_text.h"
+#include "config/document.h"
+#include "config/text.h"
 #include "dalle/config.h"
 
 namespace dalle {

@@ -7,8 +7,8 @@
 #include <set>
 #include <utility>
 
-#include "config_document.h"
-#include "config_text.h"
+#include "config/document.h"
+#include "config/text.h"
 #include "dalle/config.h"
 #include "dalle/input_limits.h"
 #include "dalle/log.h"
