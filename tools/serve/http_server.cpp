@@ -319,16 +319,17 @@ Answer HttpServer::State::get(const Exchange& exchange) {
     return {.content_type = "text/plain; version=0.0.4",
             .body = metrics.prometheus_text(scheduler.queued(), scheduler.running(), scheduler.draining()) +
                     Metrics::connection_text(counts.open, counts.opened_total, counts.refused_total,
-                                             counts.timed_out_total)};
+                                             counts.timed_out_total),
+            .headers = {}};
   }
-  if (path == "/") return {.content_type = "text/html; charset=utf-8", .body = kWebPage};
+  if (path == "/") return {.content_type = "text/html; charset=utf-8", .body = kWebPage, .headers = {}};
   static const std::regex image_path(R"(/v1/images/([0-9a-f]{32})\.png)");
   std::smatch match;
   if (std::regex_match(path, match, image_path)) {
     // No key asked: the id is the permission (128 random bits), as OpenAI's signed URLs are.
     auto png = images.get(match[1]);
     if (!png) throw ApiError(404, "No such image: it expired, or was never made here.", "", "image_not_found");
-    return {.content_type = "image/png", .body = std::move(*png)};
+    return {.content_type = "image/png", .body = std::move(*png), .headers = {}};
   }
   authorize(exchange);
   if (path == "/v1/models") return json_answer(200, json{{"object", "list"}, {"data", json::array({model_object()})}}.dump());
@@ -396,7 +397,10 @@ int HttpServer::bind() {
                 " needs more open files than this process may have (ulimit -n); lower it to " +
                 std::to_string(std::max<int64_t>(room, 1)) + " or raise the limit");
   }
-  addrinfo hints{.ai_flags = AI_PASSIVE | AI_NUMERICSERV, .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+  addrinfo hints{};
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
   if (getaddrinfo(s.config.host.c_str(), std::to_string(s.config.port).c_str(), &hints, &found) != 0 || !found) {
     throw Error("cannot listen on " + where + ": not an address of this machine");

@@ -29,7 +29,10 @@ bool JobStore::add(const std::string& id) {
   forget_expired(Clock::now());
   const auto unfinished = std::count_if(jobs_.begin(), jobs_.end(), [](const auto& entry) { return !entry.second.ended; });
   if (unfinished >= capacity_) return false;
-  jobs_[id] = {.id = id, .created = std::time(nullptr)};
+  StoredJob stored;
+  stored.id = id;
+  stored.created = std::time(nullptr);
+  jobs_[id] = std::move(stored);
   forget_expired(Clock::now());  // an ended job may make room for it
   return true;
 }

@@ -30,7 +30,9 @@ std::string base64(std::string_view bytes) {
   return out;
 }
 
-Answer json_answer(int status, std::string body) { return {.status = status, .body = std::move(body)}; }
+Answer json_answer(int status, std::string body) {
+  return {.status = status, .content_type = kJson, .body = std::move(body), .headers = {}};
+}
 
 Answer error_answer(const ApiError& error) {
   auto answer = json_answer(error.status(), error.json());

@@ -50,7 +50,8 @@ void Scheduler::cancel(const std::shared_ptr<Job>& job) {
 
 Scheduler::Progress Scheduler::progress(const std::shared_ptr<Job>& job, size_t seen) const {
   std::lock_guard lock(mutex_);
-  Progress progress{.state = job->state};
+  Progress progress;
+  progress.state = job->state;
   const auto at = std::find(queue_.begin(), queue_.end(), job);
   if (at != queue_.end()) progress.queue_position = at - queue_.begin();
   if (job->previews.size() > seen) {
