@@ -103,10 +103,18 @@ TEST_F(FashionComposeTest, CaptionsDescribeWhatIsDrawn) {
       EXPECT_GE(x0, 0);
       EXPECT_LE(x1, 64);
       const double cx = (x0 + x1) / 2.0, cy = (y0 + y1) / 2.0;
-      if (object.position == "left") EXPECT_LT(cx, 32);
-      if (object.position == "right") EXPECT_GT(cx, 32);
-      if (object.position == "top") EXPECT_LT(cy, 32);
-      if (object.position == "bottom") EXPECT_GT(cy, 32);
+      if (object.position == "left") {
+        EXPECT_LT(cx, 32);
+      }
+      if (object.position == "right") {
+        EXPECT_GT(cx, 32);
+      }
+      if (object.position == "top") {
+        EXPECT_LT(cy, 32);
+      }
+      if (object.position == "bottom") {
+        EXPECT_GT(cy, 32);
+      }
       // The box's pixels carry the named colour: its dominant channel matches.
       const auto& rgb = std::find_if(fashion_compose_colours().begin(), fashion_compose_colours().end(),
                                      [&](const auto& c) { return c.name == object.colour; })->rgb;
