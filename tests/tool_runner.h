@@ -25,7 +25,8 @@ inline Result run_command(const std::string& command_line) {
 }
 
 // `tool` ("dalle-train") from the build's tools folder.
-inline std::string tool_path(const std::string& tool) { return std::string(DALLE_TOOLS_DIR) + "/" + tool; }
+// Appended: GCC 12 warns falsely (-Wstringop-overflow) on "literal" + string.
+inline std::string tool_path(const std::string& tool) { return std::string(DALLE_TOOLS_DIR).append("/").append(tool); }
 
 inline Result run(const std::string& tool, const std::string& arguments) {
   return run_command(tool_path(tool) + " " + arguments);

@@ -658,7 +658,9 @@ TEST(Tools, GenerateDecodesWithAVqgan) {
   for (const char* stem : {"0000-00", "0000-01", "0000-02", "0000-03"}) {
     const auto ranked = nlohmann::json::parse(testing::read_text(dir / "ranked/" + stem + ".json"));
     scores.push_back(ranked["clip_score"].get<double>());
-    if (scores.size() > 1) EXPECT_LE(scores.back(), scores[scores.size() - 2]) << "ranked best first";
+    if (scores.size() > 1) {
+      EXPECT_LE(scores.back(), scores[scores.size() - 2]) << "ranked best first";
+    }
     if (scores.size() > 2) continue;
     const auto kept = nlohmann::json::parse(testing::read_text(dir / "best/" + stem + ".json"));
     EXPECT_EQ(kept["candidate"], ranked["candidate"]) << "the best 2 of the same 4 samples";

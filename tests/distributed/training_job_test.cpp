@@ -339,7 +339,9 @@ TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains
   EXPECT_LT(largest_difference(weights_at(dir / "job", 10), tuned), 1e-5);
   const auto started_from = io::inference_weights(io::load_checkpoint(dir / "base/checkpoints/step-000000005"));
   for (const auto& [name, tensor] : tuned) {
-    if (name.find(".lora_") == std::string::npos) EXPECT_TRUE(torch::equal(tensor, started_from.at(name))) << name;
+    if (name.find(".lora_") == std::string::npos) {
+      EXPECT_TRUE(torch::equal(tensor, started_from.at(name))) << name;
+    }
   }
   const auto checkpoint = dir / "sharded/checkpoints/step-000000010";
   for (const auto& [name, tensor] : io::read_safetensors(checkpoint + "/model.safetensors").tensors) {

@@ -505,7 +505,9 @@ TEST(PipelineYttm, RuclipRanksByThePromptInItsTemplates) {
     EXPECT_EQ(ranked[rank].rank, static_cast<int64_t>(rank));
     ASSERT_TRUE(ranked[rank].clip_score.has_value());
     EXPECT_NEAR(*ranked[rank].clip_score, expected[static_cast<int64_t>(rank)].item<double>(), 1e-4) << rank;
-    if (rank > 0) EXPECT_GE(*ranked[rank - 1].clip_score, *ranked[rank].clip_score);
+    if (rank > 0) {
+      EXPECT_GE(*ranked[rank - 1].clip_score, *ranked[rank].clip_score);
+    }
   }
   // Without templates CLIP reads the prompt alone, and scores the same images otherwise.
   config.clip_templates.clear();

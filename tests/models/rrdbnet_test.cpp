@@ -20,9 +20,12 @@ RrdbNetConfig fixture_config(int64_t scale) {
 
 class RrdbNetParity : public ::testing::Test {
  protected:
+  // "x<S>": the reference of scale S in the fixture (appended: GCC 12 warns falsely,
+  // -Wstringop-overflow, on "literal" + string).
+  static std::string key_of(int64_t scale) { return std::string("x").append(std::to_string(scale)); }
   // The state dict of the x`scale` reference, stored under `x<S>.`.
   io::TensorMap weights(int64_t scale) const {
-    return testing::dequantized_weights(fixture_.tensors, "x" + std::to_string(scale) + ".");
+    return testing::dequantized_weights(fixture_.tensors, key_of(scale) + ".");
   }
   RrdbNet loaded(int64_t scale) const {
     RrdbNet model(fixture_config(scale));
@@ -61,7 +64,7 @@ TEST_F(RrdbNetParity, ParameterNamesAndShapesAreBasicsrs) {
 TEST_F(RrdbNetParity, OutputsMatchBasicsrAtScales1To4) {
   torch::NoGradGuard no_grad;
   for (int64_t scale : {1, 2, 4}) {
-    const std::string key = "x" + std::to_string(scale);
+    const std::string key = key_of(scale);
     const auto out = loaded(scale)->forward(at(key + ".input"));
     ASSERT_EQ(out.sizes(), at(key + ".output").sizes()) << key;
     const double error = relative_error(out, at(key + ".output"));

@@ -51,7 +51,9 @@ void expect_gpu_run_follows_cpu_run(Config config, const std::string& key, std::
   for (const auto& [step, expected] : cpu) {
     const double value = gpu.at(step);
     EXPECT_TRUE(std::isfinite(value)) << "update " << step;
-    if (tolerance) EXPECT_NEAR(value, expected, *tolerance * std::abs(expected)) << "update " << step;
+    if (tolerance) {
+      EXPECT_NEAR(value, expected, *tolerance * std::abs(expected)) << "update " << step;
+    }
   }
 }
 

@@ -280,7 +280,9 @@ TEST(ActivationCheckpointing, BlocksBehindFrozenLayersGetTheirGradients) {
     const bool trains = names[i].starts_with("resblocks.1.") || names[i].starts_with("resblocks.2.");
     ASSERT_EQ(plain.gradients[i].defined(), trains) << names[i];
     ASSERT_EQ(checkpointed_step.gradients[i].defined(), trains) << names[i];
-    if (trains) EXPECT_TRUE(torch::equal(checkpointed_step.gradients[i], plain.gradients[i])) << names[i];
+    if (trains) {
+      EXPECT_TRUE(torch::equal(checkpointed_step.gradients[i], plain.gradients[i])) << names[i];
+    }
   }
   // checkpointed() itself: an input without gradient still trains the function's parameters.
   torch::nn::Linear linear(4, 4);

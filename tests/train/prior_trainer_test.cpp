@@ -107,7 +107,9 @@ TEST_F(PriorTrainerTest, Fp16AndBf16RunsEndNearTheFp32Run) {
     config.precision.mode = mode;
     PriorTrainer trainer(config, runs / mode);
     trainer.run();
-    if (mode == "float16") EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
+    if (mode == "float16") {
+      EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
+    }
     return trainer.validate().loss;
   };
   const double fp32 = final_loss("float32");
@@ -349,7 +351,9 @@ TEST_F(PriorTrainerTest, AdaptersTrainInFp16AndBf16NearFp32) {
     PriorTrainer trainer(config, runs / mode);
     const double before = trainer.validate().loss;
     trainer.run();
-    if (mode == "float16") EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
+    if (mode == "float16") {
+      EXPECT_EQ(trainer.gradient_scaler()->skipped_updates(), 0);
+    }
     for (const auto& item : trainer.model()->named_parameters()) {
       if (!models::is_adapter_tensor(item.key())) {
         EXPECT_TRUE(torch::equal(item.value(), base.at(item.key()))) << mode << ": " << item.key() << " is frozen";

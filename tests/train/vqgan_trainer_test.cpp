@@ -180,7 +180,9 @@ TEST_F(VqganTrainerTest, DecoderFineTuningKeepsEveryTokenAndMovesOnlyTheDecoder)
   for (const auto& item : tuned.model->named_parameters()) {
     const bool learned = item.key().starts_with("decoder.") || item.key().starts_with("post_quant_conv.");
     const bool same = torch::equal(item.value(), before[item.key()]);
-    if (!learned) EXPECT_TRUE(same) << item.key() << " is frozen";
+    if (!learned) {
+      EXPECT_TRUE(same) << item.key() << " is frozen";
+    }
     moved += learned && !same;
   }
   EXPECT_GT(moved, 10) << "the decoder's weights move";
