@@ -868,7 +868,9 @@ TEST(ToolsHostile, GenerateChecksItsCommandLineAndPromptsBeforeAnyWork) {
   auto result = run_in_checkout("dalle-generate", prior + "'a red bag'");
   EXPECT_EQ(result.status, 2) << result.output;
   EXPECT_THAT(result.output, ::testing::HasSubstr("--out is required"));
-  for (const auto& [bad, key] : {std::pair{"-n 0", "candidates: 0 is out of range"}, std::pair{"-n many", "candidates"},
+  for (const auto& [bad, key] : {std::pair{"--candidates 0", "candidates: 0 is out of range"},
+                                 std::pair{"-n 0", "-n '0': expected the images written per prompt, 1 to 65536"},
+                                 std::pair{"-n many", "-n 'many': expected the images"},
                                  std::pair{"--top-p 2", "sampling.top_p"}}) {
     result = run_in_checkout("dalle-generate", prior + bad + " --out " + (dir / "out") + " 'a red bag'");
     EXPECT_EQ(result.status, 2) << bad << ": " << result.output;

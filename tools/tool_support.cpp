@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <charconv>
 #include <csignal>
 #include <iostream>
 #include <thread>
@@ -93,8 +94,7 @@ void PipelineShorthands::add_to(CLI::App& app, const std::set<std::string>& exce
   if (counts_images_) {
     app.add_option("-n,--images", images_,
                    "images written per prompt, the best by CLIP score (dalle-serve's n): sets `keep`, and "
-                   "`candidates` to at least n (to n without CLIP)")
-        ->check(CLI::PositiveNumber);
+                   "`candidates` to at least n (to n without CLIP)");
     // The spellings of before -n meant what dalle-serve means by n: kept, with a warning.
     app.add_option("--keep", old_keep_, "")->group("");
     app.add_option("--images-per-prompt", old_candidates_, "")->group("");
@@ -149,6 +149,21 @@ void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const 
   }
 }
 
+namespace {
+
+// -n's value: a whole number of images, at least one.
+int64_t images_written(const std::string& text) {
+  int64_t images = 0;
+  const auto end = text.data() + text.size();
+  const auto [ptr, error] = std::from_chars(text.data(), end, images);
+  if (error != std::errc() || ptr != end || images < 1 || images > 65536) {
+    throw UsageError("-n " + excerpt(text) + ": expected the images written per prompt, 1 to 65536");
+  }
+  return images;
+}
+
+}  // namespace
+
 void PipelineShorthands::apply_images(const CLI::App& app, ConfigSource& source, const std::string& prefix) const {
   const bool by_candidates = app.count("--candidates") > 0, by_old_candidates = app.count("--images-per-prompt") > 0;
   if (by_old_candidates) {
@@ -160,7 +175,7 @@ void PipelineShorthands::apply_images(const CLI::App& app, ConfigSource& source,
   if (!by_n && !by_keep) return;
   if (by_n && by_keep) throw UsageError("-n is the images written per prompt, as --keep was: give -n alone");
   if (by_keep) log::warn("--keep is now -n (the images written per prompt, as dalle-serve's n)");
-  const int64_t images = by_n ? images_ : old_keep_;
+  const int64_t images = by_n ? images_written(images_) : old_keep_;
   const auto config = load_config<generate::PipelineConfig>(source);
   if (config.clip.empty()) {
     // Nothing ranks the candidates: each one drawn is written.

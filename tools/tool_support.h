@@ -65,7 +65,8 @@ class PipelineShorthands {
 
   std::map<std::string, std::string> values_;  // by option
   bool counts_images_ = false;  // -n and the old spellings were added (not in dalle-serve)
-  int64_t images_ = 0, old_keep_ = 0, old_candidates_ = 0;
+  std::string images_;  // -n, read when applied (its errors are usage errors naming -n)
+  int64_t old_keep_ = 0, old_candidates_ = 0;
   std::vector<std::string> adapters_;
   bool no_cache_ = false;
 };

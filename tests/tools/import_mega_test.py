@@ -90,7 +90,7 @@ def main():
         assert "decoder.lm_head.weight" in stored and "encoder.final_ln.weight" in stored, sorted(stored)[:5]
 
         generate = [TOOLS / "dalle-generate", "--model", model, "--threads", "1"]
-        run(generate + ["--out", images, "-n", "2", "a red sandal"])
+        run(generate + ["--out", images, "--candidates", "2", "a red sandal"])
         together = drawn(images)
         assert len(together) == 2, sorted(images.iterdir())
         for image in together:
@@ -101,11 +101,11 @@ def main():
         assert together[0]["image_tokens"] != together[1]["image_tokens"], "two candidates drew the same image"
 
         # Each image draws from its own stream: one at a time gives the same images.
-        run(generate + ["--out", images, "-n", "2", "a red sandal", "--set", "batch_size=1"])
+        run(generate + ["--out", images, "--candidates", "2", "a red sandal", "--set", "batch_size=1"])
         assert [image["image_tokens"] for image in drawn(images)] == [i["image_tokens"] for i in together]
 
         # In bfloat16 the prior still draws images; min-dalle's filter refuses a top_p.
-        run(generate + ["--out", images, "-n", "1", "--dtype", "bfloat16", "a red sandal"])
+        run(generate + ["--out", images, "--candidates", "1", "--dtype", "bfloat16", "a red sandal"])
         refused = run(generate + ["--out", images, "--top-p", "0.9", "a red sandal"], expect_ok=False)
         assert "top_k alone" in refused.stderr, refused.stderr
 
@@ -114,7 +114,7 @@ def main():
                    work / "RealESRGAN_x2.pth")
         upscaled = work / "models" / "mega-x2"
         run(import_model + ["--from", release, "--out", upscaled, "--superres", work / "RealESRGAN_x2.pth"])
-        run([TOOLS / "dalle-generate", "--model", upscaled, "--threads", "1", "--out", images, "-n", "1",
+        run([TOOLS / "dalle-generate", "--model", upscaled, "--threads", "1", "--out", images, "--candidates", "1",
              "a red sandal"])
         assert drawn(images)[0]["size"] == [512, 512], drawn(images)[0]["size"]
         assert drawn(images)[0]["image_tokens"] == together[0]["image_tokens"]
@@ -125,7 +125,7 @@ def main():
         add_clip = [sys.executable, SOURCE / "scripts" / "import-model", "clip", "--from", work / "ViT-test.pt",
                     "--bpe", bpe, "--into", model, "--activation", "gelu", "--vision-heads", 6, "--text-heads", 4]
         run(add_clip + ["--keep", 1])
-        run(generate + ["--out", images, "-n", "2", "a red sandal"])
+        run(generate + ["--out", images, "--candidates", "2", "a red sandal"])
         kept = drawn(images)
         assert len(kept) == 1 and kept[0]["clip_score"] is not None, kept
         assert kept[0]["image_tokens"] in [image["image_tokens"] for image in together]

@@ -219,7 +219,7 @@ def main():
         generate_yaml = (work / "mega" / "generate.yaml").read_text()
         assert "\nencoder: encoder\n" in generate_yaml, generate_yaml
         generate = [TOOLS / "dalle-generate", "--model", work / "mega", "--threads", "1"]
-        run(generate + ["--out", work / "drawn", "-n", "1", "a red sandal"])
+        run(generate + ["--out", work / "drawn", "--candidates", "1", "a red sandal"])
         assert len(list((work / "drawn").glob("0000-*.json"))) == 1
         tokens = encoded_tokens(work, work / "mega" / "encoder", dataset, tokenizer, "tokens-mega")
         assert tokens.shape == (3, 16, 16) and int(tokens.max()) < CODES, tokens.shape
@@ -233,7 +233,7 @@ def main():
         (pictures / "captions.tsv").write_text("0.png\ta picture to continue\n")
         expected = encoded_tokens(work, work / "mega" / "encoder", pictures, tokenizer, "tokens-picture").reshape(-1)
         assert expected.numel() == 256, expected.shape
-        prompted = generate + ["-n", "2", "--image-prompt", pictures / "0.png", "--image-prompt-rows", 4]
+        prompted = generate + ["--candidates", "2", "--image-prompt", pictures / "0.png", "--image-prompt-rows", 4]
         run(prompted + ["--out", work / "continued", "a red sandal"])
         continued = [json.loads(path.read_text()) for path in sorted((work / "continued").glob("0000-*.json"))]
         assert len(continued) == 2, continued

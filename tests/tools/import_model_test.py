@@ -105,13 +105,13 @@ def add_ruclip(work, model, images, generate):
     assert (model / "bpe.model").is_file(), "ruDALL-E's own tokenizer stays"
 
     prompt = "Радуга на фоне ночного города"
-    run(generate + ["--out", images / "all", "-n", "4", "--keep", "4", prompt])
+    run(generate + ["--out", images / "all", "--candidates", "4", "-n", "4", prompt])
     every = [json.loads(path.read_text(encoding="utf-8")) for path in sorted((images / "all").glob("0000-*.json"))]
     scores = [image["clip_score"] for image in every]
     assert len(every) == 4 and all(isinstance(score, float) for score in scores), scores
     assert scores == sorted(scores, reverse=True) and len(set(scores)) == 4, scores
     assert "на фото видно {}" in every[0]["pipeline"]["clip_templates"], every[0]["pipeline"]
-    run(generate + ["--out", images / "kept", "-n", "4", "--keep", "2", prompt])
+    run(generate + ["--out", images / "kept", "--candidates", "4", "-n", "2", prompt])
     kept = [json.loads(path.read_text(encoding="utf-8")) for path in sorted((images / "kept").glob("0000-*.json"))]
     assert [image["image_tokens"] for image in kept] == [image["image_tokens"] for image in every[:2]], \
         "the best 2 of the same 4 candidates"
@@ -144,7 +144,7 @@ def main():
         again = run(import_model + ["--from", release, "--out", model, "--image-size", 16], expect_ok=False)
         assert "exists" in again.stderr, again.stderr
 
-        run([TOOLS / "dalle-generate", "--model", model, "--out", images, "-n", "4", "--threads", "1",
+        run([TOOLS / "dalle-generate", "--model", model, "--out", images, "--candidates", "4", "--threads", "1",
              "радуга на фоне ночного города"])
         sidecars = sorted(images.glob("0000-*.json"))
         assert len(sidecars) == 4, sorted(images.iterdir())
@@ -154,7 +154,7 @@ def main():
         assert all(image["size"] == [32, 32] for image in drawn), "16-pixel images upscaled x2"
 
         # A filter on the command line replaces the folder's schedule.
-        run([TOOLS / "dalle-generate", "--model", model, "--out", images, "-n", "2", "--threads", "1", "--top-k", 5,
+        run([TOOLS / "dalle-generate", "--model", model, "--out", images, "--candidates", "2", "--threads", "1", "--top-k", 5,
              "радуга"])
         drawn = [json.loads(path.read_text()) for path in sorted(images.glob("0000-*.json"))]
         assert [image["top_k"] for image in drawn] == [5, 5], [image["top_k"] for image in drawn]

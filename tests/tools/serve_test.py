@@ -142,7 +142,7 @@ def png_facts(png):
 
 def generated_by_dalle_generate(out, seed, candidates, n, superres, extra=()):
     """dalle-generate's PNGs for PROMPT with these settings, in rank order."""
-    command = [TOOLS / "dalle-generate", PROMPT, "--model", MODEL, "--out", out, "-n", candidates, "--keep", n,
+    command = [TOOLS / "dalle-generate", PROMPT, "--model", MODEL, "--out", out, "--candidates", candidates, "-n", n,
                "--seed", seed, "--threads", "1", *extra]
     if not superres:
         command += ["--set", 'superres=""']
