@@ -66,7 +66,10 @@ class DocumentCheck {
         total = bounded_sum(total, values(entry.second, join_path(prefix, key)));
       }
     }
-    if (!mark.is_null()) counted_.emplace(id, total), open_.erase(id);
+    if (!mark.is_null()) {
+      counted_.emplace(id, total);
+      open_.erase(id);
+    }
     return total;
   }
 
