@@ -1,9 +1,12 @@
 #pragma once
-// AdamW whose two moments are stored in a chosen type: fp32 is torch's AdamW unchanged;
-// bf16 halves the optimizer's memory (DALL-E kept its moments in 16 bits), while every
-// update is still computed in fp32.
+// AdamW whose two moments are stored in a chosen type, and whose parameters may be stored in
+// 16 bits: float32 moments and parameters are torch's AdamW unchanged; bfloat16 moments halve
+// the optimizer's memory (DALL-E kept its moments in 16 bits); a 16-bit parameter (the
+// sharded resblocks' matrices under precision.weights) is updated in float32 and rounded back
+// stochastically (train/stochastic_rounding.h). Every update is computed in float32.
 #include <torch/optim/adamw.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace dalle::train {
@@ -15,9 +18,18 @@ class AdamW : public torch::optim::AdamW {
 
   torch::Tensor step(LossClosure closure = nullptr) override;
   torch::ScalarType moments() const { return moments_; }
+  // The seed of the stochastic rounding of 16-bit parameters: each parameter's rounding at
+  // each of its steps draws from it, its place among the parameters and that step, so that a
+  // resumed run rounds as the uninterrupted one. Ranks that hold the same values (the replicas
+  // of a shard on other machines) must be given the same seed.
+  void set_rounding_seed(uint64_t seed) { rounding_seed_ = seed; }
 
  private:
+  bool steps_as_torch() const;
+  void step_parameter(torch::Tensor& parameter, const torch::optim::AdamWOptions& options, uint64_t place);
+
   torch::ScalarType moments_;
+  uint64_t rounding_seed_ = 0;
 };
 
 }  // namespace dalle::train
