@@ -11,17 +11,37 @@
 
 namespace dalle::distributed {
 
+namespace {
+
+torch::ScalarType storage_of(const std::vector<torch::ScalarType>& storage, size_t g) {
+  if (storage.empty()) return torch::kFloat32;
+  const auto type = storage.at(g);
+  if (type != torch::kFloat32 && type != torch::kBFloat16 && type != torch::kFloat16) {
+    throw Error("sharded parameters are stored in float32, bfloat16 or float16");
+  }
+  return type;
+}
+
+}  // namespace
+
 ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> groups,
-                                     std::shared_ptr<ProcessGroup> group, bool overlap)
+                                     std::shared_ptr<ProcessGroup> group, bool overlap,
+                                     std::vector<torch::ScalarType> storage)
     : groups_(std::move(groups)), overlap_(overlap), group_(std::move(group)) {
   if (!group_) throw Error("sharded parameters: no process group");
+  if (!storage.empty() && storage.size() != groups_.size()) {
+    throw Error("sharded parameters: a storage type per group, or none");
+  }
   torch::NoGradGuard no_grad;
   const int64_t ranks = group_->size();
   for (size_t g = 0; g < groups_.size(); ++g) {
+    const auto type = storage_of(storage, g);
     std::vector<Layout> layouts;
     int64_t total = 0;
     for (const auto& tensor : groups_[g]) {
-      layouts.push_back({tensor.sizes().vec(), tensor.numel(), tensor.options()});
+      // A 16-bit group's tensors are gathered in its type; a float32 group's as they were.
+      const auto options = type == torch::kFloat32 ? tensor.options() : tensor.options().dtype(type);
+      layouts.push_back({tensor.sizes().vec(), tensor.numel(), options});
       total += tensor.numel();
     }
     layouts_.push_back(std::move(layouts));
@@ -29,7 +49,8 @@ ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> gro
     // A group of frozen tensors is gathered and never trained; an empty one trains nothing.
     const bool trains = groups_[g].empty() || std::any_of(groups_[g].begin(), groups_[g].end(),
                                                           [](const torch::Tensor& t) { return t.requires_grad(); });
-    shards_.push_back(shard_of(g, groups_[g]).to(groups_[g].empty() ? torch::kCPU : groups_[g][0].device())
+    shards_.push_back(shard_of(g, groups_[g])
+                          .to(groups_[g].empty() ? torch::kCPU : groups_[g][0].device(), type)
                           .requires_grad_(trains));
     shard_impls_.insert(shards_.back().unsafeGetTensorImpl());
     release(g);
@@ -87,13 +108,41 @@ torch::Tensor ShardedParameters::shard_of(size_t g, const std::vector<torch::Ten
   return flatten(g, full).narrow(0, group_->rank() * shard_numel_[g], shard_numel_[g]).clone();
 }
 
+namespace {
+
+// An all-gather moves bits: 16-bit values travel as float16, which every backend carries.
+torch::Tensor as_sent(const torch::Tensor& values) {
+  return values.scalar_type() == torch::kBFloat16 ? values.view(torch::kFloat16) : values;
+}
+
+}  // namespace
+
 torch::Tensor ShardedParameters::all_gather(const torch::Tensor& shard) const {
-  const auto values = shard.detach().to(group_->device(), torch::kFloat32).contiguous();
+  const auto values = shard.detach().to(group_->device()).contiguous();
   if (values.numel() == 0) return values;  // an empty group: nothing to send
   auto gathered = torch::empty({values.numel() * group_->size()}, values.options());
-  group_->all_gather(values, gathered);
+  auto received = as_sent(gathered);
+  group_->all_gather(as_sent(values), received);
   bytes_moved_ += gathered.numel() * static_cast<int64_t>(gathered.element_size());
   return gathered;
+}
+
+torch::Tensor ShardedParameters::gather_source(size_t g) const {
+  const auto& source = gather_from_.empty() ? shards_[g] : gather_from_[g];
+  return source.detach().to(group_->device(), shards_[g].scalar_type()).contiguous();
+}
+
+void ShardedParameters::gather_from(std::vector<torch::Tensor> shards) {
+  if (!shards.empty() && shards.size() != shards_.size()) {
+    throw Error("sharded parameters: gather_from needs values for every group, or none");
+  }
+  for (size_t g = 0; g < shards.size(); ++g) {
+    if (shards[g].numel() != shards_[g].numel()) {
+      throw Error("sharded parameters: gather_from's values for group " + std::to_string(g) + " are not shard-shaped");
+    }
+  }
+  if (!prefetched_.empty()) throw Error("sharded parameters: gather_from while a gather is prefetched");
+  gather_from_ = std::move(shards);
 }
 
 std::vector<torch::Tensor> ShardedParameters::unflatten(size_t g, const torch::Tensor& flat) const {
@@ -113,9 +162,10 @@ std::vector<torch::Tensor> ShardedParameters::unshard(size_t g, const torch::Ten
 void ShardedParameters::prefetch(size_t g) {
   if (g >= groups_.size() || prefetched_.count(g) || shard_numel_[g] == 0) return;
   Prefetch prefetch;
-  prefetch.input = shards_[g].detach().to(group_->device(), torch::kFloat32).contiguous();
+  prefetch.input = gather_source(g);
   prefetch.output = torch::empty({prefetch.input.numel() * group_->size()}, prefetch.input.options());
-  prefetch.pending = group_->start_all_gather(prefetch.input, prefetch.output);
+  auto received = as_sent(prefetch.output);
+  prefetch.pending = group_->start_all_gather(as_sent(prefetch.input), received);
   bytes_moved_ += prefetch.output.numel() * static_cast<int64_t>(prefetch.output.element_size());
   prefetched_.emplace(g, std::move(prefetch));
 }
@@ -128,7 +178,7 @@ void ShardedParameters::gather(size_t g) {
     full = unflatten(g, found->second.output);
     prefetched_.erase(found);
   } else {
-    full = unshard(g, shards_[g]);
+    full = unflatten(g, all_gather(gather_source(g)));
   }
   for (size_t i = 0; i < full.size(); ++i) {
     groups_[g][i].set_data(full[i].to(layouts_[g][i].options.device(), layouts_[g][i].options.dtype().toScalarType(),
@@ -169,7 +219,7 @@ void ShardedParameters::finish_reductions() {
   for (auto& reduction : reductions_) {
     reduction.pending->wait();
     auto& shard = shards_[reduction.g];
-    auto mine = reduction.output.to(shard.device());
+    auto mine = reduction.output.to(shard.device(), shard.scalar_type());
     if (shard.grad().defined()) {
       shard.mutable_grad().add_(mine);
     } else {

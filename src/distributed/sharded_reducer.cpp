@@ -137,7 +137,7 @@ void ShardedReducer::compress_shards() {
   const double compressed = low_rank_->average(matrices, states);
   whole_bytes_ += average_together(*across_group_, whole);
   std::vector<torch::Tensor> squares;
-  for (const auto& part : whole) squares.push_back(part.square().sum().to(torch::kFloat64));
+  for (const auto& part : whole) squares.push_back(part.to(torch::kFloat32).square().sum().to(torch::kFloat64));
   shard_square_ = compressed + (squares.empty() ? 0.0 : torch::stack(squares).sum().item<double>());
 }
 
@@ -201,7 +201,9 @@ double ShardedReducer::gradient_norm(const std::vector<torch::Tensor>& parameter
     if (!parameter.grad().defined()) continue;
     const bool held = sharded_->holds(parameter);
     if (held && shard_square_) continue;  // measured from Q
-    const auto square = torch::linalg_vector_norm(parameter.grad(), 2).to(on).square();
+    // In float32 whatever the gradient's storage: a 16-bit norm would round the sum.
+    const auto square =
+        torch::linalg_vector_norm(parameter.grad(), 2, std::nullopt, false, torch::kFloat32).to(on).square();
     (held ? sharded : replicated) += square;
   }
   if (shard_square_) sharded += *shard_square_;

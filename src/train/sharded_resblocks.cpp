@@ -69,7 +69,7 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
 
 ShardedResblocks::ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
                                    std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
-                                   const KeepWhole& keep_whole)
+                                   const KeepWhole& keep_whole, torch::ScalarType matrices)
     : blocks_(prior.resblocks().size()) {
   std::unordered_map<const torch::TensorImpl*, std::string> name_of;
   for (const auto& item : prior.named_parameters()) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
@@ -93,7 +93,18 @@ ShardedResblocks::ShardedResblocks(models::PriorImpl& prior, const DecayRule& de
     }
   }
   groups.insert(groups.end(), frozen.begin(), frozen.end());
-  sharded_ = std::make_shared<distributed::ShardedParameters>(std::move(groups), std::move(group), overlap);
+  std::vector<torch::ScalarType> storage(groups.size(), torch::kFloat32);
+  for (size_t b = 0; b < blocks_; ++b) storage[2 * b] = matrices;
+  sharded_ = std::make_shared<distributed::ShardedParameters>(std::move(groups), std::move(group), overlap,
+                                                              std::move(storage));
+}
+
+void ShardedResblocks::gather_averages(const std::vector<torch::Tensor>& averages) const {
+  if (averages.empty()) return sharded_->gather_from({});
+  if (averages.size() != trained_groups()) throw Error("sharded resblocks: an average per trained group");
+  auto sources = averages;
+  for (size_t g = trained_groups(); g < sharded_->groups(); ++g) sources.push_back(sharded_->shard(g));
+  sharded_->gather_from(std::move(sources));
 }
 
 std::vector<torch::Tensor> ShardedResblocks::decayed_shards() const {

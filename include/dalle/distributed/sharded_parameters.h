@@ -1,11 +1,12 @@
 #pragma once
 // ZeRO-3 storage of parameter groups (DALL-E's layout: one group per resblock, sharded
-// across the GPUs of a machine). Each group is one flat fp32 vector, padded to a multiple of
-// the ranks, of which every rank keeps a 1/N shard: a leaf the optimizer steps (or, for a
-// group of frozen tensors, a constant). The group's
-// own tensors stay the module's parameters, but hold values only between gather() and
-// release(); their gradients become the shard's by a reduce-scatter. ShardedReducer
-// (distributed/sharded_reducer.h) completes them in the update step.
+// across the GPUs of a machine). Each group is one flat vector, padded to a multiple of the
+// ranks, of which every rank keeps a 1/N shard: a leaf the optimizer steps (or, for a group
+// of frozen tensors, a constant), float32 or, as the group's storage type says, 16 bits. The
+// group's own tensors stay the module's parameters, but hold values only between gather() and
+// release() (in the storage type: a 16-bit group is gathered in 16 bits, and its tensors'
+// gradients are 16-bit); their gradients become the shard's by a float32 reduce-scatter.
+// ShardedReducer (distributed/sharded_reducer.h) completes them in the update step.
 #include <torch/types.h>
 
 #include <cstdint>
@@ -35,8 +36,9 @@ class ShardedParameters {
  public:
   // Takes this rank's shard of each group's current values (the same on every rank) and
   // empties the tensors. `overlap`: reduce_gradients only starts the reduce-scatter.
+  // `storage`: each group's type (float32, bfloat16 or float16); empty: float32 for all.
   ShardedParameters(std::vector<std::vector<torch::Tensor>> groups, std::shared_ptr<ProcessGroup> group,
-                    bool overlap = true);
+                    bool overlap = true, std::vector<torch::ScalarType> storage = {});
 
   size_t groups() const { return groups_.size(); }
   const torch::Tensor& shard(size_t g) const { return shards_[g]; }
@@ -52,6 +54,10 @@ class ShardedParameters {
   void prefetch(size_t g);
   // Group g's tensors hold their full values (all-gathered from the shards) ...
   void gather(size_t g);
+  // From now on, gathers take group g's values from `shards[g]` (shard-shaped, any type and
+  // device; cast to the storage type as the shards are) instead of the shards: the moving
+  // average swapped in for validation. No values: the shards again.
+  void gather_from(std::vector<torch::Tensor> shards);
   // ... and then none again.
   void release(size_t g);
   // The mean over the ranks of group g's tensors' gradients, this rank's part of it added to
@@ -80,6 +86,8 @@ class ShardedParameters {
   // Group g's tensors, whole, as views of its flat values (gathered).
   std::vector<torch::Tensor> unflatten(size_t g, const torch::Tensor& flat) const;
   torch::Tensor all_gather(const torch::Tensor& shard) const;
+  // What group g's gather sends: its shard (or what gather_from names), in its storage type.
+  torch::Tensor gather_source(size_t g) const;
 
   // What each tensor of each group is when whole.
   struct Layout {
@@ -91,6 +99,7 @@ class ShardedParameters {
   std::vector<std::vector<torch::Tensor>> groups_;
   std::vector<std::vector<Layout>> layouts_;
   std::vector<torch::Tensor> shards_;
+  std::vector<torch::Tensor> gather_from_;  // empty: the shards
   std::unordered_set<const torch::TensorImpl*> shard_impls_;  // which tensors are shards, for holds()
   std::vector<int64_t> shard_numel_;
   // Prefetched groups: the all-gather under way, its input and its output.

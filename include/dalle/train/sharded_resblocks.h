@@ -35,9 +35,11 @@ class ShardedResblocks {
   // Shards the blocks' current values (the same on every rank of `group`), named as in
   // `prior`'s state dict; a parameter that requires no gradient is frozen.
   // `overlap`: a block's reduce-scatter runs while backward goes on (ShardedParameters).
+  // `matrices`: the storage of the trained groups AdamW decays (precision.weights); the
+  // rest is float32.
   ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
                    std::shared_ptr<distributed::ProcessGroup> group, bool overlap = true,
-                   const KeepWhole& keep_whole = nullptr);
+                   const KeepWhole& keep_whole = nullptr, torch::ScalarType matrices = torch::kFloat32);
 
   const std::shared_ptr<distributed::ShardedParameters>& parameters() const { return sharded_; }
   // The groups that train come first, two per block (2b: its matrices, 2b + 1: the rest,
@@ -56,6 +58,10 @@ class ShardedResblocks {
 
   // The names of group g's tensors.
   const std::vector<std::string>& names(size_t group) const { return names_[group]; }
+
+  // Gathers take the trained groups' values from `averages` (one per trained group, as the
+  // shards) until called with none: validation on the moving average, block by block.
+  void gather_averages(const std::vector<torch::Tensor>& averages) const;
 
   // The frozen groups' values, whole, by name (every rank of the group calls it) ...
   io::TensorMap frozen_weights() const;
