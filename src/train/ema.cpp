@@ -30,6 +30,17 @@ void Ema::copy_to(torch::nn::Module& module) const {
   io::load_state_dict(module, shadow_, "EMA weights", {forgotten_.begin(), forgotten_.end()});
 }
 
+void Ema::swap(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (const auto& item : module.named_parameters()) {
+    const auto found = shadow_.find(item.key());
+    if (found == shadow_.end()) continue;  // forgotten
+    auto held = item.value().data();
+    item.value().set_data(found->second);
+    found->second = std::move(held);
+  }
+}
+
 void Ema::forget(const std::vector<std::string>& names) {
   for (const auto& name : names) {
     shadow_.erase(name);

@@ -37,6 +37,12 @@ void PrecisionConfig::visit(ConfigVisitor& v) {
           dtype_choices({"float32", "bfloat16", "float16"}));
   v.field("adam_moments", adam_moments, "storage of Adam's moments (bfloat16 halves the optimizer's memory)",
           dtype_choices({"float32", "bfloat16"}));
+  v.field("weights", weights,
+          "storage of the trained resblock matrices and their gradients in a prior sharded within the machine "
+          "(distributed.sharding within_node; needs precision.mode bfloat16 or float16): bfloat16 or float16 halve "
+          "them; each update is computed in float32 and rounded stochastically, and their moving average is kept "
+          "in float32 in host memory (docs/distributed.md); float32 keeps them as they are",
+          dtype_choices({"float32", "bfloat16", "float16"}));
   v.section("gradient_scaling", "fp16 only: the dynamic gradient scales", gradient_scaling);
 }
 
@@ -56,6 +62,8 @@ std::optional<torch::ScalarType> autocast_dtype(Precision precision) {
 }
 
 std::optional<torch::ScalarType> PrecisionConfig::autocast_dtype() const { return train::autocast_dtype(precision()); }
+
+torch::ScalarType PrecisionConfig::weights_dtype() const { return float_type_named(weights); }
 
 torch::ScalarType PrecisionConfig::moments_dtype() const {
   return float_type_named(adam_moments);

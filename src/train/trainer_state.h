@@ -104,6 +104,10 @@ struct TrainerState : RunRecord {
       throw Error(what + " training: distributed.sharding " + config.distributed.sharding +
                   " is for the prior; train this model data-parallel (sharding: none)");
     }
+    if (config.precision.weights != "float32" && !can_shard) {
+      throw Error(what + " training: precision.weights " + config.precision.weights +
+                  " is for the prior sharded within the machine; keep float32 here");
+    }
     if (job->size() == 1) return;
     if (!job->is_main()) leave_files_to_another();
     should_stop = [this] { return job->any(stop_requested()); };
@@ -129,24 +133,21 @@ struct TrainerState : RunRecord {
   // checkpoints then keep only what trains and refer to it for the rest (io::refer_to_base).
   std::string base_checkpoint;
 
-  // Once `model` is built: adds the recipe's adapters, moves it to the device, freezes what
-  // optimizer.trainable (and adapters) leave out, and starts the moving average of what trains.
-  void place_model() {
+  // Once `model` is built: adds the recipe's adapters, moves it to the device and freezes what
+  // optimizer.trainable (and adapters) leave out; unless `sharded`, makes the validation copy
+  // and starts the moving average of what trains. A sharded model (the prior's resblocks cut
+  // into shards next) has no validation copy, and starts its average once cut.
+  void place_model(bool sharded = false) {
     add_adapters_to(*model);
     model->to(device);
     const auto trained = freeze_all_but(*model, trainable_patterns(config.optimizer.trainable, adapters()), what);
-    ema_model = Model(config.model);
-    add_adapters_to(*ema_model);
-    ema_model->to(device);
-    ema = std::make_unique<Ema>(*model, config.optimizer.ema_decay);
-    const auto frozen = frozen_names();
-    if (frozen.empty()) return;
-    // Frozen weights are not averaged: the average's model shares them with the model.
-    ema->forget(frozen);
-    auto ema_parameters = ema_model->named_parameters();
-    for (const auto& item : model->named_parameters()) {
-      if (!item.value().requires_grad()) ema_parameters[item.key()].set_data(item.value());
+    if (!sharded) {
+      ema_model = Model(config.model);
+      add_adapters_to(*ema_model);
+      ema_model->to(device);
+      start_average();
     }
+    if (frozen_names().empty()) return;
     int64_t trained_values = 0, all_values = 0;
     for (const auto& parameter : model->parameters()) {
       all_values += parameter.numel();
@@ -155,6 +156,19 @@ struct TrainerState : RunRecord {
     log::info(what, ": ", trained, " of ", model->parameters().size(), " parameter tensors train (",
               trained_values, " values, ", 100.0 * static_cast<double>(trained_values) / static_cast<double>(all_values),
               "% of the model); the rest is frozen");
+  }
+
+  // The moving average of what trains. Frozen weights are not averaged: the validation copy,
+  // if any, shares them with the model.
+  void start_average() {
+    ema = std::make_unique<Ema>(*model, config.optimizer.ema_decay);
+    const auto frozen = frozen_names();
+    ema->forget(frozen);
+    if (!ema_model || frozen.empty()) return;
+    auto ema_parameters = ema_model->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      if (!item.value().requires_grad()) ema_parameters[item.key()].set_data(item.value());
+    }
   }
 
   models::AdapterConfig adapters() const {

@@ -20,6 +20,10 @@ class Ema {
   // parameters it does not average (forget) are left as they are there.
   void copy_to(torch::nn::Module& module) const;
 
+  // Exchanges the averaged parameters' values with `module`'s, without a copy: called again,
+  // it puts them back (validation on the average of a model that holds no copy of it).
+  void swap(torch::nn::Module& module);
+
   const io::TensorMap& weights() const { return shadow_; }
   // Sets rows `index` of the average of parameter `name` to `values`: for changes that are
   // not optimizer steps (a codebook restart), which averaging would only blur.

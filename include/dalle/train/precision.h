@@ -35,10 +35,13 @@ struct GradientScalingConfig {
 struct PrecisionConfig {
   std::string mode = "float32";
   std::string adam_moments = "float32";
+  std::string weights = "float32";
   GradientScalingConfig gradient_scaling;
 
   void visit(ConfigVisitor& v);
   Precision precision() const;
+  // The storage of the sharded resblocks' trained matrices (float32 unless `weights` says).
+  torch::ScalarType weights_dtype() const;
   // autocast_dtype(precision()).
   std::optional<torch::ScalarType> autocast_dtype() const;
   torch::ScalarType moments_dtype() const;

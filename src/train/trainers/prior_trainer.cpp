@@ -34,6 +34,7 @@
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
 #include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/stochastic_rounding.h"
 #include "dalle/train/update_step.h"
 #include "train/run_directory.h"
 #include "train/trainers/trainer_support.h"
@@ -105,7 +106,10 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
 
   torch::Tensor batch_tokens(const std::vector<data::TokenExample>& examples, bool drop_captions);
   PriorStepMetrics train_step(const torch::Tensor& tokens);
+  void check_weights_storage() const;
+  bool shards_resblocks() const;
   void install_resblock_runner();
+  models::ResblockRunner validation_inner_runner() const;
   void store_frozen_blocks();
   void log_step() const;
   void update_plateau(double validation_loss);
@@ -120,10 +124,29 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void save_extra(io::Checkpoint& checkpoint) const override;
   void restore_extra(const io::Checkpoint& checkpoint, const std::string& directory) override;
 
-  // distributed.sharding within_node: the resblocks' shards and their moving averages.
+  // distributed.sharding within_node: the resblocks' shards and their moving averages
+  // (float32; in host memory for 16-bit shards), and the runners that gather the blocks for
+  // training and for validation on the average.
   std::unique_ptr<ShardedResblocks> shards;
   std::vector<torch::Tensor> shard_averages;
   std::shared_ptr<distributed::ShardedReducer> sharded_reducer;
+  models::ResblockRunner training_runner, validation_runner;
+  // The model validation and sample grids run: the validation copy with the average copied
+  // in, or the sharded model itself with the average swapped in (AverageSwappedIn).
+  models::Prior& validation_model();
+  // While alive, a sharded model computes with its moving average: the replicated parameters'
+  // values exchanged with the average's, the blocks gathered from the averaged shards and run
+  // as validation runs them (float32, or autocast where blocks hold 16-bit weights).
+  class AverageSwappedIn {
+   public:
+    explicit AverageSwappedIn(State& state);
+    ~AverageSwappedIn();
+    AverageSwappedIn(const AverageSwappedIn&) = delete;
+    AverageSwappedIn& operator=(const AverageSwappedIn&) = delete;
+
+   private:
+    State& state_;
+  };
 
   // Sharded, a rank reads of a checkpoint only the replicated part and its own slices.
   void resume(const std::string& directory) override;
@@ -137,11 +160,10 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void shard_resblocks();
   void shard_update(const io::TensorMap& scales);
   void average_shards();
+  torch::Tensor average_of(const torch::Tensor& shard) const;
   void save_checkpoint() override;
   void write_own_shards(const std::string& staging, bool moments, const std::vector<torch::Tensor>& errors) const;
   void write_checkpoint_files(const std::string& staging, bool moments, bool errors, io::TensorMap frozen);
-  // The moving average of the weights, whole, into `target`.
-  void copy_average_to(models::Prior& target);
 };
 
 namespace {
@@ -230,16 +252,19 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
     s.validation_set = data::TokenDataset::open(s.config.data.validation);
     check_dataset(s.validation_set->info(), s.config.model, s.config.data.validation);
   }
+  s.check_weights_storage();
   s.model = models::Prior(s.config.model);
   // A resumed run has its own weights; init_from is read only to start one.
   const bool starts_from_init = !s.config.init_from.empty() && !s.checkpoints.latest();
   if (starts_from_init) initialise_from(*s.model, s.config);
-  s.place_model();
+  const bool sharded = s.shards_resblocks();
+  s.place_model(sharded);
   s.store_frozen_blocks();
   if (starts_from_init) s.refer_to_base(s.config.init_from);
-  // Sharded, the blocks are cut before the update state is built, so that no rank ever holds
-  // a whole average of them.
+  // Sharded, the blocks are cut before the average and the update state are made, so that no
+  // rank ever holds a whole average of them (nor a validation copy).
   s.cut_resblocks();
+  if (sharded) s.start_average();
   s.build_update(parameter_groups(*s.model, s.config.optimizer.weight_decay), s.config.learning_rate.peak,
                  std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
                                                   resblock_parameter_groups(s.model->resblocks()), s.replicas()),
@@ -260,6 +285,23 @@ PriorStepMetrics PriorTrainer::last_metrics() const { return state_->last; }
 models::Prior& PriorTrainer::model() { return state_->model; }
 const GradientScaler* PriorTrainer::gradient_scaler() const { return state_->precision->scaler(); }
 
+// precision.weights: 16-bit blocks are sharded ones, computed under autocast.
+void PriorTrainer::State::check_weights_storage() const {
+  if (config.precision.weights == "float32") return;
+  const std::string key = "prior training: precision.weights " + config.precision.weights;
+  if (!config.precision.autocast_dtype()) {
+    throw Error(key + " needs precision.mode bfloat16 or float16 (the blocks compute with their 16-bit weights)");
+  }
+  if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) {
+    throw Error(key + " stores the shards of the resblocks: it needs distributed.sharding within_node and "
+                      "several ranks on each machine (--nproc-per-node)");
+  }
+}
+
+bool PriorTrainer::State::shards_resblocks() const {
+  return config.distributed.sharding == "within_node" && job->place().local_world_size > 1;
+}
+
 void PriorTrainer::State::install_resblock_runner() {
   const auto mode = config.precision.precision();
   // Sharded blocks recompute their forward in backward anyway.
@@ -276,8 +318,21 @@ void PriorTrainer::State::install_resblock_runner() {
       };
     }
     runner = shards->runner(std::move(runner));
+    training_runner = runner;
+    validation_runner = shards->runner(validation_inner_runner());
   }
   if (runner) model->set_resblock_runner(std::move(runner));
+}
+
+// The blocks as a validation copy runs them: in float32, or under autocast where they hold
+// 16-bit weights (frozen_weights, precision.weights).
+models::ResblockRunner PriorTrainer::State::validation_inner_runner() const {
+  const bool sixteen_bit = config.frozen_weights != "float32" || config.precision.weights != "float32";
+  const auto autocast = sixteen_bit ? config.precision.autocast_dtype() : std::nullopt;
+  return [autocast](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
+    AutocastGuard guard(x.device().type(), autocast);
+    return x + block.branch(x, context).to(x.scalar_type());
+  };
 }
 
 // frozen_weights: the resblocks' frozen matrices in 16 bits, shared with the validation model,
@@ -294,17 +349,14 @@ void PriorTrainer::State::store_frozen_blocks() {
     log::warn(what, ": frozen_weights ", config.frozen_weights, " changes nothing: no resblock matrix is frozen");
     return;
   }
-  auto parameters = model->named_parameters(), validation = ema_model->named_parameters();
+  auto parameters = model->named_parameters();
   int64_t values = 0;
-  for (const auto& name : stored) {
-    validation[name].set_data(parameters[name]);
-    values += parameters[name].numel();
+  for (const auto& name : stored) values += parameters[name].numel();
+  if (ema_model) {
+    auto validation = ema_model->named_parameters();
+    for (const auto& name : stored) validation[name].set_data(parameters[name]);
+    ema_model->set_resblock_runner(validation_inner_runner());
   }
-  ema_model->set_resblock_runner([autocast](models::ResblockImpl& block, const torch::Tensor& x,
-                                            const models::ResblockContext& context) {
-    AutocastGuard guard(x.device().type(), autocast);
-    return x + block.branch(x, context).to(x.scalar_type());
-  });
   log::info(what, ": the resblocks' ", values, " frozen matrix values are kept in ", config.frozen_weights,
             "; validation runs their blocks in ", config.precision.mode);
 }
@@ -314,7 +366,8 @@ void PriorTrainer::State::store_frozen_blocks() {
 void PriorTrainer::State::cut_resblocks() {
   if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
   shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node(),
-                                              config.distributed.overlap, models::is_adapter_tensor);
+                                              config.distributed.overlap, models::is_adapter_tensor,
+                                              config.precision.weights_dtype());
 }
 
 // The update state moved to the shards, before any resume, on a fresh update: no moments
@@ -335,11 +388,14 @@ void PriorTrainer::State::shard_resblocks() {
   });
   for (size_t g = 0; g < shards->trained_groups(); ++g) {
     ema->forget(shards->names(g));
-    shard_averages.push_back(sharded.shard(g).detach().clone());
+    shard_averages.push_back(average_of(sharded.shard(g)));
   }
   for (const auto& shard : shards->decayed_shards()) groups[0].params().push_back(shard);
   for (const auto& shard : shards->undecayed_shards()) groups[1].params().push_back(shard);
   optimizer = make_adamw(std::move(groups), config.learning_rate.peak);
+  // The replicas of a shard on other machines hold the same values: they round alike.
+  optimizer->set_rounding_seed(mix_seed(static_cast<uint64_t>(config.run.seed),
+                                        static_cast<uint64_t>(job->place().local_rank)));
   shard_update(scales);
   const int64_t ranks = job->place().local_world_size;
   log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
@@ -494,38 +550,45 @@ void PriorTrainer::State::restore_shards(io::TensorMap& slices, const io::Tensor
   }
 }
 
-// The frozen blocks' shards from the checkpoint's weights (its base's, filled in), and the
-// validation model's copy of them (place_model shares them with a model not sharded yet).
-void PriorTrainer::State::restore_frozen_blocks(io::TensorMap& weights) {
-  torch::NoGradGuard no_grad;
-  auto validation = ema_model->named_parameters();
-  for (size_t g = shards->trained_groups(); g < shards->parameters()->groups(); ++g) {
-    for (const auto& name : shards->names(g)) {
-      const auto found = weights.find(name);
-      if (found != weights.end()) validation[name].copy_(found->second);
-    }
-  }
-  shards->restore_frozen(weights);
-}
+// The frozen blocks' shards from the checkpoint's weights (its base's, filled in).
+void PriorTrainer::State::restore_frozen_blocks(io::TensorMap& weights) { shards->restore_frozen(weights); }
 
 void PriorTrainer::State::average_shards() {
   torch::NoGradGuard no_grad;
   const double weight = 1.0 - config.optimizer.ema_decay;
   for (size_t g = 0; g < shard_averages.size(); ++g) {
-    shard_averages[g].lerp_(shards->parameters()->shard(g).detach(), weight);
+    auto& average = shard_averages[g];
+    average.lerp_(shards->parameters()->shard(g).detach().to(average.device(), average.scalar_type()), weight);
   }
 }
 
-// Sharded, one block's average is gathered whole at a time.
-void PriorTrainer::State::copy_average_to(models::Prior& target) {
-  if (!shards) return ema->copy_to(*target);
-  torch::NoGradGuard no_grad;
-  auto named = io::state_dict(*target);
-  for (const auto& [name, average] : ema->weights()) named.at(name).copy_(average);
-  for (size_t g = 0; g < shards->trained_groups(); ++g) {
-    const auto whole = shards->parameters()->unshard(g, shard_averages[g]);
-    for (size_t i = 0; i < whole.size(); ++i) named.at(shards->names(g)[i]).copy_(whole[i]);
-  }
+// A shard's moving average starts as the shard: float32 where the shard is, or, for a
+// 16-bit shard, in host memory (precision.weights: the GPU keeps 16 bits per value, the
+// average keeps the small steps that 16 bits would round away).
+torch::Tensor PriorTrainer::State::average_of(const torch::Tensor& shard) const {
+  if (shard.scalar_type() == torch::kFloat32) return shard.detach().clone();
+  return shard.detach().to(torch::kCPU, torch::kFloat32);
+}
+
+models::Prior& PriorTrainer::State::validation_model() {
+  if (shards) return model;
+  ema->copy_to(*ema_model);
+  return ema_model;
+}
+
+PriorTrainer::State::AverageSwappedIn::AverageSwappedIn(State& state) : state_(state) {
+  if (!state_.shards) return;
+  state_.ema->swap(*state_.model);
+  state_.shards->gather_averages(state_.shard_averages);
+  state_.model->set_resblock_runner(state_.validation_runner);
+}
+
+PriorTrainer::State::AverageSwappedIn::~AverageSwappedIn() {
+  if (!state_.shards) return;
+  state_.model->set_resblock_runner(state_.training_runner);
+  state_.shards->gather_averages({});
+  state_.ema->swap(*state_.model);
+  state_.model->train();
 }
 
 void PriorTrainer::State::save_checkpoint() {
@@ -688,8 +751,9 @@ void PriorTrainer::State::update_plateau(double validation_loss) {
 
 namespace {
 
-void write_sample_grid(models::Prior& model, const PriorTrainConfig& config,
-                       const fs::path& path) {
+// Every rank that holds a part of a sharded model draws (their gathers go together); the
+// one that `writes` writes the grid to `path`.
+void write_sample_grid(models::Prior& model, const PriorTrainConfig& config, const fs::path& path, bool writes) {
   const auto tokenizer = text::Tokenizer::load(config.tokenizer);
   auto decoder = models::load_image_tokenizer(config.image_tokenizer);
   std::vector<torch::Tensor> captions, tiles;
@@ -702,6 +766,7 @@ void write_sample_grid(models::Prior& model, const PriorTrainConfig& config,
     }
   }
   const auto tokens = models::sample_image_tokens(model, torch::stack(captions), config.sampling);
+  if (!writes) return;
   torch::NoGradGuard no_grad;
   const auto images = decoder.model->decode_tokens(tokens.cpu());
   for (int64_t i = 0; i < images.size(0); ++i) tiles.push_back(images[i]);
@@ -714,8 +779,9 @@ void write_sample_grid(models::Prior& model, const PriorTrainConfig& config,
 PriorValidation PriorTrainer::validate() {
   auto& s = *state_;
   torch::NoGradGuard no_grad;
-  s.copy_average_to(s.ema_model);
-  s.ema_model->eval();
+  const State::AverageSwappedIn swapped(s);
+  auto& average = s.validation_model();
+  average->eval();
   PriorValidation result{std::nan(""), std::nan(""), std::nan("")};
   if (s.validation_set) {
     const int64_t count = std::min<int64_t>(static_cast<int64_t>(s.validation_set->size()), 256);
@@ -728,7 +794,7 @@ PriorValidation PriorTrainer::validate() {
         if (auto example = s.validation_set->get(static_cast<size_t>(i), rng)) examples.push_back(std::move(*example));
       }
       const auto tokens = s.batch_tokens(examples, /*drop_captions=*/false);
-      const auto loss = models::prior_loss(s.ema_model->forward(tokens), tokens, s.config.model);
+      const auto loss = models::prior_loss(average->forward(tokens), tokens, s.config.model);
       total += loss.total.item<double>();
       text += loss.text.item<double>();
       image += loss.image.item<double>();
@@ -739,11 +805,12 @@ PriorValidation PriorTrainer::validate() {
                       {"validation_image_loss", result.image_loss}});
     if (s.config.learning_rate.decay == "plateau") s.update_plateau(result.loss);
   }
-  if (s.writes_files && !s.config.sample_captions.empty() && !s.config.tokenizer.empty() &&
-      !s.config.image_tokenizer.empty()) {
+  // Sharded, the first machine's ranks draw together.
+  const bool draws = s.shards ? s.job->place().node_rank == 0 : s.writes_files;
+  if (draws && !s.config.sample_captions.empty() && !s.config.tokenizer.empty() && !s.config.image_tokenizer.empty()) {
     char name[48];
     std::snprintf(name, sizeof name, "samples/step-%09lld.png", static_cast<long long>(s.step));
-    write_sample_grid(s.ema_model, s.config, s.run / name);
+    write_sample_grid(average, s.config, s.run / name, s.writes_files);
   }
   return result;
 }
