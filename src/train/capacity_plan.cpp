@@ -56,6 +56,8 @@ struct BlockShape {
   // The base's values: what the block has without adapters.
   int64_t values() const { return values_of(groups[0]) + values_of(groups[1]) + values_of(groups[2]); }
   int64_t trained_values() const { return values_of(groups[0]) + values_of(groups[1]) + adapter_values(); }
+  // Its trained matrices, the group precision.weights stores in 16 bits when sharded.
+  int64_t matrix_values() const { return values_of(groups[0]); }
   int64_t adapter_values() const { return values_of(adapters); }
   int64_t frozen_matrix_values() const {
     int64_t sum = 0;
@@ -67,8 +69,9 @@ struct BlockShape {
     return trained_shard_values(ranks) + io::shard_size(values_of(groups[2]), ranks);
   }
   int64_t trained_shard_values(int64_t ranks) const {
-    return io::shard_size(values_of(groups[0]), ranks) + io::shard_size(values_of(groups[1]), ranks);
+    return matrix_shard_values(ranks) + io::shard_size(values_of(groups[1]), ranks);
   }
+  int64_t matrix_shard_values(int64_t ranks) const { return io::shard_size(matrix_values(), ranks); }
   // What trains, as shapes: the trained groups' tensors and the adapters.
   std::vector<Shape> trained_shapes() const {
     auto all = groups[0];
@@ -142,10 +145,12 @@ struct LowRankCost {
   double pq_values = 0;          // (rows + columns) x rank of those
   double q_values = 0;           // columns x rank
   double whole_values = 0;       // the values that go uncompressed
+  double largest_values = 0;     // of the largest matrix (or block of rows) compressed
 
   void add_matrix(int64_t rows, int64_t columns, const distributed::PowerSgdOptions& options) {
     const auto rank = static_cast<double>(distributed::effective_rank(rows, columns, options));
     compressed_values += static_cast<double>(rows * columns);
+    largest_values = std::max(largest_values, static_cast<double>(rows * columns));
     pq_values += static_cast<double>(rows + columns) * rank;
     q_values += static_cast<double>(columns) * rank;
   }
@@ -154,10 +159,12 @@ struct LowRankCost {
     pq_values += other.pq_values;
     q_values += other.q_values;
     whole_values += other.whole_values;
+    largest_values = std::max(largest_values, other.largest_values);
     return *this;
   }
+  // The sums scaled (layers, or a mean over ranks); the largest matrix stays what it is.
   LowRankCost times(double factor) const {
-    return {compressed_values * factor, pq_values * factor, q_values * factor, whole_values * factor};
+    return {compressed_values * factor, pq_values * factor, q_values * factor, whole_values * factor, largest_values};
   }
 };
 
@@ -230,6 +237,8 @@ class Planner {
     plan_.sharding = recipe.distributed.sharding;
     plan_.gradient_reduction = recipe.distributed.gradient_reduction;
     plan_.sharded = recipe.distributed.sharding == "within_node" && cluster.gpus_per_node > 1;
+    plan_.weights = recipe.precision.weights;
+    matrix_bytes_ = dtype_bytes(plan_.weights);
     layers_ = recipe.model.layers;
     resblocks_ = 2 * layers_;
     gpus_ = cluster.gpus_per_node;
@@ -239,6 +248,7 @@ class Planner {
 
   CapacityPlan run() {
     batch();
+    check_storage();
     count_parameters();
     state_memory();
     working_memory();
@@ -263,19 +273,34 @@ class Planner {
     plan_.tokens_per_rank = plan_.batch_per_rank * recipe_.model.length();
   }
 
+  // The 16-bit storage keys need autocast's 16-bit compute, and precision.weights a sharded
+  // run, as the trainer requires.
+  void check_storage() const {
+    const bool fp32 = recipe_.precision.precision() == Precision::fp32;
+    if (recipe_.frozen_weights != "float32" && fp32) {
+      throw Error("plan: frozen_weights " + recipe_.frozen_weights + " needs precision.mode bfloat16 or float16");
+    }
+    if (recipe_.precision.weights == "float32") return;
+    const std::string key = "plan: precision.weights " + recipe_.precision.weights;
+    if (fp32) throw Error(key + " needs precision.mode bfloat16 or float16");
+    if (!plan_.sharded) {
+      throw Error(key + " stores the shards of the resblocks: it needs distributed.sharding within_node and more "
+                        "than one GPU per machine");
+    }
+  }
+
   void count_parameters() {
     auto& counts = plan_.parameters;
-    int64_t layer_values = 0, layer_shards = 0, layer_trained_shards = 0, layer_trained = 0, layer_adapters = 0,
-            layer_matrix_weights = 0;
+    int64_t layer_values = 0, layer_shards = 0, layer_trained_shards = 0, layer_matrix_shards = 0, layer_trained = 0,
+            layer_adapters = 0, layer_matrix_weights = 0;
     for (const auto& block : shape_.layer) {
       layer_values += block.values();
       layer_shards += block.shard_values(gpus_);
       layer_trained_shards += block.trained_shard_values(gpus_);
+      layer_matrix_shards += block.matrix_shard_values(gpus_);
       layer_trained += block.trained_values();
       layer_adapters += block.adapter_values();
       layer_matrix_weights += block.matrix_weights;
-      largest_block_ = std::max(largest_block_, block.values() + block.adapter_values());
-      largest_block_padded_ = std::max(largest_block_padded_, gpus_ * block.shard_values(gpus_));
     }
     for (const auto& parameter : shape_.outside) counts.outside_resblocks += numel(parameter);
     for (const auto& parameter : shape_.outside_trained) outside_trained_ += numel(parameter);
@@ -286,6 +311,7 @@ class Planner {
     counts.trained = shape_.frozen ? layers_ * layer_trained + outside_trained_ : counts.total;
     shard_values_ = layers_ * layer_shards;
     trained_shard_values_ = layers_ * layer_trained_shards;
+    matrix_shard_values_ = layers_ * layer_matrix_shards;
     // Sharded, a rank holds its shards of the blocks, the rest whole, and the adapters whole.
     replicated_trained_ = layers_ * layer_adapters + outside_trained_;
     counts.per_rank = plan_.sharded ? shard_values_ + counts.outside_resblocks + counts.adapters : counts.total;
@@ -295,6 +321,8 @@ class Planner {
   void add_memory(std::string name, MemoryPhase phase, double bytes, std::string rule) {
     plan_.memory.push_back({std::move(name), phase, bytes, std::move(rule)});
   }
+
+  bool sixteen_bit_matrices() const { return matrix_bytes_ < kFp32; }
 
   // What each rank keeps from one update to the next.
   void state_memory() {
@@ -306,40 +334,67 @@ class Planner {
     // frozen_weights: the frozen block matrices in 16 bits, in the model and in the validation
     // model that shares them (a sharded run's shards stay fp32).
     double sixteen_bit = 0;
-    if (recipe_.frozen_weights != "float32" && recipe_.precision.precision() == Precision::fp32) {
-      throw Error("plan: frozen_weights " + recipe_.frozen_weights + " needs precision.mode bfloat16 or float16");
-    }
     if (recipe_.frozen_weights != "float32") {
       for (const auto& block : shape_.layer) sixteen_bit += static_cast<double>(layers_ * block.frozen_matrix_values());
     }
     const double saved = plan_.sharded ? 0 : 2 * sixteen_bit;
-    add_memory("weights", MemoryPhase::kept, kFp32 * held - saved,
+    // precision.weights, sharded: the trained matrices' shards and their gradients in 16 bits.
+    const double halved = (kFp32 - matrix_bytes_) * static_cast<double>(matrix_shard_values_);
+    const std::string stored = sixteen_bit_matrices() ? plan_.weights + " matrices, fp32 rest, " : "fp32, ";
+    add_memory("weights", MemoryPhase::kept, kFp32 * held - saved - halved,
                saved > 0 ? "fp32, the whole model, its frozen resblock matrices in " + recipe_.frozen_weights
-                         : "fp32, " + what + (frozen ? ", frozen and trained" : ""));
+                         : stored + what + (frozen ? ", frozen and trained" : ""));
     const double trained = static_cast<double>(trained_per_rank_);
     const std::string trains =
         frozen ? "what trains (" + with_thousands(plan_.parameters.trained) + " values" +
                      (plan_.sharded ? ", the blocks' part sharded, adapters whole)" : ")")
                : what;
-    add_memory("gradients", MemoryPhase::kept, kFp32 * trained, "fp32, " + trains);
+    add_memory("gradients", MemoryPhase::kept, kFp32 * trained - halved, stored + trains);
     const double moment = static_cast<double>(c10::elementSize(recipe_.precision.moments_dtype()));
     add_memory("AdamW moments", MemoryPhase::kept, 2 * moment * trained,
                "two, " + recipe_.precision.adam_moments + ", " + trains);
-    add_memory("moving average", MemoryPhase::kept, kFp32 * trained, "fp32, " + trains);
-    // Frozen weights are shared with the model, but a sharded model's blocks are not whole.
-    const bool shares_frozen = frozen && !plan_.sharded;
-    add_memory("validation model", MemoryPhase::kept,
-               shares_frozen ? kFp32 * static_cast<double>(plan_.parameters.trained)
-                             : kFp32 * static_cast<double>(plan_.parameters.total) - 2 * sixteen_bit,
-               shares_frozen ? "fp32, what trains: the frozen weights are the model's own"
-                             : std::string("fp32, whole on every rank: the moving average copied in for validation and "
-                                           "sample grids") +
-                                   (sixteen_bit > 0 ? "; its frozen resblock matrices in " + recipe_.frozen_weights
-                                                    : ""));
+    average_memory(trains);
+    validation_memory(sixteen_bit);
     if (recipe_.precision.precision() == Precision::fp16) {
       add_memory("fp16 gradient scales", MemoryPhase::kept, 16.0 * static_cast<double>(resblocks_),
                  "a scale and its last backoff per resblock (host memory, counted anyway)");
     }
+  }
+
+  // The fp32 moving average of what trains. The trainer keeps the average of 16-bit matrix
+  // shards in host memory (on the GPU, it would take back what their 16 bits save); the rest
+  // of the shards' and the replicated parameters' stay on the GPU.
+  void average_memory(const std::string& trains) {
+    const double trained = kFp32 * static_cast<double>(trained_per_rank_);
+    if (!sixteen_bit_matrices()) {
+      add_memory("moving average", MemoryPhase::kept, trained, "fp32, " + trains);
+      return;
+    }
+    const double matrices = kFp32 * static_cast<double>(matrix_shard_values_);
+    add_memory("moving average", MemoryPhase::kept, trained - matrices,
+               "fp32, " + trains + ", but the matrices' shards (in host memory)");
+    add_memory("moving average (host)", MemoryPhase::host, matrices,
+               "fp32, 1/" + std::to_string(gpus_) + " of every resblock's matrices (padded): not on the GPU");
+  }
+
+  // The model validation and sample grids run with the moving average in. Sharded, there is
+  // none: they run on the sharded model, the average gathered block by block into the
+  // gathered block that backward holds (counted there).
+  void validation_memory(double sixteen_bit) {
+    if (plan_.sharded) {
+      add_memory("validation model", MemoryPhase::kept, 0,
+                 "none: validation gathers the average block by block, as training gathers the weights");
+      return;
+    }
+    // Frozen weights are shared with the model.
+    add_memory("validation model", MemoryPhase::kept,
+               shape_.frozen ? kFp32 * static_cast<double>(plan_.parameters.trained)
+                             : kFp32 * static_cast<double>(plan_.parameters.total) - 2 * sixteen_bit,
+               shape_.frozen ? "fp32, what trains: the frozen weights are the model's own"
+                             : std::string("fp32, whole on every rank: the moving average copied in for validation and "
+                                           "sample grids") +
+                                   (sixteen_bit > 0 ? "; its frozen resblock matrices in " + recipe_.frozen_weights
+                                                    : ""));
   }
 
   bool checkpointed(int64_t block) const {
@@ -361,10 +416,10 @@ class Planner {
       if (checkpointed(b)) {
         ++checkpointed_blocks;
         recomputed = std::max(recomputed, values);
-        recomputed_weights = std::max(recomputed_weights, static_cast<double>(block.values()));
+        recomputed_weights = std::max(recomputed_weights, cast_values(block));
       } else {
         internals += values;
-        copied_weights += static_cast<double>(block.values());
+        copied_weights += cast_values(block);
       }
     }
     plan_.checkpointing = plan_.sharded ? "every resblock (sharding recomputes each block)"
@@ -381,14 +436,47 @@ class Planner {
                "fp32 values, log-softmax and gradient per token and class");
     if (sixteen_bits) {
       add_memory("16-bit weight copies", MemoryPhase::backward, 2 * (copied_weights + recomputed_weights),
-                 "autocast's casts of the blocks whose activations are kept, and of one recomputed");
+                 std::string("autocast's casts of the blocks whose activations are kept, and of one recomputed") +
+                     (matrices_stored_as_cast() ? " (not of the matrices, " + plan_.weights + " already)" : ""));
     }
-    if (plan_.sharded) {
-      add_memory("gathered resblock", MemoryPhase::backward, 2 * kFp32 * static_cast<double>(largest_block_),
-                 "fp32 values and gradients of the largest block, whole");
-      add_memory("prefetched resblock", MemoryPhase::backward, kFp32 * static_cast<double>(largest_block_padded_),
-                 "fp32, the next block's all-gather in flight");
+    if (plan_.sharded) gathered_memory();
+  }
+
+  // Whether the trained matrices are stored in the dtype autocast computes in
+  // (precision.weights as precision.mode): autocast then uses them as they are, with no copy.
+  bool matrices_stored_as_cast() const {
+    return sixteen_bit_matrices() && recipe_.precision.weights_dtype() == recipe_.precision.autocast_dtype();
+  }
+
+  // The values of a block autocast casts to 16 bits.
+  double cast_values(const BlockShape& block) const {
+    return static_cast<double>(block.values() - (matrices_stored_as_cast() ? block.matrix_values() : 0));
+  }
+
+  // A block all-gathered, whole, as the forward and backward hold it: its trained matrices
+  // in precision.weights, the rest (and its whole adapters) fp32 ...
+  double gathered_bytes(const BlockShape& block) const {
+    const auto matrices = static_cast<double>(block.matrix_values());
+    return matrix_bytes_ * matrices + kFp32 * (static_cast<double>(block.values() + block.adapter_values()) - matrices);
+  }
+  // ... and as the all-gather's output, each group padded to the ranks.
+  double gathered_padded_bytes(const BlockShape& block) const {
+    const auto matrices = static_cast<double>(gpus_ * block.matrix_shard_values(gpus_));
+    return matrix_bytes_ * matrices + kFp32 * (static_cast<double>(gpus_ * block.shard_values(gpus_)) - matrices);
+  }
+
+  void gathered_memory() {
+    double gathered = 0, prefetched = 0;
+    for (const auto& block : shape_.layer) {
+      gathered = std::max(gathered, gathered_bytes(block));
+      prefetched = std::max(prefetched, gathered_padded_bytes(block));
     }
+    const std::string stored = sixteen_bit_matrices() ? plan_.weights + " matrices, fp32 rest" : "fp32";
+    add_memory("gathered resblock", MemoryPhase::backward, 2 * gathered,
+               (sixteen_bit_matrices() ? stored + ": values" : "fp32 values") +
+                   " and gradients of the largest block, whole");
+    add_memory("prefetched resblock", MemoryPhase::backward, prefetched,
+               stored + ", the next block's all-gather in flight");
   }
 
   bool reduces_low_rank() const {
@@ -403,35 +491,35 @@ class Planner {
     const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
     const auto& dtype = recipe_.distributed.powersgd.dtype;
     LowRankCost largest;
-    double error_values = 0;
+    double error_values = 0, largest_matrix = 0;
     if (plan_.sharded) {
       for (int64_t rank = 0; rank < gpus_; ++rank) {
         const auto cost = shard_low_rank(shape_, layers_, rank, gpus_, options);
         low_rank_ += cost.times(1.0 / static_cast<double>(gpus_));
+        largest_matrix = std::max(largest_matrix, cost.largest_values);
         if (cost.pq_values + cost.compressed_values > largest.pq_values + largest.compressed_values) largest = cost;
       }
       error_values = static_cast<double>(trained_shard_values_);  // a buffer per trained shard, whole
     } else {
       low_rank_ = largest = flat_low_rank(shape_, layers_, options);
       error_values = largest.compressed_values;
+      largest_matrix = largest.largest_values;
     }
     add_memory("PowerSGD error feedback", MemoryPhase::kept, bytes * error_values,
                dtype + (plan_.sharded ? ", the size of the shards" : ", the size of the compressed gradients"));
     add_memory("PowerSGD Q", MemoryPhase::kept, kFp32 * largest.q_values, "fp32, columns x rank per matrix");
     add_memory("PowerSGD P and Q of an update", MemoryPhase::reduction, 2 * bytes * largest.pq_values,
                dtype + ", each and its flat copy for the all-reduce");
+    // In 16 bits, LowRankAverager::average reads each buffer back in fp32 where it uses it,
+    // one matrix at a time; the last step holds it beside its decompressed product.
     if (dtype != "float32") {
-      add_memory("PowerSGD fp32 working copies", MemoryPhase::reduction, kFp32 * largest.compressed_values,
-                 "the 16-bit buffers read back in fp32, all at once");
+      add_memory("PowerSGD fp32 working copies", MemoryPhase::reduction, 2 * kFp32 * largest_matrix,
+                 "the largest 16-bit buffer read back in fp32, and its decompressed product: one matrix at a time");
     }
   }
 
   void decide_fit() {
-    for (const auto& part : plan_.memory) {
-      (part.phase == MemoryPhase::kept       ? plan_.kept_bytes
-       : part.phase == MemoryPhase::backward ? plan_.backward_bytes
-                                             : plan_.reduction_bytes) += part.bytes;
-    }
+    for (const auto& part : plan_.memory) bytes_of_phase(part.phase) += part.bytes;
     const auto peak_phase =
         plan_.backward_bytes >= plan_.reduction_bytes ? MemoryPhase::backward : MemoryPhase::reduction;
     plan_.peak_bytes = plan_.kept_bytes + std::max(plan_.backward_bytes, plan_.reduction_bytes);
@@ -448,11 +536,25 @@ class Planner {
       plan_.too_large.push_back(part->name);
       left -= part->bytes;
     }
-    // Before sharding, each rank holds the whole model and its validation copy (the blocks are
-    // cut before the moving average is made).
-    plan_.startup_bytes = kFp32 * static_cast<double>(plan_.parameters.total + (shape_.frozen ? plan_.parameters.trained
-                                                                                            : plan_.parameters.total));
+    // At start each rank builds the whole model in fp32 (a sharded one too: it is cut once
+    // built). Unsharded, the validation copy follows (of what trains, when the frozen weights
+    // are shared), and what is kept holds both anyway; sharded, the blocks are cut before the
+    // moving average is made, and there is no validation copy.
+    const auto& counts = plan_.parameters;
+    const double validation_copy =
+        plan_.sharded ? 0 : static_cast<double>(shape_.frozen ? counts.trained : counts.total);
+    plan_.startup_bytes = kFp32 * (static_cast<double>(counts.total) + validation_copy);
     plan_.fits_at_startup = !plan_.sharded || plan_.startup_bytes <= plan_.capacity_bytes;
+  }
+
+  double& bytes_of_phase(MemoryPhase phase) {
+    switch (phase) {
+      case MemoryPhase::kept: return plan_.kept_bytes;
+      case MemoryPhase::backward: return plan_.backward_bytes;
+      case MemoryPhase::reduction: return plan_.reduction_bytes;
+      case MemoryPhase::host: return plan_.host_bytes;
+    }
+    return plan_.host_bytes;
   }
 
   void add_traffic(std::string name, std::string collective, CollectiveScope scope, int64_t ranks, double payload,
@@ -486,8 +588,11 @@ class Planner {
                 "PowerSgdReducer::bytes_reduced (DataParallelReducer)", overlap_);
   }
 
+  // The all-gathers send each group at its storage's size; the gradients are reduce-scattered
+  // in fp32, whatever the matrices' storage.
   void sharded_traffic() {
-    const double blocks = kFp32 * static_cast<double>(gpus_ * shard_values_);
+    double blocks = 0;
+    for (const auto& block : shape_.layer) blocks += static_cast<double>(layers_) * gathered_padded_bytes(block);
     const double trained_blocks = kFp32 * static_cast<double>(gpus_ * trained_shard_values_);
     const auto within = CollectiveScope::within, across = CollectiveScope::across;
     const char* moved = "ShardedParameters::bytes_moved";
@@ -549,8 +654,8 @@ class Planner {
     if (!plan_.fits_at_startup) {
       char text[200];
       std::snprintf(text, sizeof text,
-                    "at start each rank places the whole model and its validation copy on its GPU before "
-                    "sharding: %.1f GiB, more than the GPU holds",
+                    "at start each rank places the whole model on its GPU in fp32 before sharding: %.1f GiB, "
+                    "more than the GPU holds",
                     plan_.startup_bytes / kGiB);
       notes.push_back(text);
     }
@@ -574,10 +679,11 @@ class Planner {
   int64_t layers_ = 0, resblocks_ = 0, gpus_ = 1;
   int64_t shard_values_ = 0;  // of every resblock group on one rank, padding included
   int64_t trained_shard_values_ = 0;  // of the trained groups only
+  int64_t matrix_shard_values_ = 0;   // of the trained matrices' groups (precision.weights' storage)
   int64_t outside_trained_ = 0;       // values that train outside the blocks, adapters included
   int64_t replicated_trained_ = 0;    // values that train whole on every rank (outside, and adapters)
   int64_t trained_per_rank_ = 0;      // the gradients, moments and average a rank keeps
-  int64_t largest_block_ = 0, largest_block_padded_ = 0;
+  double matrix_bytes_ = kFp32;  // per value of the sharded trained matrices and their gradients
   bool powersgd_ = false;
   bool overlap_ = true;  // distributed.overlap: buckets and reduce-scatters start during backward
   LowRankCost low_rank_;  // per rank, the mean over local ranks when sharded

@@ -42,6 +42,7 @@ const char* phase_name(MemoryPhase phase) {
     case MemoryPhase::kept: return "kept";
     case MemoryPhase::backward: return "backward";
     case MemoryPhase::reduction: return "reduction";
+    case MemoryPhase::host: return "host";
   }
   return "";
 }
@@ -66,8 +67,8 @@ std::string capacity_plan_json(const CapacityPlan& plan) {
        {{"layers", plan.model.layers}, {"width", plan.model.width}, {"heads", plan.model.heads},
         {"sequence", plan.model.length()}}},
       {"training",
-       {{"precision", plan.precision}, {"adam_moments", plan.adam_moments}, {"sharding", plan.sharding},
-        {"sharded", plan.sharded}, {"gradient_reduction", plan.gradient_reduction},
+       {{"precision", plan.precision}, {"adam_moments", plan.adam_moments}, {"weights", plan.weights},
+        {"sharding", plan.sharding}, {"sharded", plan.sharded}, {"gradient_reduction", plan.gradient_reduction},
         {"checkpointing", plan.checkpointing}, {"global_batch", plan.global_batch},
         {"batch_per_rank", plan.batch_per_rank}, {"tokens_per_rank", plan.tokens_per_rank}}},
       {"parameters",
@@ -83,8 +84,9 @@ std::string capacity_plan_json(const CapacityPlan& plan) {
   }
   memory.update({{"kept_bytes", plan.kept_bytes}, {"backward_bytes", plan.backward_bytes},
                  {"reduction_bytes", plan.reduction_bytes}, {"peak_bytes", plan.peak_bytes},
-                 {"capacity_bytes", plan.capacity_bytes}, {"fits", plan.fits}, {"too_large", plan.too_large},
-                 {"startup_bytes", plan.startup_bytes}, {"fits_at_startup", plan.fits_at_startup}});
+                 {"capacity_bytes", plan.capacity_bytes}, {"host_bytes", plan.host_bytes}, {"fits", plan.fits},
+                 {"too_large", plan.too_large}, {"startup_bytes", plan.startup_bytes},
+                 {"fits_at_startup", plan.fits_at_startup}});
   auto& traffic = json["traffic"];
   traffic["parts"] = nlohmann::json::array();
   for (const auto& part : plan.traffic) {
@@ -122,7 +124,8 @@ std::string capacity_plan_table(const CapacityPlan& plan) {
          "\n";
   out += "training: batch " + std::to_string(plan.global_batch) + " (" + std::to_string(plan.batch_per_rank) +
          " per rank, " + std::to_string(plan.tokens_per_rank) + " tokens), " + plan.precision + ", moments " +
-         plan.adam_moments + ", sharding " + plan.sharding + (plan.sharded ? "" : " (not sharded)") + ", " +
+         plan.adam_moments + (plan.weights != "float32" ? ", weights " + plan.weights : "") + ", sharding " +
+         plan.sharding + (plan.sharded ? "" : " (not sharded)") + ", " +
          plan.gradient_reduction + ", checkpointing " + plan.checkpointing + "\n\n";
 
   out += printed("%-32s %10s  %-9s  %s\n", "memory per rank", "GiB", "when", "counted");

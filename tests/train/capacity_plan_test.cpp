@@ -9,6 +9,7 @@
 #include "dalle/distributed/sharded_reducer.h"
 #include "dalle/models/adapter.h"
 #include "dalle/models/prior_flops.h"
+#include "dalle/train/precision.h"
 #include "dalle/train/sharded_resblocks.h"
 #include "dalle/train/trainable.h"
 #include "distributed/on_ranks.h"
@@ -51,6 +52,16 @@ double payload_counted_by(const CapacityPlan& plan, const std::string& counter) 
     if (part.counted_by.starts_with(counter)) bytes += part.payload_bytes;
   }
   return bytes;
+}
+
+// What plan_capacity says when it refuses `recipe` on `cluster` ("no error" if it plans).
+std::string refusal_of(const PriorTrainConfig& recipe, const ClusterShape& cluster) {
+  try {
+    plan_capacity(recipe, cluster);
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "no error";
 }
 
 int64_t numel_of(const std::vector<torch::Tensor>& tensors) {
@@ -99,13 +110,138 @@ TEST(CapacityPlan, ShardedStateIsAShareOfEveryResblockAndTheWholeRest) {
     EXPECT_DOUBLE_EQ(part_named(sharded, name).bytes, 4.0 * static_cast<double>(shards + rest)) << name;
   }
   EXPECT_DOUBLE_EQ(part_named(sharded, "AdamW moments").bytes, 8.0 * static_cast<double>(shards + rest));
-  EXPECT_DOUBLE_EQ(part_named(sharded, "validation model").bytes, 4.0 * static_cast<double>(rest + in_blocks));
+  // Validation gathers the average block by block: no whole copy; fp32 weights keep their
+  // average on the GPU. At start, the whole fp32 model, before it is cut.
+  EXPECT_DOUBLE_EQ(part_named(sharded, "validation model").bytes, 0.0);
+  EXPECT_DOUBLE_EQ(sharded.host_bytes, 0.0);
+  EXPECT_DOUBLE_EQ(sharded.startup_bytes, 4.0 * static_cast<double>(rest + in_blocks));
   EXPECT_THAT(sharded.checkpointing, ::testing::HasSubstr("every resblock"));
 
   recipe.distributed.sharding = "none";
   const auto whole = plan_capacity(recipe, {.nodes = 2, .gpus_per_node = gpus});
   EXPECT_EQ(whole.parameters.per_rank, rest + in_blocks);
+  EXPECT_DOUBLE_EQ(part_named(whole, "validation model").bytes, 4.0 * static_cast<double>(rest + in_blocks));
   EXPECT_EQ(whole.checkpointing, "none");
+}
+
+// precision.weights bfloat16, sharded: each block's trained matrices (its first group) are
+// stored in their shards in 2 bytes, and so are their gradients; gains, biases and the
+// replicated rest stay 4. The matrix shards' moving average is fp32 in host memory, outside
+// the GPU's peak; the rest's stays on the GPU. The all-gathers move the matrices in 2 bytes,
+// the reduce-scatters the gradients in 4.
+TEST(CapacityPlan, SixteenBitWeightsHalveTheShardedMatricesAndTheirGradients) {
+  const int64_t gpus = 4;
+  const models::Prior prior(tiny_model());
+  int64_t matrix_shards = 0, rest_shards = 0, in_blocks = 0;
+  // Bytes: the largest block whole, and padded (an all-gather's output); every block padded.
+  double largest = 0, largest_padded = 0, gathered = 0, largest_rest = 0;
+  for (const auto& block : prior->resblocks()) {
+    int64_t matrices = 0, rest = 0;
+    for (const auto& parameter : block->parameters()) (parameter.dim() == 2 ? matrices : rest) += parameter.numel();
+    const int64_t matrix_shard = (matrices + gpus - 1) / gpus, rest_shard = (rest + gpus - 1) / gpus;
+    matrix_shards += matrix_shard;
+    rest_shards += rest_shard;
+    in_blocks += matrices + rest;
+    const double padded = static_cast<double>(gpus) * (2.0 * matrix_shard + 4.0 * rest_shard);
+    largest = std::max(largest, 2.0 * matrices + 4.0 * rest);
+    largest_padded = std::max(largest_padded, padded);
+    gathered += padded;
+    largest_rest = std::max(largest_rest, static_cast<double>(rest));
+  }
+  const auto outside = static_cast<double>(numel_of(prior->parameters()) - in_blocks);
+  const auto shards = static_cast<double>(matrix_shards + rest_shards);
+  auto recipe = recipe_of(tiny_model(), 8);
+  recipe.distributed.sharding = "within_node";
+  recipe.precision.mode = "bfloat16";
+  recipe.precision.weights = "bfloat16";
+  const auto plan = plan_capacity(recipe, {.nodes = 1, .gpus_per_node = gpus});
+  EXPECT_EQ(plan.weights, "bfloat16");
+  const double stored = 2.0 * static_cast<double>(matrix_shards) + 4.0 * (static_cast<double>(rest_shards) + outside);
+  EXPECT_DOUBLE_EQ(part_named(plan, "weights").bytes, stored);
+  EXPECT_DOUBLE_EQ(part_named(plan, "gradients").bytes, stored);
+  EXPECT_DOUBLE_EQ(part_named(plan, "AdamW moments").bytes, 8.0 * (shards + outside)) << "precision.adam_moments'";
+  EXPECT_DOUBLE_EQ(part_named(plan, "moving average").bytes, 4.0 * (static_cast<double>(rest_shards) + outside));
+  EXPECT_EQ(part_named(plan, "moving average (host)").phase, MemoryPhase::host);
+  EXPECT_DOUBLE_EQ(plan.host_bytes, 4.0 * static_cast<double>(matrix_shards));
+  EXPECT_DOUBLE_EQ(part_named(plan, "validation model").bytes, 0.0);
+  EXPECT_DOUBLE_EQ(part_named(plan, "gathered resblock").bytes, 2 * largest) << "values and gradients";
+  EXPECT_DOUBLE_EQ(part_named(plan, "prefetched resblock").bytes, largest_padded);
+  EXPECT_DOUBLE_EQ(part_named(plan, "16-bit weight copies").bytes, 2 * largest_rest)
+      << "autocast uses bf16 matrices as they are";
+  double kept = 0;
+  for (const auto& part : plan.memory) kept += part.phase == MemoryPhase::kept ? part.bytes : 0;
+  EXPECT_DOUBLE_EQ(plan.kept_bytes, kept) << "host memory is not the GPU's";
+  EXPECT_DOUBLE_EQ(plan.peak_bytes, kept + std::max(plan.backward_bytes, plan.reduction_bytes));
+  EXPECT_DOUBLE_EQ(payload_counted_by(plan, "ShardedParameters::bytes_moved"),
+                   2 * gathered + 4.0 * static_cast<double>(gpus) * shards);
+  EXPECT_DOUBLE_EQ(plan.startup_bytes, 4.0 * (static_cast<double>(in_blocks) + outside)) << "built whole in fp32";
+  const auto table = capacity_plan_table(plan);
+  EXPECT_THAT(table, ::testing::HasSubstr("bfloat16 matrices, fp32 rest, 1/4 of every resblock (padded) and the rest "
+                                          "whole"));
+  EXPECT_THAT(table, ::testing::HasSubstr("weights bfloat16, sharding within_node"));
+}
+
+// precision.weights needs 16-bit compute and shards to store, as the trainer does.
+TEST(CapacityPlan, SixteenBitWeightsNeedSixteenBitComputeAndSharding) {
+  auto recipe = recipe_of(tiny_model(), 8);
+  recipe.distributed.sharding = "within_node";
+  recipe.precision.weights = "bfloat16";
+  const auto refusal = [&](const ClusterShape& cluster) { return refusal_of(recipe, cluster); };
+  const std::string needs_shards = "precision.weights bfloat16 stores the shards of the resblocks";
+  EXPECT_THAT(refusal({.nodes = 1, .gpus_per_node = 4}),
+              ::testing::HasSubstr("precision.weights bfloat16 needs precision.mode bfloat16 or float16"));
+  recipe.precision.mode = "bfloat16";
+  EXPECT_THAT(refusal({.nodes = 2, .gpus_per_node = 1}), ::testing::HasSubstr(needs_shards));
+  recipe.distributed.sharding = "none";
+  EXPECT_THAT(refusal({.nodes = 1, .gpus_per_node = 4}), ::testing::HasSubstr(needs_shards));
+}
+
+// PowerSGD in 16 bits reads each error buffer back in fp32 where it uses it, one matrix at a
+// time (LowRankAverager::average): the reduction holds the largest compressed matrix in fp32
+// and its decompressed product, whatever the number of matrices. Flat, the matrices are the
+// whole gradients, embeddings and output layer included; sharded, the blocks of whole rows in
+// each rank's shard of every resblock's matrices. In fp32 the buffers are used as they are.
+TEST(CapacityPlan, PowerSgdWorkingCopiesAreTheLargestMatrixAndItsProduct) {
+  const distributed::PowerSgdOptions options{.rank = 2};
+  const models::Prior prior(tiny_model());
+  double flat = 0;
+  for (const auto& parameter : prior->parameters()) {
+    if (distributed::compresses(parameter.sizes().vec(), options)) {
+      flat = std::max(flat, static_cast<double>(parameter.numel()));
+    }
+  }
+  const int64_t gpus = 4;
+  double sharded = 0;
+  for (const auto& block : prior->resblocks()) {
+    std::vector<std::vector<int64_t>> matrices;
+    for (const auto& parameter : block->parameters()) {
+      if (parameter.dim() == 2) matrices.push_back(parameter.sizes().vec());
+    }
+    for (int64_t rank = 0; rank < gpus; ++rank) {
+      for (const auto& rows : distributed::rows_in_shard(matrices, rank, gpus)) {
+        if (distributed::compresses(rows.rows, rows.columns, options)) {
+          sharded = std::max(sharded, static_cast<double>(rows.rows * rows.columns));
+        }
+      }
+    }
+  }
+  ASSERT_GT(sharded, 0.0);
+  ASSERT_LT(sharded, flat) << "a quarter of an MLP's matrices is half of fc_in";
+  auto recipe = recipe_of(tiny_model(), 8);
+  recipe.distributed.gradient_reduction = "powersgd";
+  recipe.distributed.powersgd.rank = 2;
+  recipe.distributed.powersgd.dtype = "bfloat16";
+  const auto whole = plan_capacity(recipe, {.nodes = 2, .gpus_per_node = 1});
+  EXPECT_DOUBLE_EQ(part_named(whole, "PowerSGD fp32 working copies").bytes, 2 * 4.0 * flat);
+  recipe.distributed.sharding = "within_node";
+  const auto shards = plan_capacity(recipe, {.nodes = 2, .gpus_per_node = gpus});
+  const auto& copies = part_named(shards, "PowerSGD fp32 working copies");
+  EXPECT_DOUBLE_EQ(copies.bytes, 2 * 4.0 * sharded);
+  EXPECT_EQ(copies.phase, MemoryPhase::reduction);
+  EXPECT_THAT(copies.rule, ::testing::HasSubstr("one matrix at a time"));
+  recipe.distributed.powersgd.dtype = "float32";
+  const auto fp32 = plan_capacity(recipe, {.nodes = 2, .gpus_per_node = gpus});
+  EXPECT_THROW(part_named(fp32, "PowerSGD fp32 working copies"), Error) << "fp32 buffers are not copied";
 }
 
 // Two ranks train the tiny prior data-parallel: the reducer counts what the plan says.
@@ -172,6 +308,44 @@ TEST(CapacityPlan, ShardedBytesAreWhatTheShardsAndTheReducerCount) {
   EXPECT_LT(plan.bytes_across, plan.bytes_across_uncompressed);
 }
 
+// Two ranks train the tiny prior sharded with bf16 matrices (precision.weights), as the
+// trainer does: the shards and their gradients hold, and the all-gathers and reduce-scatters
+// move, what the plan counts.
+TEST(CapacityPlan, SixteenBitShardsHoldAndMoveWhatThePlanCounts) {
+  auto recipe = recipe_of(tiny_model(), 4);
+  recipe.distributed.sharding = "within_node";
+  recipe.precision.mode = "bfloat16";
+  recipe.precision.weights = "bfloat16";
+  const auto plan = plan_capacity(recipe, {.nodes = 1, .gpus_per_node = 2});
+  testing::on_ranks(2, [&](const LaunchEnvironment& place) {
+    models::Prior prior(recipe.model);
+    int64_t in_blocks = 0;
+    for (const auto& block : prior->resblocks()) in_blocks += numel_of(block->parameters());
+    const double replicated = 4.0 * static_cast<double>(numel_of(prior->parameters()) - in_blocks);
+    ShardedResblocks shards(*prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; },
+                            testing::group_at(place), true, nullptr, torch::kBFloat16);
+    const auto bytes_of = [](const torch::Tensor& tensor) {
+      return static_cast<double>(tensor.numel()) * static_cast<double>(tensor.element_size());
+    };
+    double weights = replicated;
+    for (const auto& shard : shards.parameters()->shards()) weights += bytes_of(shard);
+    EXPECT_DOUBLE_EQ(weights, part_named(plan, "weights").bytes);
+    prior->set_resblock_runner(shards.runner(
+        [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
+          AutocastGuard autocast(x.device().type(), torch::kBFloat16);
+          return x + block.branch(x, context).to(x.scalar_type());
+        }));
+    const auto tokens = torch::randint(0, 12, {2, recipe.model.length()});
+    models::prior_loss(prior->forward(tokens), tokens, recipe.model).total.backward();
+    shards.parameters()->finish_reductions();
+    double gradients = replicated;
+    for (const auto& shard : shards.parameters()->shards()) gradients += bytes_of(shard.grad());
+    EXPECT_DOUBLE_EQ(gradients, part_named(plan, "gradients").bytes);
+    EXPECT_DOUBLE_EQ(static_cast<double>(shards.parameters()->bytes_moved()),
+                     payload_counted_by(plan, "ShardedParameters::bytes_moved"));
+  });
+}
+
 // DALL-E's layout on its cluster: 128 machines of 8 V100s (16 GB, 125 TFLOP/s in fp16),
 // fp16 with 16-bit moments, sharded within the machine, PowerSGD at 896 (112 per shard).
 TEST(CapacityPlan, TwelveBillionOnV100sNamesWhatDoesNotFit) {
@@ -184,13 +358,30 @@ TEST(CapacityPlan, TwelveBillionOnV100sNamesWhatDoesNotFit) {
   const auto sharded = plan_capacity(twelve_billion(dalle), v100s);
   EXPECT_EQ(sharded.parameters.total, 12'293'849'088);
   EXPECT_EQ(sharded.parameters.per_rank, 1'710'304'256) << "1/8 of the resblocks and the embeddings and output whole";
-  // fp32 weights, gradients and average and bf16 moments of 1.7 B values are 25 GiB alone;
-  // the whole validation model every rank keeps is 46 GiB more. DALL-E kept 16-bit weights.
+  // fp32 weights, gradients and average and bf16 moments of 1.7 B values are 25 GiB alone
+  // (validation gathers the average block by block: no whole copy). DALL-E kept 16-bit weights.
   EXPECT_FALSE(sharded.fits);
-  ASSERT_FALSE(sharded.too_large.empty());
-  EXPECT_EQ(sharded.too_large.front(), "validation model");
-  EXPECT_THAT(sharded.too_large, ::testing::Contains("weights"));
-  EXPECT_FALSE(sharded.fits_at_startup);
+  EXPECT_DOUBLE_EQ(part_named(sharded, "validation model").bytes, 0.0);
+  EXPECT_EQ(sharded.too_large, (std::vector<std::string>{"weights", "gradients", "AdamW moments"}));
+  EXPECT_FALSE(sharded.fits_at_startup) << "the whole model in fp32, before it is cut";
+  EXPECT_DOUBLE_EQ(sharded.startup_bytes, 4.0 * static_cast<double>(sharded.parameters.total));
+  // PowerSGD reads its bf16 buffers back in fp32 one matrix at a time: the largest is a rank's
+  // 1/8 of an MLP's matrices (8 d^2: d whole rows of fc_in, or d / 4 of fc_out), d^2 values,
+  // held with its decompressed product.
+  const double d = 3968;
+  EXPECT_DOUBLE_EQ(part_named(sharded, "PowerSGD fp32 working copies").bytes, 2 * 4 * d * d);
+  EXPECT_GT(sharded.backward_bytes, sharded.reduction_bytes) << "backward is the peak's phase";
+  // DALL-E's 16-bit weights: each rank's 1/8 of the resblock matrices (4 d^2 in attention, 8 d^2
+  // in the MLP per layer, none padded on 8 ranks) and its gradients take 2 bytes a value less,
+  // and their fp32 average moves to host memory. The bf16 moments are then what does not fit.
+  auto sixteen_bit = dalle;
+  sixteen_bit.push_back("precision.weights=float16");
+  const auto halved = plan_capacity(twelve_billion(sixteen_bit), v100s);
+  const double matrix_shards = 64 * 12 * d * d / 8;
+  EXPECT_DOUBLE_EQ(sharded.kept_bytes - halved.kept_bytes, (2 + 2 + 4) * matrix_shards);
+  EXPECT_DOUBLE_EQ(halved.host_bytes, 4 * matrix_shards);
+  EXPECT_FALSE(halved.fits);
+  EXPECT_EQ(halved.too_large, (std::vector<std::string>{"AdamW moments"}));
   // PowerSGD: P and Q in bf16 against whole fp32 gradients across machines.
   EXPECT_GT(1.0 - sharded.bytes_across / sharded.bytes_across_uncompressed, 0.85);
   // An H200's memory holds it.
@@ -300,10 +491,15 @@ TEST(CapacityPlan, ShardedFineTuningIsWhatTheShardsAndTheReducerCount) {
 TEST(CapacityPlan, JsonHoldsThePlan) {
   auto recipe = recipe_of(tiny_model(), 8);
   recipe.distributed.sharding = "within_node";
+  recipe.precision.mode = "bfloat16";
+  recipe.precision.weights = "bfloat16";
   const auto plan = plan_capacity(recipe, {.nodes = 2, .gpus_per_node = 4, .gpu_memory_gib = 1});
   const auto json = nlohmann::json::parse(capacity_plan_json(plan));
   EXPECT_EQ(json["parameters"]["total"].get<int64_t>(), plan.parameters.total);
+  EXPECT_EQ(json["training"]["weights"].get<std::string>(), "bfloat16");
   EXPECT_EQ(json["memory"]["fits"].get<bool>(), plan.fits);
+  EXPECT_GT(plan.host_bytes, 0.0);
+  EXPECT_DOUBLE_EQ(json["memory"]["host_bytes"].get<double>(), plan.host_bytes);
   EXPECT_EQ(json["memory"]["parts"].size(), plan.memory.size());
   EXPECT_EQ(json["traffic"]["parts"].size(), plan.traffic.size());
   EXPECT_DOUBLE_EQ(json["traffic"]["bytes_across"].get<double>(), plan.bytes_across);
@@ -311,19 +507,13 @@ TEST(CapacityPlan, JsonHoldsThePlan) {
   EXPECT_GT(plan.step_seconds, plan.compute_seconds);
   const auto table = capacity_plan_table(plan);
   EXPECT_THAT(table, ::testing::HasSubstr("validation model"));
+  EXPECT_THAT(table, ::testing::HasSubstr("moving average (host)"));
   EXPECT_THAT(table, ::testing::HasSubstr("ShardedParameters::bytes_moved"));
 }
 
 TEST(CapacityPlan, ABadClusterOrBatchIsRefusedByName) {
   const auto recipe = recipe_of(tiny_model(), 8);
-  const auto refusal = [&](const ClusterShape& cluster) {
-    try {
-      plan_capacity(recipe, cluster);
-    } catch (const Error& error) {
-      return std::string(error.what());
-    }
-    return std::string("no error");
-  };
+  const auto refusal = [&](const ClusterShape& cluster) { return refusal_of(recipe, cluster); };
   EXPECT_THAT(refusal({.nodes = 0}), ::testing::HasSubstr("nodes must be at least 1, not 0"));
   EXPECT_THAT(refusal({.gpus_per_node = 0}), ::testing::HasSubstr("gpus per node"));
   EXPECT_THAT(refusal({.mfu = 1.5}), ::testing::HasSubstr("MFU"));

@@ -26,8 +26,9 @@ struct ClusterShape {
   void validate() const;
 };
 
-// When a part of a rank's memory is held.
-enum class MemoryPhase { kept, backward, reduction };
+// When a part of a rank's memory is held: on the GPU between updates, during backward, during
+// the gradient reduction; or between updates in host memory, outside the GPU's peak.
+enum class MemoryPhase { kept, backward, reduction, host };
 
 struct MemoryPart {
   std::string name;
@@ -64,15 +65,20 @@ struct CapacityPlan {
   models::PriorConfig model;
   std::string precision, adam_moments, sharding, gradient_reduction;
   bool sharded = false;     // within_node with more than one GPU per machine
+  // The storage of the sharded resblocks' trained matrices and their gradients
+  // (precision.weights: 16 bits only when sharded; plan_capacity refuses it otherwise).
+  std::string weights = "float32";
   std::string checkpointing;  // in words
   int64_t global_batch = 0, batch_per_rank = 0, tokens_per_rank = 0;
   ParameterCounts parameters;
 
   std::vector<MemoryPart> memory;
   double kept_bytes = 0, backward_bytes = 0, reduction_bytes = 0, peak_bytes = 0, capacity_bytes = 0;
+  double host_bytes = 0;  // kept in host memory (16-bit matrix shards' moving average): not in the peak
   bool fits = false;
   std::vector<std::string> too_large;  // the fewest largest parts without which the rest would fit
-  double startup_bytes = 0;            // the whole model and its validation copy, before sharding
+  // At start: the whole fp32 model, and unsharded its validation copy (a sharded run keeps none).
+  double startup_bytes = 0;
   bool fits_at_startup = false;
 
   std::vector<TrafficPart> traffic;
@@ -84,8 +90,9 @@ struct CapacityPlan {
   std::vector<std::string> notes;
 };
 
-// The plan of training `recipe` on `cluster`. Throws Error on a cluster out of range or a
-// batch that does not divide between the ranks.
+// The plan of training `recipe` on `cluster`. Throws Error on a cluster out of range, a
+// batch that does not divide between the ranks, or a 16-bit storage the trainer refuses
+// (frozen_weights or precision.weights in a float32 run, precision.weights not sharded).
 CapacityPlan plan_capacity(const PriorTrainConfig& recipe, const ClusterShape& cluster);
 
 // The plan as a JSON document (bytes, seconds and FLOPs as numbers) ...
