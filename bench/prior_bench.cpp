@@ -524,14 +524,23 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   double seconds = time_per_call(steps, step);
   nlohmann::json over_link;
   if (job.group() && (link.link.enabled() || link.comm_ratio > 0)) {
-    // Every rank takes the same link: from the ranks' mean compute and bytes.
-    const double sent_before = job.group()->bytes_sent();
+    // Every rank takes the same link: from the ranks' mean compute and bytes. Sharded, the
+    // blocks' collectives go on the machine's group of their own: it takes the link too (each
+    // group its own, a simulation that lets the two overlap on one wire).
+    std::vector<std::shared_ptr<distributed::ProcessGroup>> groups{job.group()};
+    if (shards) groups.push_back(job.within_node());
+    const auto bytes_sent = [&] {
+      double bytes = 0;
+      for (const auto& group : groups) bytes += group->bytes_sent();
+      return bytes;
+    };
+    const double sent_before = bytes_sent();
     step();
-    std::vector<double> measured{seconds, job.group()->bytes_sent() - sent_before};
+    std::vector<double> measured{seconds, bytes_sent() - sent_before};
     job.average(measured);
     auto simulated = link.link;
     if (link.comm_ratio > 0) simulated.gigabits_per_second = measured[1] * 8 / (link.comm_ratio * measured[0]) / 1e9;
-    job.group()->set_simulated_link(simulated);
+    for (const auto& group : groups) group->set_simulated_link(simulated);
     const double over = time_per_call(steps, step);
     const double communication = measured[1] * 8 / (simulated.gigabits_per_second * 1e9);
     over_link = {{"link_gbps", simulated.gigabits_per_second},

@@ -87,10 +87,15 @@ std::shared_ptr<ProcessGroup> Job::subgroup(const std::string& name, int64_t ran
       .link = link});
 }
 
+// A group of its own even on one machine: the sharded blocks' gathers and reduce-scatters
+// then never share an order with data parallelism's buckets on the world group, which each
+// rank issues as its gradients come (a rank lacking a gradient would issue them otherwise).
+// On one machine it carries the job's simulated link, as the world group does.
 std::shared_ptr<ProcessGroup> Job::within_node() {
-  if (place_.nodes == 1) return group_;
+  if (!group_) return nullptr;
   if (!within_node_) {
-    within_node_ = subgroup("node" + std::to_string(place_.node_rank), place_.local_rank, place_.local_world_size, {});
+    within_node_ = subgroup("node" + std::to_string(place_.node_rank), place_.local_rank, place_.local_world_size,
+                            place_.nodes == 1 ? options_.link : SimulatedLink{});
   }
   return within_node_;
 }

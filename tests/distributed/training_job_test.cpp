@@ -182,8 +182,9 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
 }
 
 // Overlap changes when the bytes move, never which are summed: data parallelism, sharding
-// and PowerSGD (whole, then compressed), in fp16 with per-resblock scales, end on the same
-// bits with their buckets and reduce-scatters started during backward and after it.
+// (with one bucket, and with many) and PowerSGD (whole, then compressed), in fp16 with
+// per-resblock scales, end on the same bits with their buckets and reduce-scatters started
+// during backward and after it.
 TEST_P(TrainingJobAtWorldSize, OverlappedAndAfterBackwardReductionsGiveIdenticalWeights) {
   const int64_t ranks = GetParam();
   ScratchDir dir;
@@ -192,6 +193,9 @@ TEST_P(TrainingJobAtWorldSize, OverlappedAndAfterBackwardReductionsGiveIdentical
   const std::vector<std::pair<std::string, std::string>> kinds{
       {"data-parallel", ""},
       {"sharded", " --set distributed.sharding=within_node"},
+      // Buckets of 4 kB: the replicated gradients' many all-reduces interleave with the blocks'
+      // reduce-scatters (on a group of their own) during backward.
+      {"sharded-buckets", " --set distributed.sharding=within_node --set distributed.bucket_megabytes=0.004"},
       {"powersgd", " --set distributed.gradient_reduction=powersgd --set distributed.powersgd.start_update=3"
                    " --set distributed.powersgd.rank=2 --set distributed.powersgd.min_compression_rate=0"}};
   for (const auto& [name, setting] : kinds) {
