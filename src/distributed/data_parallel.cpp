@@ -153,9 +153,15 @@ DataParallelReducer::Attached* DataParallelReducer::attach(const std::vector<tor
   auto attached = std::make_shared<Attached>();
   attached->reducer = this;
   attached->parameters = parameters;
-  std::vector<size_t> reverse;
-  for (size_t i = parameters.size(); i-- > 0;) reverse.push_back(i);
-  attached->make_buckets(reverse, bucket_bytes_);
+  const size_t list = attached_.size();
+  if (list < restored_orders_.size() && restored_orders_[list].size() == parameters.size()) {
+    attached->make_buckets(restored_orders_[list], bucket_bytes_);
+    attached->reordered = true;
+  } else {
+    std::vector<size_t> reverse;
+    for (size_t i = parameters.size(); i-- > 0;) reverse.push_back(i);
+    attached->make_buckets(reverse, bucket_bytes_);
+  }
   for (size_t i = 0; i < parameters.size(); ++i) {
     torch::autograd::impl::set_post_acc_grad_hooks(parameters[i],
                                                    std::make_unique<GradientAccumulated>(attached, i));
@@ -235,6 +241,26 @@ std::vector<size_t> DataParallelReducer::order_of_rank_0(const std::vector<size_
   ++collectives_;
   shared = shared.cpu();
   return {shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + count};
+}
+
+void DataParallelReducer::save_state(io::TensorMap& state, const std::string& prefix) {
+  for (size_t list = 0; list < attached_.size(); ++list) {
+    const auto& attached = *attached_[list];
+    if (!attached.reordered) continue;
+    std::vector<int64_t> order;
+    for (const auto& bucket : attached.buckets) order.insert(order.end(), bucket.begin(), bucket.end());
+    state[prefix + "bucket_order." + std::to_string(list)] = torch::tensor(order, torch::kInt64);
+  }
+}
+
+void DataParallelReducer::load_state(const io::TensorMap& state, const std::string& prefix) {
+  restored_orders_.clear();
+  for (size_t list = 0;; ++list) {
+    const auto found = state.find(prefix + "bucket_order." + std::to_string(list));
+    if (found == state.end()) break;
+    const auto order = found->second.to(torch::kInt64).contiguous();
+    restored_orders_.emplace_back(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
+  }
 }
 
 std::vector<ReducerEvent> DataParallelReducer::last_backward() const {

@@ -203,6 +203,7 @@ LowRankState& PowerSgdReducer::state_of(const torch::Tensor& parameter, int64_t 
 }
 
 void PowerSgdReducer::save_state(io::TensorMap& state, const std::string& prefix) {
+  whole_.save_state(state, prefix + "whole.");
   state[prefix + "updates"] = torch::tensor(updates_, torch::kInt64);
   for (size_t i = 0; i < order_.size(); ++i) {
     const auto& matrix = matrices_.at(order_[i]);
@@ -214,6 +215,7 @@ void PowerSgdReducer::save_state(io::TensorMap& state, const std::string& prefix
 }
 
 void PowerSgdReducer::load_state(const io::TensorMap& state, const std::string& prefix) {
+  whole_.load_state(state, prefix + "whole.");
   const auto updates = state.find(prefix + "updates");
   if (updates == state.end()) return;  // a checkpoint of another reduction: start afresh
   updates_ = updates->second.item<int64_t>();

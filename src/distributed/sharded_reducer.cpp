@@ -143,9 +143,11 @@ void ShardedReducer::compress_shards() {
 
 void ShardedReducer::save_state(io::TensorMap& state, const std::string& prefix) {
   if (low_rank_) state[prefix + "updates"] = torch::tensor(updates_, torch::kInt64);
+  replicated_.save_state(state, prefix + "replicated.");
 }
 
 void ShardedReducer::load_state(const io::TensorMap& state, const std::string& prefix) {
+  replicated_.load_state(state, prefix + "replicated.");
   const auto updates = state.find(prefix + "updates");
   if (low_rank_ && updates != state.end()) updates_ = updates->second.item<int64_t>();
 }

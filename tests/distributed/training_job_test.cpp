@@ -315,10 +315,10 @@ INSTANTIATE_TEST_SUITE_P(Ranks, TrainingJobAtWorldSize, ::testing::Values(2, 4))
 
 // precision.weights bfloat16: the shards of the blocks' matrices and their gradients in 16
 // bits, each update rounded stochastically, the average in float32. It learns as float32
-// weights do, and resumes bit for bit on as many ranks (the roundings are drawn per update);
-// on another number of ranks it reads the same values and goes on with other draws. (On 4
-// ranks a sharded resume differs from the uninterrupted run in the last bits of float32, as
-// float32 weights do too, and such a bit can tip a rounding: not asserted here.)
+// weights do, and resumes bit for bit on as many ranks (the roundings are drawn per update,
+// and the replicated gradients' buckets keep the order they learned, so that 4 ranks sum in
+// the uninterrupted run's order); on another number of ranks it reads the same values and
+// goes on with other draws.
 TEST_F(TrainingJob, ShardedSixteenBitWeightsLearnAndResumeBitForBit) {
   ScratchDir dir;
   // Plateau decay: the learning rate does not depend on run.steps, which the legs change.
@@ -326,10 +326,10 @@ TEST_F(TrainingJob, ShardedSixteenBitWeightsLearnAndResumeBitForBit) {
                            " --set run.validate_every=5 --set learning_rate.decay=plateau";
   const std::string weights = bf16 + " --set precision.weights=bfloat16";
   for (const auto& [run, arguments] :
-       std::vector<std::pair<std::string, std::string>>{{"float32", "--nproc-per-node 2" + bf16},
-                                                        {"whole", "--nproc-per-node 2" + weights},
-                                                        {"half", "--nproc-per-node 2 --set run.steps=5" + weights},
-                                                        {"half", "--nproc-per-node 2" + weights},
+       std::vector<std::pair<std::string, std::string>>{{"float32", "--nproc-per-node 4" + bf16},
+                                                        {"whole", "--nproc-per-node 4" + weights},
+                                                        {"half", "--nproc-per-node 4 --set run.steps=5" + weights},
+                                                        {"half", "--nproc-per-node 4" + weights},
                                                         {"other", "--nproc-per-node 2 --set run.steps=5" + weights},
                                                         {"other", "--nproc-per-node 4" + weights}}) {
     auto leg = run_command(train_prior(dir / run, arguments));
@@ -337,7 +337,7 @@ TEST_F(TrainingJob, ShardedSixteenBitWeightsLearnAndResumeBitForBit) {
   }
   EXPECT_EQ(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "half", 10)), 0.0);
   EXPECT_EQ(validation_at(dir / "whole", 10), validation_at(dir / "half", 10));
-  const auto shard = io::read_safetensors(dir / "whole/checkpoints/step-000000010/shard-00001-of-00002.safetensors");
+  const auto shard = io::read_safetensors(dir / "whole/checkpoints/step-000000010/shard-00001-of-00004.safetensors");
   EXPECT_EQ(shard.tensors.at("weights.0").scalar_type(), torch::kBFloat16) << "the matrices";
   EXPECT_EQ(shard.tensors.at("weights.1").scalar_type(), torch::kFloat32) << "gains and biases";
   EXPECT_EQ(shard.tensors.at("ema.0").scalar_type(), torch::kFloat32);
@@ -348,7 +348,9 @@ TEST_F(TrainingJob, ShardedSixteenBitWeightsLearnAndResumeBitForBit) {
   EXPECT_NEAR(validation_at(dir / "whole", 10), validation_at(dir / "float32", 10),
               0.01 * validation_at(dir / "float32", 10));
   EXPECT_LT(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "other", 10)), 0.02)
-      << "resumed on 4 ranks from 2: other draws, the same course";
+      << "begun on 2 ranks, resumed on 4: other draws, the same course";
+  const auto state = io::load_checkpoint(dir / "half/checkpoints/step-000000005").state;
+  EXPECT_TRUE(state.count("reducer.replicated.bucket_order.0")) << "the buckets' learned order";
 }
 
 // Checkpoints are the usual single-file ones, sharded or not: 4 sharded ranks begin, 2

@@ -11,7 +11,9 @@
 // all-reduce starts the moment its last gradient is accumulated (a post-accumulate-grad
 // hook), in bucket order, while backward computes the rest; reduce_scaled starts what is
 // left and waits. Without overlap the same buckets start only in reduce_scaled: the same
-// bytes summed in the same layout, so the two give identical bits.
+// bytes summed in the same layout, so the two give identical bits. A checkpoint keeps the
+// learned order (save_state), so that a resumed run sums in the layout the uninterrupted one
+// would: on more than two ranks another layout sums in another order, in the last bits.
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -49,6 +51,11 @@ class DataParallelReducer final : public GradientReducer {
   torch::Tensor agree(const torch::Tensor& flags) override;
   int64_t replicas() const override { return group_->size(); }
   int64_t bytes_across_machines() const override { return bytes_reduced_; }
+  // The buckets' order learned from rank 0's first backward, per attached list ...
+  void save_state(io::TensorMap& state, const std::string& prefix) override;
+  // ... taken up by the lists attached from now on, in the same order (a list of another
+  // length learns its own).
+  void load_state(const io::TensorMap& state, const std::string& prefix) override;
 
   // What this rank handed to all-reduce so far: payload bytes and collectives.
   int64_t bytes_reduced() const { return bytes_reduced_; }
@@ -72,6 +79,7 @@ class DataParallelReducer final : public GradientReducer {
   bool overlap_;
   int64_t bytes_reduced_ = 0, collectives_ = 0;
   std::vector<std::shared_ptr<Attached>> attached_;
+  std::vector<std::vector<size_t>> restored_orders_;  // by attached list, from load_state
 };
 
 }  // namespace dalle::distributed
