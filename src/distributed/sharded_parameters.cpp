@@ -211,12 +211,19 @@ void ShardedParameters::reduce_gradients(size_t g) {
   reduction.pending = group_->start_reduce_scatter(reduction.input, reduction.output, ReduceOp::average);
   bytes_moved_ += reduction.input.numel() * static_cast<int64_t>(reduction.input.element_size());
   reductions_.push_back(std::move(reduction));
-  if (!overlap_) finish_reductions();
+  // Each reduction holds its group's whole gradient (flattened, float32) until it is done:
+  // the newest runs on while backward goes on, the older are completed, so that a backward
+  // holds one or two blocks' gradients whole, never every block's.
+  finish_reductions_but(overlap_ ? kReductionsInFlight : 0);
 }
 
-void ShardedParameters::finish_reductions() {
+void ShardedParameters::finish_reductions() { finish_reductions_but(0); }
+
+void ShardedParameters::finish_reductions_but(size_t newest) {
   torch::NoGradGuard no_grad;
-  for (auto& reduction : reductions_) {
+  const size_t done = reductions_.size() > newest ? reductions_.size() - newest : 0;
+  for (size_t i = 0; i < done; ++i) {
+    auto& reduction = reductions_[i];
     reduction.pending->wait();
     auto& shard = shards_[reduction.g];
     auto mine = reduction.output.to(shard.device(), shard.scalar_type());
@@ -226,7 +233,7 @@ void ShardedParameters::finish_reductions() {
       shard.mutable_grad() = mine;
     }
   }
-  reductions_.clear();
+  reductions_.erase(reductions_.begin(), reductions_.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
 }  // namespace dalle::distributed

@@ -466,10 +466,11 @@ class Planner {
   }
 
   void gathered_memory() {
-    double gathered = 0, prefetched = 0;
+    double gathered = 0, prefetched = 0, flattened = 0;
     for (const auto& block : shape_.layer) {
       gathered = std::max(gathered, gathered_bytes(block));
       prefetched = std::max(prefetched, gathered_padded_bytes(block));
+      flattened = std::max(flattened, kFp32 * static_cast<double>(gpus_ * block.trained_shard_values(gpus_)));
     }
     const std::string stored = sixteen_bit_matrices() ? plan_.weights + " matrices, fp32 rest" : "fp32";
     add_memory("gathered resblock", MemoryPhase::backward, 2 * gathered,
@@ -477,6 +478,10 @@ class Planner {
                    " and gradients of the largest block, whole");
     add_memory("prefetched resblock", MemoryPhase::backward, prefetched,
                stored + ", the next block's all-gather in flight");
+    // ShardedParameters keeps the latest block's reduce-scatters running on (their inputs,
+    // flattened in fp32) while the next block's backward runs, and completes the older.
+    add_memory("reduce-scatter in flight", MemoryPhase::backward, flattened,
+               "fp32, the largest block's trained gradients flattened, reduced while the next block computes");
   }
 
   bool reduces_low_rank() const {

@@ -83,6 +83,11 @@ class ShardedParameters {
 
  private:
   torch::Tensor flatten(size_t g, const std::vector<torch::Tensor>& tensors) const;
+  // Completes the reductions under way but the `newest` (they run on).
+  void finish_reductions_but(size_t newest);
+  // Reduce-scatters left running while backward goes on: the latest block's two trained
+  // groups (its matrices and the rest).
+  static constexpr size_t kReductionsInFlight = 2;
   // Group g's tensors, whole, as views of its flat values (gathered).
   std::vector<torch::Tensor> unflatten(size_t g, const torch::Tensor& flat) const;
   torch::Tensor all_gather(const torch::Tensor& shard) const;
