@@ -134,7 +134,7 @@ void detail::join_shards(const std::string& directory, Checkpoint& checkpoint) {
 }
 
 RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
-                                        int64_t ranks) {
+                                        int64_t ranks, const TakeGroup& take) {
   const fs::path root(directory);
   RankCheckpoint result;
   result.replicated = detail::read_files(directory);
@@ -161,14 +161,15 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
     }
     return found->second.tensors;
   };
-  for (const auto& [kind, where] : wanted.kinds) {
-    if (written && !written->kinds.count(kind)) continue;
-    for (size_t g = 0; g < wanted.groups.size(); ++g) {
+  for (size_t g = 0; g < wanted.groups.size(); ++g) {
+    TensorMap group_slices;
+    for (const auto& [kind, where] : wanted.kinds) {
+      if (written && !written->kinds.count(kind)) continue;
       const int64_t values = values_of(wanted.groups[g]);
       const int64_t share = shard_size(values, ranks), low = rank * share, high = std::min(values, low + share);
       auto slice = torch::zeros({share});
       if (values == 0) {  // an empty group (a block whose matrices are all frozen)
-        result.slices.emplace(slice_key(kind, g), std::move(slice));
+        group_slices.emplace(slice_key(kind, g), std::move(slice));
         continue;
       }
       if (written) {
@@ -202,7 +203,12 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
                       "'s parameters only");
         }
       }
-      result.slices.emplace(slice_key(kind, g), std::move(slice));
+      group_slices.emplace(slice_key(kind, g), std::move(slice));
+    }
+    if (take) {
+      take(g, group_slices, checkpoint);
+    } else {
+      result.slices.merge(group_slices);
     }
   }
   if (written && written->ranks == ranks) {

@@ -5,6 +5,7 @@
 // each group's values, in the layout's order). load_checkpoint (io/checkpoint.h) joins the
 // shards and puts each kind's values where the layout says, under their parameters' names.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -49,8 +50,13 @@ struct RankCheckpoint {
   // rows, such as PowerSGD's Q), when the checkpoint was written by `ranks` ranks.
   TensorMap own;
 };
+// What takes one group's slices as they are read ("<kind>.<group>"; what it leaves in `slices`
+// is freed), with the replicated part read so far.
+using TakeGroup = std::function<void(size_t group, TensorMap& slices, const Checkpoint& replicated)>;
+// With `take`, each group's slices go to it as soon as they are read, never into `slices`:
+// a rank then holds one group's slices at a time, not its whole state twice.
 RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
-                                        int64_t ranks);
+                                        int64_t ranks, const TakeGroup& take = nullptr);
 
 // Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata.
 void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout);

@@ -150,7 +150,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
 
   // Sharded, a rank reads of a checkpoint only the replicated part and its own slices.
   void resume(const std::string& directory) override;
-  void restore_shards(io::TensorMap& slices, const io::TensorMap& moments);
+  void restore_group(size_t g, io::TensorMap& slices, const io::TensorMap& state);
   void restore_frozen_blocks(io::TensorMap& weights);
   void log_shard_reads(const std::map<int64_t, int64_t>& bytes_by_writer) const;
   void restore_warm_q(const io::TensorMap& own);
@@ -460,8 +460,12 @@ void PriorTrainer::State::resume(const std::string& directory) {
   if (!shards) return TrainerState::resume(directory);
   check_resumable<PriorTrainConfig>(config, io::checkpoint_config(directory), directory + "/config.yaml",
                                     [this](const std::string& key) { return may_change_on_resume(key); });
-  auto read = io::load_checkpoint_for_rank(directory, shard_layout(true, true), job->place().local_rank,
-                                           job->place().local_world_size);
+  // Each group restored as soon as its slices are read: a rank never holds its state twice.
+  auto read = io::load_checkpoint_for_rank(
+      directory, shard_layout(true, true), job->place().local_rank, job->place().local_world_size,
+      [this](size_t g, io::TensorMap& slices, const io::Checkpoint& replicated) {
+        restore_group(g, slices, replicated.state);
+      });
   log_shard_reads(read.shard_bytes_read);
   auto& checkpoint = read.replicated;
   base_checkpoint = io::base_of(checkpoint);
@@ -471,7 +475,6 @@ void PriorTrainer::State::resume(const std::string& directory) {
   ema->load(io::with_prefix_removed(checkpoint.state, "ema."));
   const auto moments = io::with_prefix_removed(checkpoint.state, "adamw.");
   load_adamw_state(*optimizer, *model, moments);
-  restore_shards(read.slices, moments);
   restore_warm_q(read.own);
   const auto progress = restore_progress(checkpoint);
   keep_threads_of(checkpoint);
@@ -519,35 +522,34 @@ void PriorTrainer::State::log_shard_reads(const std::map<int64_t, int64_t>& byte
             " bytes, from ", writers.empty() ? std::string("the checkpoint's whole tensors") : files + writers);
 }
 
-// Each group's slices into its shard, its average, its AdamW state (with the step of the
-// group's first parameter) and PowerSGD's error feedback; each slice freed once used.
-void PriorTrainer::State::restore_shards(io::TensorMap& slices, const io::TensorMap& moments) {
+// Group g's slices into its shard, its average, its AdamW state (with the step of the
+// group's first parameter, from the replicated `state`) and PowerSGD's error feedback; each
+// slice freed once used.
+void PriorTrainer::State::restore_group(size_t g, io::TensorMap& slices, const io::TensorMap& state) {
   torch::NoGradGuard no_grad;
   const auto& sharded = *shards->parameters();
-  const auto take = [&slices](const std::string& kind, size_t g) {
+  const auto take = [&slices, g](const std::string& kind) {
     auto found = slices.find(kind + "." + std::to_string(g));
     if (found == slices.end()) return torch::Tensor();
     auto slice = std::move(found->second);
     slices.erase(found);
     return slice;
   };
-  for (size_t g = 0; g < shards->trained_groups(); ++g) {
-    const auto weights = take("weights", g), average = take("ema", g);
-    if (!weights.defined() || !average.defined()) {
-      throw Error("the checkpoint lacks resblock group " + std::to_string(g) + "'s weights or moving average");
-    }
-    sharded.shard(g).detach().copy_(weights);
-    shard_averages[g].copy_(average);
-    if (const auto error = take("powersgd_error", g); error.defined()) sharded_reducer->set_shard_error(g, error);
-    const auto exp_avg = take("exp_avg", g), exp_avg_sq = take("exp_avg_sq", g);
-    if (!exp_avg.defined() || !exp_avg_sq.defined() || shards->names(g).empty()) continue;
-    auto adam = std::make_unique<torch::optim::AdamWParamState>();
-    adam->step(moments.at(shards->names(g).front() + ".step").item<int64_t>());
-    const auto options = sharded.shard(g).options().dtype(optimizer->moments());
-    adam->exp_avg(exp_avg.to(options));
-    adam->exp_avg_sq(exp_avg_sq.to(options));
-    optimizer->state()[sharded.shard(g).unsafeGetTensorImpl()] = std::move(adam);
+  const auto weights = take("weights"), average = take("ema");
+  if (!weights.defined() || !average.defined()) {
+    throw Error("the checkpoint lacks resblock group " + std::to_string(g) + "'s weights or moving average");
   }
+  sharded.shard(g).detach().copy_(weights);
+  shard_averages[g].copy_(average);
+  if (const auto error = take("powersgd_error"); error.defined()) sharded_reducer->set_shard_error(g, error);
+  const auto exp_avg = take("exp_avg"), exp_avg_sq = take("exp_avg_sq");
+  if (!exp_avg.defined() || !exp_avg_sq.defined() || shards->names(g).empty()) return;
+  auto adam = std::make_unique<torch::optim::AdamWParamState>();
+  adam->step(state.at("adamw." + shards->names(g).front() + ".step").item<int64_t>());
+  const auto options = sharded.shard(g).options().dtype(optimizer->moments());
+  adam->exp_avg(exp_avg.to(options));
+  adam->exp_avg_sq(exp_avg_sq.to(options));
+  optimizer->state()[sharded.shard(g).unsafeGetTensorImpl()] = std::move(adam);
 }
 
 // The frozen blocks' shards from the checkpoint's weights (its base's, filled in).
