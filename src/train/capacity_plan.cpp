@@ -280,13 +280,7 @@ class Planner {
     if (recipe_.frozen_weights != "float32" && fp32) {
       throw Error("plan: frozen_weights " + recipe_.frozen_weights + " needs precision.mode bfloat16 or float16");
     }
-    if (recipe_.precision.weights == "float32") return;
-    const std::string key = "plan: precision.weights " + recipe_.precision.weights;
-    if (fp32) throw Error(key + " needs precision.mode bfloat16 or float16");
-    if (!plan_.sharded) {
-      throw Error(key + " stores the shards of the resblocks: it needs distributed.sharding within_node and more "
-                        "than one GPU per machine");
-    }
+    check_weights_storage(recipe_.precision, plan_.sharded, "plan");
   }
 
   void count_parameters() {

@@ -3,6 +3,7 @@
 #include <ATen/autocast_mode.h>
 
 #include "dalle/device.h"
+#include "dalle/error.h"
 
 namespace dalle::train {
 
@@ -67,6 +68,18 @@ torch::ScalarType PrecisionConfig::weights_dtype() const { return float_type_nam
 
 torch::ScalarType PrecisionConfig::moments_dtype() const {
   return float_type_named(adam_moments);
+}
+
+void check_weights_storage(const PrecisionConfig& precision, bool sharded, const std::string& who) {
+  if (precision.weights == "float32") return;
+  const std::string key = who + ": precision.weights " + precision.weights;
+  if (!precision.autocast_dtype()) {
+    throw Error(key + " needs precision.mode bfloat16 or float16 (the blocks compute with their 16-bit weights)");
+  }
+  if (!sharded) {
+    throw Error(key + " stores the shards of the resblocks: it needs distributed.sharding within_node and "
+                      "several ranks on each machine");
+  }
 }
 
 AutocastGuard::AutocastGuard(torch::DeviceType device, std::optional<torch::ScalarType> dtype) : device_(device) {

@@ -47,6 +47,11 @@ struct PrecisionConfig {
   torch::ScalarType moments_dtype() const;
 };
 
+// precision.weights' conditions, for the trainer and the planner alike: 16-bit weights are
+// the shards of the resblocks (`sharded`: sharding within_node on several ranks per machine),
+// computed under autocast. Throws Error naming the keys, prefixed by `who`.
+void check_weights_storage(const PrecisionConfig& precision, bool sharded, const std::string& who);
+
 // Runs the ops of its scope in `dtype` on `device` by autocast (nothing when dtype is empty),
 // restoring the previous autocast state on exit.
 class AutocastGuard {

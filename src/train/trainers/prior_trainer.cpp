@@ -106,7 +106,6 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
 
   torch::Tensor batch_tokens(const std::vector<data::TokenExample>& examples, bool drop_captions);
   PriorStepMetrics train_step(const torch::Tensor& tokens);
-  void check_weights_storage() const;
   bool shards_resblocks() const;
   void install_resblock_runner();
   models::ResblockRunner validation_inner_runner() const;
@@ -252,7 +251,7 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
     s.validation_set = data::TokenDataset::open(s.config.data.validation);
     check_dataset(s.validation_set->info(), s.config.model, s.config.data.validation);
   }
-  s.check_weights_storage();
+  check_weights_storage(s.config.precision, s.shards_resblocks(), "prior training");
   s.model = models::Prior(s.config.model);
   // A resumed run has its own weights; init_from is read only to start one.
   const bool starts_from_init = !s.config.init_from.empty() && !s.checkpoints.latest();
@@ -284,19 +283,6 @@ int64_t PriorTrainer::step() const { return state_->step; }
 PriorStepMetrics PriorTrainer::last_metrics() const { return state_->last; }
 models::Prior& PriorTrainer::model() { return state_->model; }
 const GradientScaler* PriorTrainer::gradient_scaler() const { return state_->precision->scaler(); }
-
-// precision.weights: 16-bit blocks are sharded ones, computed under autocast.
-void PriorTrainer::State::check_weights_storage() const {
-  if (config.precision.weights == "float32") return;
-  const std::string key = "prior training: precision.weights " + config.precision.weights;
-  if (!config.precision.autocast_dtype()) {
-    throw Error(key + " needs precision.mode bfloat16 or float16 (the blocks compute with their 16-bit weights)");
-  }
-  if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) {
-    throw Error(key + " stores the shards of the resblocks: it needs distributed.sharding within_node and "
-                      "several ranks on each machine (--nproc-per-node)");
-  }
-}
 
 bool PriorTrainer::State::shards_resblocks() const {
   return config.distributed.sharding == "within_node" && job->place().local_world_size > 1;
