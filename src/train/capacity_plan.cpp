@@ -281,6 +281,7 @@ class Planner {
       throw Error("plan: frozen_weights " + recipe_.frozen_weights + " needs precision.mode bfloat16 or float16");
     }
     check_weights_storage(recipe_.precision, plan_.sharded, "plan");
+    recipe_.checkpointed_inputs_type("plan");
   }
 
   void count_parameters() {
@@ -422,9 +423,15 @@ class Planner {
                               : std::to_string(checkpointed_blocks) + " of " + std::to_string(resblocks_) +
                                     " resblocks (checkpoint_activations_every " +
                                     std::to_string(recipe_.checkpoint_activations_every) + ")";
-    const double inputs = static_cast<double>(resblocks_) * tokens * width * kFp32;
+    // A checkpointed block keeps its input in checkpointed_inputs' type; the others in fp32.
+    const double kept = static_cast<double>(c10::elementSize(recipe_.checkpointed_inputs_type("plan")));
+    const double inputs =
+        tokens * width * (static_cast<double>(checkpointed_blocks) * kept +
+                          static_cast<double>(resblocks_ - checkpointed_blocks) * kFp32);
     add_memory("activations", MemoryPhase::backward, inputs + (internals + recomputed) * activation,
-               "estimate: every resblock's fp32 input, the internals of those not checkpointed, one recomputed");
+               "estimate: every resblock's input (" +
+                   (kept == kFp32 ? std::string("fp32") : "the checkpointed ones' in " + recipe_.checkpointed_inputs) +
+                   "), the internals of those not checkpointed, one recomputed");
     const double classes = static_cast<double>(recipe_.model.text_classes() + recipe_.model.image_vocab_size);
     add_memory("logits", MemoryPhase::backward, tokens * classes * kLogitBytes,
                "fp32 values, log-softmax and gradient per token and class");

@@ -74,7 +74,9 @@ models::ResblockRunner make_training_runner(const Resblocks& resblocks, Resblock
     };
     const bool checkpoint = training.checkpoint_every > 0 && i % training.checkpoint_every == 0 && !context.cache &&
                             (x.requires_grad() || trains[i]);
-    auto run = [&](const torch::Tensor& input) { return checkpoint ? checkpointed(branch, input) : branch(input); };
+    auto run = [&](const torch::Tensor& input) {
+      return checkpoint ? checkpointed(branch, input, training.checkpointed_inputs) : branch(input);
+    };
     if (training.precision != Precision::fp16) return x + run(x).to(x.scalar_type());
     const double scale = training.scaler->scale(static_cast<size_t>(i));
     const auto output = run(UnscaleGradientLeavingBlock::apply(x, scale));

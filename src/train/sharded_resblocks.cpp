@@ -18,6 +18,7 @@ struct ShardedRun : torch::CustomClassHolder {
   size_t block = 0, blocks = 0;
   std::vector<size_t> groups;  // of the block: its trained ones, then its frozen one
   ForwardState state;
+  torch::ScalarType kept_as = torch::kFloat32, input_type = torch::kFloat32;
 
   std::vector<size_t> groups_of(size_t b) const { return {2 * b, 2 * b + 1, 2 * blocks + b}; }
   void gather() const {
@@ -43,7 +44,8 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, c10::intrusive_ptr<ShardedRun> run) {
     run->state = ForwardState(x);
-    ctx->save_for_backward({x});
+    run->input_type = x.scalar_type();
+    ctx->save_for_backward({kept_input(x, run->kept_as)});
     ctx->saved_data["run"] = c10::IValue::make_capsule(run);
     torch::NoGradGuard no_grad;
     run->gather();
@@ -55,7 +57,7 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
-    const auto input = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    const auto input = recomputation_input(ctx->get_saved_variables()[0], run->input_type);
     run->gather();
     if (run->block > 0) run->prefetch(run->block - 1);
     torch::autograd::backward({run->state.rerun(run->fn, input)}, {grads[0]});
@@ -128,13 +130,13 @@ std::vector<std::vector<torch::Tensor>> ShardedResblocks::scale_groups() const {
   return groups;
 }
 
-models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner) const {
+models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner, torch::ScalarType kept_as) const {
   std::vector<bool> trains;
   for (size_t b = 0; b < blocks_; ++b) {
     const int64_t in_shards = sharded_->shard(2 * b).numel() + sharded_->shard(2 * b + 1).numel();
     trains.push_back(!kept_whole_[b].empty() || in_shards > 0);
   }
-  return [inner = std::move(inner), sharded = sharded_, index = block_index_, trains = std::move(trains)](
+  return [inner = std::move(inner), sharded = sharded_, index = block_index_, trains = std::move(trains), kept_as](
              models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
     const size_t b = index.at(&block);
     auto run = c10::make_intrusive<ShardedRun>();
@@ -143,6 +145,7 @@ models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner) co
     run->block = b;
     run->blocks = index.size();
     run->groups = run->groups_of(b);
+    run->kept_as = kept_as;
     if (!torch::GradMode::is_enabled() || (!x.requires_grad() && !trains.at(b))) {
       run->gather();
       auto y = run->fn(x);

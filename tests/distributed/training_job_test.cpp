@@ -314,7 +314,8 @@ TEST_F(TrainingJob, NcclForAJobOnTheCpuIsRefusedNamingTheKeys) {
 INSTANTIATE_TEST_SUITE_P(Ranks, TrainingJobAtWorldSize, ::testing::Values(2, 4));
 
 // precision.weights bfloat16: the shards of the blocks' matrices and their gradients in 16
-// bits, each update rounded stochastically, the average in float32. It learns as float32
+// bits, each update rounded stochastically, the average in float32, and each block's input
+// kept for its backward in bfloat16 (checkpointed_inputs). It learns as float32
 // weights do, and resumes bit for bit on as many ranks (the roundings are drawn per update,
 // and the replicated gradients' buckets keep the order they learned, so that 4 ranks sum in
 // the uninterrupted run's order); on another number of ranks it reads the same values and
@@ -324,7 +325,8 @@ TEST_F(TrainingJob, ShardedSixteenBitWeightsLearnAndResumeBitForBit) {
   // Plateau decay: the learning rate does not depend on run.steps, which the legs change.
   const std::string bf16 = " --set distributed.sharding=within_node --set precision.mode=bfloat16"
                            " --set run.validate_every=5 --set learning_rate.decay=plateau";
-  const std::string weights = bf16 + " --set precision.weights=bfloat16";
+  // With DALL-E's 16-bit activations too: the blocks keep their inputs in bfloat16.
+  const std::string weights = bf16 + " --set precision.weights=bfloat16 --set checkpointed_inputs=bfloat16";
   for (const auto& [run, arguments] :
        std::vector<std::pair<std::string, std::string>>{{"float32", "--nproc-per-node 4" + bf16},
                                                         {"whole", "--nproc-per-node 4" + weights},

@@ -196,6 +196,33 @@ TEST(CapacityPlan, SixteenBitWeightsNeedSixteenBitComputeAndSharding) {
   EXPECT_THAT(refusal({.nodes = 1, .gpus_per_node = 4}), ::testing::HasSubstr(needs_shards));
 }
 
+// checkpointed_inputs: a checkpointed resblock's input in 16 bits, 2 bytes a value instead
+// of 4 (every block when sharded, every k-th otherwise); refused in a float32 run.
+TEST(CapacityPlan, SixteenBitCheckpointedInputsHalveTheKeptInputs) {
+  auto recipe = recipe_of(tiny_model(), 8);
+  recipe.precision.mode = "bfloat16";
+  recipe.distributed.sharding = "within_node";
+  const ClusterShape machine{.nodes = 1, .gpus_per_node = 4};
+  const auto exact = plan_capacity(recipe, machine);
+  recipe.checkpointed_inputs = "bfloat16";
+  const auto halved = plan_capacity(recipe, machine);
+  const double resblocks = 2.0 * static_cast<double>(recipe.model.layers);
+  const double inputs = resblocks * static_cast<double>(halved.tokens_per_rank * recipe.model.width);
+  EXPECT_DOUBLE_EQ(part_named(exact, "activations").bytes - part_named(halved, "activations").bytes, 2 * inputs);
+  EXPECT_THAT(part_named(halved, "activations").rule, ::testing::HasSubstr("the checkpointed ones' in bfloat16"));
+  recipe.distributed.sharding = "none";
+  recipe.checkpoint_activations_every = 2;
+  const auto every_other = plan_capacity(recipe, machine);
+  recipe.checkpointed_inputs = "float32";
+  EXPECT_DOUBLE_EQ(part_named(plan_capacity(recipe, machine), "activations").bytes -
+                       part_named(every_other, "activations").bytes,
+                   inputs) << "half the blocks are checkpointed";
+  recipe.precision.mode = "float32";
+  recipe.checkpointed_inputs = "float16";
+  EXPECT_THAT(refusal_of(recipe, machine),
+              ::testing::HasSubstr("plan: checkpointed_inputs float16 needs precision.mode bfloat16 or float16"));
+}
+
 // PowerSGD in 16 bits reads each error buffer back in fp32 where it uses it, one matrix at a
 // time (LowRankAverager::average): the reduction holds the largest compressed matrix in fp32
 // and its decompressed product, whatever the number of matrices. Flat, the matrices are the

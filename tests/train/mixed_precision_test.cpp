@@ -294,6 +294,37 @@ TEST(ActivationCheckpointing, BlocksBehindFrozenLayersGetTheirGradients) {
   EXPECT_TRUE(torch::allclose(linear->weight.grad(), expected));
 }
 
+// checkpointed_inputs: a checkpointed function keeps its input in 16 bits. Its forward is
+// the exact one; its backward is exactly the plain backward of the function at the rounded
+// input (the recomputation's start), and no longer the float32 one's.
+TEST(ActivationCheckpointing, SixteenBitKeptInputsRecomputeFromTheRoundedInput) {
+  torch::manual_seed(0);
+  torch::nn::Linear linear(8, 8);
+  const auto fn = [&](const torch::Tensor& x) { return x + torch::tanh(linear(x)); };
+  const auto input = (torch::randn({3, 8}) * 3).requires_grad_(true);
+  const auto upstream = torch::randn({3, 8});
+  const auto gradients = [&](const torch::Tensor& output) {
+    linear->zero_grad();
+    if (input.grad().defined()) input.mutable_grad().zero_();
+    output.backward(upstream);
+    return std::pair{input.grad().clone(), linear->weight.grad().clone()};
+  };
+  for (const auto kept_as : {torch::kBFloat16, torch::kFloat16}) {
+    const auto output = checkpointed(fn, input, kept_as);
+    EXPECT_TRUE(torch::equal(output, fn(input).detach())) << "the forward uses the exact input";
+    const auto [input_grad, weight_grad] = gradients(output);
+    const auto rounded = input.detach().to(kept_as).to(torch::kFloat32).requires_grad_(true);
+    linear->zero_grad();
+    fn(rounded).backward(upstream);
+    EXPECT_TRUE(torch::equal(input_grad, rounded.grad())) << kept_as;
+    EXPECT_TRUE(torch::equal(weight_grad, linear->weight.grad())) << kept_as;
+    const auto [exact_input_grad, exact_weight_grad] = gradients(checkpointed(fn, input));
+    EXPECT_FALSE(torch::equal(weight_grad, exact_weight_grad)) << "a float32 kept input is the exact one";
+    EXPECT_TRUE(torch::equal(kept_input(input, kept_as), input.detach().to(kept_as)));
+  }
+  EXPECT_TRUE(kept_input(input, torch::kFloat32).is_same(input)) << "float32 keeps x itself, no copy";
+}
+
 TEST(MixedPrecision, Fp16AndBf16StepsFollowFp32) {
   torch::manual_seed(0);
   models::Prior prior(tiny_prior(/*dropout=*/0.0));

@@ -180,6 +180,15 @@ TEST_F(PriorTrainerTest, RefusesADatasetThatDoesNotFitTheModel) {
   EXPECT_THROW_WITH(PriorTrainer(config, runs / "b"), Error, "image vocabulary 16 (model 8)");
 }
 
+TEST_F(PriorTrainerTest, RefusesSixteenBitCheckpointedInputsInAFloat32Run) {
+  ScratchDir runs;
+  auto config = tiny(1);
+  config.checkpoint_activations_every = 1;
+  config.checkpointed_inputs = "bfloat16";
+  EXPECT_THROW_WITH(PriorTrainer(config, runs / "a"), Error,
+                    "prior training: checkpointed_inputs bfloat16 needs precision.mode bfloat16 or float16");
+}
+
 // init_from fine-tunes a trained prior: the run starts from its moving average, with a fresh
 // optimizer and the run's own schedule, and a resumed run starts from its own checkpoint.
 TEST_F(PriorTrainerTest, InitFromStartsFromTheTrainedWeightsAndResumesFromItsOwnCheckpoint) {

@@ -20,6 +20,8 @@ struct ResblockTraining {
   GradientScaler* scaler = nullptr;
   // Resblocks 0, k, 2k, ... recompute their activations in backward (0: none, 1: all).
   int64_t checkpoint_every = 0;
+  // The type those resblocks keep their inputs in (activation_checkpoint.h's kept_input).
+  torch::ScalarType checkpointed_inputs = torch::kFloat32;
 };
 
 using Resblocks = std::vector<std::shared_ptr<models::ResblockImpl>>;

@@ -53,8 +53,9 @@ class ShardedResblocks {
   std::vector<std::vector<torch::Tensor>> scale_groups() const;
 
   // A runner that runs `inner` (x + branch, in the training precision) on gathered blocks,
-  // as above. Without grad mode it gathers, runs and releases.
-  models::ResblockRunner runner(models::ResblockRunner inner) const;
+  // as above, each block's input kept for its backward as `kept_as` (kept_input). Without
+  // grad mode it gathers, runs and releases.
+  models::ResblockRunner runner(models::ResblockRunner inner, torch::ScalarType kept_as = torch::kFloat32) const;
 
   // The names of group g's tensors.
   const std::vector<std::string>& names(size_t group) const { return names_[group]; }

@@ -57,6 +57,14 @@ void PriorLearningRate::visit(ConfigVisitor& v) {
   v.field("plateau_reductions", plateau_reductions, "plateau: the most reductions (DALL-E: 5)", {.min = 0});
 }
 
+torch::ScalarType PriorTrainConfig::checkpointed_inputs_type(const std::string& who) const {
+  if (checkpointed_inputs != "float32" && precision.precision() == Precision::fp32) {
+    throw Error(who + ": checkpointed_inputs " + checkpointed_inputs +
+                " needs precision.mode bfloat16 or float16 (a float32 run keeps float32 activations)");
+  }
+  return float_type_named(checkpointed_inputs);
+}
+
 double PriorLearningRate::at(int64_t step, int64_t total_steps, int64_t reductions) const {
   if (step < warmup_steps) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
   if (decay == "plateau") return peak * std::pow(plateau_factor, static_cast<double>(reductions));
@@ -79,6 +87,12 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
           "recompute the activations of resblocks 0, k, 2k, ... in backward instead of keeping them "
           "(1: every resblock; 0: none)",
           {.min = 0});
+  v.field("checkpointed_inputs", checkpointed_inputs,
+          "storage of the input each checkpointed resblock keeps for its backward (every resblock's when sharded, "
+          "else checkpoint_activations_every's): bfloat16 or float16 halve what checkpointing holds, as DALL-E's "
+          "16-bit activations did (the recomputation starts from the rounded input; needs precision.mode bfloat16 "
+          "or float16; bfloat16 has float32's range); float32 keeps them exact",
+          dtype_choices({"float32", "bfloat16", "float16"}));
   v.field("frozen_weights", frozen_weights,
           "storage of the resblocks' frozen weight matrices (optimizer.trainable, adapters) in bfloat16 and float16 "
           "runs, which autocast casts anyway: float16 or bfloat16 halves the frozen base (float16 keeps ruDALL-E's "
@@ -118,7 +132,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   bool may_change_on_resume(const std::string& key) const override {
     return is_run_control_key(key) || key == "sample_captions" || key == "samples_per_caption" ||
            key.starts_with("sampling.") || key == "tokenizer" || key == "image_tokenizer" ||
-           key == "checkpoint_activations_every";
+           key == "checkpoint_activations_every" || key == "checkpointed_inputs";
   }
   void save_extra(io::Checkpoint& checkpoint) const override;
   void restore_extra(const io::Checkpoint& checkpoint, const std::string& directory) override;
@@ -252,6 +266,11 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
     check_dataset(s.validation_set->info(), s.config.model, s.config.data.validation);
   }
   check_weights_storage(s.config.precision, s.shards_resblocks(), "prior training");
+  s.config.checkpointed_inputs_type("prior training");
+  if (s.config.checkpointed_inputs != "float32" && !s.shards_resblocks() && s.config.checkpoint_activations_every == 0) {
+    log::warn("prior training: checkpointed_inputs ", s.config.checkpointed_inputs,
+              " changes nothing: no resblock is checkpointed (checkpoint_activations_every 0, not sharded)");
+  }
   s.model = models::Prior(s.config.model);
   // A resumed run has its own weights; init_from is read only to start one.
   const bool starts_from_init = !s.config.init_from.empty() && !s.checkpoints.latest();
@@ -292,10 +311,13 @@ void PriorTrainer::State::install_resblock_runner() {
   const auto mode = config.precision.precision();
   // Sharded blocks recompute their forward in backward anyway.
   const int64_t checkpoint_every = shards ? 0 : config.checkpoint_activations_every;
+  const auto kept_as = config.checkpointed_inputs_type("prior training");
   models::ResblockRunner runner;
   if (mode != Precision::fp32 || checkpoint_every > 0) {
-    runner = make_training_runner(model->resblocks(),
-                                  {.precision = mode, .scaler = precision->scaler(), .checkpoint_every = checkpoint_every});
+    runner = make_training_runner(model->resblocks(), {.precision = mode,
+                                                       .scaler = precision->scaler(),
+                                                       .checkpoint_every = checkpoint_every,
+                                                       .checkpointed_inputs = kept_as});
   }
   if (shards) {
     if (!runner) {
@@ -303,7 +325,7 @@ void PriorTrainer::State::install_resblock_runner() {
         return x + block.branch(x, context);
       };
     }
-    runner = shards->runner(std::move(runner));
+    runner = shards->runner(std::move(runner), kept_as);
     training_runner = runner;
     validation_runner = shards->runner(validation_inner_runner());
   }

@@ -70,6 +70,7 @@ struct PriorTrainConfig {
   DistributedConfig distributed;
   models::AdapterConfig adapter;  // low-rank adapters, trained with the rest frozen
   int64_t checkpoint_activations_every = 0;  // resblocks 0, k, 2k, ... recompute in backward; 0: none
+  std::string checkpointed_inputs = "float32";  // storage of the inputs checkpointed resblocks keep
   std::string frozen_weights = "float32";  // storage of the resblocks' frozen matrices: float32, bfloat16 or float16
   std::string tokenizer;        // caption tokenizer model, for the sample grids
   std::string image_tokenizer;  // dVAE or VQGAN run that made the tokens, for the sample grids
@@ -78,6 +79,9 @@ struct PriorTrainConfig {
   models::SamplingOptions sampling;
 
   void visit(ConfigVisitor& v);
+  // The type checkpointed resblocks keep their inputs in (checkpointed_inputs); 16 bits need a
+  // 16-bit precision.mode, as the trainer and the planner (`who`) both require: throws Error.
+  torch::ScalarType checkpointed_inputs_type(const std::string& who) const;
 };
 
 struct PriorStepMetrics {
