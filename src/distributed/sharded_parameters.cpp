@@ -13,13 +13,10 @@ namespace dalle::distributed {
 
 namespace {
 
-torch::ScalarType storage_of(const std::vector<torch::ScalarType>& storage, size_t g) {
-  if (storage.empty()) return torch::kFloat32;
-  const auto type = storage.at(g);
+void check_storage(torch::ScalarType type) {
   if (type != torch::kFloat32 && type != torch::kBFloat16 && type != torch::kFloat16) {
     throw Error("sharded parameters are stored in float32, bfloat16 or float16");
   }
-  return type;
 }
 
 }  // namespace
@@ -27,34 +24,46 @@ torch::ScalarType storage_of(const std::vector<torch::ScalarType>& storage, size
 ShardedParameters::ShardedParameters(std::vector<std::vector<torch::Tensor>> groups,
                                      std::shared_ptr<ProcessGroup> group, bool overlap,
                                      std::vector<torch::ScalarType> storage)
-    : groups_(std::move(groups)), overlap_(overlap), group_(std::move(group)) {
-  if (!group_) throw Error("sharded parameters: no process group");
-  if (!storage.empty() && storage.size() != groups_.size()) {
+    : ShardedParameters(groups.size(), std::move(group), overlap) {
+  if (!storage.empty() && storage.size() != groups.size()) {
     throw Error("sharded parameters: a storage type per group, or none");
   }
-  torch::NoGradGuard no_grad;
-  const int64_t ranks = group_->size();
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    const auto type = storage_of(storage, g);
-    std::vector<Layout> layouts;
-    int64_t total = 0;
-    for (const auto& tensor : groups_[g]) {
-      // A 16-bit group's tensors are gathered in its type; a float32 group's as they were.
-      const auto options = type == torch::kFloat32 ? tensor.options() : tensor.options().dtype(type);
-      layouts.push_back({tensor.sizes().vec(), tensor.numel(), options});
-      total += tensor.numel();
-    }
-    layouts_.push_back(std::move(layouts));
-    shard_numel_.push_back(io::shard_size(total, ranks));
-    // A group of frozen tensors is gathered and never trained; an empty one trains nothing.
-    const bool trains = groups_[g].empty() || std::any_of(groups_[g].begin(), groups_[g].end(),
-                                                          [](const torch::Tensor& t) { return t.requires_grad(); });
-    shards_.push_back(shard_of(g, groups_[g])
-                          .to(groups_[g].empty() ? torch::kCPU : groups_[g][0].device(), type)
-                          .requires_grad_(trains));
-    shard_impls_.insert(shards_.back().unsafeGetTensorImpl());
-    release(g);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    set_group(g, std::move(groups[g]), storage.empty() ? torch::kFloat32 : storage[g]);
   }
+}
+
+ShardedParameters::ShardedParameters(size_t groups, std::shared_ptr<ProcessGroup> group, bool overlap)
+    : groups_(groups), layouts_(groups), shards_(groups), shard_numel_(groups, 0), overlap_(overlap),
+      group_(std::move(group)) {
+  if (!group_) throw Error("sharded parameters: no process group");
+  for (auto& shard : shards_) shard = torch::zeros({0});
+}
+
+void ShardedParameters::set_group(size_t g, std::vector<torch::Tensor> tensors, torch::ScalarType type) {
+  check_storage(type);
+  if (g >= groups_.size()) throw Error("sharded parameters: no group " + std::to_string(g));
+  torch::NoGradGuard no_grad;
+  groups_[g] = std::move(tensors);
+  std::vector<Layout> layouts;
+  int64_t total = 0;
+  for (const auto& tensor : groups_[g]) {
+    // A 16-bit group's tensors are gathered in its type; a float32 group's as they were.
+    const auto options = type == torch::kFloat32 ? tensor.options() : tensor.options().dtype(type);
+    layouts.push_back({tensor.sizes().vec(), tensor.numel(), options});
+    total += tensor.numel();
+  }
+  layouts_[g] = std::move(layouts);
+  shard_numel_[g] = io::shard_size(total, group_->size());
+  // A group of frozen tensors is gathered and never trained; an empty one trains nothing.
+  const bool trains = groups_[g].empty() || std::any_of(groups_[g].begin(), groups_[g].end(),
+                                                        [](const torch::Tensor& t) { return t.requires_grad(); });
+  shard_impls_.erase(shards_[g].unsafeGetTensorImpl());
+  shards_[g] = shard_of(g, groups_[g])
+                   .to(groups_[g].empty() ? torch::kCPU : groups_[g][0].device(), type)
+                   .requires_grad_(trains);
+  shard_impls_.insert(shards_[g].unsafeGetTensorImpl());
+  release(g);
 }
 
 std::vector<std::vector<int64_t>> ShardedParameters::shapes(size_t g) const {

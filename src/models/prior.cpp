@@ -11,7 +11,27 @@ namespace dalle::models {
 namespace F = torch::nn::functional;
 using torch::indexing::Slice;
 
-PriorImpl::PriorImpl(PriorConfig config) : config_(std::move(config)) {
+namespace {
+
+// A block's parameters without their values (a block built one at a time holds them only while
+// they are drawn); their shapes are kept to draw them again.
+std::vector<std::vector<int64_t>> emptied(ResblockImpl& block) {
+  std::vector<std::vector<int64_t>> shapes;
+  for (auto& parameter : block.parameters()) {
+    shapes.push_back(parameter.sizes().vec());
+    parameter.set_data(torch::empty({0}, parameter.options()));
+  }
+  return shapes;
+}
+
+void refilled(ResblockImpl& block, const std::vector<std::vector<int64_t>>& shapes) {
+  auto parameters = block.parameters();
+  for (size_t i = 0; i < parameters.size(); ++i) parameters[i].set_data(torch::empty(shapes[i], parameters[i].options()));
+}
+
+}  // namespace
+
+PriorImpl::PriorImpl(PriorConfig config, const ResblockBuilt& built) : config_(std::move(config)) {
   config_.validate();
   const int64_t width = config_.width;
   text_embedding_ = register_module("text_embedding", torch::nn::Embedding(config_.text_classes(), width));
@@ -33,22 +53,40 @@ PriorImpl::PriorImpl(PriorConfig config) : config_(std::move(config)) {
       mask = std::make_shared<const LayerMask>(spec, config_.layout());
     }
     resblocks_.push_back(std::make_shared<AttentionResblockImpl>(config_, mask, layer));
+    if (built) block_shapes_.push_back(emptied(*resblocks_.back()));
     resblocks_.push_back(std::make_shared<MlpResblockImpl>(config_));
+    if (built) block_shapes_.push_back(emptied(*resblocks_.back()));
   }
   for (const auto& block : resblocks_) blocks->push_back(block);
   final_norm_ = register_module("final_norm", prior_layer_norm(width));
   if (config_.head_norm) head_norm_ = register_module("head_norm", prior_layer_norm(width));
   to_logits_ = register_module("to_logits", Linear(width, config_.text_classes() + config_.image_vocab_size));
-  init_weights();
+  init_weights(built);
+  block_shapes_.clear();
 }
 
-void PriorImpl::init_weights() {
+void PriorImpl::init_weights(const ResblockBuilt& built) {
+  torch::NoGradGuard no_grad;
+  // named_parameters()' order: the children's in turn (this module has none of its own).
+  for (const auto& child : named_children()) {
+    if (child.key() != "resblocks") {
+      init_parameters(child.key() + ".", *child.value());
+      continue;
+    }
+    for (size_t b = 0; b < resblocks_.size(); ++b) {
+      if (built) refilled(*resblocks_[b], block_shapes_[b]);
+      init_parameters("resblocks." + std::to_string(b) + ".", *resblocks_[b]);
+      if (built) built(b, *resblocks_[b]);
+    }
+  }
+}
+
+void PriorImpl::init_parameters(const std::string& prefix, torch::nn::Module& module) {
   // GPT-style: N(0, 0.02), with the projections into the residual stream scaled down by
   // sqrt(2 * layers) so that the stream's variance does not grow with depth.
-  torch::NoGradGuard no_grad;
   const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.layers));
-  for (auto& item : named_parameters()) {
-    const auto& name = item.key();
+  for (auto& item : module.named_parameters()) {
+    const auto name = prefix + item.key();
     auto& parameter = item.value();
     const bool is_bias = name.ends_with(".bias");
     const bool is_norm = name.find("norm") != std::string::npos;

@@ -542,15 +542,35 @@ class Planner {
       plan_.too_large.push_back(part->name);
       left -= part->bytes;
     }
-    // At start each rank builds the whole model in fp32 (a sharded one too: it is cut once
-    // built). Unsharded, the validation copy follows (of what trains, when the frozen weights
-    // are shared), and what is kept holds both anyway; sharded, the blocks are cut before the
-    // moving average is made, and there is no validation copy.
+    startup_memory();
+  }
+
+  // A sharded run that trains everything from a random start builds the prior one block at a
+  // time, each cut into its shards as it is drawn: the weights' shards and the rest, one block
+  // whole in fp32 and its flattened copy being cut. Any other run builds the whole model in
+  // fp32 (a sharded one loads, freezes and cuts it once built); unsharded, the validation copy
+  // follows (of what trains, when the frozen weights are shared), and what is kept holds both
+  // anyway; sharded, there is no validation copy.
+  void startup_memory() {
     const auto& counts = plan_.parameters;
-    const double validation_copy =
-        plan_.sharded ? 0 : static_cast<double>(shape_.frozen ? counts.trained : counts.total);
-    plan_.startup_bytes = kFp32 * (static_cast<double>(counts.total) + validation_copy);
+    plan_.built_sharded = plan_.sharded && !shape_.frozen && recipe_.init_from.empty();
+    if (plan_.built_sharded) {
+      double block = 0;
+      for (const auto& layer_block : shape_.layer) block = std::max(block, static_cast<double>(layer_block.values()));
+      plan_.startup_bytes = part_bytes("weights") + 2 * kFp32 * block;
+    } else {
+      const double validation_copy =
+          plan_.sharded ? 0 : static_cast<double>(shape_.frozen ? counts.trained : counts.total);
+      plan_.startup_bytes = kFp32 * (static_cast<double>(counts.total) + validation_copy);
+    }
     plan_.fits_at_startup = !plan_.sharded || plan_.startup_bytes <= plan_.capacity_bytes;
+  }
+
+  double part_bytes(const std::string& name) const {
+    for (const auto& part : plan_.memory) {
+      if (part.name == name) return part.bytes;
+    }
+    throw Error("plan: no memory part named " + name);
   }
 
   double& bytes_of_phase(MemoryPhase phase) {
@@ -660,8 +680,8 @@ class Planner {
     if (!plan_.fits_at_startup) {
       char text[200];
       std::snprintf(text, sizeof text,
-                    "at start each rank places the whole model on its GPU in fp32 before sharding: %.1f GiB, "
-                    "more than the GPU holds",
+                    "at start each rank places the whole model on its GPU in fp32 before sharding (it is loaded "
+                    "from init_from or frozen in part): %.1f GiB, more than the GPU holds",
                     plan_.startup_bytes / kGiB);
       notes.push_back(text);
     }

@@ -86,7 +86,7 @@ std::string capacity_plan_json(const CapacityPlan& plan) {
                  {"reduction_bytes", plan.reduction_bytes}, {"peak_bytes", plan.peak_bytes},
                  {"capacity_bytes", plan.capacity_bytes}, {"host_bytes", plan.host_bytes}, {"fits", plan.fits},
                  {"too_large", plan.too_large}, {"startup_bytes", plan.startup_bytes},
-                 {"fits_at_startup", plan.fits_at_startup}});
+                 {"fits_at_startup", plan.fits_at_startup}, {"built_sharded", plan.built_sharded}});
   auto& traffic = json["traffic"];
   traffic["parts"] = nlohmann::json::array();
   for (const auto& part : plan.traffic) {
@@ -140,6 +140,11 @@ std::string capacity_plan_table(const CapacityPlan& plan) {
                                    : printed("does not fit in %.0f GiB (over by %.2f GiB); too large:",
                                              c.gpu_memory_gib, (plan.peak_bytes - plan.capacity_bytes) / kGiB);
   for (size_t i = 0; i < plan.too_large.size(); ++i) verdict += (i ? ", " : " ") + plan.too_large[i];
+  out += printed("  %-30s %10.2f  %s\n", "start", plan.startup_bytes / kGiB,
+                 plan.built_sharded ? "built one resblock at a time: the weights' shards and the rest, one block "
+                                      "whole in fp32 and its flattened copy"
+                                    : "the whole model in fp32, built before it is sharded, loaded or copied");
+  if (plan.sharded) verdict += plan.fits_at_startup ? "; fits at start" : "; does not fit at start";
   out += "  " + verdict + "\n\n";
 
   if (!plan.traffic.empty()) {

@@ -72,33 +72,45 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
 ShardedResblocks::ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
                                    std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
                                    const KeepWhole& keep_whole, torch::ScalarType matrices)
-    : blocks_(prior.resblocks().size()) {
-  std::unordered_map<const torch::TensorImpl*, std::string> name_of;
-  for (const auto& item : prior.named_parameters()) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
-  std::vector<std::vector<torch::Tensor>> groups(2 * blocks_), frozen(blocks_);
-  names_.resize(3 * blocks_);
-  kept_whole_.resize(blocks_);
-  for (size_t b = 0; b < blocks_; ++b) {
-    block_index_.emplace(prior.resblocks()[b].get(), b);
-    for (const auto& parameter : prior.resblocks()[b]->parameters()) {
-      const auto& name = name_of.at(parameter.unsafeGetTensorImpl());
-      if (!parameter.requires_grad()) {
-        frozen[b].push_back(parameter);
-        names_[2 * blocks_ + b].push_back(name);
-      } else if (keep_whole && keep_whole(name)) {
-        kept_whole_[b].push_back(parameter);
-      } else {
-        const size_t g = decayed(name, parameter) ? 2 * b : 2 * b + 1;
-        groups[g].push_back(parameter);
-        names_[g].push_back(name);
-      }
+    : ShardedResblocks(prior.resblocks().size(), decayed, std::move(group), overlap, keep_whole, matrices) {
+  for (size_t b = 0; b < blocks_; ++b) add_block(b, *prior.resblocks()[b]);
+}
+
+ShardedResblocks::ShardedResblocks(size_t blocks, const DecayRule& decayed,
+                                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
+                                   const KeepWhole& keep_whole, torch::ScalarType matrices)
+    : blocks_(blocks),
+      decayed_(decayed),
+      keep_whole_(keep_whole),
+      matrices_(matrices),
+      sharded_(std::make_shared<distributed::ShardedParameters>(3 * blocks, std::move(group), overlap)),
+      names_(3 * blocks),
+      kept_whole_(blocks) {}
+
+// Group 2b: the block's trained matrices (AdamW decays them), in `matrices_`; 2b + 1: the rest
+// of what trains; 2 blocks + b: what is frozen.
+void ShardedResblocks::add_block(size_t b, models::ResblockImpl& block) {
+  if (b >= blocks_ || block_index_.count(&block)) throw Error("sharded resblocks: block " + std::to_string(b) + " twice or too many");
+  block_index_.emplace(&block, b);
+  std::vector<torch::Tensor> matrices, rest, frozen;
+  const std::string prefix = "resblocks." + std::to_string(b) + ".";
+  for (const auto& item : block.named_parameters()) {
+    const auto name = prefix + item.key();
+    const auto& parameter = item.value();
+    if (!parameter.requires_grad()) {
+      frozen.push_back(parameter);
+      names_[2 * blocks_ + b].push_back(name);
+    } else if (keep_whole_ && keep_whole_(name)) {
+      kept_whole_[b].push_back(parameter);
+    } else {
+      const bool decayed = decayed_(name, parameter);
+      (decayed ? matrices : rest).push_back(parameter);
+      names_[decayed ? 2 * b : 2 * b + 1].push_back(name);
     }
   }
-  groups.insert(groups.end(), frozen.begin(), frozen.end());
-  std::vector<torch::ScalarType> storage(groups.size(), torch::kFloat32);
-  for (size_t b = 0; b < blocks_; ++b) storage[2 * b] = matrices;
-  sharded_ = std::make_shared<distributed::ShardedParameters>(std::move(groups), std::move(group), overlap,
-                                                              std::move(storage));
+  sharded_->set_group(2 * b, std::move(matrices), matrices_);
+  sharded_->set_group(2 * b + 1, std::move(rest));
+  sharded_->set_group(2 * blocks_ + b, std::move(frozen));
 }
 
 void ShardedResblocks::gather_averages(const std::vector<torch::Tensor>& averages) const {

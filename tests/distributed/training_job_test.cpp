@@ -155,7 +155,8 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
   EXPECT_TRUE(std::filesystem::exists(dir / ("job.rank" + std::to_string(ranks - 1) + ".log")));
   EXPECT_THAT(testing::read_text(dir / "job.rank1.log"), ::testing::HasSubstr("[rank 1] prior: training from"));
 
-  // ZeRO-3: each rank holds 1/N of every resblock, and trains as data parallelism does. It
+  // ZeRO-3: each rank holds 1/N of every resblock, cut as each is drawn (the prior is built
+  // one block at a time, with the whole build's weights), and trains as data parallelism does. It
   // validates and draws its sample grids on the sharded model, the average gathered block by
   // block (no rank holds a whole copy): the validation copy's losses.
   const std::string samples = " --set tokenizer=" + (*data_ / "tok.model") + " --set image_tokenizer=" +
@@ -165,6 +166,8 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
                                                               samples));
   ASSERT_EQ(sharded.status, 0) << sharded.output;
   EXPECT_THAT(sharded.output, ::testing::HasSubstr("each holds 1/" + std::to_string(ranks)));
+  EXPECT_THAT(sharded.output, ::testing::HasSubstr("built one resblock at a time, each cut into " +
+                                                   std::to_string(ranks) + " shards"));
   EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "sharded", 10)), 1e-5);
   for (const int64_t step : {5, 10}) {
     EXPECT_NEAR(validation_at(dir / "sharded", step), validation_at(dir / "job", step), 1e-5) << step;

@@ -3,6 +3,8 @@
 
 #include <torch/torch.h>
 
+#include <map>
+
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
@@ -32,6 +34,48 @@ torch::Tensor random_tokens(const PriorConfig& config, int64_t batch) {
   text.index_put_({Slice(), 0}, 2);
   text.index_put_({Slice(), Slice(config.text_length - 2)}, 0);  // padding
   return torch::cat({text, torch::randint(0, config.image_vocab_size, {batch, config.image_length()})}, 1);
+}
+
+// A prior built with ResblockBuilt hands each block to the caller as soon as its values are
+// drawn, in order, and draws what a plain build from the same seed draws, bit for bit: a
+// caller that empties each block (as sharding cuts it) leaves no resblock holding values.
+TEST(PriorBuild, BlockByBlockDrawsThePlainBuildsWeights) {
+  const auto config = tiny_config();
+  torch::manual_seed(11);
+  const Prior plain(config);
+  std::map<std::string, torch::Tensor> handed;
+  std::vector<size_t> order;
+  torch::manual_seed(11);
+  const Prior built(config, [&](size_t b, ResblockImpl& block) {
+    order.push_back(b);
+    for (auto& item : block.named_parameters()) {
+      ASSERT_GT(item.value().numel(), 0) << "block " << b << " is handed with its values";
+      handed.emplace("resblocks." + std::to_string(b) + "." + item.key(), item.value().detach().clone());
+      item.value().set_data(torch::empty({0}));
+    }
+  });
+  ASSERT_EQ(order.size(), plain->resblocks().size());
+  for (size_t b = 0; b < order.size(); ++b) EXPECT_EQ(order[b], b);
+  const auto built_parameters = built->named_parameters();
+  size_t in_blocks = 0;
+  for (const auto& item : plain->named_parameters()) {
+    if (item.key().starts_with("resblocks.")) {
+      ++in_blocks;
+      EXPECT_EQ(built_parameters[item.key()].numel(), 0) << item.key() << " was emptied by the caller";
+      ASSERT_TRUE(handed.count(item.key())) << item.key();
+      EXPECT_TRUE(torch::equal(handed.at(item.key()), item.value())) << item.key();
+    } else {
+      EXPECT_TRUE(torch::equal(built_parameters[item.key()], item.value())) << item.key();
+    }
+  }
+  EXPECT_EQ(handed.size(), in_blocks);
+  torch::manual_seed(12);
+  const Prior other(config);
+  size_t differ = 0;
+  for (const auto& item : other->named_parameters()) {
+    if (handed.count(item.key()) && !torch::equal(handed.at(item.key()), item.value())) ++differ;
+  }
+  EXPECT_GT(differ, 0u) << "another seed draws other weights";
 }
 
 class RudalleParity : public ::testing::Test {

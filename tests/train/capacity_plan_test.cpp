@@ -93,12 +93,13 @@ TEST(CapacityPlan, ShardedStateIsAShareOfEveryResblockAndTheWholeRest) {
   const int64_t gpus = 4;
   const models::Prior prior(tiny_model());
   // As ShardedResblocks groups a block: its matrices, then the rest, each padded to the ranks.
-  int64_t shards = 0, in_blocks = 0;
+  int64_t shards = 0, in_blocks = 0, largest_block = 0;
   for (const auto& block : prior->resblocks()) {
     int64_t matrices = 0, rest = 0;
     for (const auto& parameter : block->parameters()) (parameter.dim() == 2 ? matrices : rest) += parameter.numel();
     shards += (matrices + gpus - 1) / gpus + (rest + gpus - 1) / gpus;
     in_blocks += matrices + rest;
+    largest_block = std::max(largest_block, matrices + rest);
   }
   const int64_t rest = numel_of(prior->parameters()) - in_blocks;
   auto recipe = recipe_of(tiny_model(), 8);
@@ -111,10 +112,18 @@ TEST(CapacityPlan, ShardedStateIsAShareOfEveryResblockAndTheWholeRest) {
   }
   EXPECT_DOUBLE_EQ(part_named(sharded, "AdamW moments").bytes, 8.0 * static_cast<double>(shards + rest));
   // Validation gathers the average block by block: no whole copy; fp32 weights keep their
-  // average on the GPU. At start, the whole fp32 model, before it is cut.
+  // average on the GPU. At start, built one block at a time: the weights, and the largest
+  // block whole in fp32 twice (drawn, and flattened to be cut); started from init_from, the
+  // whole fp32 model, loaded before it is cut.
   EXPECT_DOUBLE_EQ(part_named(sharded, "validation model").bytes, 0.0);
   EXPECT_DOUBLE_EQ(sharded.host_bytes, 0.0);
-  EXPECT_DOUBLE_EQ(sharded.startup_bytes, 4.0 * static_cast<double>(rest + in_blocks));
+  EXPECT_TRUE(sharded.built_sharded);
+  EXPECT_DOUBLE_EQ(sharded.startup_bytes, 4.0 * static_cast<double>(shards + rest + 2 * largest_block));
+  recipe.init_from = "runs/base";
+  const auto loaded = plan_capacity(recipe, {.nodes = 2, .gpus_per_node = gpus});
+  EXPECT_FALSE(loaded.built_sharded);
+  EXPECT_DOUBLE_EQ(loaded.startup_bytes, 4.0 * static_cast<double>(rest + in_blocks));
+  recipe.init_from.clear();
   EXPECT_THAT(sharded.checkpointing, ::testing::HasSubstr("every resblock"));
 
   recipe.distributed.sharding = "none";
@@ -134,10 +143,11 @@ TEST(CapacityPlan, SixteenBitWeightsHalveTheShardedMatricesAndTheirGradients) {
   const models::Prior prior(tiny_model());
   int64_t matrix_shards = 0, rest_shards = 0, in_blocks = 0;
   // Bytes: the largest block whole, and padded (an all-gather's output); every block padded.
-  double largest = 0, largest_padded = 0, gathered = 0, largest_rest = 0;
+  double largest = 0, largest_padded = 0, gathered = 0, largest_rest = 0, largest_block = 0;
   for (const auto& block : prior->resblocks()) {
     int64_t matrices = 0, rest = 0;
     for (const auto& parameter : block->parameters()) (parameter.dim() == 2 ? matrices : rest) += parameter.numel();
+    largest_block = std::max(largest_block, static_cast<double>(matrices + rest));
     const int64_t matrix_shard = (matrices + gpus - 1) / gpus, rest_shard = (rest + gpus - 1) / gpus;
     matrix_shards += matrix_shard;
     rest_shards += rest_shard;
@@ -174,7 +184,7 @@ TEST(CapacityPlan, SixteenBitWeightsHalveTheShardedMatricesAndTheirGradients) {
   EXPECT_DOUBLE_EQ(plan.peak_bytes, kept + std::max(plan.backward_bytes, plan.reduction_bytes));
   EXPECT_DOUBLE_EQ(payload_counted_by(plan, "ShardedParameters::bytes_moved"),
                    2 * gathered + 4.0 * static_cast<double>(gpus) * shards);
-  EXPECT_DOUBLE_EQ(plan.startup_bytes, 4.0 * (static_cast<double>(in_blocks) + outside)) << "built whole in fp32";
+  EXPECT_DOUBLE_EQ(plan.startup_bytes, stored + 2 * 4.0 * largest_block) << "built one block at a time";
   const auto table = capacity_plan_table(plan);
   EXPECT_THAT(table, ::testing::HasSubstr("bfloat16 matrices, fp32 rest, 1/4 of every resblock (padded) and the rest "
                                           "whole"));
@@ -373,16 +383,17 @@ TEST(CapacityPlan, SixteenBitShardsHoldAndMoveWhatThePlanCounts) {
   });
 }
 
-// DALL-E's layout on its cluster: 128 machines of 8 V100s (16 GB, 125 TFLOP/s in fp16),
-// fp16 with 16-bit moments, sharded within the machine, PowerSGD at 896 (112 per shard).
+// DALL-E's recipe as shipped on its cluster: 128 machines of 8 V100s (16 GB, 125 TFLOP/s in
+// fp16), fp16 with 16-bit weights, moments and checkpointed inputs, sharded within the
+// machine, PowerSGD at 896 (112 per shard) in bfloat16; and with fp32 weights and inputs.
 TEST(CapacityPlan, TwelveBillionOnV100sNamesWhatDoesNotFit) {
   const ClusterShape v100s{.nodes = 128, .gpus_per_node = 8, .gpu_memory_gib = 16, .peak_tflops = 125};
-  const std::vector<std::string> dalle = {
-      "data.batch_size=1024",         "precision.mode=float16",
-      "precision.adam_moments=bfloat16",  "distributed.sharding=within_node",
-      "distributed.gradient_reduction=powersgd", "distributed.powersgd.rank=112",
-      "distributed.powersgd.dtype=bfloat16"};
-  const auto sharded = plan_capacity(twelve_billion(dalle), v100s);
+  const std::vector<std::string> fp32_state = {"precision.weights=float32", "checkpointed_inputs=float32"};
+  const auto shipped = plan_capacity(twelve_billion({}), v100s);
+  const auto sharded = plan_capacity(twelve_billion(fp32_state), v100s);
+  EXPECT_EQ(shipped.global_batch, 1024);
+  EXPECT_EQ(shipped.precision, "float16");
+  EXPECT_EQ(shipped.gradient_reduction, "powersgd");
   EXPECT_EQ(sharded.parameters.total, 12'293'849'088);
   EXPECT_EQ(sharded.parameters.per_rank, 1'710'304'256) << "1/8 of the resblocks and the embeddings and output whole";
   // fp32 weights, gradients and average and bf16 moments of 1.7 B values are 25 GiB alone
@@ -390,33 +401,38 @@ TEST(CapacityPlan, TwelveBillionOnV100sNamesWhatDoesNotFit) {
   EXPECT_FALSE(sharded.fits);
   EXPECT_DOUBLE_EQ(part_named(sharded, "validation model").bytes, 0.0);
   EXPECT_EQ(sharded.too_large, (std::vector<std::string>{"weights", "gradients", "AdamW moments"}));
-  EXPECT_FALSE(sharded.fits_at_startup) << "the whole model in fp32, before it is cut";
-  EXPECT_DOUBLE_EQ(sharded.startup_bytes, 4.0 * static_cast<double>(sharded.parameters.total));
+  // Built one block at a time, it fits at start: the weights' shards and one MLP block (8 d^2
+  // and its 7 d gains and biases) whole twice. Loaded whole from init_from before it is cut, no.
+  const double d = 3968;
+  EXPECT_TRUE(shipped.fits_at_startup);
+  EXPECT_DOUBLE_EQ(shipped.startup_bytes, part_named(shipped, "weights").bytes + 2 * 4 * (8 * d * d + 7 * d));
+  const auto loaded = plan_capacity(twelve_billion({"init_from=runs/base"}), v100s);
+  EXPECT_FALSE(loaded.fits_at_startup) << "the whole model in fp32, before it is cut";
+  EXPECT_DOUBLE_EQ(loaded.startup_bytes, 4.0 * static_cast<double>(loaded.parameters.total));
   // PowerSGD reads its bf16 buffers back in fp32 one matrix at a time: the largest is a rank's
   // 1/8 of an MLP's matrices (8 d^2: d whole rows of fc_in, or d / 4 of fc_out), d^2 values,
   // held with its decompressed product.
-  const double d = 3968;
   EXPECT_DOUBLE_EQ(part_named(sharded, "PowerSGD fp32 working copies").bytes, 2 * 4 * d * d);
   EXPECT_GT(sharded.backward_bytes, sharded.reduction_bytes) << "backward is the peak's phase";
   // DALL-E's 16-bit weights: each rank's 1/8 of the resblock matrices (4 d^2 in attention, 8 d^2
   // in the MLP per layer, none padded on 8 ranks) and its gradients take 2 bytes a value less,
-  // and their fp32 average moves to host memory. The bf16 moments are then what does not fit.
-  auto sixteen_bit = dalle;
-  sixteen_bit.push_back("precision.weights=float16");
-  const auto halved = plan_capacity(twelve_billion(sixteen_bit), v100s);
+  // and their fp32 average moves to host memory; the 128 resblocks' inputs (1,280 tokens) take
+  // 2 bytes a value less too. The bf16 moments are then what does not fit.
   const double matrix_shards = 64 * 12 * d * d / 8;
-  EXPECT_DOUBLE_EQ(sharded.kept_bytes - halved.kept_bytes, (2 + 2 + 4) * matrix_shards);
-  EXPECT_DOUBLE_EQ(halved.host_bytes, 4 * matrix_shards);
-  EXPECT_FALSE(halved.fits);
-  EXPECT_EQ(halved.too_large, (std::vector<std::string>{"AdamW moments"}));
+  EXPECT_DOUBLE_EQ(sharded.kept_bytes - shipped.kept_bytes, (2 + 2 + 4) * matrix_shards);
+  EXPECT_DOUBLE_EQ(shipped.host_bytes, 4 * matrix_shards);
+  EXPECT_DOUBLE_EQ(part_named(sharded, "activations").bytes - part_named(shipped, "activations").bytes,
+                   2 * 128 * 1280 * d);
+  EXPECT_FALSE(shipped.fits);
+  EXPECT_EQ(shipped.too_large, (std::vector<std::string>{"AdamW moments"}));
   // PowerSGD: P and Q in bf16 against whole fp32 gradients across machines.
   EXPECT_GT(1.0 - sharded.bytes_across / sharded.bytes_across_uncompressed, 0.85);
-  // An H200's memory holds it.
+  // An H200's memory holds it, with fp32 weights too.
   auto h200 = v100s;
   h200.gpu_memory_gib = 130;
-  EXPECT_TRUE(plan_capacity(twelve_billion(dalle), h200).fits);
+  EXPECT_TRUE(plan_capacity(twelve_billion(fp32_state), h200).fits);
 
-  auto unsharded = dalle;
+  auto unsharded = fp32_state;
   unsharded.push_back("distributed.sharding=none");
   const auto whole = plan_capacity(twelve_billion(unsharded), v100s);
   EXPECT_FALSE(whole.fits);

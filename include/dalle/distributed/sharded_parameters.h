@@ -39,6 +39,12 @@ class ShardedParameters {
   // `storage`: each group's type (float32, bfloat16 or float16); empty: float32 for all.
   ShardedParameters(std::vector<std::vector<torch::Tensor>> groups, std::shared_ptr<ProcessGroup> group,
                     bool overlap = true, std::vector<torch::ScalarType> storage = {});
+  // `groups` groups yet empty, each then given its tensors by set_group (a model built one block
+  // at a time, each cut before the next exists).
+  ShardedParameters(size_t groups, std::shared_ptr<ProcessGroup> group, bool overlap = true);
+  // Takes this rank's shard of `tensors`' current values as group g, stored as `storage`, and
+  // empties the tensors. Once per group, before anything is gathered.
+  void set_group(size_t g, std::vector<torch::Tensor> tensors, torch::ScalarType storage = torch::kFloat32);
 
   size_t groups() const { return groups_.size(); }
   const torch::Tensor& shard(size_t g) const { return shards_[g]; }

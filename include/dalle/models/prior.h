@@ -10,6 +10,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -20,9 +21,17 @@
 
 namespace dalle::models {
 
+// Called while a prior is built, once per resblock, as soon as the block's initial weights are
+// drawn and before the next block holds any: a caller that takes the values (cuts them into
+// shards, from outside the model) and empties the block's parameters builds a prior that never
+// holds more than one resblock whole.
+using ResblockBuilt = std::function<void(size_t index, ResblockImpl& block)>;
+
 class PriorImpl : public torch::nn::Module {
  public:
-  explicit PriorImpl(PriorConfig config);
+  // With `built`, the blocks are built one at a time and handed to it; the weights drawn are
+  // those of a build without it from the same random state, bit for bit.
+  explicit PriorImpl(PriorConfig config, const ResblockBuilt& built = nullptr);
 
   // tokens [B, n]: caption ids (0 = padding) then image codes, positions 0 .. n-1.
   // Returns logits [B, n, text_classes + image_vocab_size].
@@ -47,12 +56,16 @@ class PriorImpl : public torch::nn::Module {
   torch::Tensor embed_image(const torch::Tensor& codes, const torch::Tensor& cells);
   torch::Tensor run(const torch::Tensor& tokens, const ResblockContext& context);
   torch::Tensor through_resblocks(torch::Tensor x, const ResblockContext& context);
-  void init_weights();
+  // GPT-style initial values of every parameter, in the order of named_parameters(); each
+  // resblock handed to `built` (when set) once its values are drawn.
+  void init_weights(const ResblockBuilt& built);
+  void init_parameters(const std::string& prefix, torch::nn::Module& module);
 
   PriorConfig config_;
   torch::nn::Embedding text_embedding_{nullptr}, text_position_embedding_{nullptr}, image_embedding_{nullptr},
       image_row_embedding_{nullptr}, image_column_embedding_{nullptr};
   std::vector<std::shared_ptr<ResblockImpl>> resblocks_;
+  std::vector<std::vector<std::vector<int64_t>>> block_shapes_;  // of emptied blocks, while built one at a time
   torch::nn::LayerNorm final_norm_{nullptr}, head_norm_{nullptr};
   Linear to_logits_{nullptr};
   ResblockRunner runner_;

@@ -77,7 +77,10 @@ struct CapacityPlan {
   double host_bytes = 0;  // kept in host memory (16-bit matrix shards' moving average): not in the peak
   bool fits = false;
   std::vector<std::string> too_large;  // the fewest largest parts without which the rest would fit
-  // At start: the whole fp32 model, and unsharded its validation copy (a sharded run keeps none).
+  // At start: built sharded (a sharded run that trains everything from a random start), the
+  // weights' shards and one block whole twice (drawn, and flattened to be cut); else the whole
+  // fp32 model, and unsharded its validation copy (a sharded run keeps none).
+  bool built_sharded = false;
   double startup_bytes = 0;
   bool fits_at_startup = false;
 

@@ -40,6 +40,14 @@ class ShardedResblocks {
   ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
                    std::shared_ptr<distributed::ProcessGroup> group, bool overlap = true,
                    const KeepWhole& keep_whole = nullptr, torch::ScalarType matrices = torch::kFloat32);
+  // The same for a prior of `blocks` resblocks not built yet, each then cut by add_block as it
+  // is built (models::ResblockBuilt): no rank holds more than one block whole.
+  ShardedResblocks(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
+                   bool overlap = true, const KeepWhole& keep_whole = nullptr,
+                   torch::ScalarType matrices = torch::kFloat32);
+  // Cuts resblock b (named "resblocks.<b>." as in the prior's state dict) into its shards and
+  // empties its tensors. Once per block, in any order, before anything is gathered.
+  void add_block(size_t b, models::ResblockImpl& block);
 
   const std::shared_ptr<distributed::ShardedParameters>& parameters() const { return sharded_; }
   // The groups that train come first, two per block (2b: its matrices, 2b + 1: the rest,
@@ -72,6 +80,9 @@ class ShardedResblocks {
 
  private:
   size_t blocks_ = 0;
+  DecayRule decayed_;
+  KeepWhole keep_whole_;
+  torch::ScalarType matrices_ = torch::kFloat32;
   std::shared_ptr<distributed::ShardedParameters> sharded_;
   std::vector<std::vector<std::string>> names_;  // of each group's tensors
   std::vector<std::vector<torch::Tensor>> kept_whole_;  // of each block
