@@ -260,12 +260,26 @@ Safetensors read_safetensors(const std::string& path) {
   // drop again: loading a model copies each weight once, into the model, and never holds a
   // second copy of the checkpoint in memory of its own. A tensor at an offset its type cannot
   // be read from (possible in files written elsewhere) is copied instead.
-  return parse(std::string_view(static_cast<const char*>(address), size), path,
+  const std::string_view bytes(static_cast<const char*>(address), size);
+  auto file = parse(bytes, path,
                [&mapping](const Entry& entry, const char* bytes) {
                  if (reinterpret_cast<uintptr_t>(bytes) % entry.dtype->bytes != 0) return copied(entry, bytes);
                  return torch::from_blob(const_cast<char*>(bytes), entry.shape, [mapping](void*) {},
                                          torch::TensorOptions().dtype(entry.dtype->type));
                });
+  file.mapped = bytes;
+  return file;
+}
+
+void release_pages(const Safetensors& file, const torch::Tensor& tensor) {
+  if (file.mapped.empty() || !tensor.defined() || tensor.nbytes() == 0) return;
+  const auto begin = reinterpret_cast<uintptr_t>(tensor.data_ptr()), end = begin + tensor.nbytes();
+  const auto mapped = reinterpret_cast<uintptr_t>(file.mapped.data());
+  if (begin < mapped || end > mapped + file.mapped.size()) return;
+  // Whole pages only: a page shared with a neighbouring tensor stays.
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t first = (begin + page - 1) / page * page, last = end / page * page;
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
 namespace {

@@ -185,6 +185,8 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
           if (found == shard.end()) throw Error(directory + ": a shard lacks '" + slice_key(kind, g) + "'");
           result.shard_bytes_read[writer] +=
               copy_overlap({writer * written_share, found->second.reshape({-1})}, low, high, slice);
+          // Read once: its pages need not stay resident beside the slices until the end.
+          release_pages(shard_files.at(writer), found->second);
         }
       } else {
         auto& source = where.into_weights ? checkpoint.weights : checkpoint.state;

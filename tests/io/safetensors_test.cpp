@@ -7,6 +7,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <string>
 
 #include "test_support.h"
 
@@ -185,6 +186,38 @@ TEST(Safetensors, ReadTensorsAreViewsOfTheFileThatWritesNeverReach) {
     EXPECT_EQ(read[3].item<float>(), 6.0f);
   }
   EXPECT_TRUE(torch::equal(read_safetensors(path).tensors.at("w"), torch::arange(1024, torch::kFloat32)));
+}
+
+// The process's resident file pages (RssFile), in kB.
+int64_t resident_file_kb() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.starts_with("RssFile:")) return std::stoll(line.substr(8));
+  }
+  return -1;
+}
+
+// release_pages: a mapped tensor read once leaves the process's memory, and reads its values
+// from the file again if read; a parsed (copied) tensor is left alone.
+TEST(Safetensors, ReleasedPagesLeaveMemoryAndAreReadAgain) {
+  testing::ScratchDir dir;
+  const std::string path = dir / "large.safetensors";
+  const auto values = torch::arange(16 << 20, torch::kFloat32);  // 64 MiB
+  write_safetensors(path, {{"w", values}});
+  const auto file = read_safetensors(path);
+  ASSERT_FALSE(file.mapped.empty());
+  const auto& mapped = file.tensors.at("w");
+  EXPECT_EQ(mapped.sum().item<double>(), values.sum().item<double>());  // every page read
+  const int64_t read = resident_file_kb();
+  release_pages(file, mapped);
+  const int64_t released = resident_file_kb();
+  EXPECT_GT(read - released, 48 * 1024) << "most of the 64 MiB left: " << read << " -> " << released << " kB";
+  EXPECT_TRUE(torch::equal(mapped, values)) << "read from the file again";
+  const auto parsed = parse_safetensors(serialize_safetensors({{"w", torch::arange(4096, torch::kFloat32)}}));
+  EXPECT_TRUE(parsed.mapped.empty());
+  release_pages(parsed, parsed.tensors.at("w"));
+  release_pages(file, parsed.tensors.at("w"));  // not the file's: nothing
+  EXPECT_TRUE(torch::equal(parsed.tensors.at("w"), torch::arange(4096, torch::kFloat32)));
 }
 
 TEST(Safetensors, ATensorAtAnOffsetItsTypeCannotBeReadFromIsCopied) {
