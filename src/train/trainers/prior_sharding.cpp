@@ -1,0 +1,393 @@
+// The sharded prior (distributed.sharding within_node): built one block at a time or cut
+// once loaded, its update moved to the shards, resumed from this rank's slices and written
+// in shards.
+#include "train/trainers/prior_trainer_state.h"
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <map>
+#include <unordered_set>
+
+#include "dalle/data/image.h"
+#include "dalle/data/image_grid.h"
+#include "dalle/data/loader.h"
+#include "dalle/data/token_dataset.h"
+#include "dalle/distributed/sharded_parameters.h"
+#include "dalle/distributed/sharded_reducer.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/device.h"
+#include "dalle/io/atomic_file.h"
+#include "dalle/io/checkpoint.h"
+#include "dalle/io/sharded_checkpoint.h"
+#include "dalle/io/state_dict.h"
+#include "dalle/log.h"
+#include "dalle/text/tokenizer.h"
+#include "dalle/train/adamw.h"
+#include "dalle/train/ema.h"
+#include "dalle/train/gradient_scaler.h"
+#include "dalle/models/trained.h"
+#include "dalle/train/optimizer_state.h"
+#include "dalle/train/precision.h"
+#include "dalle/train/model_precision.h"
+#include "dalle/train/resblock_runner.h"
+#include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/stochastic_rounding.h"
+#include "dalle/train/update_step.h"
+#include "train/run_directory.h"
+#include "train/trainers/trainer_support.h"
+#include "train/training_loop.h"
+
+namespace dalle::train {
+
+using namespace prior_training;
+
+// A sharded run that trains every parameter of a random start (no init_from, adapters or
+// optimizer.trainable) builds the prior one block at a time, each cut into its shards on the
+// run's device before the next exists: no rank ever holds the whole prior, and the weights are
+// those of a whole build, bit for bit. Otherwise the prior is built whole, then loaded, frozen
+// and cut (cut_resblocks).
+void PriorTrainer::State::build_model(bool starts_from_init) {
+  const bool trains_everything = !config.adapter.enabled() && config.optimizer.trainable.empty();
+  if (!shards_resblocks() || starts_from_init || !trains_everything) {
+    model = models::Prior(config.model);
+    return;
+  }
+  shards = std::make_unique<ShardedResblocks>(2 * static_cast<size_t>(config.model.layers), decayed_by_adamw,
+                                              job->within_node(), config.distributed.overlap,
+                                              models::is_adapter_tensor, config.precision.weights_dtype());
+  model = models::Prior(config.model, [this](size_t b, models::ResblockImpl& block) {
+    block.to(device);
+    shards->add_block(b, block);
+  });
+#if defined(__GLIBC__)
+  // Each block drawn whole and freed leaves holes in the C heap between the shards kept there
+  // (glibc's dynamic mmap threshold puts them on the heap once large blocks have been freed):
+  // about 200 MiB per rank resident at 8 layers of width 2048 that nothing holds. Returned.
+  malloc_trim(0);
+#endif
+  log::info(what, ": the prior was built one resblock at a time, each cut into ", job->within_node()->size(),
+            " shards as it was drawn");
+}
+
+// Each rank of a machine keeps 1/N of every resblock (distributed.sharding within_node), of
+// its frozen base too; the blocks' own tensors are emptied. Adapters, small, stay whole.
+void PriorTrainer::State::cut_resblocks() {
+  if (shards || config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
+  shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node(),
+                                              config.distributed.overlap, models::is_adapter_tensor,
+                                              config.precision.weights_dtype());
+}
+
+// The update state moved to the shards, before any resume, on a fresh update: no moments
+// yet, an average equal to the weights (each shard's starts as the shard), the first scales.
+void PriorTrainer::State::shard_resblocks() {
+  if (!shards) return;
+  io::TensorMap scales;
+  precision->save_state(scales, "");
+  const auto& sharded = *shards->parameters();
+  // AdamW steps the shards and what trains whole (outside the blocks, and the adapters).
+  const auto in_shards = block_names();
+  std::unordered_set<const torch::TensorImpl*> sharded_tensors;
+  for (const auto& item : model->named_parameters()) {
+    if (in_shards.count(item.key())) sharded_tensors.insert(item.value().unsafeGetTensorImpl());
+  }
+  auto groups = parameter_groups(*model, config.optimizer.weight_decay, [&](const torch::Tensor& parameter) {
+    return parameter.requires_grad() && sharded_tensors.count(parameter.unsafeGetTensorImpl()) == 0;
+  });
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
+    ema->forget(shards->names(g));
+    shard_averages.push_back(average_of(sharded.shard(g)));
+  }
+  for (const auto& shard : shards->decayed_shards()) groups[0].params().push_back(shard);
+  for (const auto& shard : shards->undecayed_shards()) groups[1].params().push_back(shard);
+  optimizer = make_adamw(std::move(groups), config.learning_rate.peak);
+  // The replicas of a shard on other machines hold the same values: they round alike.
+  optimizer->set_rounding_seed(mix_seed(static_cast<uint64_t>(config.run.seed),
+                                        static_cast<uint64_t>(job->place().local_rank)));
+  shard_update(scales);
+  const int64_t ranks = job->place().local_world_size;
+  log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
+            " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
+            frozen_names().empty() ? "" : " (of their frozen weights too; adapters stay whole)",
+            job->place().nodes > 1 ? ", replicated on the " + std::to_string(job->place().nodes) + " machines" : "");
+}
+
+// The precision (per-resblock fp16 scales over each block's shards, as `scales` left them)
+// and the update step of the shards.
+void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
+  std::vector<torch::Tensor> learned;
+  for (const auto& group : optimizer->param_groups()) {
+    learned.insert(learned.end(), group.params().begin(), group.params().end());
+  }
+  precision = std::make_unique<ModelPrecision>(config.precision, learned, shards->scale_groups(), replicas());
+  precision->load_state(scales, "");
+  update = std::make_unique<UpdateStep>(*optimizer, *precision,
+                                        UpdateOptions{.what = what,
+                                                      .grad_clip = config.optimizer.grad_clip,
+                                                      .measure_norm = true,
+                                                      .after_step = [this] { average_shards(); }},
+                                        ema.get(), model.get());
+  sharded_reducer = std::make_shared<distributed::ShardedReducer>(
+      shards->parameters(), job->group(), job->within_node(), job->across_nodes(), bucket_bytes(config.distributed),
+      powersgd_options(config.distributed, config.run), config.distributed.overlap);
+  update->set_reducer(sharded_reducer);
+}
+
+std::unordered_set<std::string> PriorTrainer::State::block_names() const {
+  std::unordered_set<std::string> names;
+  for (size_t g = 0; g < shards->parameters()->groups(); ++g) {
+    names.insert(shards->names(g).begin(), shards->names(g).end());
+  }
+  return names;
+}
+
+// The resblocks' groups and the kinds of values a sharded checkpoint keeps of them.
+io::ShardLayout PriorTrainer::State::shard_layout(bool moments, bool errors) const {
+  const auto& sharded = *shards->parameters();
+  io::ShardLayout layout{.ranks = job->place().local_world_size};
+  layout.kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}};
+  if (errors) layout.kinds.insert({"powersgd_error", {.prefix = kReducerErrors}});
+  if (moments) {
+    layout.kinds.insert({{"exp_avg", {.prefix = "adamw.", .suffix = ".exp_avg"}},
+                         {"exp_avg_sq", {.prefix = "adamw.", .suffix = ".exp_avg_sq"}}});
+  }
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
+    const auto shapes = sharded.shapes(g);
+    std::vector<io::ShardLayout::Parameter> parameters;
+    for (size_t i = 0; i < shapes.size(); ++i) parameters.push_back({shards->names(g)[i], shapes[i]});
+    layout.groups.push_back(std::move(parameters));
+  }
+  return layout;
+}
+
+// As TrainerState::resume, with the resblocks' weights, average, moments and PowerSGD error
+// feedback read as this rank's slices (from the shard files that hold them, on any world
+// size, or from a checkpoint that was not sharded). Each file's mapping is dropped once
+// restored, so that a rank never holds more than its own state and one part of the rest.
+void PriorTrainer::State::resume(const std::string& directory) {
+  if (!shards) return TrainerState::resume(directory);
+  check_resumable<PriorTrainConfig>(config, io::checkpoint_config(directory), directory + "/config.yaml",
+                                    [this](const std::string& key) { return may_change_on_resume(key); });
+  // Each group restored as soon as its slices are read: a rank never holds its state twice.
+  auto read = io::load_checkpoint_for_rank(
+      directory, shard_layout(true, true), job->place().local_rank, job->place().local_world_size,
+      [this](size_t g, io::TensorMap& slices, const io::Checkpoint& replicated) {
+        restore_group(g, slices, replicated.state);
+      });
+  log_shard_reads(read.shard_bytes_read);
+  auto& checkpoint = read.replicated;
+  base_checkpoint = io::base_of(checkpoint);
+  restore_frozen_blocks(checkpoint.weights);
+  io::load_state_dict(*model, checkpoint.weights, directory + "/" + io::kWeightsFile, block_names());
+  checkpoint.weights.clear();
+  ema->load(io::with_prefix_removed(checkpoint.state, "ema."));
+  const auto moments = io::with_prefix_removed(checkpoint.state, "adamw.");
+  load_adamw_state(*optimizer, *model, moments);
+  restore_warm_q(read.own);
+  const auto progress = restore_progress(checkpoint);
+  keep_threads_of(checkpoint);
+  precision->load_state(checkpoint.state, "gradient_scaler.");
+  sharded_reducer->load_state(checkpoint.state, "reducer.");
+  restore_extra(checkpoint, directory);
+  seek_loader(progress.position);
+  resumed(directory, progress.step);
+}
+
+// PowerSGD's warm Q of this rank's blocks of rows, from its own shard file: only a checkpoint
+// written by as many ranks per machine has Q for the same blocks; any other starts afresh.
+void PriorTrainer::State::restore_warm_q(const io::TensorMap& own) {
+  if (config.distributed.gradient_reduction != "powersgd" || !config.distributed.powersgd.warm_start ||
+      !job->across_nodes()) {
+    return;
+  }
+  bool restored = false;
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
+    std::vector<torch::Tensor> qs;
+    for (size_t k = 0;; ++k) {
+      const auto found = own.find(kShardQ + std::to_string(g) + "." + std::to_string(k));
+      if (found == own.end()) break;
+      qs.push_back(found->second);
+    }
+    if (qs.empty()) continue;
+    sharded_reducer->set_shard_q(g, qs);
+    restored = true;
+  }
+  if (!restored) {
+    log::warn(what, ": PowerSGD's warm Q starts afresh: the checkpoint holds none for this rank's blocks of rows "
+                    "(written without warm_start, or by another number of ranks per machine)");
+  }
+}
+
+void PriorTrainer::State::log_shard_reads(const std::map<int64_t, int64_t>& bytes_by_writer) const {
+  int64_t bytes = 0;
+  std::string writers;
+  for (const auto& [writer, read] : bytes_by_writer) {
+    bytes += read;
+    writers += (writers.empty() ? "" : ", ") + std::to_string(writer);
+  }
+  const std::string files = bytes_by_writer.size() == 1 ? "the shard file of rank " : "the shard files of ranks ";
+  log::info(what, ": rank ", job->place().local_rank, " of the machine read its part of the resblocks, ", bytes,
+            " bytes, from ", writers.empty() ? std::string("the checkpoint's whole tensors") : files + writers);
+}
+
+// Group g's slices into its shard, its average, its AdamW state (with the step of the
+// group's first parameter, from the replicated `state`) and PowerSGD's error feedback; each
+// slice freed once used.
+void PriorTrainer::State::restore_group(size_t g, io::TensorMap& slices, const io::TensorMap& state) {
+  torch::NoGradGuard no_grad;
+  const auto& sharded = *shards->parameters();
+  const auto take = [&slices, g](const std::string& kind) {
+    auto found = slices.find(kind + "." + std::to_string(g));
+    if (found == slices.end()) return torch::Tensor();
+    auto slice = std::move(found->second);
+    slices.erase(found);
+    return slice;
+  };
+  const auto weights = take("weights"), average = take("ema");
+  if (!weights.defined() || !average.defined()) {
+    throw Error("the checkpoint lacks resblock group " + std::to_string(g) + "'s weights or moving average");
+  }
+  sharded.shard(g).detach().copy_(weights);
+  shard_averages[g].copy_(average);
+  if (const auto error = take("powersgd_error"); error.defined()) sharded_reducer->set_shard_error(g, error);
+  const auto exp_avg = take("exp_avg"), exp_avg_sq = take("exp_avg_sq");
+  if (!exp_avg.defined() || !exp_avg_sq.defined() || shards->names(g).empty()) return;
+  auto adam = std::make_unique<torch::optim::AdamWParamState>();
+  adam->step(state.at("adamw." + shards->names(g).front() + ".step").item<int64_t>());
+  const auto options = sharded.shard(g).options().dtype(optimizer->moments());
+  adam->exp_avg(exp_avg.to(options));
+  adam->exp_avg_sq(exp_avg_sq.to(options));
+  optimizer->state()[sharded.shard(g).unsafeGetTensorImpl()] = std::move(adam);
+}
+
+// The frozen blocks' shards from the checkpoint's weights (its base's, filled in).
+void PriorTrainer::State::restore_frozen_blocks(io::TensorMap& weights) { shards->restore_frozen(weights); }
+
+void PriorTrainer::State::average_shards() {
+  torch::NoGradGuard no_grad;
+  const double weight = 1.0 - config.optimizer.ema_decay;
+  for (size_t g = 0; g < shard_averages.size(); ++g) {
+    auto& average = shard_averages[g];
+    average.lerp_(shards->parameters()->shard(g).detach().to(average.device(), average.scalar_type()), weight);
+  }
+}
+
+// A shard's moving average starts as the shard: float32 where the shard is, or, for a
+// 16-bit shard, in host memory (precision.weights: the GPU keeps 16 bits per value, the
+// average keeps the small steps that 16 bits would round away).
+torch::Tensor PriorTrainer::State::average_of(const torch::Tensor& shard) const {
+  if (shard.scalar_type() == torch::kFloat32) return shard.detach().clone();
+  return shard.detach().to(torch::kCPU, torch::kFloat32);
+}
+
+models::Prior& PriorTrainer::State::validation_model() {
+  if (shards) return model;
+  ema->copy_to(*ema_model);
+  return ema_model;
+}
+
+PriorTrainer::State::AverageSwappedIn::AverageSwappedIn(State& state) : state_(state) {
+  if (!state_.shards) return;
+  state_.ema->swap(*state_.model);
+  state_.shards->gather_averages(state_.shard_averages);
+  state_.model->set_resblock_runner(state_.validation_runner);
+}
+
+PriorTrainer::State::AverageSwappedIn::~AverageSwappedIn() {
+  if (!state_.shards) return;
+  state_.model->set_resblock_runner(state_.training_runner);
+  state_.shards->gather_averages({});
+  state_.ema->swap(*state_.model);
+  state_.model->train();
+}
+
+void PriorTrainer::State::save_checkpoint() {
+  if (!shards) return TrainerState::save_checkpoint();
+  // Sharded: each rank of the first machine writes its shards of the resblocks, rank 0 the
+  // rest (the replicated parameters, the state) and the shards' layout, into a staging folder
+  // that rank 0 renames into place once every rank has written. load_checkpoint reads it whole,
+  // so any number of ranks, sharded or not, resumes from it and dalle-export reads it.
+  // Frozen blocks' weights are gathered (by every rank) only where no base holds them, or to
+  // write the base's copy.
+  io::TensorMap frozen;
+  if (base_checkpoint.empty() || write_base_copy_) frozen = shards->frozen_weights();
+  if (write_base_copy_) write_base_copy(frozen);
+  if (writes_files) checkpoints.stage(step);
+  job->barrier();
+  const auto staging = checkpoints.staging_for(step);
+  const bool moments = optimizer->state().count(shards->parameters()->shard(0).unsafeGetTensorImpl()) > 0;
+  // PowerSGD's error feedback, as its mean over the machines: every rank takes part.
+  std::vector<torch::Tensor> errors;
+  for (size_t g = 0; g < shards->trained_groups(); ++g) errors.push_back(sharded_reducer->shard_error(g));
+  const bool has_errors = !errors.empty() && errors.front().defined();
+  if (job->place().node_rank == 0) write_own_shards(staging, moments, errors);
+  if (writes_files) write_checkpoint_files(staging, moments, has_errors, std::move(frozen));
+  job->barrier();
+  if (writes_files) log::info(what, ": checkpoint ", checkpoints.publish(step));
+}
+
+void PriorTrainer::State::write_own_shards(const std::string& staging, bool moments,
+                                           const std::vector<torch::Tensor>& errors) const {
+  const auto& sharded = *shards->parameters();
+  io::TensorMap mine;
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
+    std::string index = ".";  // built up: GCC 12 misreads "." + std::to_string(g) at -O3
+    index += std::to_string(g);
+    mine.emplace("weights" + index, sharded.shard(g).detach().cpu());
+    mine.emplace("ema" + index, shard_averages[g].cpu());
+    if (errors[g].defined()) mine.emplace("powersgd_error" + index, errors[g].cpu());
+    if (config.distributed.powersgd.warm_start) {
+      const auto qs = sharded_reducer->shard_q(g);
+      for (size_t k = 0; k < qs.size(); ++k) {
+        mine.emplace(kShardQ + index.substr(1) + "." + std::to_string(k), qs[k].cpu());
+      }
+    }
+    if (!moments) continue;
+    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
+        *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
+    mine.emplace("exp_avg" + index, adam.exp_avg().cpu());
+    mine.emplace("exp_avg_sq" + index, adam.exp_avg_sq().cpu());
+  }
+  io::write_checkpoint_shard(staging, job->place().local_rank, job->place().local_world_size, mine);
+}
+
+// `frozen`: the frozen blocks' weights, written whole where the run has no base.
+void PriorTrainer::State::write_checkpoint_files(const std::string& staging, bool moments, bool errors,
+                                                 io::TensorMap frozen) {
+  const auto& sharded = *shards->parameters();
+  const auto layout = shard_layout(moments, errors);
+  auto weights = io::state_dict(*model);
+  for (const auto& name : block_names()) weights.erase(name);
+  if (base_checkpoint.empty()) {
+    weights.merge(frozen);
+  } else {
+    for (const auto& name : frozen_names()) weights.erase(name);
+  }
+  auto replicated_moments = adamw_state(*optimizer, *model);
+  for (size_t g = 0; moments && g < shards->trained_groups(); ++g) {
+    for (const auto& name : shards->names(g)) {
+      const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
+          *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
+      replicated_moments.emplace(name + ".step", torch::tensor(adam.step(), torch::kInt64));
+    }
+  }
+  auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), ema->weights(),
+                                    replicated_moments, step, loader_position());
+  precision->save_state(checkpoint.state, "gradient_scaler.");
+  sharded_reducer->save_state(checkpoint.state, "reducer.");
+  if (!base_checkpoint.empty()) io::refer_to_base(checkpoint, base_checkpoint);
+  save_extra(checkpoint);
+  io::write_checkpoint_files(staging, std::move(checkpoint), layout);
+}
+
+}  // namespace dalle::train
