@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 
+#include "dalle/distributed/sharded_reducer.h"
 #include "distributed/on_ranks.h"
 #include "test_support.h"
 
@@ -68,6 +69,94 @@ TEST(ShardedResblocks, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
       }
     });
   }
+}
+
+// On one machine the replicated parameters' buckets start during backward, on the world's
+// group, while the blocks' all-gathers and reduce-scatters go on the machine's own group. A
+// rank that lacks one replicated gradient (here a bias only rank 0's loss uses) starts that
+// bucket after backward, not during it: were the two on one group, the ranks would issue
+// their collectives in different orders. Each group keeps its own order: the update ends on
+// both ranks, the missing gradient counts as zeros, and every gradient is the mean of the
+// ranks' own, as one process computes them.
+TEST(ShardedResblocks, ARankLackingAReplicatedGradientOrdersItsCollectivesAsTheOthers) {
+  const auto config = tiny_model();
+  const int64_t ranks = 2;
+  torch::manual_seed(3);
+  const models::Prior reference(config);
+  std::vector<torch::Tensor> tokens;
+  for (int64_t rank = 0; rank < ranks; ++rank) {
+    auto text = torch::randint(4, config.text_vocab_size, {2, config.text_length});
+    tokens.push_back(torch::cat({text, torch::randint(0, config.image_vocab_size, {2, config.image_length()})}, 1));
+  }
+  const auto loss_of = [&](models::PriorImpl& prior, const torch::Tensor& bias, int64_t rank) {
+    auto logits = prior.forward(tokens[rank]);
+    if (rank == 0) logits = logits + bias;  // rank 1's loss never sees the bias
+    return models::prior_loss(logits, tokens[rank], config).total;
+  };
+  // One process: each rank's gradients, averaged.
+  std::map<std::string, torch::Tensor> mean;
+  for (int64_t rank = 0; rank < ranks; ++rank) {
+    models::Prior alone(config);
+    torch::NoGradGuard no_grad;
+    for (auto& item : alone->named_parameters()) item.value().copy_(reference->named_parameters()[item.key()]);
+    auto bias = torch::zeros({config.text_classes() + config.image_vocab_size}).requires_grad_(true);
+    {
+      torch::AutoGradMode grad(true);
+      loss_of(*alone, bias, rank).backward();
+    }
+    auto named = alone->named_parameters();
+    named.insert("bias", bias);
+    for (const auto& item : named) {
+      const auto share = (item.value().grad().defined() ? item.value().grad() : torch::zeros_like(item.value())) / ranks;
+      mean[item.key()] = mean.count(item.key()) ? mean[item.key()] + share : share;
+    }
+  }
+  testing::on_ranks(ranks, [&](const distributed::LaunchEnvironment& place) {
+    const auto world = testing::group_at(place);
+    const auto machine = testing::subgroup_at(place, "machine", place.rank, ranks);
+    models::Prior prior(config);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& item : prior->named_parameters()) item.value().copy_(reference->named_parameters()[item.key()]);
+    }
+    auto bias = torch::zeros({config.text_classes() + config.image_vocab_size}).requires_grad_(true);
+    std::vector<torch::Tensor> replicated;
+    std::vector<std::string> replicated_names;
+    for (const auto& item : prior->named_parameters()) {
+      if (!item.key().starts_with("resblocks.")) {
+        replicated.push_back(item.value());
+        replicated_names.push_back(item.key());
+      }
+    }
+    // Last registered, first bucketed (reverse registration): on rank 0 its bucket starts as
+    // backward begins, before any block's reduce-scatter; rank 1 starts no bucket until the end.
+    replicated.push_back(bias);
+    replicated_names.push_back("bias");
+    ShardedResblocks shards(*prior, is_matrix, machine);
+    prior->set_resblock_runner(shards.runner(
+        [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
+          return x + block.branch(x, context);
+        }));
+    // Small buckets: the bias has one of its own.
+    distributed::ShardedReducer reducer(shards.parameters(), world, machine, nullptr, 1024);
+    auto parameters = replicated;
+    for (const auto& shard : shards.parameters()->shards()) parameters.push_back(shard);
+    reducer.before_backward(parameters);
+    loss_of(*prior, bias, place.rank).backward();
+    reducer.reduce_scaled(parameters);
+    reducer.reduce_unscaled(parameters);
+    for (size_t i = 0; i < replicated.size(); ++i) {
+      ASSERT_TRUE(replicated[i].grad().defined()) << replicated_names[i];
+      EXPECT_TRUE(torch::allclose(replicated[i].grad(), mean.at(replicated_names[i]), 1e-5, 1e-6))
+          << replicated_names[i];
+    }
+    for (size_t g = 0; g < shards.trained_groups(); ++g) {
+      std::vector<torch::Tensor> whole;
+      for (const auto& name : shards.names(g)) whole.push_back(mean.at(name));
+      const auto expected = shards.parameters()->shard_of(g, whole);
+      EXPECT_TRUE(torch::allclose(shards.parameters()->shard(g).grad(), expected, 1e-5, 1e-6)) << "group " << g;
+    }
+  });
 }
 
 }  // namespace
