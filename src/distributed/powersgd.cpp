@@ -57,10 +57,15 @@ int64_t effective_rank(int64_t rows, int64_t columns, const PowerSgdOptions& opt
   return std::min({options.rank, rows, columns});
 }
 
+torch::ScalarType q_dtype(const PowerSgdOptions& options) {
+  return options.warm_start ? torch::kFloat32 : options.dtype;
+}
+
 torch::Tensor initial_q(const PowerSgdOptions& options, int64_t slot, int64_t rows, int64_t columns,
                         torch::Device device) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(options.seed + static_cast<uint64_t>(slot));
-  return torch::randn({columns, effective_rank(rows, columns, options)}, generator, torch::kFloat32).to(device);
+  return torch::randn({columns, effective_rank(rows, columns, options)}, generator, torch::kFloat32)
+      .to(device, q_dtype(options));
 }
 
 LowRankAverager::LowRankAverager(std::shared_ptr<ProcessGroup> group, const PowerSgdOptions& options)
@@ -93,7 +98,7 @@ double LowRankAverager::average(const std::vector<torch::Tensor>& gradients, con
     } else {
       error.copy_(stored_as(error.to(torch::kFloat32) + gradients[i], dtype));
     }
-    ps.push_back(stored_as(in_float32(i).mm(states[i]->q), dtype));
+    ps.push_back(stored_as(in_float32(i).mm(states[i]->q.to(torch::kFloat32)), dtype));
   }
   bytes_ += average_together(*group_, ps);
   for (size_t i = 0; i < ps.size(); ++i) {
@@ -192,7 +197,7 @@ LowRankState& PowerSgdReducer::state_of(const torch::Tensor& parameter, int64_t 
     }
     // A Q of another rank (powersgd.rank changed on resume) starts afresh.
     const auto& q = restored->second.q;
-    state = {q.size(1) == effective_rank(n, m, options_) ? q.to(device, torch::kFloat32)
+    state = {q.size(1) == effective_rank(n, m, options_) ? q.to(device, q_dtype(options_))
                                                           : initial_q(options_, slot, n, m, device),
              restored->second.error.to(device, options_.dtype)};
     restored_.erase(restored);

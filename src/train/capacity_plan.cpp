@@ -513,7 +513,9 @@ class Planner {
     }
     add_memory("PowerSGD error feedback", MemoryPhase::kept, bytes * error_values,
                dtype + (plan_.sharded ? ", the size of the shards" : ", the size of the compressed gradients"));
-    add_memory("PowerSGD Q", MemoryPhase::kept, kFp32 * largest.q_values, "fp32, columns x rank per matrix");
+    const bool fixed_q = distributed::q_dtype(options) != torch::kFloat32;
+    add_memory("PowerSGD Q", MemoryPhase::kept, (fixed_q ? bytes : kFp32) * largest.q_values,
+               (fixed_q ? dtype + " (fixed Q)" : std::string("fp32")) + ", columns x rank per matrix");
     add_memory("PowerSGD P and Q of an update", MemoryPhase::reduction, 2 * bytes * largest.pq_values,
                dtype + ", each and its flat copy for the all-reduce");
     // In 16 bits, LowRankAverager::average reads each buffer back in fp32 where it uses it,

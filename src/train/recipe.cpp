@@ -45,11 +45,13 @@ void PowerSgdConfig::visit(ConfigVisitor& v) {
   v.field("warm_start", warm_start,
           "true: the last Q starts the next power iteration (PyTorch's hook; sharded, each rank's blocks of rows "
           "keep theirs, in its shard file of the checkpoints, and start afresh on another number of ranks per "
-          "machine); false: Q stays the first seeded Gaussian (DALL-E). On by default: at rank 32 it ended 0.6% "
-          "above plain reduction's validation loss where a fixed Q ended 1.2% above (docs/distributed.md)");
+          "machine); false: Q stays the first seeded Gaussian (DALL-E), kept in `dtype`. On by default: at rank 32 "
+          "it ended 0.6% above plain reduction's validation loss where a fixed Q ended 1.2% above "
+          "(docs/distributed.md)");
   v.field("dtype", dtype,
-          "of P and Q on the wire and of the error buffers: float32, or 16 bits as DALL-E kept them (bfloat16 has "
-          "fp32's range; float16's infinities are clamped to 65504, and unscaled gradients below 6e-8 vanish)",
+          "of P and Q on the wire, of the error buffers and of a fixed Q: float32, or 16 bits as DALL-E kept them "
+          "(bfloat16 has fp32's range; float16's infinities are clamped to 65504, and unscaled gradients below "
+          "6e-8 vanish)",
           dtype_choices({"float32", "bfloat16", "float16"}));
 }
 

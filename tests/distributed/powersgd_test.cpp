@@ -153,7 +153,8 @@ TEST(PowerSgd, UpdatesAreCountedByTheParametersReducedFirst) {
 }
 
 // In 16 bits, P and Q travel in half the bytes, and float16's infinities are clamped: a
-// gradient beyond its range leaves finite error buffers and a finite average.
+// gradient beyond its range leaves finite error buffers and a finite average. A fixed Q is
+// stored in 16 bits as well; a warm-started one stays float32.
 TEST(PowerSgd, SixteenBitStateHalvesTheBytesAndClampsInfinities) {
   testing::on_ranks(2, [](const LaunchEnvironment& place) {
     auto group = group_at(place);
@@ -168,7 +169,17 @@ TEST(PowerSgd, SixteenBitStateHalvesTheBytesAndClampsInfinities) {
       io::TensorMap state;
       reducer.save_state(state, "");
       EXPECT_TRUE(torch::isfinite(state.at("error.0")).all().item<bool>()) << dtype;
+      EXPECT_EQ(state.at("q.0").scalar_type(), dtype) << "a fixed Q is kept in 16 bits too";
+      EXPECT_TRUE(torch::equal(state.at("q.0"), initial_q({.rank = 1, .dtype = dtype}, 0, 4, 3, torch::kCPU)));
     }
+    PowerSgdReducer warm(group, {.rank = 1, .start_update = 1, .min_compression_rate = 0.0, .warm_start = true,
+                                 .dtype = torch::kBFloat16});
+    auto parameter = torch::ones({4, 3}).requires_grad_();
+    parameter.mutable_grad() = torch::ones({4, 3});
+    warm.reduce({parameter});
+    io::TensorMap state;
+    warm.save_state(state, "");
+    EXPECT_EQ(state.at("q.0").scalar_type(), torch::kFloat32) << "a warm Q carries the iteration in float32";
   });
 }
 

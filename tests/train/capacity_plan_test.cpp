@@ -425,6 +425,9 @@ TEST(CapacityPlan, TwelveBillionOnV100sNamesWhatDoesNotFit) {
                    2 * 128 * 1280 * d);
   EXPECT_FALSE(shipped.fits);
   EXPECT_EQ(shipped.too_large, (std::vector<std::string>{"AdamW moments"}));
+  // Q, fixed as DALL-E kept it, is stored in powersgd.dtype; warm-started, in fp32.
+  const auto warm = plan_capacity(twelve_billion({"distributed.powersgd.warm_start=true"}), v100s);
+  EXPECT_DOUBLE_EQ(part_named(warm, "PowerSGD Q").bytes, 2 * part_named(shipped, "PowerSGD Q").bytes);
   // PowerSGD: P and Q in bf16 against whole fp32 gradients across machines.
   EXPECT_GT(1.0 - sharded.bytes_across / sharded.bytes_across_uncompressed, 0.85);
   // An H200's memory holds it, with fp32 weights too.

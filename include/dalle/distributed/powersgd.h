@@ -47,14 +47,19 @@ int64_t effective_rank(int64_t rows, int64_t columns, const PowerSgdOptions& opt
 // The values a replica sends for a gradient of `shape`: (n + m) r compressed, else all.
 int64_t values_sent(const std::vector<int64_t>& shape, const PowerSgdOptions& options);
 
-// What PowerSGD keeps for one matrix: Q (m x r, fp32) and the error buffer (n x m, in the
-// options' dtype; it may be a view into a larger buffer, and is only changed in place).
+// What PowerSGD keeps for one matrix: Q (m x r, in q_dtype) and the error buffer (n x m, in
+// the options' dtype; it may be a view into a larger buffer, and is only changed in place).
 struct LowRankState {
   torch::Tensor q, error;
 };
 
-// The first Q (m x r) of an n x m matrix numbered `slot`: a Gaussian seeded by the options
-// and the slot, the same on every replica.
+// Q's storage: the options' dtype when Q stays fixed (DALL-E: a random subspace, which 16 bits
+// span as well, at half the bytes), float32 when warm-started (it carries the power iteration
+// from update to update).
+torch::ScalarType q_dtype(const PowerSgdOptions& options);
+
+// The first Q (m x r, in q_dtype) of an n x m matrix numbered `slot`: a Gaussian seeded by the
+// options and the slot, the same on every replica.
 torch::Tensor initial_q(const PowerSgdOptions& options, int64_t slot, int64_t rows, int64_t columns,
                         torch::Device device);
 
