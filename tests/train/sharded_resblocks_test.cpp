@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "dalle/distributed/sharded_reducer.h"
+#include "dalle/train/resblock_runner.h"
 #include "distributed/on_ranks.h"
 #include "test_support.h"
 
@@ -156,6 +157,71 @@ TEST(ShardedResblocks, ARankLackingAReplicatedGradientOrdersItsCollectivesAsTheO
       const auto expected = shards.parameters()->shard_of(g, whole);
       EXPECT_TRUE(torch::allclose(shards.parameters()->shard(g).grad(), expected, 1e-5, 1e-6)) << "group " << g;
     }
+  });
+}
+
+// checkpointed_inputs, sharded: each gathered block keeps its input in bfloat16 for its
+// backward, as the unsharded checkpointed runner does, so that the shards' gradients are the
+// ranks' mean of that runner's (and not of the float32-kept one's).
+TEST(ShardedResblocks, SixteenBitKeptInputsGiveTheCheckpointedRunnersGradients) {
+  const auto config = tiny_model();
+  const int64_t ranks = 2;
+  torch::manual_seed(8);
+  const models::Prior reference(config);
+  std::vector<torch::Tensor> tokens;
+  for (int64_t rank = 0; rank < ranks; ++rank) {
+    auto text = torch::randint(4, config.text_vocab_size, {2, config.text_length});
+    tokens.push_back(torch::cat({text, torch::randint(0, config.image_vocab_size, {2, config.image_length()})}, 1));
+  }
+  const auto copy_of_reference = [&] {
+    models::Prior prior(config);
+    torch::NoGradGuard no_grad;
+    for (auto& item : prior->named_parameters()) item.value().copy_(reference->named_parameters()[item.key()]);
+    return prior;
+  };
+  // One process, each rank's batch through the checkpointed runner, the gradients averaged.
+  const auto mean_of_checkpointed = [&](torch::ScalarType kept_as) {
+    std::map<std::string, torch::Tensor> mean;
+    for (int64_t rank = 0; rank < ranks; ++rank) {
+      auto prior = copy_of_reference();
+      prior->set_resblock_runner(
+          make_training_runner(prior->resblocks(), {.checkpoint_every = 1, .checkpointed_inputs = kept_as}));
+      models::prior_loss(prior->forward(tokens[rank]), tokens[rank], config).total.backward();
+      for (const auto& item : prior->named_parameters()) {
+        const auto share = item.value().grad() / ranks;
+        mean[item.key()] = mean.count(item.key()) ? mean[item.key()] + share : share;
+      }
+    }
+    return mean;
+  };
+  const auto rounded = mean_of_checkpointed(torch::kBFloat16), exact = mean_of_checkpointed(torch::kFloat32);
+  testing::on_ranks(ranks, [&](const distributed::LaunchEnvironment& place) {
+    auto prior = copy_of_reference();
+    ShardedResblocks shards(*prior, is_matrix, testing::group_at(place));
+    prior->set_resblock_runner(shards.runner(
+        [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
+          return x + block.branch(x, context);
+        },
+        torch::kBFloat16));
+    models::prior_loss(prior->forward(tokens[place.rank]), tokens[place.rank], config).total.backward();
+    shards.parameters()->finish_reductions();
+    double off_rounded = 0, off_exact = 0;
+    for (size_t g = 0; g < shards.trained_groups(); ++g) {
+      std::vector<torch::Tensor> whole_rounded, whole_exact;
+      for (const auto& name : shards.names(g)) {
+        whole_rounded.push_back(rounded.at(name));
+        whole_exact.push_back(exact.at(name));
+      }
+      const auto& gradient = shards.parameters()->shard(g).grad();
+      EXPECT_TRUE(torch::allclose(gradient, shards.parameters()->shard_of(g, whole_rounded), 1e-5, 1e-7))
+          << "group " << g;
+      const auto distance = [&](const std::vector<torch::Tensor>& whole) {
+        return (gradient - shards.parameters()->shard_of(g, whole)).abs().max().item<double>();
+      };
+      off_rounded = std::max(off_rounded, distance(whole_rounded));
+      off_exact = std::max(off_exact, distance(whole_exact));
+    }
+    EXPECT_GT(off_exact, 20 * off_rounded) << "the float32-kept runner's gradients differ";
   });
 }
 
