@@ -26,7 +26,9 @@ std::vector<std::vector<int64_t>> emptied(ResblockImpl& block) {
 
 void refilled(ResblockImpl& block, const std::vector<std::vector<int64_t>>& shapes) {
   auto parameters = block.parameters();
-  for (size_t i = 0; i < parameters.size(); ++i) parameters[i].set_data(torch::empty(shapes[i], parameters[i].options()));
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    parameters[i].set_data(torch::empty(shapes[i], parameters[i].options()));
+  }
 }
 
 }  // namespace

@@ -90,7 +90,10 @@ ShardedResblocks::ShardedResblocks(size_t blocks, const DecayRule& decayed,
 // Group 2b: the block's trained matrices (AdamW decays them), in `matrices_`; 2b + 1: the rest
 // of what trains; 2 blocks + b: what is frozen.
 void ShardedResblocks::add_block(size_t b, models::ResblockImpl& block) {
-  if (b >= blocks_ || block_index_.count(&block)) throw Error("sharded resblocks: block " + std::to_string(b) + " twice or too many");
+  if (b >= blocks_ || block_index_.count(&block)) {
+    throw Error("sharded resblocks: block " + std::to_string(b) + " added twice, or beyond the " +
+                std::to_string(blocks_) + " blocks");
+  }
   block_index_.emplace(&block, b);
   std::vector<torch::Tensor> matrices, rest, frozen;
   const std::string prefix = "resblocks." + std::to_string(b) + ".";

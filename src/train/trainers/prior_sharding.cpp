@@ -7,35 +7,19 @@
 #include <malloc.h>
 #endif
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
-#include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <limits>
-#include <nlohmann/json.hpp>
 #include <map>
 #include <unordered_set>
 
-#include "dalle/data/image.h"
-#include "dalle/data/image_grid.h"
-#include "dalle/data/loader.h"
-#include "dalle/data/token_dataset.h"
 #include "dalle/distributed/sharded_parameters.h"
 #include "dalle/distributed/sharded_reducer.h"
 #include "dalle/io/state_dict.h"
-#include "dalle/device.h"
-#include "dalle/io/atomic_file.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/sharded_checkpoint.h"
-#include "dalle/io/state_dict.h"
 #include "dalle/log.h"
-#include "dalle/text/tokenizer.h"
 #include "dalle/train/adamw.h"
 #include "dalle/train/ema.h"
-#include "dalle/train/gradient_scaler.h"
-#include "dalle/models/trained.h"
 #include "dalle/train/optimizer_state.h"
 #include "dalle/train/precision.h"
 #include "dalle/train/model_precision.h"
@@ -45,7 +29,6 @@
 #include "dalle/train/update_step.h"
 #include "train/run_directory.h"
 #include "train/trainers/trainer_support.h"
-#include "train/training_loop.h"
 
 namespace dalle::train {
 

@@ -162,7 +162,8 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   }
   check_weights_storage(s.config.precision, s.shards_resblocks(), "prior training");
   s.config.checkpointed_inputs_type("prior training");
-  if (s.config.checkpointed_inputs != "float32" && !s.shards_resblocks() && s.config.checkpoint_activations_every == 0) {
+  const bool checkpoints = s.shards_resblocks() || s.config.checkpoint_activations_every > 0;
+  if (s.config.checkpointed_inputs != "float32" && !checkpoints) {
     log::warn("prior training: checkpointed_inputs ", s.config.checkpointed_inputs,
               " changes nothing: no resblock is checkpointed (checkpoint_activations_every 0, not sharded)");
   }

@@ -110,8 +110,8 @@ inline bool decayed_by_adamw(const std::string& name, const torch::Tensor& param
 }
 
 inline std::vector<torch::optim::OptimizerParamGroup> decay_groups(std::vector<torch::Tensor> decayed,
-                                                            std::vector<torch::Tensor> undecayed,
-                                                            double weight_decay) {
+                                                                   std::vector<torch::Tensor> undecayed,
+                                                                   double weight_decay) {
   auto decay_options = std::make_unique<torch::optim::AdamWOptions>();
   decay_options->weight_decay(weight_decay);
   auto plain_options = std::make_unique<torch::optim::AdamWOptions>();
