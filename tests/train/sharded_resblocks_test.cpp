@@ -22,6 +22,25 @@ models::PriorConfig tiny_model() {
 
 bool is_matrix(const std::string&, const torch::Tensor& parameter) { return parameter.dim() == 2; }
 
+// A batch of two token rows for each of `ranks` ranks.
+std::vector<torch::Tensor> batch_per_rank(const models::PriorConfig& config, int64_t ranks) {
+  std::vector<torch::Tensor> tokens;
+  for (int64_t rank = 0; rank < ranks; ++rank) {
+    auto text = torch::randint(4, config.text_vocab_size, {2, config.text_length});
+    tokens.push_back(torch::cat({text, torch::randint(0, config.image_vocab_size, {2, config.image_length()})}, 1));
+  }
+  return tokens;
+}
+
+// A prior of `reference`'s config holding its values (built anew: no draws shared between ranks).
+models::Prior copy_of(const models::Prior& reference) {
+  models::Prior prior(reference->config());
+  torch::NoGradGuard no_grad;
+  const auto values = reference->named_parameters();
+  for (auto& item : prior->named_parameters()) item.value().copy_(values[item.key()]);
+  return prior;
+}
+
 TEST(ShardedResblocks, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
   const auto config = tiny_model();
   torch::manual_seed(5);
@@ -84,11 +103,7 @@ TEST(ShardedResblocks, ARankLackingAReplicatedGradientOrdersItsCollectivesAsTheO
   const int64_t ranks = 2;
   torch::manual_seed(3);
   const models::Prior reference(config);
-  std::vector<torch::Tensor> tokens;
-  for (int64_t rank = 0; rank < ranks; ++rank) {
-    auto text = torch::randint(4, config.text_vocab_size, {2, config.text_length});
-    tokens.push_back(torch::cat({text, torch::randint(0, config.image_vocab_size, {2, config.image_length()})}, 1));
-  }
+  const auto tokens = batch_per_rank(config, ranks);
   const auto loss_of = [&](models::PriorImpl& prior, const torch::Tensor& bias, int64_t rank) {
     auto logits = prior.forward(tokens[rank]);
     if (rank == 0) logits = logits + bias;  // rank 1's loss never sees the bias
@@ -97,9 +112,8 @@ TEST(ShardedResblocks, ARankLackingAReplicatedGradientOrdersItsCollectivesAsTheO
   // One process: each rank's gradients, averaged.
   std::map<std::string, torch::Tensor> mean;
   for (int64_t rank = 0; rank < ranks; ++rank) {
-    models::Prior alone(config);
+    auto alone = copy_of(reference);
     torch::NoGradGuard no_grad;
-    for (auto& item : alone->named_parameters()) item.value().copy_(reference->named_parameters()[item.key()]);
     auto bias = torch::zeros({config.text_classes() + config.image_vocab_size}).requires_grad_(true);
     {
       torch::AutoGradMode grad(true);
@@ -115,11 +129,7 @@ TEST(ShardedResblocks, ARankLackingAReplicatedGradientOrdersItsCollectivesAsTheO
   testing::on_ranks(ranks, [&](const distributed::LaunchEnvironment& place) {
     const auto world = testing::group_at(place);
     const auto machine = testing::subgroup_at(place, "machine", place.rank, ranks);
-    models::Prior prior(config);
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& item : prior->named_parameters()) item.value().copy_(reference->named_parameters()[item.key()]);
-    }
+    auto prior = copy_of(reference);
     auto bias = torch::zeros({config.text_classes() + config.image_vocab_size}).requires_grad_(true);
     std::vector<torch::Tensor> replicated;
     std::vector<std::string> replicated_names;
@@ -168,22 +178,12 @@ TEST(ShardedResblocks, SixteenBitKeptInputsGiveTheCheckpointedRunnersGradients) 
   const int64_t ranks = 2;
   torch::manual_seed(8);
   const models::Prior reference(config);
-  std::vector<torch::Tensor> tokens;
-  for (int64_t rank = 0; rank < ranks; ++rank) {
-    auto text = torch::randint(4, config.text_vocab_size, {2, config.text_length});
-    tokens.push_back(torch::cat({text, torch::randint(0, config.image_vocab_size, {2, config.image_length()})}, 1));
-  }
-  const auto copy_of_reference = [&] {
-    models::Prior prior(config);
-    torch::NoGradGuard no_grad;
-    for (auto& item : prior->named_parameters()) item.value().copy_(reference->named_parameters()[item.key()]);
-    return prior;
-  };
+  const auto tokens = batch_per_rank(config, ranks);
   // One process, each rank's batch through the checkpointed runner, the gradients averaged.
   const auto mean_of_checkpointed = [&](torch::ScalarType kept_as) {
     std::map<std::string, torch::Tensor> mean;
     for (int64_t rank = 0; rank < ranks; ++rank) {
-      auto prior = copy_of_reference();
+      auto prior = copy_of(reference);
       prior->set_resblock_runner(
           make_training_runner(prior->resblocks(), {.checkpoint_every = 1, .checkpointed_inputs = kept_as}));
       models::prior_loss(prior->forward(tokens[rank]), tokens[rank], config).total.backward();
@@ -196,7 +196,7 @@ TEST(ShardedResblocks, SixteenBitKeptInputsGiveTheCheckpointedRunnersGradients) 
   };
   const auto rounded = mean_of_checkpointed(torch::kBFloat16), exact = mean_of_checkpointed(torch::kFloat32);
   testing::on_ranks(ranks, [&](const distributed::LaunchEnvironment& place) {
-    auto prior = copy_of_reference();
+    auto prior = copy_of(reference);
     ShardedResblocks shards(*prior, is_matrix, testing::group_at(place));
     prior->set_resblock_runner(shards.runner(
         [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
