@@ -555,7 +555,7 @@ class Planner {
   // anyway; sharded, there is no validation copy.
   void startup_memory() {
     const auto& counts = plan_.parameters;
-    plan_.built_sharded = plan_.sharded && !shape_.frozen && recipe_.init_from.empty();
+    plan_.built_sharded = recipe_.builds_sharded(plan_.sharded, !recipe_.init_from.empty());
     if (plan_.built_sharded) {
       double block = 0;
       for (const auto& layer_block : shape_.layer) block = std::max(block, static_cast<double>(layer_block.values()));

@@ -40,8 +40,7 @@ using namespace prior_training;
 // those of a whole build, bit for bit. Otherwise the prior is built whole, then loaded, frozen
 // and cut (cut_resblocks).
 void PriorTrainer::State::build_model(bool starts_from_init) {
-  const bool trains_everything = !config.adapter.enabled() && config.optimizer.trainable.empty();
-  if (!shards_resblocks() || starts_from_init || !trains_everything) {
+  if (!config.builds_sharded(shards_resblocks(), starts_from_init)) {
     model = models::Prior(config.model);
     return;
   }

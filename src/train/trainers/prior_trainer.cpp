@@ -66,6 +66,10 @@ torch::ScalarType PriorTrainConfig::checkpointed_inputs_type(const std::string& 
   return float_type_named(checkpointed_inputs);
 }
 
+bool PriorTrainConfig::builds_sharded(bool sharded, bool loads_init_from) const {
+  return sharded && !loads_init_from && !adapter.enabled() && optimizer.trainable.empty();
+}
+
 double PriorLearningRate::at(int64_t step, int64_t total_steps, int64_t reductions) const {
   if (step < warmup_steps) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
   if (decay == "plateau") return peak * std::pow(plateau_factor, static_cast<double>(reductions));

@@ -82,6 +82,11 @@ struct PriorTrainConfig {
   // The type checkpointed resblocks keep their inputs in (checkpointed_inputs); 16 bits need a
   // 16-bit precision.mode, as the trainer and the planner (`who`) both require: throws Error.
   torch::ScalarType checkpointed_inputs_type(const std::string& who) const;
+  // Whether a run builds the prior one resblock at a time, each cut into its shards as it is
+  // drawn: sharded (`sharded`), training every parameter (no adapter, no optimizer.trainable)
+  // and not loading the whole model from init_from (`loads_init_from`). The trainer and the
+  // planner both ask.
+  bool builds_sharded(bool sharded, bool loads_init_from) const;
 };
 
 struct PriorStepMetrics {
