@@ -1,5 +1,8 @@
 #include "serve/job_store.h"
 
+#include <nlohmann/json.hpp>
+#include <thread>
+
 #include "test_support.h"
 
 namespace dalle::serve {
@@ -48,6 +51,42 @@ TEST(JobStore, AnEndedJobExpiresAfterItsLifetime) {
   EXPECT_TRUE(store.find("quick")) << "an unfinished job does not expire";
   store.end("quick", "answer", "");
   EXPECT_FALSE(store.find("quick"));
+}
+
+TEST(JobStore, AJobWhoseAnswerCannotBeBuiltEndsFailedAndSaysWhy) {
+  JobStore store(600s, 1);
+  ASSERT_TRUE(store.add("broken"));
+  EXPECT_FALSE(store.end_with("broken", []() -> std::string { throw Error("the PNG encoder ran out of memory"); }));
+  const auto broken = store.find("broken");
+  ASSERT_TRUE(broken && broken->ended) << "not in progress for ever";
+  EXPECT_TRUE(broken->answer.empty());
+  const auto error = nlohmann::json::parse(broken->error)["error"];
+  EXPECT_EQ(error["code"], "answer_failed");
+  EXPECT_NE(error["message"].get<std::string>().find("the PNG encoder ran out of memory"), std::string::npos);
+  EXPECT_TRUE(store.add("next")) << "the failed job no longer holds the one unfinished place";
+
+  EXPECT_TRUE(store.end_with("next", [] { return std::string(R"({"data": []})"); }));
+  EXPECT_EQ(store.find("next")->answer, R"({"data": []})");
+}
+
+TEST(JobStore, UnfinishedJobsPastTheDeadlineEndFailedAndTheirJobsAreHandedBackToCancel) {
+  JobStore store(600s, 2);
+  ASSERT_TRUE(store.add("stuck"));
+  auto job = std::make_shared<Job>();
+  store.attach("stuck", job);
+  EXPECT_TRUE(store.end_overdue(1h, "{}").empty()) << "not yet due";
+  ASSERT_TRUE(store.add("done"));
+  store.end("done", "answer", "");
+  std::this_thread::sleep_for(5ms);
+  const auto overdue = store.end_overdue(1ms, R"({"error": {"code": "timeout"}})");
+  ASSERT_EQ(overdue.size(), 1u) << "the unfinished job alone; the done one stays done";
+  EXPECT_EQ(overdue[0], job);
+  const auto stuck = store.find("stuck");
+  ASSERT_TRUE(stuck && stuck->ended);
+  EXPECT_EQ(stuck->error, R"({"error": {"code": "timeout"}})");
+  EXPECT_EQ(store.find("done")->answer, "answer") << "an ended job is left as it ended";
+  EXPECT_TRUE(store.find("done")->error.empty());
+  EXPECT_TRUE(store.end_overdue(1ms, "{}").empty()) << "ended once";
 }
 
 }  // namespace

@@ -125,22 +125,29 @@ TEST(Scheduler, AJobsPreviewsReachItsListenerInOrderBeforeItIsDoneAndNoOtherJobs
   Scheduler scheduler(through(model), {.max_queue = 8, .batch_window = 200ms, .batch_rows = 8});
   Scheduler::Refusal refusal;
   const auto previewed = request("previewed", 1, 1, 3);
+  // Written by the worker's thread; read here once both listeners were told the end.
   std::vector<int64_t> shown;
   std::vector<Job::State> states_told;
+  std::promise<void> first_told_done, second_told_done;
   const auto first = scheduler.submit(previewed, refusal, [&](const std::shared_ptr<Job>& job) {
     const auto progress = scheduler.progress(job, shown.size());
     for (const auto& preview : progress.previews) shown.push_back(preview.drawn);
     states_told.push_back(progress.state);
+    if (progress.state == Job::State::done) first_told_done.set_value();
   });
-  int other_calls = 0;
-  const auto second = scheduler.submit(request("plain", 2), refusal, [&](const std::shared_ptr<Job>&) { ++other_calls; });
-  ASSERT_TRUE(finished(scheduler, first));
-  ASSERT_TRUE(finished(scheduler, second));
+  std::atomic<int> other_calls{0};
+  const auto second = scheduler.submit(request("plain", 2), refusal, [&](const std::shared_ptr<Job>&) {
+    if (++other_calls == 1) second_told_done.set_value();
+  });
+  ASSERT_EQ(first_told_done.get_future().wait_for(30s), std::future_status::ready);
+  ASSERT_EQ(second_told_done.get_future().wait_for(30s), std::future_status::ready);
+  scheduler.drain();  // the worker is done with both listeners
   EXPECT_EQ(shown, (std::vector<int64_t>{3, 6})) << "every 3 of 8 positions; the last is the image itself";
   EXPECT_EQ(states_told, (std::vector<Job::State>{Job::State::running, Job::State::running, Job::State::done}))
       << "told of each preview, then of the end";
   EXPECT_EQ(first->images.size(), 1u);
-  EXPECT_EQ(other_calls, 1) << "a job without previews is told once, when it is done";
+  EXPECT_EQ(other_calls.load(), 1) << "a job without previews is told once, when it is done";
+  std::lock_guard lock(model.mutex);
   EXPECT_EQ(model.calls.size(), 1u) << "both in one call";
 }
 
@@ -193,20 +200,47 @@ TEST(Scheduler, DrainingRefusesNewRequestsAndFinishesAdmittedOnes) {
   EXPECT_EQ(model.calls.size(), 3u);
 }
 
-TEST(Scheduler, AFailedCallFailsItsRequestsAndTheWorkerGoesOn) {
+TEST(Scheduler, AFailingRequestFailsAloneItsBatchMatesGetTheirImagesAndTheWorkerGoesOn) {
   FakeModel model;
   Scheduler scheduler(through(model), {.max_queue = 4, .batch_window = 100ms, .batch_rows = 8});
   Scheduler::Refusal refusal;
+  const auto before = scheduler.submit(request("ok", 3), refusal);
   const auto failing = scheduler.submit(request("fail"), refusal);
-  const auto with_it = scheduler.submit(request("ok"), refusal);
-  ASSERT_TRUE(finished(scheduler, failing));
-  ASSERT_TRUE(finished(scheduler, with_it));
+  const auto after_it = scheduler.submit(request("ok", 5), refusal);
+  for (const auto& job : {before, failing, after_it}) ASSERT_TRUE(finished(scheduler, job));
   EXPECT_EQ(failing->error, "the model failed");
-  EXPECT_EQ(with_it->error, "the model failed");
-  const auto after = scheduler.submit(request("ok"), refusal);
-  ASSERT_TRUE(finished(scheduler, after));
-  EXPECT_TRUE(after->error.empty());
-  EXPECT_EQ(after->images.size(), 1u);
+  EXPECT_TRUE(failing->images.empty());
+  for (const auto& [job, seed] : {std::pair{before, 3.0}, std::pair{after_it, 5.0}}) {
+    EXPECT_TRUE(job->error.empty()) << "a batch-mate of a failing request: " << job->error;
+    ASSERT_EQ(job->images.size(), 1u);
+    EXPECT_EQ(job->images[0].image[0][0][0].item<double>(), seed) << "its own image";
+    EXPECT_EQ(job->batched_with, 3) << "taken with the other two";
+  }
+  {
+    std::lock_guard lock(model.mutex);
+    ASSERT_EQ(model.calls.size(), 4u) << "the three together, then each alone";
+    EXPECT_EQ(model.calls[0].size(), 3u);
+    EXPECT_EQ(model.calls[1], std::vector<std::string>{"ok"});
+    EXPECT_EQ(model.calls[2], std::vector<std::string>{"fail"});
+  }
+  const auto later = scheduler.submit(request("ok"), refusal);
+  ASSERT_TRUE(finished(scheduler, later));
+  EXPECT_TRUE(later->error.empty());
+  EXPECT_EQ(later->images.size(), 1u);
+}
+
+TEST(Scheduler, AJobTriedAgainAloneIsNotShownItsPreviewsTwice) {
+  FakeModel model;
+  Scheduler scheduler(through(model), {.max_queue = 4, .batch_window = 100ms, .batch_rows = 8});
+  Scheduler::Refusal refusal;
+  const auto previewed = scheduler.submit(request("ok", 1, 1, 3), refusal);
+  const auto failing = scheduler.submit(request("fail"), refusal);
+  ASSERT_TRUE(finished(scheduler, previewed));
+  ASSERT_TRUE(finished(scheduler, failing));
+  std::vector<int64_t> drawn;
+  for (const auto& preview : scheduler.progress(previewed).previews) drawn.push_back(preview.drawn);
+  EXPECT_EQ(drawn, (std::vector<int64_t>{3, 6})) << "the failed batch showed them; the retry adds none";
+  EXPECT_TRUE(previewed->error.empty());
 }
 
 }  // namespace

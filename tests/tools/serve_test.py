@@ -372,6 +372,20 @@ def test_errors(server):
     expect_error(server, "no key", generate(server, {"prompt": PROMPT}, key=None), 401, "invalid_api_key")
     expect_error(server, "no key for the model list", call(server, "GET", "/v1/models", key=None), 401)
     expect_error(server, "an unknown URL", call(server, "GET", "/v1/nothing"), 404)
+    expect_error(server, "a URL of 3000 bytes", call(server, "GET", "/v1/images/" + "a" * 3000 + ".png"), 414,
+                 "uri_too_long")
+    # The key is checked from the headers: a client that waits for `100 Continue` before an
+    # 8 MB body (under the limit) is refused at once, its body never asked for.
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    connection.putrequest("POST", "/v1/images/generations")
+    for name, value in (("Authorization", "Bearer not-the-key"), ("Content-Type", "application/json"),
+                        ("Content-Length", str(8 << 20)), ("Expect", "100-continue")):
+        connection.putheader(name, value)
+    connection.endheaders()
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    connection.close()
+    expect_error(server, "a wrong key before an 8 MB body", (response.status, body), 401, "invalid_api_key")
     for method, path, allowed in (("GET", "/v1/images/generations", "POST"), ("DELETE", "/health", "GET, HEAD"),
                                   ("POST", "/v1/models", "GET, HEAD")):
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=CALL_TIMEOUT)
@@ -474,11 +488,22 @@ def test_drain(server):
 
 
 def test_deadline(server):
-    """A request past request_timeout_seconds gets 504; the server goes on serving."""
+    """A request past request_timeout_seconds gets 504, a job fails; the server goes on serving."""
     expect_error(server, "a request past its deadline", generate(server, SLOW, key=None), 504, "timeout")
     health = wait_for(server, "the model to be free again", lambda health: health["generating"] == 0)
     check(health["status"] == "ok", f"health after a 504: {health}")
     check(call(server, "GET", "/v1/models", key=None)[0] == 200, "the server still answers after a 504")
+    # A job has the same deadline: it ends failed, never in progress for ever.
+    status, submitted = call(server, "POST", "/v1/images/jobs", SLOW, key=None)
+    check(status == 202, f"submitting a slow job: {status} {submitted}")
+    deadline = time.time() + 30
+    while True:
+        job = call(server, "GET", f"/v1/images/jobs/{submitted['id']}", key=None)[1]
+        if job["status"] not in ("queued", "in_progress") or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    check(job["status"] == "failed" and job["error"]["code"] == "timeout", f"a job past its deadline: {job}")
+    wait_for(server, "the model to be free after the job", lambda health: health["generating"] == 0)
 
 
 def test_bad_command_lines():

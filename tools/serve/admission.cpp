@@ -1,4 +1,5 @@
-// Image requests from their body to the scheduler: authorised, read, prepared by the pipeline
+// Image requests from their body to the scheduler: authorised (from the headers, before the
+// body: http_server.cpp's refusal), read, prepared by the pipeline
 // (its one call on this side), admitted or refused (429: the queue is full; 503: the server
 // drains), then answered once their job is done, streamed as it is drawn, or kept as a job
 // that outlives its connection. On the event loop's thread.
@@ -40,15 +41,14 @@ void HttpServer::State::authorize(const Exchange& exchange) const {
                  "", "invalid_api_key");
 }
 
-void HttpServer::State::check_admissible(const Exchange& exchange) const {
-  authorize(exchange);
+void HttpServer::State::check_not_draining() const {
   if (scheduler.draining()) {
     throw ApiError(503, "The server is shutting down and takes no new requests.", "", "server_shutting_down");
   }
 }
 
 ImageRequest HttpServer::State::read_request(const Exchange& exchange) const {
-  check_admissible(exchange);
+  check_not_draining();
   return read_image_request(exchange.body, model);
 }
 
@@ -94,7 +94,7 @@ MHD_Result HttpServer::State::generations(const std::shared_ptr<Exchange>& excha
 }
 
 MHD_Result HttpServer::State::edits(const std::shared_ptr<Exchange>& exchange) {
-  check_admissible(*exchange);
+  check_not_draining();
   if (!exchange->oversized_field.empty()) {
     const auto& name = exchange->oversized_field;
     throw ApiError(413, "Invalid '" + name + "': larger than this server takes (" +
@@ -110,7 +110,15 @@ MHD_Result HttpServer::State::edits(const std::shared_ptr<Exchange>& exchange) {
 
 MHD_Result HttpServer::State::answer_with_job(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
                                               generate::PreparedRequest prompt) {
+  // Registered before it can be parked, so that drop_waiting (the server stopping) wakes it
+  // whenever it comes: a parked connection nobody wakes would hold the event loop's stop.
   {
+    std::lock_guard lock(waiting_mutex);
+    if (waiting_closed) throw ApiError(503, "The server is shutting down and takes no new requests.", "",
+                                       "server_shutting_down");
+    waiting.insert(exchange);
+  }
+  try {
     // Held until the connection is parked, or streams: the job's answer cannot come before.
     std::lock_guard lock(exchange->mutex);
     exchange->streaming = request.stream;
@@ -124,11 +132,12 @@ MHD_Result HttpServer::State::answer_with_job(const std::shared_ptr<Exchange>& e
         if (auto exchange = weak.lock()) settle(exchange, job);
       });
     });
-    if (!request.stream) exchange->park();
-  }
-  {
+    if (!request.stream && !exchange->dropped) exchange->park();
+  } catch (...) {
     std::lock_guard lock(waiting_mutex);
-    waiting.insert(exchange);
+    waiting.erase(exchange);
+    waiting_changed.notify_all();
+    throw;
   }
   return request.stream ? stream(exchange) : MHD_YES;
 }
@@ -197,7 +206,6 @@ Answer HttpServer::State::submit_job(const Exchange& exchange) {
 }
 
 Answer HttpServer::State::job(const Exchange& exchange, const std::string& id) {
-  authorize(exchange);
   auto stored = exchange.method == "DELETE" ? jobs.cancel(id) : jobs.find(id);
   if (!stored) throw ApiError(404, "No such job: it expired, or was never made here.", "", "job_not_found");
   if (exchange.method == "DELETE" && stored->job) scheduler.cancel(stored->job);

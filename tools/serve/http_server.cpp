@@ -9,13 +9,13 @@
 #include <cstdarg>
 #include <cstring>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <utility>
 
 #include "dalle/input_limits.h"
 #include "dalle/log.h"
 #include "serve/api_error.h"
 #include "serve/edit_request.h"
+#include "serve/route.h"
 #include "serve/server_state.h"
 #include "serve/web_page.h"
 
@@ -27,35 +27,6 @@ using nlohmann::json;
 
 // Per connection: the request line, headers and read buffer (libmicrohttpd's default).
 constexpr size_t kConnectionMemory = 32 * 1024;
-
-const std::regex& job_path() {
-  static const std::regex path(R"(/v1/images/jobs/([0-9a-f]{32}))");
-  return path;
-}
-
-// The route a request took, for the metrics' labels: a bounded set whatever clients ask.
-std::string endpoint_of(const std::string& path) {
-  for (const char* route : {kGenerations, kEdits, kJobs, "/v1/models", "/health", "/metrics", "/"}) {
-    if (path == route) return route;
-  }
-  if (path.rfind("/v1/models/", 0) == 0) return "/v1/models/{model}";
-  if (std::regex_match(path, job_path())) return "/v1/images/jobs/{id}";
-  if (path.rfind("/v1/images/", 0) == 0) return "/v1/images/{id}.png";
-  return "other";
-}
-
-// The methods a route takes; "" for an unknown one.
-std::string allowed_methods(const std::string& path) {
-  static const std::regex get_routes(R"(/v1/models(/.+)?|/v1/images/[0-9a-f]{32}\.png|/health|/metrics|/)");
-  if (path == kGenerations || path == kEdits || path == kJobs) return "POST";
-  if (std::regex_match(path, job_path())) return "GET, HEAD, DELETE";
-  return std::regex_match(path, get_routes) ? "GET, HEAD" : "";
-}
-
-bool takes(const std::string& allowed, const std::string& method) {
-  std::string list = ", " + allowed + ",";
-  return list.find(" " + method + ",") != std::string::npos;
-}
 
 std::string numeric_address(const sockaddr* address) {
   char host[NI_MAXHOST];
@@ -190,7 +161,7 @@ MHD_Result HttpServer::State::on_request(void* self, MHD_Connection* connection,
 void HttpServer::State::take_body(Exchange& exchange, const char* data, size_t size) {
   exchange.body_bytes += size;
   exchange.too_large = exchange.too_large || exchange.body_bytes > static_cast<size_t>(body_limit(exchange));
-  if (exchange.too_large) return;
+  if (exchange.too_large || exchange.refusal) return;
   if (!exchange.form_reader) {
     exchange.body.append(data, size);
     return;
@@ -223,7 +194,8 @@ MHD_Result HttpServer::State::begin(MHD_Connection* connection, const char* url,
   exchange->connection = connection;
   exchange->method = method;
   exchange->path = url;
-  exchange->endpoint = endpoint_of(exchange->path);
+  exchange->route = route_of(exchange->path);
+  exchange->endpoint = exchange->route.endpoint();
   exchange->host = header(connection, "Host");
   exchange->authorization = header(connection, "Authorization");
   if (const auto* socket = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD)) {
@@ -234,7 +206,10 @@ MHD_Result HttpServer::State::begin(MHD_Connection* connection, const char* url,
   }
   *context = new std::shared_ptr<Exchange>(exchange);
   connections.headers_read(connection);
-  if (exchange->path == kEdits && exchange->method == "POST") {
+  // Decided from the request line and headers: a refused request's body is read and dropped,
+  // never kept.
+  exchange->refusal = refusal(*exchange);
+  if (!exchange->refusal && exchange->route.kind == RouteKind::edits && exchange->method == "POST") {
     exchange->limits = &config;
     exchange->form_reader = MHD_create_post_processor(connection, 64 * 1024, read_form, exchange.get());
     if (!exchange->form_reader) {
@@ -244,16 +219,16 @@ MHD_Result HttpServer::State::begin(MHD_Connection* connection, const char* url,
                                                    "invalid_content_type")));
     }
   }
-  // A body declared too large is read and dropped (body_timeout_seconds bounds that), then
-  // refused: a client that sends it whole reads the answer only after. One that waits for
-  // `100 Continue` is refused at once (the connection then closes).
+  // A refused body, or one declared too large, is read and dropped (body_timeout_seconds
+  // bounds that), then refused: a client that sends it whole reads the answer only after. One
+  // that waits for `100 Continue` is refused at once (the connection then closes).
   const auto length = header(connection, "Content-Length");
   if (!length.empty() && (length.size() > 18 || std::stoll(length) > body_limit(*exchange))) {
     exchange->too_large = true;
-    if (!header(connection, "Expect").empty()) {
-      exchange->read = true;
-      return send(*exchange, error_answer(body_too_large(*exchange)));
-    }
+  }
+  if ((exchange->refusal || exchange->too_large) && !header(connection, "Expect").empty()) {
+    exchange->read = true;
+    return send(*exchange, refused_answer(*exchange));
   }
   // Answering now would close the connection (libmicrohttpd's rule): the answer comes once
   // the body, even an empty one, is read.
@@ -285,23 +260,43 @@ MHD_Result HttpServer::State::dispatch(const std::shared_ptr<Exchange>& exchange
   }
 }
 
-MHD_Result HttpServer::State::route(const std::shared_ptr<Exchange>& exchange) {
-  const auto& path = exchange->path;
-  const auto allowed = allowed_methods(path);
-  if (allowed.empty()) throw ApiError(404, "Invalid URL (" + exchange->method + " " + excerpt(path) + ")");
-  if (!takes(allowed, exchange->method)) {
-    auto answer = error_answer(ApiError(405, "Invalid method for URL (" + exchange->method + " " + excerpt(path) +
-                                                 "); it takes " + allowed + ".", "", "method_not_allowed"));
-    answer.headers.emplace_back("Allow", allowed);
-    return send(*exchange, answer);
+std::optional<ApiError> HttpServer::State::refusal(const Exchange& exchange) const {
+  const auto& path = exchange.path;
+  if (path.size() > kMaxPathLength) {
+    return ApiError(414, "The URL is longer than this server takes (" + std::to_string(kMaxPathLength) + " bytes).",
+                    "", "uri_too_long");
   }
-  if (exchange->too_large) return send(*exchange, error_answer(body_too_large(*exchange)));
-  if (path == kGenerations) return generations(exchange);
-  if (path == kEdits) return edits(exchange);
-  if (path == kJobs) return send(*exchange, submit_job(*exchange));
-  std::smatch match;
-  if (std::regex_match(path, match, job_path())) return send(*exchange, job(*exchange, match[1]));
-  return send(*exchange, get(*exchange));
+  const auto& route = exchange.route;
+  if (route.kind == RouteKind::unknown) return ApiError(404, "Invalid URL (" + exchange.method + " " + excerpt(path) + ")");
+  if (!route.takes(exchange.method)) {
+    return ApiError(405, "Invalid method for URL (" + exchange.method + " " + excerpt(path) + "); it takes " +
+                             route.allowed_methods() + ".", "", "method_not_allowed");
+  }
+  if (!route.needs_key()) return std::nullopt;
+  try {
+    authorize(exchange);
+  } catch (const ApiError& error) {
+    return error;
+  }
+  return std::nullopt;
+}
+
+Answer HttpServer::State::refused_answer(const Exchange& exchange) const {
+  if (!exchange.refusal) return error_answer(body_too_large(exchange));
+  auto answer = error_answer(*exchange.refusal);
+  if (exchange.refusal->status() == 405) answer.headers.emplace_back("Allow", exchange.route.allowed_methods());
+  return answer;
+}
+
+MHD_Result HttpServer::State::route(const std::shared_ptr<Exchange>& exchange) {
+  if (exchange->refusal || exchange->too_large) return send(*exchange, refused_answer(*exchange));
+  switch (exchange->route.kind) {
+    case RouteKind::generations: return generations(exchange);
+    case RouteKind::edits: return edits(exchange);
+    case RouteKind::jobs: return send(*exchange, submit_job(*exchange));
+    case RouteKind::job: return send(*exchange, job(*exchange, exchange->route.id));
+    default: return send(*exchange, get(*exchange));
+  }
 }
 
 Answer HttpServer::State::get(const Exchange& exchange) {
@@ -323,17 +318,16 @@ Answer HttpServer::State::get(const Exchange& exchange) {
             .headers = {}};
   }
   if (path == "/") return {.content_type = "text/html; charset=utf-8", .body = kWebPage, .headers = {}};
-  static const std::regex image_path(R"(/v1/images/([0-9a-f]{32})\.png)");
-  std::smatch match;
-  if (std::regex_match(path, match, image_path)) {
-    // No key asked: the id is the permission (128 random bits), as OpenAI's signed URLs are.
-    auto png = images.get(match[1]);
+  const auto& route = exchange.route;
+  if (route.kind == RouteKind::image) {
+    auto png = images.get(route.id);
     if (!png) throw ApiError(404, "No such image: it expired, or was never made here.", "", "image_not_found");
     return {.content_type = "image/png", .body = std::move(*png), .headers = {}};
   }
-  authorize(exchange);
-  if (path == "/v1/models") return json_answer(200, json{{"object", "list"}, {"data", json::array({model_object()})}}.dump());
-  const auto id = path.substr(std::string("/v1/models/").size());
+  if (route.kind == RouteKind::models) {
+    return json_answer(200, json{{"object", "list"}, {"data", json::array({model_object()})}}.dump());
+  }
+  const auto& id = route.id;
   if (id != model.id) {
     throw ApiError(404, "The model `" + excerpt(id) + "` does not exist or you do not have access to it.", "model",
                    "model_not_found");

@@ -1,8 +1,12 @@
 #include "serve/job_store.h"
 
 #include <algorithm>
+#include <exception>
 #include <utility>
 #include <vector>
+
+#include "dalle/log.h"
+#include "serve/openai_answers.h"
 
 namespace dalle::serve {
 
@@ -32,6 +36,7 @@ bool JobStore::add(const std::string& id) {
   StoredJob stored;
   stored.id = id;
   stored.created = std::time(nullptr);
+  stored.added = Clock::now();
   jobs_[id] = std::move(stored);
   forget_expired(Clock::now());  // an ended job may make room for it
   return true;
@@ -64,6 +69,29 @@ bool JobStore::end(const std::string& id, std::string answer, std::string error)
   at->second.error = std::move(error);
   at->second.ended = Clock::now();
   return true;
+}
+
+bool JobStore::end_with(const std::string& id, const std::function<std::string()>& build) {
+  try {
+    return end(id, build(), "");
+  } catch (const std::exception& failure) {
+    log::error("serve: job ", id, ": its answer could not be built: ", failure.what());
+    end(id, "", answer_failed(failure).json());
+    return false;
+  }
+}
+
+std::vector<std::shared_ptr<Job>> JobStore::end_overdue(Clock::duration timeout, const std::string& error) {
+  std::lock_guard lock(mutex_);
+  const auto now = Clock::now();
+  std::vector<std::shared_ptr<Job>> overdue;
+  for (auto& [id, stored] : jobs_) {
+    if (stored.ended || now - stored.added < timeout) continue;
+    stored.error = error;
+    stored.ended = now;
+    if (stored.job) overdue.push_back(stored.job);
+  }
+  return overdue;
 }
 
 std::optional<StoredJob> JobStore::cancel(const std::string& id) {

@@ -3,16 +3,19 @@
 // gets an id at once, and fetches the job's state, queue position and (once it is done) its
 // answer with GET /v1/images/jobs/{id}, from any connection, as often as it likes; DELETE
 // cancels it. A finished job is kept `lifetime`, and beyond `capacity` jobs the oldest
-// finished go first; unfinished ones are bounded by the scheduler's queue. Ids are 128 random
-// bits, as the images' are.
+// finished go first; unfinished ones are bounded by `capacity` and by a deadline (a job not
+// done in time, or whose answer cannot be built, ends failed: none stays unfinished for
+// ever). Ids are 128 random bits, as the images' are.
 #include <chrono>
 #include <cstdint>
 #include <ctime>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "serve/scheduler.h"
 
@@ -21,6 +24,7 @@ namespace dalle::serve {
 struct StoredJob {
   std::string id;
   std::time_t created = 0;
+  std::chrono::steady_clock::time_point added;  // its deadline runs from here
   std::shared_ptr<Job> job;
   std::string answer;  // once it succeeded: the JSON of the synchronous answer ({created, data})
   std::string error;   // once it failed: the JSON of an OpenAI error body
@@ -43,6 +47,13 @@ class JobStore {
   // Records how the job ended: its answer, or its error; false (nothing recorded) once it
   // ended (cancelled) or is gone.
   bool end(const std::string& id, std::string answer, std::string error);
+  // Ends the job with the answer `build` makes (outside the store's lock): true once that is
+  // recorded; false when it ended before, or `build` threw (the job then ends failed, with a
+  // server error that says why).
+  bool end_with(const std::string& id, const std::function<std::string()>& build);
+  // Ends every unfinished job added `timeout` or longer ago failed with `error` (the JSON of
+  // an OpenAI error body), and returns their Jobs (those attached) for the scheduler to cancel.
+  std::vector<std::shared_ptr<Job>> end_overdue(std::chrono::steady_clock::duration timeout, const std::string& error);
   // Marks the job cancelled and ended (if it had not ended) and returns it as it is then.
   std::optional<StoredJob> cancel(const std::string& id);
 

@@ -49,6 +49,11 @@ ApiError generation_error(const std::string& why) {
   return ApiError(500, "Generation failed: " + why, "", "generation_failed");
 }
 
+ApiError answer_failed(const std::exception& why) {
+  return ApiError(500, std::string("The images were made, but their answer could not be built: ") + why.what(), "",
+                  "answer_failed");
+}
+
 std::string sse_event(const std::string& type, json data) {
   data["type"] = type;
   return "event: " + type + "\ndata: " + data.dump() + "\n\n";

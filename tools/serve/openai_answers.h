@@ -4,6 +4,7 @@
 // that read the server's state (a job object, a generation's JSON) are HttpServer::State's, in
 // openai_answers.cpp with these.
 #include <cstdint>
+#include <exception>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -29,6 +30,8 @@ Answer json_answer(int status, std::string body);
 Answer error_answer(const ApiError& error);
 ApiError timeout_error(double seconds);
 ApiError generation_error(const std::string& why);
+// The images were made but their answer could not be built (encoding them failed).
+ApiError answer_failed(const std::exception& why);
 
 std::string base64(std::string_view bytes);
 // One server-sent event as OpenAI's streams send them: its type twice, as the event's name

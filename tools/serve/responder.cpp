@@ -75,9 +75,17 @@ void HttpServer::State::settle(const std::shared_ptr<Exchange>& exchange, const 
     seen = exchange->previews_seen;
   }
   const auto progress = scheduler.progress(job, seen);
-  const bool done = progress.state == Job::State::done;
+  bool done = progress.state == Job::State::done;
+  bool answered = done && job->error.empty();
   if (exchange->streaming) {
-    auto events = stream_events(*exchange, *job, progress);
+    std::string events;
+    try {
+      events = stream_events(*exchange, *job, progress);
+    } catch (const std::exception& failure) {
+      events = sse_event("error", json::parse(answer_failed(failure).json()));
+      done = true;
+      answered = false;
+    }
     std::lock_guard lock(exchange->mutex);
     if (!exchange->waiting()) return;
     exchange->previews_seen = seen + progress.previews.size();
@@ -86,14 +94,20 @@ void HttpServer::State::settle(const std::shared_ptr<Exchange>& exchange, const 
     exchange->last_event = Clock::now();
     exchange->wake();
   } else if (done) {
-    auto answer = job->error.empty() ? json_answer(200, answer_json(exchange->host, exchange->request, *job).dump())
-                                     : error_answer(generation_error(job->error));
+    std::optional<Answer> answer;
+    try {
+      answer = job->error.empty() ? json_answer(200, answer_json(exchange->host, exchange->request, *job).dump())
+                                  : error_answer(generation_error(job->error));
+    } catch (const std::exception& failure) {
+      answer = error_answer(answer_failed(failure));
+      answered = false;
+    }
     std::lock_guard lock(exchange->mutex);
     if (!exchange->waiting()) return;
     exchange->answer = std::move(answer);
     exchange->wake();
   }
-  if (done && job->error.empty()) log_answered(exchange->request, *job, exchange->arrived);
+  if (answered) log_answered(exchange->request, *job, exchange->arrived);
 }
 
 std::string HttpServer::State::stream_events(Exchange& exchange, const Job& job, const Scheduler::Progress& progress) {
@@ -119,6 +133,11 @@ std::string HttpServer::State::stream_events(Exchange& exchange, const Job& job,
 
 void HttpServer::State::sweep() {
   connections.sweep();
+  const auto timeout = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(config.request_timeout_seconds));
+  for (const auto& job : jobs.end_overdue(timeout, timeout_error(config.request_timeout_seconds).json())) {
+    scheduler.cancel(job);
+  }
   std::vector<std::shared_ptr<Exchange>> watched;
   {
     std::lock_guard lock(waiting_mutex);
@@ -155,6 +174,7 @@ void HttpServer::State::sweep() {
 
 void HttpServer::State::drop_waiting() {
   std::lock_guard lock(waiting_mutex);
+  waiting_closed = true;
   for (const auto& exchange : waiting) {
     std::lock_guard exchange_lock(exchange->mutex);
     exchange->dropped = true;
@@ -169,7 +189,9 @@ void HttpServer::State::settle_stored(const std::string& id, const std::string& 
     jobs.end(id, "", generation_error(job->error).json());
     return;
   }
-  if (jobs.end(id, answer_json(host, request, *job).dump(), "")) log_answered(request, *job, job->admitted);
+  if (jobs.end_with(id, [&] { return answer_json(host, request, *job).dump(); })) {
+    log_answered(request, *job, job->admitted);
+  }
 }
 
 void HttpServer::State::log_answered(const ImageRequest& request, const Job& job, Clock::time_point arrived) {

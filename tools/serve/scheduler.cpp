@@ -121,19 +121,50 @@ void Scheduler::work() {
 }
 
 void Scheduler::run(const std::vector<std::shared_ptr<Job>>& batch) {
+  const auto start = Clock::now();
+  std::string error;
+  auto images = generate_batch(batch, error);
+  if (!error.empty() && batch.size() > 1) {
+    // Which request failed is not known: each is tried alone, so that one request's failure
+    // (its image prompt, its settings) is its own and its batch-mates still get their images.
+    log::warn("serve: generating ", batch.size(), " requests together failed (", error, "); each is tried alone");
+    for (const auto& job : batch) {
+      std::string alone_error;
+      std::vector<generate::GeneratedImage> alone;
+      if (progress(job).state != Job::State::abandoned) alone = generate_batch({job}, alone_error);
+      const auto seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      {
+        std::lock_guard lock(mutex_);
+        finish({job}, std::move(alone), alone_error, seconds, static_cast<int64_t>(batch.size()));
+      }
+      notify({job});
+    }
+    return;
+  }
+  const auto seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  {
+    std::lock_guard lock(mutex_);
+    finish(batch, std::move(images), error, seconds, static_cast<int64_t>(batch.size()));
+  }
+  notify(batch);
+}
+
+std::vector<generate::GeneratedImage> Scheduler::generate_batch(const std::vector<std::shared_ptr<Job>>& batch,
+                                                                std::string& error) {
   std::vector<generate::PreparedRequest> requests;
   for (const auto& job : batch) requests.push_back(job->request);
-  const auto start = Clock::now();
-  std::vector<generate::GeneratedImage> images;
-  std::string error;
   // A preview goes to its job; the last of each candidate is its image, which the job gets whole.
+  // A job tried again alone after a failed batch is not shown again what it was shown.
   const auto to_jobs = [&](const std::vector<generate::Preview>& previews) {
     std::vector<std::shared_ptr<Job>> changed;
     {
       std::lock_guard lock(mutex_);
       for (const auto& preview : previews) {
         const auto& job = batch.at(static_cast<size_t>(preview.request));
-        if (preview.drawn < preview.total && job->state != Job::State::abandoned) {
+        const bool shown = std::any_of(job->previews.begin(), job->previews.end(), [&](const generate::Preview& seen) {
+          return seen.candidate == preview.candidate && seen.drawn >= preview.drawn;
+        });
+        if (preview.drawn < preview.total && !shown && job->state != Job::State::abandoned) {
           job->previews.push_back(preview);
           if (changed.empty() || changed.back() != job) changed.push_back(job);
         }
@@ -142,21 +173,16 @@ void Scheduler::run(const std::vector<std::shared_ptr<Job>>& batch) {
     notify(changed);
   };
   try {
-    images = generate_(requests, to_jobs);
+    return generate_(requests, to_jobs);
   } catch (const std::exception& failure) {
     error = failure.what();
     log::error("serve: generating ", batch.size(), " requests failed: ", error);
   }
-  const auto seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  {
-    std::lock_guard lock(mutex_);
-    finish(batch, std::move(images), error, seconds);
-  }
-  notify(batch);
+  return {};
 }
 
 void Scheduler::finish(const std::vector<std::shared_ptr<Job>>& batch, std::vector<generate::GeneratedImage> images,
-                       const std::string& error, double seconds) {
+                       const std::string& error, double seconds, int64_t batched_with) {
   for (auto& image : images) {
     auto& job = *batch.at(static_cast<size_t>(image.request));
     job.images.push_back(std::move(image));
@@ -164,7 +190,7 @@ void Scheduler::finish(const std::vector<std::shared_ptr<Job>>& batch, std::vect
   for (const auto& job : batch) {
     job->error = error;
     job->generation_seconds = seconds;
-    job->batched_with = static_cast<int64_t>(batch.size());
+    job->batched_with = batched_with;
     if (job->state == Job::State::abandoned) job->images.clear();  // nobody waits for them
     job->state = Job::State::done;
   }

@@ -33,7 +33,7 @@ struct Job {
   std::vector<generate::Preview> previews;       // while it is drawn (request.preview_every), the last excepted
   std::string error;                             // why it failed; empty: it did not
   double generation_seconds = 0;                 // of the generate call it was part of
-  int64_t batched_with = 0;                      // requests in that call, itself included
+  int64_t batched_with = 0;                      // requests taken together, itself included
   enum class State { queued, running, done, abandoned } state = State::queued;
 };
 
@@ -81,9 +81,12 @@ class Scheduler {
   // The jobs of the next generate call, taken from the front of the queue. Holds the lock.
   std::vector<std::shared_ptr<Job>> take_batch();
   void run(const std::vector<std::shared_ptr<Job>>& batch);
+  // One generate call for `batch` (previews to their jobs): its images, or none and `error`.
+  std::vector<generate::GeneratedImage> generate_batch(const std::vector<std::shared_ptr<Job>>& batch,
+                                                       std::string& error);
   // Gives the batch's jobs their images, or the error, and marks them done. Holds the lock.
   void finish(const std::vector<std::shared_ptr<Job>>& batch, std::vector<generate::GeneratedImage> images,
-              const std::string& error, double seconds);
+              const std::string& error, double seconds, int64_t batched_with);
   // Calls each job's on_change. Holds no lock: a listener may ask for progress().
   static void notify(const std::vector<std::shared_ptr<Job>>& jobs);
 

@@ -32,15 +32,14 @@
 #include "serve/job_store.h"
 #include "serve/metrics.h"
 #include "serve/openai_answers.h"
+#include "serve/route.h"
 #include "serve/scheduler.h"
 
 namespace dalle::serve {
 
 using Clock = std::chrono::steady_clock;
 
-inline constexpr const char* kGenerations = "/v1/images/generations";
 inline constexpr const char* kJobs = "/v1/images/jobs";
-inline constexpr const char* kEdits = "/v1/images/edits";
 // A status of our own, as nginx's: the client left before its answer.
 inline constexpr int kClientClosedRequest = 499;
 
@@ -50,6 +49,10 @@ struct Exchange {
   MHD_Connection* connection = nullptr;
   int socket = -1;
   std::string method, path, endpoint, host, authorization, client;
+  Route route;
+  // What the request line and headers alone refuse it for (an unknown route, a method, a
+  // missing key, a URL too long), decided before any body byte: its body is then not kept.
+  std::optional<ApiError> refusal;
   Clock::time_point arrived = Clock::now();
   std::string body;      // but a form's, which goes to `form`
   size_t body_bytes = 0;
@@ -134,11 +137,14 @@ struct HttpServer::State {
   Answer get(const Exchange& exchange);
 
   void authorize(const Exchange& exchange) const;
+  std::optional<ApiError> refusal(const Exchange& exchange) const;
+  // The answer of a request refused from its headers, or whose body is too large.
+  Answer refused_answer(const Exchange& exchange) const;
   ApiError body_too_large(const Exchange& exchange) const {
     return ApiError(413, "The request body is larger than this server takes (" + std::to_string(body_limit(exchange)) +
                              " bytes).", "", "request_too_large");
   }
-  void check_admissible(const Exchange& exchange) const;
+  void check_not_draining() const;
   ImageRequest read_request(const Exchange& exchange) const;
   // `request` (with an edit's image prompt) as the pipeline prepares it: the pipeline's one call
   // for a request outside generate. Throws ApiError 400 for what the model refuses.
@@ -182,6 +188,7 @@ struct HttpServer::State {
   bool stopping = false;
   std::mutex waiting_mutex;
   std::set<std::shared_ptr<Exchange>> waiting;  // requests with a job, until the loop is done with them
+  bool waiting_closed = false;                   // drop_waiting ran: nothing more may wait
   std::condition_variable waiting_changed;
   bool stop_requested = false;
 
