@@ -45,6 +45,23 @@ TEST(ImageRequest, ReadsOpenAisFieldsAndIgnoresUnknownOnes) {
   EXPECT_TRUE(plain.superres) << "the model's full size";
 }
 
+TEST(ImageRequest, PartialImagesArePerReturnedImageUnlessEveryCandidateIsAskedFor) {
+  auto model = demo_model();
+  model.image_tokens = 64;
+  const auto openai =
+      read_image_request(R"({"prompt": "a red bag", "n": 2, "stream": true, "partial_images": 3})", model);
+  EXPECT_EQ(openai.candidates, 16);
+  EXPECT_EQ(openai.preview_candidates(), 2) << "one previewed candidate per returned image, not all 16";
+  EXPECT_EQ(openai.preview_every(model), 16) << "after 16, 32 and 48 of 64 tokens";
+  const auto every = read_image_request(R"({"prompt": "a red bag", "n": 2, "stream": true, "partial_images": 3,
+                                             "partial_images_of_every_candidate": true})",
+                                        model);
+  EXPECT_EQ(every.preview_candidates(), 0) << "0: all of them";
+  expect_refused(R"({"prompt": "a red bag", "stream": true, "partial_images": 1,
+                     "partial_images_of_every_candidate": 1})",
+                 400, "partial_images_of_every_candidate", "invalid_type");
+}
+
 TEST(ImageRequest, ReadsTheFrameworksOwnFields) {
   const auto request = read_image_request(
       R"({"prompt": "a red bag", "n": 3, "seed": 9007199254740993, "candidates": 3, "guidance_scale": 2,

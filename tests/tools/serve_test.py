@@ -266,9 +266,17 @@ def test_streaming(server):
     partial = [event for event in events if event.type == "image_generation.partial_image"]
     completed = [event for event in events if event.type == "image_generation.completed"]
     check(len(events) == len(partial) + len(completed), f"events of other types: {events}")
-    # 64 positions, 3 partial images each: after 16, 32 and 48 of them, for both candidates.
-    indices = sorted((event.model_extra["candidate"], event.partial_image_index) for event in partial)
-    check(indices == [(c, i) for c in (0, 1) for i in range(3)], f"partial images {indices}")
+    # 64 positions, 3 partial images per returned image (OpenAI's count): after 16, 32 and 48
+    # of them, of the first candidate (one image returned of two candidates).
+    indices = [(event.model_extra["candidate"], event.partial_image_index) for event in partial]
+    check(indices == [(0, i) for i in range(3)], f"partial images {indices}")
+    # Ours: every candidate's, on request.
+    every_candidate = {"seed": 5, "partial_images_of_every_candidate": True, **QUICK}
+    every = [event for event in client.images.generate(**fields, stream=True, partial_images=3,
+                                                       extra_body=every_candidate)
+             if event.type == "image_generation.partial_image"]
+    indices = sorted((event.model_extra["candidate"], event.partial_image_index) for event in every)
+    check(indices == [(c, i) for c in (0, 1) for i in range(3)], f"every candidate's partial images {indices}")
     check(events.index(completed[0]) == len(events) - 1 and len(completed) == 1, "one image, last")
     partial_pngs = [base64.b64decode(event.b64_json) for event in partial]
     for png in partial_pngs:

@@ -66,6 +66,7 @@ generate::PreparedRequest HttpServer::State::prepare(const ImageRequest& request
       prompt = to_prompt_request(request, std::move(prompt), seed);
       prompt.image_prompt = std::move(image_prompt);
       prompt.preview_every = request.preview_every(model);
+      prompt.preview_candidates = request.preview_candidates();
     });
   } catch (const Error& error) {  // what the model itself refuses (a BART prior's filters, say)
     throw ApiError(400, error.what(), "", "invalid_value");

@@ -19,7 +19,8 @@ using nlohmann::json;
 // one stays a string, which read_image_request refuses naming the field.
 const std::set<std::string>& typed_fields() {
   static const std::set<std::string> fields = {"n", "seed", "candidates", "guidance_scale", "top_k", "top_p",
-                                               "temperature", "superres", "stream", "partial_images"};
+                                               "temperature", "superres", "stream", "partial_images",
+                                               "partial_images_of_every_candidate"};
   return fields;
 }
 

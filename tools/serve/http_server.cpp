@@ -267,7 +267,9 @@ std::optional<ApiError> HttpServer::State::refusal(const Exchange& exchange) con
                     "", "uri_too_long");
   }
   const auto& route = exchange.route;
-  if (route.kind == RouteKind::unknown) return ApiError(404, "Invalid URL (" + exchange.method + " " + excerpt(path) + ")");
+  if (route.kind == RouteKind::unknown) {
+    return ApiError(404, "Invalid URL (" + exchange.method + " " + excerpt(path) + ")");
+  }
   if (!route.takes(exchange.method)) {
     return ApiError(405, "Invalid method for URL (" + exchange.method + " " + excerpt(path) + "); it takes " +
                              route.allowed_methods() + ".", "", "method_not_allowed");

@@ -216,6 +216,7 @@ ImageRequest read_image_request(std::string_view body, const ServedModel& model)
     throw ApiError(400, "'partial_images' are streamed: send 'stream': true with them.", "partial_images",
                    "invalid_value");
   }
+  request.partial_images_of_every_candidate = bool_field(parsed, "partial_images_of_every_candidate").value_or(false);
   return request;
 }
 

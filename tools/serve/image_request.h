@@ -37,10 +37,15 @@ struct ImageRequest {
   std::optional<double> guidance_scale, temperature, top_p;
   std::optional<int64_t> top_k;
   bool stream = false;         // answer as server-sent events
-  int64_t partial_images = 0;  // previews of each candidate streamed while it is drawn (0-3)
+  int64_t partial_images = 0;  // previews streamed per returned image while it is drawn (0-3)
+  // Ours: previews of every candidate, not only of the first n (`partial_images_of_every_candidate`).
+  bool partial_images_of_every_candidate = false;
 
   // The image positions between previews that make `partial_images` of them (0: none).
   int64_t preview_every(const ServedModel& model) const;
+  // The candidates previewed: the first n, one per returned image (OpenAI's count of
+  // partial images), or all of them (0) on request.
+  int64_t preview_candidates() const { return partial_images_of_every_candidate ? 0 : n; }
 
   int64_t image_size(const ServedModel& model) const { return superres ? model.superres_size : model.plain_size; }
 };
