@@ -5,6 +5,7 @@ Usage (with the project's venv python, ~/.cache/dalle/venv/bin/python; standard 
   serve_load.py load  [--quick] [--clients 32] [--requests 20] [--max-queue 16] [--model DIR]
   serve_load.py bench [--levels 1,4,16] [--images 32] [--candidates 2] [--config FILE]
   serve_load.py slow  [--stalled 1000] [--idle 1000] [--model DIR]
+  serve_load.py memory [--budget-mib 1024] [--side 5700] [--half-bodies 200] [--jobs 64] [--mixed 64]
 Both take --source (the checkout; default this script's parent's parent) and --tools (the
 built dalle-serve and dalle-generate; default SOURCE/build/tools).
 
@@ -41,6 +42,18 @@ slow: slow and idle clients must not stop the service. Measures a generation req
   header_timeout_seconds the server must have closed every stalled and idle connection and
   counted them timed out. The server's RSS before and after opening them gives its memory
   per idle connection. Prints one JSON line; exit status 1 on a failure.
+
+memory: no upload, body, job or mix of requests grows the server past its memory budget
+  (max_memory_megabytes = --budget-mib). After a warm-up at the largest batch the server runs
+  (64 candidates, super-resolution on), the server's RSS is the start (the models with their
+  working memory, which the budget leaves aside); then
+  four phases, each all at once: 12 edits of a SIDE x SIDE PNG (the largest legal image at
+  5700), --half-bodies connections each mid-way through a 4 MB body, the job store filled with
+  --jobs finished jobs, and --mixed generations of their own temperatures and guidance. A
+  thread samples the RSS and /health's latency every 0.1 s. Every request must be answered
+  (200, or a status with OpenAI's error code: 503 memory_budget_exceeded, 429...), the RSS of
+  every phase must stay under the start plus the budget, and /health must answer within 1 s
+  throughout. Prints one JSON line; exit status 1 on a failure.
 """
 import argparse
 import base64
@@ -533,6 +546,204 @@ def slow(args):
         fail("; ".join(problems) + "\n--- server log (tail) ---\n" + "".join(server.lines[-30:]))
 
 
+def big_rgba_png(side, opaque_rows):
+    """A side x side RGBA PNG (grey; its top `opaque_rows` rows opaque, the rest transparent: an
+    edit's mask), made with zlib alone. Mostly one colour, so a legal pixel count in a small file."""
+    import struct
+    import zlib
+    opaque = b"\x00" + b"\x80\x80\x80\xff" * side
+    clear = b"\x00" + b"\x80\x80\x80\x00" * side
+    packer = zlib.compressobj(9)
+    data = b"".join(packer.compress(opaque if row < opaque_rows else clear) for row in range(side)) + packer.flush()
+
+    def chunk(kind, payload):
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    header = struct.pack(">IIBBBBB", side, side, 8, 6, 0, 0, 0)
+    return PNG_SIGNATURE + chunk(b"IHDR", header) + chunk(b"IDAT", data) + chunk(b"IEND", b"")
+
+
+def multipart(fields, files):
+    boundary = "dalleloadboundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+             for name, value in fields.items()]
+    for name, (filename, data) in files.items():
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+                     f"Content-Type: image/png\r\n\r\n".encode() + data + b"\r\n")
+    return b"".join(parts) + f"--{boundary}--\r\n".encode(), f"multipart/form-data; boundary={boundary}"
+
+
+def post_raw(server, path, body, content_type, timeout):
+    """(status, parsed JSON body or None) of one POST on a connection of its own; (None, why) when
+    the connection failed."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        connection.request("POST", path, body=body, headers={"Content-Type": content_type, "Connection": "close"})
+        response = connection.getresponse()
+        payload = response.read()
+        try:
+            return response.status, json.loads(payload)
+        except ValueError:
+            return response.status, None
+    except (OSError, http.client.HTTPException) as error:
+        return None, str(error)
+    finally:
+        connection.close()
+
+
+def outcome(status, body):
+    """"200", or the status and OpenAI error code that name why a request was refused."""
+    if status == 200 or status == 202:
+        return str(status)
+    code = body.get("error", {}).get("code") if isinstance(body, dict) else None
+    return f"{status} {code}" if status else f"lost ({body})"
+
+
+class Watch:
+    """Samples the server's RSS and /health's latency every 0.1 s on a thread of its own."""
+
+    def __init__(self, server):
+        self.server, self.rss, self.health, self.failures = server, [], [], []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.done.wait(0.1):
+            try:
+                self.rss.append(rss_mib(self.server.process.pid))
+                (status, _, _), seconds = timed(lambda: self.server.request("GET", "/health", timeout=30))
+                self.health.append(seconds)
+                if status != 200:
+                    self.failures.append(status)
+            except (OSError, RuntimeError, http.client.HTTPException) as error:
+                self.failures.append(str(error))
+
+    def phase(self):
+        """The peak RSS and slowest /health since the last phase, and starts the next."""
+        rss, health = max(self.rss, default=0), max(self.health, default=0)
+        self.rss, self.health = [], []
+        return round(rss, 1), round(health, 3)
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+
+
+def memory(args):
+    signal.signal(signal.SIGALRM, lambda *_: fail(f"the run took over {args.deadline} s: a server or client hung"))
+    signal.alarm(args.deadline)
+    budget_mib = args.budget_mib
+    server_arguments = ["--model", args.model, "--threads", args.threads, "--set", "batch_window_ms=20",
+                        "--set", f"max_memory_megabytes={budget_mib}", "--set", f"max_body_bytes={8 << 20}",
+                        "--set", f"max_stored_jobs={args.jobs}", "--set", "max_queue=16",
+                        "--set", "max_connections_per_client=1024"]
+    image = big_rgba_png(args.side, args.side // 4)
+    problems, phases = [], {}
+    with Server(args.tools, args.source, server_arguments) as server:
+        pid = server.process.pid
+        quick = {"n": 1, "candidates": 2, "superres": False, "response_format": "b64_json"}
+        # Warm-up at the largest batch the server runs (the demo pipeline's batch_size, 64
+        # candidates, super-resolution on): the start's RSS is the models with their working
+        # memory, which the budget leaves aside.
+        server.request("POST", "/v1/images/generations", {"prompt": PROMPTS[0], "n": 1, "candidates": 64,
+                                                          "superres": True, "response_format": "b64_json"})
+        started = rss_mib(pid)
+        watch = Watch(server)
+
+        def run(name, clients, call):
+            outcomes = {}
+            lock = threading.Lock()
+
+            def client(index):
+                result = call(index)
+                with lock:
+                    outcomes[result] = outcomes.get(result, 0) + 1
+
+            seconds = on_threads(clients, client)
+            rss, health = watch.phase()
+            phases[name] = {"outcomes": outcomes, "seconds": round(seconds, 1), "peak_rss_mib": rss,
+                            "slowest_health_s": health}
+            lost = {key: count for key, count in outcomes.items() if key.startswith("lost")}
+            if lost:
+                problems.append(f"{name}: requests lost {lost}")
+
+        # 1. Twelve edits at once of the largest legal image.
+        form, kind = multipart({"prompt": PROMPTS[1], "n": "1", "candidates": "2", "superres": "false",
+                                "response_format": "b64_json"}, {"image": ("big.png", image)})
+        run("edits_of_the_largest_image", 12,
+            lambda index: outcome(*post_raw(server, "/v1/images/edits", form, kind, args.request_timeout)))
+
+        # 2. Connections held mid-way through a 4 MB body each.
+        def half_body(sockets):
+            connection = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+            connection.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                               b"\r\nContent-Length: " + str(4 << 20).encode() + b"\r\n\r\n" + b" " * (2 << 20))
+            sockets.append(connection)
+            return "held"
+
+        held = []
+        run("half_sent_4mb_bodies", args.half_bodies, lambda index: half_body(held))
+        phases["half_sent_4mb_bodies"]["charged_mib"] = round(metric(server, "dalle_memory_charged_bytes") / 2**20, 1)
+        for connection in held:
+            connection.close()
+
+        # 3. The job store filled with finished jobs.
+        def job(index):
+            fields = {"prompt": PROMPTS[index % len(PROMPTS)], "seed": index, **quick}
+            while True:
+                status, _, body = server.request("POST", "/v1/images/jobs", fields)
+                if status != 429:
+                    break
+                time.sleep(0.2)
+            if status != 202:
+                return outcome(status, json.loads(body))
+            job_id = json.loads(body)["id"]
+            while True:
+                status, _, body = server.request("GET", f"/v1/images/jobs/{job_id}")
+                state = json.loads(body).get("status")
+                if state not in ("queued", "in_progress"):
+                    return f"job {state}"
+                time.sleep(0.2)
+
+        def jobs(index):
+            ended = [job(index * 100 + k) for k in range(args.jobs // 16)]
+            return next((state for state in ended if state != "job succeeded"), "job succeeded")
+
+        run("job_store_filled", 16, jobs)
+
+        # 4. Generations with settings of their own, all at once.
+        def mixed(index):
+            fields = {"prompt": PROMPTS[index % len(PROMPTS)], "seed": index, "temperature": 0.5 + (index % 4) / 4,
+                      "guidance_scale": float(index % 3), **quick}
+            status, _, body = server.request("POST", "/v1/images/generations", fields)
+            return outcome(status, json.loads(body) if body.startswith(b"{") else None)
+
+        run("mixed_generations", args.mixed, mixed)
+        watch.stop()
+        refusals = metric(server, "dalle_memory_refusals_total")
+        server.process.send_signal(signal.SIGTERM)
+        exit_code = server.process.wait(120)
+    bound = started + budget_mib
+    result = {"test": "serve_memory", "model": pathlib.Path(args.model).name, "budget_mib": budget_mib,
+              "rss_after_start_mib": round(started, 1), "bound_mib": round(bound, 1), "image_side": args.side,
+              "image_png_bytes": len(image), "phases": phases, "budget_refusals": refusals,
+              "health_failures": watch.failures[:5], "exit_status_after_sigterm": exit_code}
+    for name, phase in phases.items():
+        if phase["peak_rss_mib"] > bound:
+            problems.append(f"{name}: RSS {phase['peak_rss_mib']} MiB over the start's plus the budget ({bound:.0f})")
+        if phase["slowest_health_s"] > 1.0:
+            problems.append(f"{name}: /health took {phase['slowest_health_s']} s (bound 1 s)")
+    if watch.failures:
+        problems.append(f"/health failed: {watch.failures[:3]}")
+    if exit_code != 0:
+        problems.append(f"exit status {exit_code} after SIGTERM")
+    result["passed"] = not problems
+    print(json.dumps(result), flush=True)
+    if problems:
+        fail("; ".join(problems) + "\n--- server log (tail) ---\n" + "".join(server.lines[-30:]))
+
+
 def main():
     here = pathlib.Path(__file__).resolve().parent.parent
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -567,10 +778,19 @@ def main():
     slow_parser.add_argument("--header-timeout", type=float, default=8, help="the server's header_timeout_seconds")
     slow_parser.add_argument("--model", default="models/fashion-compose-f8", help="a model folder")
     slow_parser.add_argument("--deadline", type=int, default=300, help="seconds for the whole run")
+    memory_parser = commands.add_parser("memory", help="no upload, body, job or mix of requests passes the budget")
+    memory_parser.add_argument("--budget-mib", type=int, default=1024, help="the server's max_memory_megabytes")
+    memory_parser.add_argument("--side", type=int, default=5700, help="the uploaded image's side (5700: 2^25 pixels, "
+                               "nearly)")
+    memory_parser.add_argument("--half-bodies", type=int, default=200, help="connections mid-way through a 4 MB body")
+    memory_parser.add_argument("--jobs", type=int, default=64, help="finished jobs to fill the store with")
+    memory_parser.add_argument("--mixed", type=int, default=64, help="generations with settings of their own")
+    memory_parser.add_argument("--model", default="models/fashion-compose-f8", help="a model folder")
+    memory_parser.add_argument("--deadline", type=int, default=900, help="seconds for the whole run")
     args = parser.parse_args()
     args.source = args.source.resolve()
     args.tools = (args.tools or args.source / "build" / "tools").resolve()
-    {"load": load, "bench": bench, "slow": slow}[args.mode](args)
+    {"load": load, "bench": bench, "slow": slow, "memory": memory}[args.mode](args)
 
 
 if __name__ == "__main__":

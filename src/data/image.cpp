@@ -142,6 +142,12 @@ void check_pixel_count(std::string_view bytes, const std::string& name) {
 
 }  // namespace
 
+std::optional<int64_t> header_pixels(std::string_view bytes) {
+  const auto size = header_size(bytes);
+  if (!size || size->width < 0 || size->height < 0) return std::nullopt;
+  return size->width * size->height;
+}
+
 torch::Tensor decode_image(std::string_view bytes, const std::string& name) {
   if (bytes.empty()) throw ImageError(name + ": empty file");
   check_pixel_count(bytes, name);
@@ -172,11 +178,17 @@ std::optional<torch::Tensor> decode_alpha(std::string_view bytes, const std::str
   }
   if (decoded.empty()) throw ImageError(name + ": not a readable image (corrupt or unsupported format)");
   if (decoded.channels() != 4) return std::nullopt;
-  cv::Mat alpha, floats;
+  cv::Mat alpha;
   cv::extractChannel(decoded, alpha, 3);
+  decoded.release();
+  if (alpha.depth() != CV_8U && alpha.depth() != CV_16U && alpha.depth() != CV_32F) alpha.convertTo(alpha, CV_32F);
+  // As from_mat: one float32 tensor, scaled as OpenCV's convertTo scales, clamped in place.
+  const auto type = alpha.depth() == CV_16U ? torch::kUInt16 : alpha.depth() == CV_8U ? torch::kUInt8 : torch::kFloat32;
   const double scale = alpha.depth() == CV_16U ? 1.0 / 65535.0 : alpha.depth() == CV_8U ? 1.0 / 255.0 : 1.0;
-  alpha.convertTo(floats, CV_32F, scale);
-  return torch::from_blob(floats.data, {1, floats.rows, floats.cols}, torch::kFloat32).clamp(0.0, 1.0).clone();
+  auto opacity = torch::empty({1, alpha.rows, alpha.cols}, torch::kFloat32);
+  opacity.copy_(torch::from_blob(alpha.data, {1, alpha.rows, alpha.cols}, torch::TensorOptions().dtype(type)));
+  if (scale != 1.0) opacity.mul_(static_cast<float>(scale));
+  return opacity.clamp_(0.0, 1.0);
 }
 
 torch::Tensor read_image(const std::string& path) {

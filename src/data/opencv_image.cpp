@@ -29,11 +29,17 @@ torch::Tensor from_mat(const cv::Mat& input, const std::string& name) {
     case 4: cv::cvtColor(decoded, rgb, cv::COLOR_BGRA2RGB); break;
     default: throw ImageError(name + ": unsupported number of channels " + std::to_string(decoded.channels()));
   }
+  // Straight from the decoded type into one float32 tensor, scaled and clamped in place: the
+  // peak is the decode and its RGB copy plus the result (18 bytes a pixel for 8-bit RGB, where
+  // a float32 Mat, its clamped copy and a contiguous one made it 42). The values are those of
+  // OpenCV's convertTo with the same scale, bit for bit.
+  const auto type = rgb.depth() == CV_16U ? torch::kUInt16 : rgb.depth() == CV_8U ? torch::kUInt8 : torch::kFloat32;
   const double scale = rgb.depth() == CV_16U ? 1.0 / 65535.0 : rgb.depth() == CV_8U ? 1.0 / 255.0 : 1.0;
-  cv::Mat floats;
-  rgb.convertTo(floats, CV_32FC3, scale);
-  auto hwc = torch::from_blob(floats.data, {floats.rows, floats.cols, 3}, torch::kFloat32);
-  return hwc.permute({2, 0, 1}).clamp(0.0, 1.0).contiguous();
+  const auto hwc = torch::from_blob(rgb.data, {rgb.rows, rgb.cols, 3}, torch::TensorOptions().dtype(type));
+  auto image = torch::empty({3, rgb.rows, rgb.cols}, torch::kFloat32);
+  image.copy_(hwc.permute({2, 0, 1}));
+  if (scale != 1.0) image.mul_(static_cast<float>(scale));
+  return image.clamp_(0.0, 1.0);
 }
 
 cv::Mat to_mat(const torch::Tensor& image) {

@@ -28,12 +28,11 @@ void ImagePromptConfig::validate() const {
   }
 }
 
-namespace {
-
-// As datasets prepare images: the shorter side scaled to `size`, the centre cropped square.
-torch::Tensor square(const torch::Tensor& image, int64_t size) {
+torch::Tensor square_image(const torch::Tensor& image, int64_t size) {
   return data::center_crop(data::resize_shorter_side(image, size), size, size);
 }
+
+namespace {
 
 torch::Tensor kept_positions(const ImagePromptConfig& config, int64_t image_size, int64_t grid) {
   if (config.top_rows > grid) {
@@ -41,7 +40,7 @@ torch::Tensor kept_positions(const ImagePromptConfig& config, int64_t image_size
                 std::to_string(grid) + " rows");
   }
   if (config.top_rows > 0) return torch::arange(grid * grid) < config.top_rows * grid;
-  const auto whiteness = square(data::read_image(config.mask), image_size).mean(0, /*keepdim=*/true);
+  const auto whiteness = square_image(data::read_image(config.mask), image_size).mean(0, /*keepdim=*/true);
   const auto known = data::resize(whiteness, grid, grid).flatten() >= 0.5;
   if (!known.any().item<bool>()) {
     throw Error("image_prompt: the mask " + config.mask + " keeps no token (white marks the kept cells)");
@@ -54,14 +53,14 @@ torch::Tensor tokens_of(const torch::Tensor& image, models::TrainedImageTokenize
   const int64_t grid = tokenizer.grid_size();
   const auto device = tokenizer.model->module().parameters().front().device();
   torch::NoGradGuard no_grad;
-  const auto squared = square(image, tokenizer.image_size).unsqueeze(0).to(device);
+  const auto squared = square_image(image, tokenizer.image_size).unsqueeze(0).to(device);
   return tokenizer.model->encode_tokens(squared).reshape({1, grid * grid}).cpu();
 }
 
 }  // namespace
 
 std::optional<int64_t> top_rows_kept(const torch::Tensor& alpha, int64_t image_size, int64_t grid) {
-  const auto opaque = data::resize(square(alpha, image_size), grid, grid)[0] >= 0.5;  // [grid, grid]
+  const auto opaque = data::resize(square_image(alpha, image_size), grid, grid)[0] >= 0.5;  // [grid, grid]
   const auto whole_rows = opaque.all(1), empty_rows = opaque.logical_not().all(1);
   const auto rows = whole_rows.to(torch::kInt64).cumprod(0).sum().item<int64_t>();  // leading whole rows
   if (rows == 0 || rows == grid) return std::nullopt;

@@ -34,7 +34,8 @@ TEST(JobStore, AnEndIsRecordedOnceAndACancelledJobStaysCancelled) {
   EXPECT_FALSE(store.end("done", "", "a later error"));
   const auto done = store.find("done");
   ASSERT_TRUE(done && done->ended);
-  EXPECT_EQ(done->job, job);
+  EXPECT_EQ(done->job, nullptr) << "an ended job keeps its answer, not its images";
+  EXPECT_EQ(job.use_count(), 1);
   EXPECT_EQ(done->answer, "answer");
   EXPECT_TRUE(done->error.empty()) << "the first end holds";
   EXPECT_FALSE(store.cancel("done")->cancelled) << "a finished job is not cancelled";

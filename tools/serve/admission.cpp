@@ -8,6 +8,7 @@
 #include <string_view>
 #include <utility>
 
+#include "dalle/log.h"
 #include "serve/api_error.h"
 #include "serve/edit_request.h"
 #include "serve/image_request.h"
@@ -73,10 +74,28 @@ generate::PreparedRequest HttpServer::State::prepare(const ImageRequest& request
   }
 }
 
-std::shared_ptr<Job> HttpServer::State::admit(generate::PreparedRequest prompt,
+int64_t HttpServer::State::job_bytes(const ImageRequest& request) const {
+  const auto pixels = [](int64_t side) { return 3 * side * side * int64_t{4}; };  // an image, float32
+  const int64_t candidates = request.candidates, side = request.image_size(model);
+  int64_t bytes = pixels(model.plain_size);                                    // an edit's image prompt
+  bytes += candidates * pixels(model.plain_size);                               // the candidates decoded
+  if (request.superres) bytes += request.n * pixels(side);                      // the kept ones upscaled
+  bytes += request.partial_images * request.n * pixels(model.plain_size);       // previews
+  bytes += request.n * side * side * 4;                                         // PNGs and their base64
+  return bytes + (64 << 10);                                                    // the request itself
+}
+
+MemoryBudget::Charge HttpServer::State::charge(int64_t bytes, const std::string& what) {
+  auto charged = budget.charge(bytes);
+  if (!charged) throw over_memory_budget(bytes, budget.limit(), what);
+  return std::move(*charged);
+}
+
+std::shared_ptr<Job> HttpServer::State::admit(generate::PreparedRequest prompt, MemoryBudget::Charge charge,
                                               std::function<void(const std::shared_ptr<Job>&)> on_change) {
   Scheduler::Refusal refusal = Scheduler::Refusal::none;
   auto job = scheduler.submit(std::move(prompt), refusal, std::move(on_change));
+  if (job) job->charge = std::move(charge);
   if (refusal == Scheduler::Refusal::queue_full) {
     throw ApiError(429,
                    "The server is busy: " + std::to_string(config.max_queue) +
@@ -91,7 +110,10 @@ std::shared_ptr<Job> HttpServer::State::admit(generate::PreparedRequest prompt,
 
 MHD_Result HttpServer::State::generations(const std::shared_ptr<Exchange>& exchange) {
   const auto request = read_request(*exchange);
-  return answer_with_job(exchange, request, prepare(request));
+  exchange->body = std::string();
+  exchange->body_charge.shrink_to(0);
+  auto held = charge(job_bytes(request), "the request");
+  return answer_with_job(exchange, request, prepare(request), std::move(held));
 }
 
 MHD_Result HttpServer::State::edits(const std::shared_ptr<Exchange>& exchange) {
@@ -103,36 +125,91 @@ MHD_Result HttpServer::State::edits(const std::shared_ptr<Exchange>& exchange) {
                             " bytes).", name, "request_too_large");
   }
   if (exchange->form_unreadable) throw ApiError(400, "The multipart form could not be read.", "", "invalid_body");
-  auto edit = read_edit_request(exchange->form, model);
-  exchange->form.clear();
-  auto prompt = prepare(edit.request, std::make_shared<const generate::PromptImage>(std::move(edit.image_prompt)));
-  return answer_with_job(exchange, edit.request, std::move(prompt));
+  const auto request = read_edit_fields(exchange->form, model);
+  const auto decoding = decode_bytes(exchange->form);
+  if (decoding > budget.limit()) throw over_memory_budget(decoding, budget.limit(), "decoding the image");
+  auto held = std::make_shared<MemoryBudget::Charge>(charge(job_bytes(request), "the request"));
+  register_waiting(exchange);
+  {
+    // Parked, streamed or not, until the intake has decoded and admitted it (or refused it).
+    std::lock_guard lock(exchange->mutex);
+    expect_job(*exchange, request);
+    if (!exchange->dropped) exchange->park();
+  }
+  intake.post([this, exchange, request, decoding, held] { admit_edit(exchange, request, decoding, std::move(*held)); });
+  return MHD_YES;
+}
+
+void HttpServer::State::admit_edit(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
+                                   int64_t decoding, MemoryBudget::Charge held) {
+  std::optional<Answer> refused;
+  try {
+    // Charged here, not on admission: edits are decoded one at a time, so only one decode
+    // holds the budget however many wait for the intake.
+    auto decode = charge(decoding, "decoding the image");
+    auto image = read_edit_image(exchange->form, model);  // the loop is done with the form
+    decode.shrink_to(0);
+    exchange->form.clear();
+    exchange->body_charge.shrink_to(0);
+    auto prompt = prepare(request, std::make_shared<const generate::PromptImage>(std::move(image)));
+    auto job = admit(std::move(prompt), std::move(held), settle_on_change(exchange));
+    std::lock_guard lock(exchange->mutex);
+    exchange->job = job;
+    if (!exchange->waiting()) {
+      scheduler.cancel(job);  // its client left, or its time ran out, while it was decoded
+    } else if (exchange->streaming) {
+      exchange->stream_ready = true;
+      exchange->wake();
+    }
+    return;
+  } catch (const ApiError& error) {
+    refused = error_answer(error);
+  } catch (const std::exception& error) {
+    log::error("serve: POST /v1/images/edits: ", error.what());
+    refused = json_answer(500, error_json(500, "The server had an error while processing your request."));
+  }
+  std::lock_guard lock(exchange->mutex);
+  if (!exchange->waiting()) return;
+  exchange->answer = std::move(refused);
+  exchange->wake();
+}
+
+void HttpServer::State::register_waiting(const std::shared_ptr<Exchange>& exchange) {
+  // Registered before it can be parked, so that drop_waiting (the server stopping) wakes it
+  // whenever it comes: a parked connection nobody wakes would hold the event loop's stop.
+  std::lock_guard lock(waiting_mutex);
+  if (waiting_closed) {
+    throw ApiError(503, "The server is shutting down and takes no new requests.", "", "server_shutting_down");
+  }
+  waiting.insert(exchange);
+}
+
+std::function<void(const std::shared_ptr<Job>&)> HttpServer::State::settle_on_change(
+    const std::shared_ptr<Exchange>& exchange) {
+  std::weak_ptr<Exchange> weak = exchange;
+  return [this, weak](const std::shared_ptr<Job>& job) {
+    post([this, weak, job] {
+      if (auto exchange = weak.lock()) settle(exchange, job);
+    });
+  };
+}
+
+void HttpServer::State::expect_job(Exchange& exchange, const ImageRequest& request) const {
+  exchange.streaming = request.stream;
+  exchange.request = request;
+  exchange.deadline = exchange.arrived + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(config.request_timeout_seconds));
+  exchange.last_event = Clock::now();
 }
 
 MHD_Result HttpServer::State::answer_with_job(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
-                                              generate::PreparedRequest prompt) {
-  // Registered before it can be parked, so that drop_waiting (the server stopping) wakes it
-  // whenever it comes: a parked connection nobody wakes would hold the event loop's stop.
-  {
-    std::lock_guard lock(waiting_mutex);
-    if (waiting_closed) throw ApiError(503, "The server is shutting down and takes no new requests.", "",
-                                       "server_shutting_down");
-    waiting.insert(exchange);
-  }
+                                              generate::PreparedRequest prompt, MemoryBudget::Charge held) {
+  register_waiting(exchange);
   try {
     // Held until the connection is parked, or streams: the job's answer cannot come before.
     std::lock_guard lock(exchange->mutex);
-    exchange->streaming = request.stream;
-    exchange->request = request;
-    exchange->deadline = exchange->arrived + std::chrono::duration_cast<Clock::duration>(
-                                                 std::chrono::duration<double>(config.request_timeout_seconds));
-    exchange->last_event = Clock::now();
-    std::weak_ptr<Exchange> weak = exchange;
-    exchange->job = admit(std::move(prompt), [this, weak](const std::shared_ptr<Job>& job) {
-      post([this, weak, job] {
-        if (auto exchange = weak.lock()) settle(exchange, job);
-      });
-    });
+    expect_job(*exchange, request);
+    exchange->job = admit(std::move(prompt), std::move(held), settle_on_change(exchange));
     if (!request.stream && !exchange->dropped) exchange->park();
   } catch (...) {
     std::lock_guard lock(waiting_mutex);
@@ -184,6 +261,7 @@ Answer HttpServer::State::submit_job(const Exchange& exchange) {
     throw ApiError(400, "A job is fetched, not streamed: `stream` is for POST /v1/images/generations.", "stream",
                    "invalid_value");
   }
+  auto held = charge(job_bytes(request), "the job");
   auto prompt = prepare(request);  // no previews: partial_images are streamed
   const auto id = random_id();
   if (!jobs.add(id)) {
@@ -193,7 +271,8 @@ Answer HttpServer::State::submit_job(const Exchange& exchange) {
   }
   std::shared_ptr<Job> job;
   try {
-    job = admit(std::move(prompt), [this, id, host = exchange.host, request](const std::shared_ptr<Job>& job) {
+    job = admit(std::move(prompt), std::move(held),
+                [this, id, host = exchange.host, request](const std::shared_ptr<Job>& job) {
       post([this, id, host, request, job] { settle_stored(id, host, request, job); });
     });
   } catch (...) {
@@ -201,7 +280,7 @@ Answer HttpServer::State::submit_job(const Exchange& exchange) {
     throw;
   }
   jobs.attach(id, job);
-  auto answer = json_answer(202, job_object(*jobs.find(id)).dump());
+  auto answer = json_answer(202, job_object(*jobs.find(id)));
   answer.headers.emplace_back("Location", std::string(kJobs) + "/" + id);
   return answer;
 }
@@ -210,7 +289,7 @@ Answer HttpServer::State::job(const Exchange& exchange, const std::string& id) {
   auto stored = exchange.method == "DELETE" ? jobs.cancel(id) : jobs.find(id);
   if (!stored) throw ApiError(404, "No such job: it expired, or was never made here.", "", "job_not_found");
   if (exchange.method == "DELETE" && stored->job) scheduler.cancel(stored->job);
-  return json_answer(200, job_object(*stored).dump());
+  return json_answer(200, job_object(*stored));
 }
 
 }  // namespace dalle::serve

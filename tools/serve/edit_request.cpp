@@ -1,11 +1,13 @@
 #include "serve/edit_request.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 
 #include "dalle/data/image.h"
+#include "dalle/input_limits.h"
 #include "dalle/models/token_grid.h"
 #include "serve/api_error.h"
 
@@ -69,7 +71,8 @@ std::string which_masks_work(int64_t grid, int64_t side) {
          "model's " + std::to_string(side) + "x" + std::to_string(side) + ") and everything below transparent";
 }
 
-int64_t top_rows_of(const Form& form, const torch::Tensor& image, const ServedModel& model) {
+// `image_height` x `image_width`: the upload's size, for a mask's check.
+int64_t top_rows_of(const Form& form, int64_t image_height, int64_t image_width, const ServedModel& model) {
   const auto grid = models::grid_side(model.image_tokens, "serve: the model's image tokens");
   if (const auto at = form.find("top_rows"); at != form.end()) {
     char* end = nullptr;
@@ -95,7 +98,7 @@ int64_t top_rows_of(const Form& form, const torch::Tensor& image, const ServedMo
                                "transparent where the image is to be drawn), or `top_rows`.",
                    from, "invalid_mask");
   }
-  if (mask && !alpha->sizes().slice(1).equals(image.sizes().slice(1))) {
+  if (mask && (alpha->size(1) != image_height || alpha->size(2) != image_width)) {
     throw ApiError(400, "Invalid 'mask': it must have the image's size.", "mask", "invalid_mask");
   }
   const auto rows = generate::top_rows_kept(*alpha, model.plain_size, grid);
@@ -108,18 +111,39 @@ int64_t top_rows_of(const Form& form, const torch::Tensor& image, const ServedMo
 
 }  // namespace
 
+int64_t decode_bytes(const Form& form) {
+  int64_t pixels = 0;
+  for (const auto& name : {"image", "image[]", "mask"}) {
+    if (const auto at = form.find(name); at != form.end()) {
+      const auto declared = data::header_pixels(at->second.data).value_or(max_image_pixels());
+      pixels = std::max(pixels, std::min(declared, max_image_pixels()));
+    }
+  }
+  // Decodes come one after another (the image, then its alpha or the mask), each freed first;
+  // scaling the image to the model's square adds little beside the decode.
+  return pixels * (data::kDecodeBytesPerPixel + 2);
+}
+
 bool is_file_field(const std::string& name) {
   return name == "image" || name == "image[]" || name == "mask";
 }
 
-EditRequest read_edit_request(const Form& form, const ServedModel& model) {
+ImageRequest read_edit_fields(const Form& form, const ServedModel& model) {
+  if (!image_part(form, "image")) {
+    throw ApiError(400, "Missing required parameter: 'image'.", "image", "missing_required_parameter");
+  }
+  return read_image_request(fields_as_json(form).dump(), model);
+}
+
+generate::PromptImage read_edit_image(const Form& form, const ServedModel& model) {
   const auto* image_bytes = image_part(form, "image");
   if (!image_bytes) throw ApiError(400, "Missing required parameter: 'image'.", "image", "missing_required_parameter");
-  // The fields first: a wrong field is reported before an image costs decoding.
-  auto request = read_image_request(fields_as_json(form).dump(), model);
-  auto image = decode(*image_bytes, "image");
-  const auto rows = top_rows_of(form, image, model);
-  return {.request = std::move(request), .image_prompt = {.image = std::move(image), .top_rows = rows}};
+  auto upload = decode(*image_bytes, "image");
+  const int64_t height = upload.size(1), width = upload.size(2);
+  auto image = generate::square_image(upload, model.plain_size).clone();
+  upload = torch::Tensor();  // one full-size decode at a time: the alpha's comes after
+  const auto rows = top_rows_of(form, height, width, model);
+  return {.image = std::move(image), .top_rows = rows};
 }
 
 }  // namespace dalle::serve

@@ -22,19 +22,26 @@ struct FormPart {
 };
 using Form = std::map<std::string, FormPart>;
 
-struct EditRequest {
-  ImageRequest request;
-  generate::PromptImage image_prompt;
-};
 
 // The fields whose parts are files: their bytes are bounded by max_image_bytes, the other
 // fields' by max_body_bytes.
 bool is_file_field(const std::string& name);
 
 // Reads `form` against `model` (its plain_size is the image tokenizer's input side, its
-// image_tokens the grid's cells). Throws ApiError: 400 for a missing or unreadable image, a
-// type other than PNG, JPEG or WebP, an image and a mask of different sizes, a mask the prior
-// cannot honour (saying which masks work), and what read_image_request refuses.
-EditRequest read_edit_request(const Form& form, const ServedModel& model);
+// image_tokens the grid's cells) in two steps: its fields, cheaply (a wrong field is reported
+// before an image costs decoding; ApiError 400 for a missing image and what
+// read_image_request refuses) ...
+ImageRequest read_edit_fields(const Form& form, const ServedModel& model);
+// ... and its image prompt: the image decoded and at once scaled and cropped to the model's
+// square (as the pipeline would, so its tokens are the same: a request never holds the
+// upload), its alpha or mask decoded only then. ApiError 400 for an unreadable image, a type
+// other than PNG, JPEG or WebP, an image and a mask of different sizes, a mask the prior
+// cannot honour (saying which masks work).
+generate::PromptImage read_edit_image(const Form& form, const ServedModel& model);
+
+// The most memory read_edit_image holds at once to decode the form's files: the pixels their
+// headers declare (or the pixel limit, DALLE_MAX_IMAGE_PIXELS, for a header not read) times
+// what a decode holds per pixel.
+int64_t decode_bytes(const Form& form);
 
 }  // namespace dalle::serve

@@ -63,8 +63,9 @@ HttpServer::State::State(const ServeConfig& config_, generate::Pipeline& pipelin
     : config(config_),
       pipeline(pipeline_),
       api_key(std::move(api_key_)),
-      images(std::chrono::seconds(config_.image_ttl_seconds), config_.max_stored_images),
-      jobs(std::chrono::seconds(config_.image_ttl_seconds), config_.max_stored_jobs),
+      budget(config_.max_memory_megabytes > 0 ? config_.max_memory_megabytes << 20 : default_memory_budget_bytes()),
+      images(std::chrono::seconds(config_.image_ttl_seconds), config_.max_stored_images, &budget),
+      jobs(std::chrono::seconds(config_.image_ttl_seconds), config_.max_stored_jobs, &budget),
       connections({.max_connections = config_.max_connections,
                    .max_per_client = config_.max_connections_per_client,
                    .header_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.header_timeout_seconds * 1000)),
@@ -162,6 +163,13 @@ void HttpServer::State::take_body(Exchange& exchange, const char* data, size_t s
   exchange.body_bytes += size;
   exchange.too_large = exchange.too_large || exchange.body_bytes > static_cast<size_t>(body_limit(exchange));
   if (exchange.too_large || exchange.refusal) return;
+  const auto held = static_cast<int64_t>(exchange.body_bytes);
+  if (held > exchange.body_charge.bytes() && !exchange.body_charge.grow(held - exchange.body_charge.bytes())) {
+    exchange.refusal = over_memory_budget(held, budget.limit(), "the request's body");
+    exchange.body = std::string();
+    exchange.form.clear();
+    return;
+  }
   if (!exchange.form_reader) {
     exchange.body.append(data, size);
     return;
@@ -225,6 +233,16 @@ MHD_Result HttpServer::State::begin(MHD_Connection* connection, const char* url,
   const auto length = header(connection, "Content-Length");
   if (!length.empty() && (length.size() > 18 || std::stoll(length) > body_limit(*exchange))) {
     exchange->too_large = true;
+  }
+  exchange->body_charge = budget.open();
+  if (!exchange->refusal && !exchange->too_large && !length.empty()) {
+    // A declared body is charged before a byte of it comes; a chunked one as it comes.
+    const auto declared = std::stoll(length);
+    if (!exchange->body_charge.grow(declared)) {
+      exchange->refusal = over_memory_budget(declared, budget.limit(), "the request's body");
+    } else if (!exchange->form_reader) {
+      exchange->body.reserve(static_cast<size_t>(declared));  // one allocation, never regrown
+    }
   }
   if ((exchange->refusal || exchange->too_large) && !header(connection, "Expect").empty()) {
     exchange->read = true;
@@ -316,7 +334,8 @@ Answer HttpServer::State::get(const Exchange& exchange) {
     return {.content_type = "text/plain; version=0.0.4",
             .body = metrics.prometheus_text(scheduler.queued(), scheduler.running(), scheduler.draining()) +
                     Metrics::connection_text(counts.open, counts.opened_total, counts.refused_total,
-                                             counts.timed_out_total),
+                                             counts.timed_out_total) +
+                    Metrics::memory_text(budget.limit(), budget.used(), budget.refusals()),
             .headers = {}};
   }
   if (path == "/") return {.content_type = "text/html; charset=utf-8", .body = kWebPage, .headers = {}};
@@ -340,6 +359,10 @@ Answer HttpServer::State::get(const Exchange& exchange) {
 MHD_Result HttpServer::State::resumed(const std::shared_ptr<Exchange>& exchange) {
   std::unique_lock lock(exchange->mutex);
   if (exchange->dropped) return MHD_NO;
+  if (!exchange->answer && exchange->streaming && (exchange->stream_ready || exchange->stream_ended)) {
+    lock.unlock();  // an edit admitted (or past its deadline) off the loop: its stream starts here
+    return stream(exchange);
+  }
   if (!exchange->answer) {  // woken early: waits on
     exchange->park();
     return MHD_YES;

@@ -4,6 +4,8 @@
 #include <random>
 #include <utility>
 
+#include "serve/api_error.h"
+
 namespace dalle::serve {
 
 using Clock = std::chrono::steady_clock;
@@ -19,12 +21,14 @@ std::string random_id() {
   return id;
 }
 
-ImageStore::ImageStore(std::chrono::seconds lifetime, int64_t capacity) : lifetime_(lifetime), capacity_(capacity) {}
+ImageStore::ImageStore(std::chrono::seconds lifetime, int64_t capacity, MemoryBudget* budget)
+    : lifetime_(lifetime), capacity_(capacity), budget_(budget) {}
 
 void ImageStore::forget_expired(Clock::time_point now) {
   while (!expiry_.empty() &&
          (expiry_.front().first <= now || static_cast<int64_t>(expiry_.size()) > capacity_)) {
     images_.erase(expiry_.front().second);
+    charges_.erase(expiry_.front().second);
     expiry_.pop_front();
   }
 }
@@ -32,6 +36,21 @@ void ImageStore::forget_expired(Clock::time_point now) {
 std::string ImageStore::put(std::string png) {
   std::lock_guard lock(mutex_);
   auto id = random_id();
+  if (budget_) {
+    const auto bytes = static_cast<int64_t>(png.size());
+    auto charge = bytes <= budget_->limit() ? budget_->charge(bytes) : std::nullopt;
+    while (!charge && bytes <= budget_->limit() && !expiry_.empty()) {  // the oldest images make room
+      images_.erase(expiry_.front().second);
+      charges_.erase(expiry_.front().second);
+      expiry_.pop_front();
+      charge = budget_->charge(bytes);
+    }
+    if (!charge) {
+      throw ApiError(503, "The server's memory budget has no room for the images' URLs now; try again shortly, or "
+                          "ask for response_format b64_json.", "", "memory_budget_exceeded");
+    }
+    charges_.emplace(id, std::move(*charge));
+  }
   images_.emplace(id, std::move(png));
   expiry_.emplace_back(Clock::now() + lifetime_, id);
   forget_expired(Clock::now());

@@ -6,13 +6,45 @@
 #include <vector>
 
 #include "dalle/log.h"
+#include "serve/api_error.h"
 #include "serve/openai_answers.h"
 
 namespace dalle::serve {
 
 using Clock = std::chrono::steady_clock;
 
-JobStore::JobStore(std::chrono::seconds lifetime, int64_t capacity) : lifetime_(lifetime), capacity_(capacity) {}
+JobStore::JobStore(std::chrono::seconds lifetime, int64_t capacity, MemoryBudget* budget)
+    : lifetime_(lifetime), capacity_(capacity), budget_(budget) {}
+
+void JobStore::forget(const std::string& id) {
+  jobs_.erase(id);
+  charges_.erase(id);
+}
+
+void JobStore::charge_end(const std::string& id, std::string& answer, std::string& error) {
+  if (!budget_) return;
+  const auto bytes = static_cast<int64_t>(answer.size() + error.size());
+  auto charge = budget_->charge(bytes);
+  if (!charge && bytes <= budget_->limit()) {
+    std::vector<std::pair<Clock::time_point, std::string>> ended;
+    for (const auto& [other, stored] : jobs_) {
+      if (stored.ended && other != id) ended.emplace_back(*stored.ended, other);
+    }
+    std::sort(ended.begin(), ended.end());
+    for (size_t i = 0; i < ended.size() && !charge; ++i) {
+      forget(ended[i].second);
+      charge = budget_->charge(bytes);
+    }
+  }
+  if (charge) {
+    charges_[id] = std::move(*charge);
+    return;
+  }
+  answer.clear();
+  error = ApiError(503, "The job's images were made, but the server's memory budget has no room to keep its answer.",
+                   "", "memory_budget_exceeded")
+              .json();
+}
 
 void JobStore::forget_expired(Clock::time_point now) {
   std::vector<std::pair<Clock::time_point, std::string>> ended;
@@ -23,7 +55,7 @@ void JobStore::forget_expired(Clock::time_point now) {
   auto kept = static_cast<int64_t>(jobs_.size());
   for (const auto& [at, id] : ended) {
     if (at + lifetime_ > now && kept <= capacity_) break;
-    jobs_.erase(id);
+    forget(id);
     --kept;
   }
 }
@@ -50,7 +82,7 @@ void JobStore::attach(const std::string& id, std::shared_ptr<Job> job) {
 
 void JobStore::remove(const std::string& id) {
   std::lock_guard lock(mutex_);
-  jobs_.erase(id);
+  forget(id);
 }
 
 std::optional<StoredJob> JobStore::find(const std::string& id) {
@@ -65,9 +97,11 @@ bool JobStore::end(const std::string& id, std::string answer, std::string error)
   std::lock_guard lock(mutex_);
   const auto at = jobs_.find(id);
   if (at == jobs_.end() || at->second.ended) return false;
+  charge_end(id, answer, error);
   at->second.answer = std::move(answer);
   at->second.error = std::move(error);
   at->second.ended = Clock::now();
+  at->second.job.reset();  // its images live on in the answer alone
   return true;
 }
 
@@ -89,7 +123,8 @@ std::vector<std::shared_ptr<Job>> JobStore::end_overdue(Clock::duration timeout,
     if (stored.ended || now - stored.added < timeout) continue;
     stored.error = error;
     stored.ended = now;
-    if (stored.job) overdue.push_back(stored.job);
+    if (stored.job) overdue.push_back(std::move(stored.job));
+    stored.job.reset();
   }
   return overdue;
 }
@@ -102,7 +137,9 @@ std::optional<StoredJob> JobStore::cancel(const std::string& id) {
     at->second.cancelled = true;
     at->second.ended = Clock::now();
   }
-  return at->second;
+  auto stored = at->second;  // with its Job, for the scheduler to cancel
+  at->second.job.reset();
+  return stored;
 }
 
 }  // namespace dalle::serve

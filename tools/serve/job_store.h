@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "serve/memory_budget.h"
 #include "serve/scheduler.h"
 
 namespace dalle::serve {
@@ -25,7 +26,7 @@ struct StoredJob {
   std::string id;
   std::time_t created = 0;
   std::chrono::steady_clock::time_point added;  // its deadline runs from here
-  std::shared_ptr<Job> job;
+  std::shared_ptr<Job> job;  // until it ends: an ended job keeps its answer, not its images
   std::string answer;  // once it succeeded: the JSON of the synchronous answer ({created, data})
   std::string error;   // once it failed: the JSON of an OpenAI error body
   bool cancelled = false;
@@ -34,7 +35,10 @@ struct StoredJob {
 
 class JobStore {
  public:
-  JobStore(std::chrono::seconds lifetime, int64_t capacity);
+  // `budget` (when given, outliving the store) is charged each ended job's answer; an answer
+  // that does not fit pushes the oldest ended jobs out, and when even that is not enough the
+  // job ends failed (memory_budget_exceeded).
+  JobStore(std::chrono::seconds lifetime, int64_t capacity, MemoryBudget* budget = nullptr);
 
   // Keeps a new job under `id` unless `capacity` unfinished jobs are kept already. Added
   // before its Job is submitted (so that the job cannot end before it is here), which
@@ -59,11 +63,17 @@ class JobStore {
 
  private:
   void forget_expired(std::chrono::steady_clock::time_point now);  // holds the lock
+  // The answer and error of `id` charged to the budget (others' pushed out if need be), or
+  // the error that says it could not be. Holds the lock.
+  void charge_end(const std::string& id, std::string& answer, std::string& error);
+  void forget(const std::string& id);  // holds the lock
 
   std::chrono::seconds lifetime_;
   int64_t capacity_;
+  MemoryBudget* budget_;
   std::mutex mutex_;
   std::map<std::string, StoredJob> jobs_;
+  std::map<std::string, MemoryBudget::Charge> charges_;
 };
 
 }  // namespace dalle::serve

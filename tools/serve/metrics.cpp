@@ -102,4 +102,16 @@ std::string Metrics::connection_text(int64_t open, int64_t opened_total, int64_t
   return out.str();
 }
 
+std::string Metrics::memory_text(int64_t limit, int64_t used, int64_t refusals) {
+  std::ostringstream out;
+  out << "# HELP dalle_memory_budget_bytes What requests may hold at once (max_memory_megabytes), the models aside.\n"
+      << "# TYPE dalle_memory_budget_bytes gauge\ndalle_memory_budget_bytes " << limit << "\n"
+      << "# HELP dalle_memory_charged_bytes What requests, bodies, decodes, stored answers and images hold now.\n"
+      << "# TYPE dalle_memory_charged_bytes gauge\ndalle_memory_charged_bytes " << used << "\n"
+      << "# HELP dalle_memory_refusals_total Charges the budget refused (each a 503 or 413, or an old stored "
+         "answer or image pushed out).\n"
+      << "# TYPE dalle_memory_refusals_total counter\ndalle_memory_refusals_total " << refusals << "\n";
+  return out.str();
+}
+
 }  // namespace dalle::serve

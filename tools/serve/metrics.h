@@ -26,6 +26,9 @@ class Metrics {
   static std::string connection_text(int64_t open, int64_t opened_total, int64_t refused_total,
                                      int64_t timed_out_total);
 
+  // The memory budget's gauges and refusals, in the same format.
+  static std::string memory_text(int64_t limit, int64_t used, int64_t refusals);
+
   // The upper bounds of the latency histogram's buckets, in seconds (+Inf beyond).
   static const std::vector<double>& latency_buckets();
 

@@ -54,6 +54,17 @@ ApiError answer_failed(const std::exception& why) {
                   "answer_failed");
 }
 
+ApiError over_memory_budget(int64_t bytes, int64_t limit, const std::string& what) {
+  const auto megabytes = [](int64_t b) { return std::to_string((b + (1 << 20) - 1) >> 20) + " MB"; };
+  if (bytes > limit) {
+    return ApiError(413, what + " needs " + megabytes(bytes) + " of memory, more than this server's whole budget (" +
+                             megabytes(limit) + ", max_memory_megabytes).", "", "request_too_large");
+  }
+  return ApiError(503, "The server is busy: " + what + " needs " + megabytes(bytes) +
+                           " of memory, which its budget does not have free now. Try again shortly.",
+                  "", "memory_budget_exceeded");
+}
+
 std::string sse_event(const std::string& type, json data) {
   data["type"] = type;
   return "event: " + type + "\ndata: " + data.dump() + "\n\n";
@@ -64,23 +75,25 @@ json image_event(std::string b64_png, int64_t side) {
           {"quality", "auto"}, {"background", "opaque"}, {"output_format", "png"}};
 }
 
-json HttpServer::State::job_object(const StoredJob& stored) {
+std::string HttpServer::State::job_object(const StoredJob& stored) {
   json object = {{"id", stored.id}, {"object", "image.job"}, {"created", stored.created}};
   if (stored.cancelled) {
     object["status"] = "cancelled";
   } else if (stored.ended) {
     object["status"] = stored.error.empty() ? "succeeded" : "failed";
     if (stored.error.empty()) {
-      object["result"] = json::parse(stored.answer);
-    } else {
-      object["error"] = json::parse(stored.error)["error"];
+      // The stored answer (megabytes of base64) goes in as it is, never parsed again.
+      auto text = object.dump();
+      text.pop_back();
+      return text + ",\"result\":" + stored.answer + "}";
     }
+    object["error"] = json::parse(stored.error)["error"];
   } else {
     const auto progress = stored.job ? scheduler.progress(stored.job) : Scheduler::Progress{};
     object["status"] = progress.state == Job::State::queued ? "queued" : "in_progress";
     if (progress.queue_position >= 0) object["queue_position"] = progress.queue_position;
   }
-  return object;
+  return object.dump();
 }
 
 json HttpServer::State::model_object() const {

@@ -32,6 +32,9 @@ ApiError timeout_error(double seconds);
 ApiError generation_error(const std::string& why);
 // The images were made but their answer could not be built (encoding them failed).
 ApiError answer_failed(const std::exception& why);
+// A request that needs `bytes` of the memory budget (max_memory_megabytes) of `limit`: 503
+// while others hold it, 413 when it alone is larger.
+ApiError over_memory_budget(int64_t bytes, int64_t limit, const std::string& what);
 
 std::string base64(std::string_view bytes);
 // One server-sent event as OpenAI's streams send them: its type twice, as the event's name

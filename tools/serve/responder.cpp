@@ -148,7 +148,7 @@ void HttpServer::State::sweep() {
     std::lock_guard lock(exchange->mutex);
     if (!exchange->waiting()) continue;
     if (now >= exchange->deadline) {
-      scheduler.cancel(exchange->job);
+      if (exchange->job) scheduler.cancel(exchange->job);  // an edit being decoded has none yet
       const auto timeout = timeout_error(config.request_timeout_seconds);
       if (exchange->streaming) {
         exchange->events += sse_event("error", json::parse(timeout.json()));
@@ -159,7 +159,7 @@ void HttpServer::State::sweep() {
       exchange->wake();
     } else if (exchange->suspended && client_gone(exchange->socket)) {
       // A parked connection is not watched by the event loop: the client's leaving is seen here.
-      scheduler.cancel(exchange->job);
+      if (exchange->job) scheduler.cancel(exchange->job);
       exchange->dropped = true;
       exchange->wake();
       log::info("serve: a client left before its images were ready (", exchange->client, ")");

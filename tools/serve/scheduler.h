@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "dalle/generate/pipeline.h"
+#include "serve/memory_budget.h"
 
 namespace dalle::serve {
 
@@ -34,6 +35,7 @@ struct Job {
   std::string error;                             // why it failed; empty: it did not
   double generation_seconds = 0;                 // of the generate call it was part of
   int64_t batched_with = 0;                      // requests taken together, itself included
+  MemoryBudget::Charge charge;                   // what it and its images hold of the memory budget
   enum class State { queued, running, done, abandoned } state = State::queued;
 };
 

@@ -63,6 +63,11 @@ void ServeConfig::visit(ConfigVisitor& v) {
   v.field("max_stored_jobs", max_stored_jobs,
           "jobs of POST /v1/images/jobs kept at most, finished or not; a finished one is kept image_ttl_seconds, "
           "and beyond the count the oldest finished go first", {.min = 1, .max = 1000000});
+  v.field("max_memory_megabytes", max_memory_megabytes,
+          "megabytes that requests may hold at once, the models aside: bodies being read, an uploaded image's "
+          "decode, queued and running requests with the images they will make, stored job answers and images "
+          "kept for URLs. A request that would pass it is refused with 503 and Retry-After (413 when it alone is "
+          "larger). 0: a quarter of the machine's physical memory", {.min = 0, .max = int64_t{1} << 30});
   v.field("connection_threads", connection_threads,
           "no longer used: connections are served by one event loop (max_connections bounds them); read so that "
           "older configs load", {.min = 0, .max = 100000});

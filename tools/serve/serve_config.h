@@ -30,6 +30,7 @@ struct ServeConfig {
   double body_timeout_seconds = 60;
   int64_t idle_timeout_seconds = 5;
   int64_t max_stored_jobs = 256;
+  int64_t max_memory_megabytes = 0;  // 0: a quarter of the machine's memory
   int64_t connection_threads = 0;  // read and ignored: older configs name it
   generate::PipelineConfig pipeline;
 

@@ -30,10 +30,12 @@
 #include "serve/image_request.h"
 #include "serve/image_store.h"
 #include "serve/job_store.h"
+#include "serve/memory_budget.h"
 #include "serve/metrics.h"
 #include "serve/openai_answers.h"
 #include "serve/route.h"
 #include "serve/scheduler.h"
+#include "serve/task_thread.h"
 
 namespace dalle::serve {
 
@@ -57,6 +59,7 @@ struct Exchange {
   std::string body;      // but a form's, which goes to `form`
   size_t body_bytes = 0;
   bool too_large = false;
+  MemoryBudget::Charge body_charge;  // the body's bytes, declared or read, until it is read
   // POST /v1/images/edits: its form, as the parser reads it.
   MHD_PostProcessor* form_reader = nullptr;
   Form form;
@@ -77,6 +80,7 @@ struct Exchange {
   std::optional<Answer> answer;  // a waiting request's, once known
   // A stream's events not yet sent, from `events_sent` on; ended: no more will come.
   bool streaming = false;
+  bool stream_ready = false;  // an edit's stream may start: its job is admitted
   std::string events;
   size_t events_sent = 0;
   bool stream_ended = false;
@@ -125,7 +129,17 @@ struct HttpServer::State {
   // Admits `prompt` for `request`, which the responder then answers once its job is done or
   // streams as it is drawn: one path for both, the deadline running from the request's arrival.
   MHD_Result answer_with_job(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request,
-                             generate::PreparedRequest prompt);
+                             generate::PreparedRequest prompt, MemoryBudget::Charge held);
+  // On the intake thread: an edit's image decoded, its request prepared and admitted, and its
+  // parked connection woken to stream, or answered with why it was refused.
+  void admit_edit(const std::shared_ptr<Exchange>& exchange, const ImageRequest& request, int64_t decoding,
+                  MemoryBudget::Charge held);
+  // Among the requests that wait for a job (what drop_waiting wakes); 503 once the server stops.
+  void register_waiting(const std::shared_ptr<Exchange>& exchange);
+  // The exchange's fields for a request that waits for its job. Holds its mutex.
+  void expect_job(Exchange& exchange, const ImageRequest& request) const;
+  // A job's listener that has the responder settle `exchange` (while it lives) as the job goes.
+  std::function<void(const std::shared_ptr<Job>&)> settle_on_change(const std::shared_ptr<Exchange>& exchange);
   void take_body(Exchange& exchange, const char* data, size_t size);
   int64_t body_limit(const Exchange& exchange) const {
     return exchange.form_reader ? 2 * config.max_image_bytes + config.max_body_bytes : config.max_body_bytes;
@@ -146,16 +160,21 @@ struct HttpServer::State {
   }
   void check_not_draining() const;
   ImageRequest read_request(const Exchange& exchange) const;
+  // The memory a request holds from admission to its end: its image prompt and the images it
+  // makes (candidates, decoded and upscaled).
+  int64_t job_bytes(const ImageRequest& request) const;
+  // `bytes` of the budget for `what`, or ApiError 503 (413 when over the whole budget).
+  MemoryBudget::Charge charge(int64_t bytes, const std::string& what);
   // `request` (with an edit's image prompt) as the pipeline prepares it: the pipeline's one call
   // for a request outside generate. Throws ApiError 400 for what the model refuses.
   generate::PreparedRequest prepare(const ImageRequest& request,
                                     std::shared_ptr<const generate::PromptImage> image_prompt = nullptr);
-  std::shared_ptr<Job> admit(generate::PreparedRequest prompt,
+  std::shared_ptr<Job> admit(generate::PreparedRequest prompt, MemoryBudget::Charge charge,
                              std::function<void(const std::shared_ptr<Job>&)> on_change);
   nlohmann::json answer_json(const std::string& host, const ImageRequest& request, const Job& job);
   std::string base_url(const std::string& host) const;
   nlohmann::json model_object() const;
-  nlohmann::json job_object(const StoredJob& stored);
+  std::string job_object(const StoredJob& stored);  // its JSON
   int64_t random_seed();
   void log_answered(const ImageRequest& request, const Job& job, Clock::time_point arrived);
 
@@ -175,6 +194,7 @@ struct HttpServer::State {
   ServedModel model;
   std::string api_key;
   Metrics metrics;
+  MemoryBudget budget;  // before what it charges, so that it goes after them
   ImageStore images;
   JobStore jobs;
   ConnectionTable connections;
@@ -193,6 +213,7 @@ struct HttpServer::State {
   bool stop_requested = false;
 
   Scheduler scheduler;  // after what its jobs' callbacks use, so that it stops before them
+  TaskThread intake{"decoding an edit's image"};  // what the event loop must not wait for
   std::thread responder;
   MHD_Daemon* daemon = nullptr;
   int port = 0;

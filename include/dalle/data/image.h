@@ -26,6 +26,12 @@ torch::Tensor decode_image(std::string_view bytes, const std::string& name);
 // The alpha channel of an encoded image, [1, H, W] in [0, 1] (1: opaque); nothing when the
 // image has none. Throws as decode_image does.
 std::optional<torch::Tensor> decode_alpha(std::string_view bytes, const std::string& name);
+// The pixels an encoded image's header declares (PNG, JPEG, BMP, WebP, TIFF, PNM), read
+// without decoding it; nothing when the header is not one of these or cannot be read. A
+// decode_image holds at most kDecodeBytesPerPixel bytes per pixel at once (8-bit RGB:
+// the decode, its RGB copy and the float32 result); decode_alpha half that.
+std::optional<int64_t> header_pixels(std::string_view bytes);
+inline constexpr int64_t kDecodeBytesPerPixel = 18;
 
 // Writes [3, H, W] or [1, H, W] values in [0, 1] (clamped) as 8-bit PNG, atomically.
 void write_png(const std::string& path, const torch::Tensor& image);

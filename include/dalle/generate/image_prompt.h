@@ -23,6 +23,10 @@ struct ImagePromptConfig {
   bool enabled() const { return !image.empty(); }
 };
 
+// As datasets prepare images, and image prompts are before they are encoded: the shorter side
+// scaled to `size`, the centre cropped square. An image already `size` square is returned as is.
+torch::Tensor square_image(const torch::Tensor& image, int64_t size);
+
 // One request's image prompt, given as pixels (dalle-serve's POST /v1/images/edits): its top
 // `top_rows` token rows are kept.
 struct PromptImage {
