@@ -79,5 +79,24 @@ TEST(ConnectionTable, ASweepShutsDownWhatIsOverdueInItsPhaseAndNothingElse) {
   EXPECT_EQ(table.counts().open, 4);
 }
 
+TEST(ConnectionTable, ATrustedProxyIsBoundByMaxConnectionsAloneNotThePerClientCap) {
+  ConnectionTable table({.max_connections = 10, .max_per_client = 2, .unbounded_clients = {"10.0.0.1"}});
+  int ids[8];
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(table.admit("203.0.113.9"));
+    table.opened(&ids[i], -1, "203.0.113.9");
+  }
+  EXPECT_FALSE(table.admit("203.0.113.9")) << "a client's third connection";
+  for (int i = 2; i < 8; ++i) {
+    ASSERT_TRUE(table.admit("10.0.0.1")) << "the proxy's connection " << i - 1;
+    table.opened(&ids[i], -1, "10.0.0.1");
+  }
+  int more[3];
+  for (auto& id : more) {
+    if (table.admit("10.0.0.1")) table.opened(&id, -1, "10.0.0.1");
+  }
+  EXPECT_EQ(table.counts().open, 10) << "max_connections still binds it";
+}
+
 }  // namespace
 }  // namespace dalle::serve

@@ -10,7 +10,8 @@ bool ConnectionTable::admit(const std::string& client) {
   std::lock_guard lock(mutex_);
   const auto at = per_client_.find(client);
   const int64_t from_client = at == per_client_.end() ? 0 : at->second;
-  if (counts_.open < limits_.max_connections && from_client < limits_.max_per_client) return true;
+  const bool unbounded = limits_.unbounded_clients.count(client) > 0;
+  if (counts_.open < limits_.max_connections && (unbounded || from_client < limits_.max_per_client)) return true;
   ++counts_.refused_total;
   return false;
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 
 namespace dalle::serve {
@@ -16,6 +17,7 @@ namespace dalle::serve {
 struct ConnectionLimits {
   int64_t max_connections = 4096;
   int64_t max_per_client = 256;
+  std::set<std::string> unbounded_clients;  // trusted proxies: each carries many clients
   std::chrono::milliseconds header_timeout{10000};  // from the opening, or the answer before
   std::chrono::milliseconds body_timeout{60000};    // from the end of the headers
 };

@@ -14,6 +14,7 @@
 #include "dalle/input_limits.h"
 #include "dalle/log.h"
 #include "serve/api_error.h"
+#include "serve/client_address.h"
 #include "serve/edit_request.h"
 #include "serve/route.h"
 #include "serve/server_state.h"
@@ -66,8 +67,10 @@ HttpServer::State::State(const ServeConfig& config_, generate::Pipeline& pipelin
       budget(config_.max_memory_megabytes > 0 ? config_.max_memory_megabytes << 20 : default_memory_budget_bytes()),
       images(std::chrono::seconds(config_.image_ttl_seconds), config_.max_stored_images, &budget),
       jobs(std::chrono::seconds(config_.image_ttl_seconds), config_.max_stored_jobs, &budget),
+      trusted_proxies(config_.trusted_proxies.begin(), config_.trusted_proxies.end()),
       connections({.max_connections = config_.max_connections,
                    .max_per_client = config_.max_connections_per_client,
+                   .unbounded_clients = {config_.trusted_proxies.begin(), config_.trusted_proxies.end()},
                    .header_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.header_timeout_seconds * 1000)),
                    .body_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.body_timeout_seconds * 1000))}),
       scheduler([&pipeline_](const std::vector<generate::PreparedRequest>& requests,
@@ -210,7 +213,8 @@ MHD_Result HttpServer::State::begin(MHD_Connection* connection, const char* url,
     exchange->socket = socket->connect_fd;
   }
   if (const auto* address = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CLIENT_ADDRESS)) {
-    exchange->client = numeric_address(address->client_addr);
+    exchange->client = client_address(numeric_address(address->client_addr), header(connection, "X-Forwarded-For"),
+                                      trusted_proxies);
   }
   *context = new std::shared_ptr<Exchange>(exchange);
   connections.headers_read(connection);

@@ -48,7 +48,12 @@ void ServeConfig::visit(ConfigVisitor& v) {
           "of it is read", {.min = 1, .max = 1000000});
   v.field("max_connections_per_client", max_connections_per_client,
           "open connections from one client address at most (behind a proxy, every client is the proxy's "
-          "address); one more is closed at once", {.min = 1, .max = 1000000});
+          "address: name it in trusted_proxies); one more is closed at once", {.min = 1, .max = 1000000});
+  v.field("trusted_proxies", trusted_proxies,
+          "numeric addresses of the reverse proxies in front of the server (as they connect: 127.0.0.1, ::1): "
+          "their connections are bound by max_connections alone, not max_connections_per_client, and a request "
+          "from one names its client by X-Forwarded-For (the last address not a trusted proxy), in the logs. "
+          "From any other address X-Forwarded-For is ignored");
   v.field("header_timeout_seconds", header_timeout_seconds,
           "seconds a request's line and headers may take, from the connection's opening or the answer before "
           "(an idle keep-alive connection is closed then too); then the connection is closed",

@@ -3,6 +3,7 @@
 // and the generation pipeline it serves (docs/serve.md; every key in docs/config.md).
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "dalle/config.h"
 #include "dalle/generate/pipeline.h"
@@ -26,6 +27,7 @@ struct ServeConfig {
   std::string api_key_file;
   int64_t max_connections = 4096;
   int64_t max_connections_per_client = 256;
+  std::vector<std::string> trusted_proxies;
   double header_timeout_seconds = 10;
   double body_timeout_seconds = 60;
   int64_t idle_timeout_seconds = 5;

@@ -197,6 +197,7 @@ struct HttpServer::State {
   MemoryBudget budget;  // before what it charges, so that it goes after them
   ImageStore images;
   JobStore jobs;
+  std::set<std::string> trusted_proxies;
   ConnectionTable connections;
   std::time_t started = std::time(nullptr);
   std::mutex seeds_mutex;
