@@ -50,10 +50,11 @@ torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, con
                        torch::tensor(filters.top_p, on.dtype(torch::kFloat64)).to(torch::kFloat32).unsqueeze(1));
 }
 
-torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, const torch::Tensor& top_k,
-                            const torch::Tensor& top_p) {
+namespace {
+
+// Logits already divided by their temperature, filtered by top_k and top_p [B, 1] tensors.
+torch::Tensor filter_scaled(torch::Tensor filtered, const torch::Tensor& top_k, const torch::Tensor& top_p) {
   constexpr double kMinusInfinity = -std::numeric_limits<double>::infinity();
-  auto filtered = logits.to(torch::kFloat32) / temperature;
   const int64_t classes = filtered.size(-1);
   // k outside (0, classes) filters nothing: its threshold is the row's smallest logit.
   const auto k = torch::where((top_k > 0) & (top_k < classes), top_k, classes);
@@ -63,6 +64,13 @@ torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, con
   const auto cumulative = sorted.softmax(-1).cumsum(-1);
   const auto drop = ((cumulative - sorted.softmax(-1)) >= top_p) & (top_p < 1.0);
   return filtered.masked_fill(torch::zeros_like(drop).scatter(-1, order, drop), kMinusInfinity);
+}
+
+}  // namespace
+
+torch::Tensor filter_logits(const torch::Tensor& logits, double temperature, const torch::Tensor& top_k,
+                            const torch::Tensor& top_p) {
+  return filter_scaled(logits.to(torch::kFloat32) / temperature, top_k, top_p);
 }
 
 torch::Tensor sampling_uniforms(int64_t seed, const std::vector<uint64_t>& streams, int64_t positions) {
@@ -133,6 +141,9 @@ struct Choice {
   int64_t text_classes = 0;
   bool guided = false;
   torch::Tensor top_k, top_p;  // [B, 1] on the device, with row filters; else undefined
+  // [1] float32 on the device: the options' temperature and guidance scale as tensors a
+  // captured step reads (kept()); undefined: the options' numbers.
+  torch::Tensor temperature, guidance_scale;
 
   // logits [rows, classes] (the guided rows' unconditional half after the conditional) and
   // uniforms [B] -> codes [B].
@@ -141,11 +152,38 @@ struct Choice {
     auto image = logits.narrow(1, text_classes, logits.size(1) - text_classes).to(torch::kFloat32);
     if (guided) {
       const auto conditional = image.narrow(0, 0, batch), unconditional = image.narrow(0, batch, batch);
-      image = unconditional + options.guidance_scale * (conditional - unconditional);
+      const auto difference = conditional - unconditional;
+      image = unconditional +
+              (guidance_scale.defined() ? guidance_scale * difference : options.guidance_scale * difference);
     }
-    const auto filtered =
-        top_k.defined() ? filter_logits(image, options.temperature, top_k, top_p) : filter_logits(image, options);
+    torch::Tensor filtered;
+    if (temperature.defined()) {
+      filtered = filter_scaled(image / temperature, top_k, top_p);
+    } else {
+      filtered = top_k.defined() ? filter_logits(image, options.temperature, top_k, top_p)
+                                 : filter_logits(image, options);
+    }
     return draw_codes(filtered.softmax(-1), uniforms);
+  }
+  // The same choice with every setting a request may change (temperature, filters, guidance
+  // scale) in `graphs`' tensors rather than in numbers a captured step would bake in: one
+  // graph serves every request of a batch shape. It draws the same codes (float32 tensors
+  // hold what float32 arithmetic makes of the numbers; row filters equal the options').
+  Choice kept(DecodeGraphs& graphs, const torch::Device& device) const {
+    const auto floats = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+    auto choice = *this;
+    choice.temperature = graphs.buffer("temperature", {1}, floats).fill_(options.temperature);
+    choice.guidance_scale = graphs.buffer("guidance_scale", {1}, floats).fill_(options.guidance_scale);
+    choice.top_k = graphs.buffer("top_k", {batch, 1}, floats.dtype(torch::kInt64));
+    choice.top_p = graphs.buffer("top_p", {batch, 1}, floats);
+    if (top_k.defined()) {
+      choice.top_k.copy_(top_k);
+      choice.top_p.copy_(top_p);
+    } else {
+      choice.top_k.fill_(options.top_k);
+      choice.top_p.fill_(options.top_p);
+    }
+    return choice;
   }
   // The rows the model reads of `codes` [B]: twice over under guidance.
   torch::Tensor model_rows(const torch::Tensor& codes) const { return guided ? torch::cat({codes, codes}) : codes; }
@@ -216,13 +254,12 @@ void draw_into(StepState& state, const Choice& choice, const torch::Tensor& logi
   state.token.copy_(choice.model_rows(next).unsqueeze(1));
 }
 
-// The constants a captured step holds: a graph of other ones would draw other tokens.
-std::string step_signature(const Prior& prior, const Choice& choice, int64_t rows, bool prompted) {
+// What a captured step holds as constants: the prior and the rows it runs (twice the batch
+// under guidance). The settings a request chooses are tensors it reads (Choice::kept), and an
+// image prompt's kept positions and codes too, so that none of them drops a graph.
+std::string step_signature(const Prior& prior, int64_t rows) {
   std::ostringstream out;
-  out.precision(17);
-  out << "prior " << prior.get() << " rows " << rows << " temperature " << choice.options.temperature << " top_k "
-      << choice.options.top_k << " top_p " << choice.options.top_p << " guidance " << choice.options.guidance_scale
-      << " row_filters " << choice.top_k.defined() << " prompt " << prompted;
+  out << "prior " << prior.get() << " rows " << rows;
   return out.str();
 }
 
@@ -234,13 +271,9 @@ torch::Tensor sample_cached(Prior& prior, const torch::Tensor& inputs, const Cho
   const auto& config = prior->config();
   const int64_t total = config.image_length(), rows = inputs.size(0);
   const auto device = inputs.device();
-  graphs.expect(step_signature(prior, given_choice, rows, prompt != nullptr));
+  graphs.expect(step_signature(prior, rows));
   auto state = step_state(prior, graphs, uniforms, prompt, rows);
-  auto choice = given_choice;  // its row filters, too, where a captured step finds them again
-  if (choice.top_k.defined()) {
-    choice.top_k = graphs.buffer("top_k", choice.top_k.sizes(), choice.top_k.options()).copy_(given_choice.top_k);
-    choice.top_p = graphs.buffer("top_p", choice.top_p.sizes(), choice.top_p.options()).copy_(given_choice.top_p);
-  }
+  const auto choice = given_choice.kept(graphs, device);
   int64_t leading = 0;  // prompt codes before the first position to draw
   if (prompt) {
     const auto known = prompt->known.to(torch::kBool).cpu();
@@ -284,7 +317,9 @@ torch::Tensor sample_image_tokens(Prior& prior, const torch::Tensor& captions, c
                 .text_classes = config.text_classes(),
                 .guided = options.guidance_scale != 1.0,
                 .top_k = {},
-                .top_p = {}};
+                .top_p = {},
+                .temperature = {},
+                .guidance_scale = {}};
   if (row_filters) {
     const auto on = torch::TensorOptions().device(device);
     choice.top_k = torch::tensor(row_filters->top_k, on.dtype(torch::kInt64)).unsqueeze(1);

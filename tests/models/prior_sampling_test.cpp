@@ -145,10 +145,14 @@ TEST_F(PriorSampling, StepTensorsKeptAcrossCallsDrawWhatFreshOnesAndTheReference
     SamplingOptions options;
     const ImagePrompt* prompt;
   };
+  // Settings change from call to call: a kept step reads them from its tensors.
   const std::vector<Call> calls = {{2, {.top_k = 6, .seed = 1}, nullptr},
                                    {2, {.guidance_scale = 3.0, .seed = 2}, nullptr},
                                    {3, {.top_p = 0.8, .seed = 3}, &prompt},
-                                   {2, {.top_k = 6, .seed = 4}, nullptr}};
+                                   {2, {.top_k = 6, .seed = 4}, nullptr},
+                                   {2, {.temperature = 0.7, .top_k = 5, .top_p = 0.9, .guidance_scale = 2.5, .seed = 5},
+                                    &prompt},
+                                   {2, {.temperature = 1.3, .guidance_scale = 1.5, .seed = 6}, nullptr}};
   DecodeGraphs kept;
   for (const auto& call : calls) {
     const auto fresh = sample_image_tokens(prior_, captions(call.batch), call.options, call.prompt);
@@ -196,6 +200,33 @@ TEST_F(PriorSampling, GraphsReplayedOnAGpuDrawTheCpusTokens) {
   EXPECT_TRUE(torch::equal(first.cpu(), on_cpu));
   EXPECT_TRUE(torch::equal(again.cpu(), on_cpu));
   EXPECT_TRUE(torch::equal(launched.cpu(), on_cpu));
+}
+
+// One graph per batch shape serves requests of any temperature, filters, guidance scale and
+// image prompt: none of them drops it, and the replays draw the CPU's tokens.
+TEST_F(PriorSampling, OnAGpuSettingsOfEachCallAreReadByTheSameGraph) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
+  const ImagePrompt prompt{.tokens = torch::arange(16, torch::kInt64).remainder(12).unsqueeze(0),
+                           .known = torch::arange(16) < 4};
+  struct Call {
+    SamplingOptions options;
+    const ImagePrompt* prompt;
+  };
+  const std::vector<Call> calls = {{{.top_k = 6, .guidance_scale = 2.0, .seed = 12}, nullptr},
+                                   {{.temperature = 0.7, .top_p = 0.9, .guidance_scale = 3.0, .seed = 13}, nullptr},
+                                   {{.top_k = 4, .guidance_scale = 1.5, .seed = 14}, &prompt},
+                                   {{.temperature = 1.4, .guidance_scale = 2.0, .seed = 15}, nullptr}};
+  std::vector<torch::Tensor> on_cpu;
+  for (const auto& call : calls) on_cpu.push_back(sample_image_tokens(prior_, captions(3), call.options, call.prompt));
+  prior_->to(torch::kCUDA);
+  DecodeGraphs graphs;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const auto drawn =
+        sample_image_tokens(prior_, captions(3), calls[i].options, calls[i].prompt, {}, {}, nullptr, {}, &graphs);
+    EXPECT_TRUE(torch::equal(drawn.cpu(), on_cpu[i])) << "call " << i;
+    EXPECT_EQ(graphs.graphs(), 1) << "call " << i << ": the first call's graph, never dropped";
+  }
+  EXPECT_EQ(graphs.replays(), 14 + 15 + 11 + 15) << "every step after the first capture replayed";
 }
 
 TEST(FilterLogits, TopKAndTopP) {
