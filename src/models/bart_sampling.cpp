@@ -81,14 +81,36 @@ int64_t leading_known(const ImagePrompt* prompt, int64_t length) {
   return leading;
 }
 
-// The constants a captured step holds: a graph of other ones would draw other tokens.
-std::string step_signature(const BartDecoder& decoder, const BartSamplingOptions& options, int64_t images) {
+// What a captured step holds as constants: the decoder and the images it draws. The settings
+// a request chooses are tensors it reads (KeptSettings), so that none of them drops a graph.
+std::string step_signature(const BartDecoder& decoder, int64_t images) {
   std::ostringstream out;
-  out.precision(17);
-  out << "bart " << decoder.get() << " images " << images << " temperature " << options.temperature << " top_k "
-      << options.top_k << " factor " << options.supercondition_factor;
+  out << "bart " << decoder.get() << " images " << images;
   return out.str();
 }
+
+// supercondition_weights with its settings in [1] tensors of `steps` (float32 tensors hold what
+// float32 arithmetic makes of the numbers: the same weights).
+struct KeptSettings {
+  torch::Tensor factor, complement, temperature, kth;  // kth: top_k - 1, [1, 1] int64
+
+  KeptSettings(DecodeGraphs& steps, const BartSamplingOptions& options, const torch::Device& device) {
+    const auto floats = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+    factor = steps.buffer("factor", {1}, floats).fill_(options.supercondition_factor);
+    complement = steps.buffer("complement", {1}, floats).fill_(1 - options.supercondition_factor);
+    temperature = steps.buffer("temperature", {1}, floats).fill_(options.temperature);
+    kth = steps.buffer("kth", {1, 1}, floats.dtype(torch::kInt64)).fill_(options.top_k - 1);
+  }
+
+  torch::Tensor weights(const torch::Tensor& logits) const {
+    const int64_t images = logits.size(0) / 2;
+    const auto unconditioned = logits.narrow(0, 0, images), conditioned = logits.narrow(0, images, images);
+    const auto mixed = unconditioned * complement + conditioned * factor;
+    const auto threshold = std::get<0>(mixed.sort(-1, /*descending=*/true)).gather(1, kth.expand({images, 1}));
+    const auto largest = std::get<0>(mixed.max(-1, /*keepdim=*/true));
+    return ((mixed - largest) / temperature).exp() * (mixed >= threshold);
+  }
+};
 
 // The counter-based draws of each image, computed on the host; a call copies them to the device once.
 torch::Tensor stream_uniforms(const BartSamplingOptions& options, const std::vector<uint64_t>& streams,
@@ -118,7 +140,8 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
   // torch's generator is not captured: min-dalle's own draws run eagerly.
   DecodeGraphs eager(/*enabled=*/false);
   auto& steps = graphs && !options.torch_draws ? *graphs : eager;
-  steps.expect(step_signature(decoder, options, images));
+  steps.expect(step_signature(decoder, images));
+  const KeptSettings settings(steps, options, device);
   auto cache = decoder->start(encoder->forward(text), text, steps.maker());
   const auto integers = rows.options().dtype(torch::kInt64);
   auto previous = steps.buffer("previous", {images, 1}, integers).fill_(config.codes - 1);
@@ -143,7 +166,9 @@ torch::Tensor sample_bart_image_tokens(BartEncoder& encoder, BartDecoder& decode
   // The next code of every image at `position` from the decoder's logits [2B, vocab]: drawn,
   // then the prompt's where it keeps the position; it is what both rows of the image read next.
   const auto choose = [&](const torch::Tensor& logits) {
-    const auto weights = supercondition_weights(logits.narrow(1, 0, config.codes).to(torch::kFloat32), options);
+    const auto image_logits = logits.narrow(1, 0, config.codes).to(torch::kFloat32);
+    const auto weights =
+        options.torch_draws ? supercondition_weights(image_logits, options) : settings.weights(image_logits);
     const auto drawn = options.torch_draws ? torch::multinomial(weights, 1).squeeze(1)
                                            : draw_codes(weights, uniforms.index_select(1, position).squeeze(1));
     const auto next = torch::where(known.index_select(0, position), forced.index_select(1, position).squeeze(1), drawn);

@@ -157,10 +157,14 @@ TEST_F(MinDalleParity, StepTensorsKeptAcrossCallsDrawWhatFreshOnesDraw) {
   known.index_put_({Slice(200, 210)}, true);
   const ImagePrompt prompt{.tokens = torch::arange(256, torch::kInt64).remainder(16).unsqueeze(0), .known = known};
   DecodeGraphs kept;
-  // A prompted call between unprompted ones: the kept mask and codes must not linger.
+  // A prompted call between unprompted ones: the kept mask and codes must not linger; the
+  // settings change from call to call, read from the kept tensors.
   for (const auto& [images, seed, image_prompt] : std::vector<std::tuple<int64_t, int64_t, const ImagePrompt*>>{
            {3, 5, nullptr}, {3, 4, &prompt}, {2, 6, nullptr}, {3, 7, nullptr}}) {
-    const BartSamplingOptions options{.top_k = 8, .supercondition_factor = 4.0, .seed = seed};
+    const BartSamplingOptions options{.temperature = 0.6 + 0.2 * static_cast<double>(seed % 3),
+                                      .top_k = 4 + 2 * (seed % 3),
+                                      .supercondition_factor = 2.0 + static_cast<double>(seed),
+                                      .seed = seed};
     const auto captions = caption.expand({images, -1}).contiguous();
     const auto fresh =
         sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, nullptr, image_prompt);
@@ -208,6 +212,14 @@ TEST_F(MinDalleParity, GraphsReplayedOnAGpuDrawTheCpusTokens) {
       torch::equal(prompted.cpu().index({Slice(), known}), prompt.tokens.index({Slice(), known}).expand({3, 74})));
   const auto after = sample_bart_image_tokens(encoder_, decoder_, captions, options, {}, {}, {}, &graphs);
   EXPECT_TRUE(torch::equal(after.cpu(), on_cpu)) << "the prompt does not linger in the graphs' tensors";
+
+  // Other settings replay the same graphs too: they are tensors the steps read.
+  const BartSamplingOptions other{.temperature = 0.8, .top_k = 5, .supercondition_factor = 8.0, .seed = 9};
+  const auto other_on_gpu = sample_bart_image_tokens(encoder_, decoder_, captions, other, {}, {}, {}, &graphs);
+  EXPECT_EQ(graphs.graphs(), captured) << "no graph captured anew for other settings";
+  encoder_->to(torch::kCPU);
+  decoder_->to(torch::kCPU);
+  EXPECT_TRUE(torch::equal(other_on_gpu.cpu(), sample_bart_image_tokens(encoder_, decoder_, captions, other)));
 }
 
 // The sampler one decoder step per position, written out here as sample_bart_image_tokens
