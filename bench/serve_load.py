@@ -463,6 +463,16 @@ def closed_within(connections, seconds):
     return closed
 
 
+def report(result, problems, exit_code, server):
+    """Prints the run's JSON line, passed or not; fails naming the problems, with the server's log."""
+    if exit_code != 0:
+        problems.append(f"exit status {exit_code} after SIGTERM")
+    result["passed"] = not problems
+    print(json.dumps(result), flush=True)
+    if problems:
+        fail("; ".join(problems) + "\n--- server log (tail) ---\n" + "".join(server.lines[-30:]))
+
+
 def slow(args):
     signal.signal(signal.SIGALRM, lambda *_: fail(f"the run took over {args.deadline} s: a server or client hung"))
     signal.alarm(args.deadline)
@@ -538,12 +548,7 @@ def slow(args):
         problems.append(f"{len(still_open)} stalled or idle connections still open past the header deadline")
     if timed_out < clients:
         problems.append(f"the server counted {timed_out} timed out, {clients} were overdue")
-    if exit_code != 0:
-        problems.append(f"exit status {exit_code} after SIGTERM")
-    result["passed"] = not problems
-    print(json.dumps(result), flush=True)
-    if problems:
-        fail("; ".join(problems) + "\n--- server log (tail) ---\n" + "".join(server.lines[-30:]))
+    report(result, problems, exit_code, server)
 
 
 def big_rgba_png(side, opaque_rows):
@@ -736,12 +741,7 @@ def memory(args):
             problems.append(f"{name}: /health took {phase['slowest_health_s']} s (bound 1 s)")
     if watch.failures:
         problems.append(f"/health failed: {watch.failures[:3]}")
-    if exit_code != 0:
-        problems.append(f"exit status {exit_code} after SIGTERM")
-    result["passed"] = not problems
-    print(json.dumps(result), flush=True)
-    if problems:
-        fail("; ".join(problems) + "\n--- server log (tail) ---\n" + "".join(server.lines[-30:]))
+    report(result, problems, exit_code, server)
 
 
 def main():
