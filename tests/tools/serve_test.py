@@ -343,6 +343,9 @@ def test_jobs(server):
             break
         time.sleep(0.05)
     check(job["status"] == "succeeded" and len(job["result"]["data"]) == 1, f"the job: {job}")
+    item = job["result"]["data"][0]
+    check(item["seed"] == 11 and item["candidate"] in (0, 1), f"an image's seed and candidate: {item.get('seed')}, "
+          f"{item.get('candidate')}")
     status, direct = generate(server, fields)
     check(status == 200, f"the synchronous request: {status}")
     check(png_facts(base64.b64decode(job["result"]["data"][0]["b64_json"]))[3]

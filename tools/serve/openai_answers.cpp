@@ -112,11 +112,14 @@ json HttpServer::State::answer_json(const std::string& host, const ImageRequest&
   json data = json::array();
   for (const auto& image : job.images) {
     auto png = generate::encode_generated_png(settings, image);
+    // Ours beside OpenAI's field: what draws the image again (the PNG's metadata holds the rest).
+    json item = {{"seed", image.seed}, {"candidate", image.candidate}};
     if (request.response_format == "b64_json") {
-      data.push_back({{"b64_json", base64(png)}});
+      item["b64_json"] = base64(png);
     } else {
-      data.push_back({{"url", base_url(host) + "/v1/images/" + images.put(std::move(png)) + ".png"}});
+      item["url"] = base_url(host) + "/v1/images/" + images.put(std::move(png)) + ".png";
     }
+    data.push_back(std::move(item));
   }
   return {{"created", std::time(nullptr)}, {"data", std::move(data)}};
 }

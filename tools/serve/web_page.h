@@ -72,13 +72,13 @@ function busy(on) {
 }
 
 function showImages(data, prompt) {
-  $("images").replaceChildren(...data.map((image, rank) => {
+  $("images").replaceChildren(...data.map((image) => {
     const figure = document.createElement("figure");
     const picture = document.createElement("img");
     picture.src = image.url || "data:image/png;base64," + image.b64_json;
     picture.alt = prompt;
     const caption = document.createElement("figcaption");
-    caption.textContent = "rank " + rank;
+    caption.textContent = prompt + " (seed " + image.seed + ", candidate " + image.candidate + ")";
     figure.append(picture, caption);
     return figure;
   }));
@@ -89,6 +89,7 @@ function showImages(data, prompt) {
 async function follow() {
   const stored = JSON.parse(localStorage.getItem(kJobKey) || "null");
   if (!stored) return;
+  $("prompt").value = stored.prompt;  // a reload shows what is being drawn
   busy(true);
   try {
     while (true) {
