@@ -56,8 +56,13 @@ std::string Route::allowed_methods() const {
 }
 
 bool Route::takes(std::string_view method) const {
-  const auto list = ", " + allowed_methods() + ",";
-  return !method.empty() && list.find(" " + std::string(method) + ",") != std::string::npos;
+  const auto allowed = allowed_methods();
+  for (size_t start = 0; start < allowed.size();) {
+    const auto end = std::min(allowed.find(", ", start), allowed.size());
+    if (std::string_view(allowed).substr(start, end - start) == method) return true;
+    start = end + 2;
+  }
+  return false;
 }
 
 bool Route::needs_key() const {
