@@ -59,6 +59,24 @@ TEST(MemoryBudget, StoredAnswersPushOutTheOldestAndAnAnswerTooLargeEndsItsJobFai
   EXPECT_EQ(budget.used(), 400) << "a forgotten job gives its answer's bytes back";
 }
 
+TEST(MemoryBudget, AJobsPartialImagesAreChargedWhileItRunsAndGoWhenItEnds) {
+  MemoryBudget budget(1000);
+  JobStore jobs(600s, 4, &budget);
+  ASSERT_TRUE(jobs.add("running"));
+  jobs.set_partial("running", std::string(300, 'p'));
+  EXPECT_EQ(budget.used(), 300);
+  jobs.set_partial("running", std::string(200, 'q'));
+  EXPECT_EQ(budget.used(), 200) << "the newer replace the older";
+  EXPECT_EQ(jobs.find("running")->partial, std::string(200, 'q'));
+  jobs.set_partial("running", std::string(2000, 'r'));
+  EXPECT_EQ(jobs.find("running")->partial, std::string(200, 'q')) << "no room: the last ones stay";
+  EXPECT_TRUE(jobs.end("running", std::string(100, 'a'), ""));
+  EXPECT_TRUE(jobs.find("running")->partial.empty());
+  EXPECT_EQ(budget.used(), 100) << "the answer's bytes alone";
+  jobs.set_partial("running", "late");
+  EXPECT_TRUE(jobs.find("running")->partial.empty()) << "an ended job shows none";
+}
+
 TEST(MemoryBudget, ImagesForUrlsPushOutTheOldestAndOneLargerThanTheBudgetIsRefused) {
   MemoryBudget budget(1000);
   ImageStore images(600s, 16, &budget);

@@ -356,6 +356,21 @@ def test_jobs(server):
     expect_error(server, "a job without the key", call(server, "GET", job_url, key=None), 401, "invalid_api_key")
     expect_error(server, "a streamed job", call(server, "POST", "/v1/images/jobs", {"prompt": PROMPT, "stream": True}),
                  400, "invalid_value", "stream")
+    # A job with partial_images shows the latest of each image while it runs.
+    status, submitted = call(server, "POST", "/v1/images/jobs", {"prompt": PROMPT, "candidates": 64, "superres": False,
+                                                                 "partial_images": 3, "response_format": "b64_json"})
+    check(status == 202, f"a job with partial images: {status} {submitted}")
+    partials, deadline = [], time.time() + 120
+    while time.time() < deadline:
+        job = call(server, "GET", f"/v1/images/jobs/{submitted['id']}")[1]
+        partials += job.get("partial_images", [])
+        if job["status"] not in ("queued", "in_progress"):
+            break
+        time.sleep(0.02)
+    check(job["status"] == "succeeded" and "partial_images" not in job, f"the job with partial images: {job}")
+    check(partials and all(p["candidate"] == 0 and 0 <= p["partial_image_index"] < 3
+                           and png_facts(base64.b64decode(p["b64_json"]))[:2] == (64, 64) for p in partials),
+          f"its partial images while it ran: {[(p['candidate'], p['partial_image_index']) for p in partials]}")
 
 
 def test_errors(server):

@@ -51,7 +51,10 @@ const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
   if (reloaded("prompt").value !== "a red sandal on the right") {
     fail("the reloaded page's prompt is " + reloaded("prompt").value + ", not the job's");
   }
-  for (let tries = 0; tries < 1200 && !reloaded("images").children; ++tries) await sleep(100);
+  // Until the reloaded page is done following (partial images may show before the images).
+  for (let tries = 0; tries < 1200 && (reloaded("go").disabled || !reloaded("images").children); ++tries) {
+    await sleep(100);
+  }
   const images = reloaded("images").children;
   if (!images || images.length !== 1) fail("the reloaded page shows " + (images ? images.length : "no") +
                                            " images; status: " + reloaded("status").textContent);

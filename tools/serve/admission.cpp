@@ -110,6 +110,7 @@ std::shared_ptr<Job> HttpServer::State::admit(generate::PreparedRequest prompt, 
 
 MHD_Result HttpServer::State::generations(const std::shared_ptr<Exchange>& exchange) {
   const auto request = read_request(*exchange);
+  request.check_partial_images_streamed();
   exchange->body = std::string();
   exchange->body_charge.shrink_to(0);
   auto held = charge(job_bytes(request), "the request");
@@ -126,6 +127,7 @@ MHD_Result HttpServer::State::edits(const std::shared_ptr<Exchange>& exchange) {
   }
   if (exchange->form_unreadable) throw ApiError(400, "The multipart form could not be read.", "", "invalid_body");
   const auto request = read_edit_fields(exchange->form, model);
+  request.check_partial_images_streamed();
   const auto decoding = decode_bytes(exchange->form);
   if (decoding > budget.limit()) throw over_memory_budget(decoding, budget.limit(), "decoding the image");
   auto held = std::make_shared<MemoryBudget::Charge>(charge(job_bytes(request), "the request"));
@@ -262,7 +264,7 @@ Answer HttpServer::State::submit_job(const Exchange& exchange) {
                    "invalid_value");
   }
   auto held = charge(job_bytes(request), "the job");
-  auto prompt = prepare(request);  // no previews: partial_images are streamed
+  auto prompt = prepare(request);  // with partial_images, GET shows the latest of each image
   const auto id = random_id();
   if (!jobs.add(id)) {
     throw ApiError(429, "The server keeps " + std::to_string(config.max_stored_jobs) +

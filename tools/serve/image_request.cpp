@@ -212,12 +212,15 @@ ImageRequest read_image_request(std::string_view body, const ServedModel& model)
   request.top_p = number_field(parsed, "top_p", 1e-6, 1.0);
   request.stream = bool_field(parsed, "stream").value_or(false);
   request.partial_images = integer_field(parsed, "partial_images", 0, 3).value_or(0);
-  if (request.partial_images > 0 && !request.stream) {
-    throw ApiError(400, "'partial_images' are streamed: send 'stream': true with them.", "partial_images",
-                   "invalid_value");
-  }
   request.partial_images_of_every_candidate = bool_field(parsed, "partial_images_of_every_candidate").value_or(false);
   return request;
+}
+
+void ImageRequest::check_partial_images_streamed() const {
+  if (partial_images > 0 && !stream) {
+    throw ApiError(400, "'partial_images' are streamed: send 'stream': true with them (or submit a job, which "
+                        "holds them).", "partial_images", "invalid_value");
+  }
 }
 
 int64_t ImageRequest::preview_every(const ServedModel& model) const {

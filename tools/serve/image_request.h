@@ -41,6 +41,9 @@ struct ImageRequest {
   // Ours: previews of every candidate, not only of the first n (`partial_images_of_every_candidate`).
   bool partial_images_of_every_candidate = false;
 
+  // Throws ApiError 400 for partial_images without stream, which a synchronous answer
+  // cannot carry (a job can: GET shows its latest ones).
+  void check_partial_images_streamed() const;
   // The image positions between previews that make `partial_images` of them (0: none).
   int64_t preview_every(const ServedModel& model) const;
   // The candidates previewed: the first n, one per returned image (OpenAI's count of

@@ -93,10 +93,24 @@ std::optional<StoredJob> JobStore::find(const std::string& id) {
   return at->second;
 }
 
+void JobStore::set_partial(const std::string& id, std::string partial) {
+  std::lock_guard lock(mutex_);
+  const auto at = jobs_.find(id);
+  if (at == jobs_.end() || at->second.ended) return;
+  if (budget_) {
+    auto charge = budget_->charge(static_cast<int64_t>(partial.size()));
+    if (!charge) return;
+    charges_[id] = std::move(*charge);  // the previous partial images' charge goes back
+  }
+  at->second.partial = std::move(partial);
+}
+
 bool JobStore::end(const std::string& id, std::string answer, std::string error) {
   std::lock_guard lock(mutex_);
   const auto at = jobs_.find(id);
   if (at == jobs_.end() || at->second.ended) return false;
+  charges_.erase(id);  // the partial images go
+  at->second.partial.clear();
   charge_end(id, answer, error);
   at->second.answer = std::move(answer);
   at->second.error = std::move(error);
@@ -123,6 +137,8 @@ std::vector<std::shared_ptr<Job>> JobStore::end_overdue(Clock::duration timeout,
     if (stored.ended || now - stored.added < timeout) continue;
     stored.error = error;
     stored.ended = now;
+    stored.partial.clear();
+    charges_.erase(id);
     if (stored.job) overdue.push_back(std::move(stored.job));
     stored.job.reset();
   }

@@ -29,6 +29,7 @@ struct StoredJob {
   std::shared_ptr<Job> job;  // until it ends: an ended job keeps its answer, not its images
   std::string answer;  // once it succeeded: the JSON of the synchronous answer ({created, data})
   std::string error;   // once it failed: the JSON of an OpenAI error body
+  std::string partial;  // while it runs, with partial_images: the JSON array of its latest partial images
   bool cancelled = false;
   std::optional<std::chrono::steady_clock::time_point> ended;
 };
@@ -48,6 +49,9 @@ class JobStore {
   void remove(const std::string& id);
   // A copy of the job under `id`, unless there is none (never was, expired, pushed out).
   std::optional<StoredJob> find(const std::string& id);
+  // While the job runs: `partial` (a JSON array) replaces its partial images, charged to the
+  // budget; when the budget has no room they are left as they were (they are only previews).
+  void set_partial(const std::string& id, std::string partial);
   // Records how the job ended: its answer, or its error; false (nothing recorded) once it
   // ended (cancelled) or is gone.
   bool end(const std::string& id, std::string answer, std::string error);

@@ -92,6 +92,11 @@ std::string HttpServer::State::job_object(const StoredJob& stored) {
     const auto progress = stored.job ? scheduler.progress(stored.job) : Scheduler::Progress{};
     object["status"] = progress.state == Job::State::queued ? "queued" : "in_progress";
     if (progress.queue_position >= 0) object["queue_position"] = progress.queue_position;
+    if (!stored.partial.empty()) {
+      auto text = object.dump();
+      text.pop_back();
+      return text + ",\"partial_images\":" + stored.partial + "}";
+    }
   }
   return object.dump();
 }

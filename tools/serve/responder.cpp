@@ -184,7 +184,11 @@ void HttpServer::State::drop_waiting() {
 
 void HttpServer::State::settle_stored(const std::string& id, const std::string& host, const ImageRequest& request,
                                       const std::shared_ptr<Job>& job) {
-  if (scheduler.progress(job).state != Job::State::done) return;
+  const auto progress = scheduler.progress(job);
+  if (progress.state != Job::State::done) {
+    if (!progress.previews.empty()) jobs.set_partial(id, latest_partial_images(progress.previews).dump());
+    return;
+  }
   if (!job->error.empty()) {
     jobs.end(id, "", generation_error(job->error).json());
     return;
@@ -192,6 +196,22 @@ void HttpServer::State::settle_stored(const std::string& id, const std::string& 
   if (jobs.end_with(id, [&] { return answer_json(host, request, *job).dump(); })) {
     log_answered(request, *job, job->admitted);
   }
+}
+
+json HttpServer::State::latest_partial_images(const std::vector<generate::Preview>& previews) {
+  std::map<int64_t, std::pair<const generate::Preview*, int64_t>> latest;  // by candidate: the last, its index
+  for (const auto& preview : previews) {
+    auto& [last, index] = latest.try_emplace(preview.candidate, nullptr, -1).first->second;
+    last = &preview;
+    ++index;
+  }
+  json images = json::array();
+  for (const auto& [candidate, last] : latest) {
+    images.push_back({{"candidate", candidate},
+                      {"partial_image_index", last.second},
+                      {"b64_json", base64(data::encode_png(last.first->image))}});
+  }
+  return images;
 }
 
 void HttpServer::State::log_answered(const ImageRequest& request, const Job& job, Clock::time_point arrived) {

@@ -185,6 +185,9 @@ struct HttpServer::State {
   std::string stream_events(Exchange& exchange, const Job& job, const Scheduler::Progress& progress);
   void settle_stored(const std::string& id, const std::string& host, const ImageRequest& request,
                      const std::shared_ptr<Job>& job);
+  // The newest of `previews` for each candidate, as a job shows them while it runs:
+  // [{candidate, partial_image_index, b64_json}].
+  static nlohmann::json latest_partial_images(const std::vector<generate::Preview>& previews);
   void sweep();
   void drop_waiting();  // before the event loop stops: nothing may stay suspended
 

@@ -71,14 +71,16 @@ function busy(on) {
   $("cancel").hidden = !on;
 }
 
-function showImages(data, prompt) {
+// An answer's images, or a running job's partial images (`drawing`).
+function showImages(data, prompt, drawing) {
   $("images").replaceChildren(...data.map((image) => {
     const figure = document.createElement("figure");
     const picture = document.createElement("img");
     picture.src = image.url || "data:image/png;base64," + image.b64_json;
     picture.alt = prompt;
     const caption = document.createElement("figcaption");
-    caption.textContent = prompt + " (seed " + image.seed + ", candidate " + image.candidate + ")";
+    caption.textContent = drawing ? prompt + " (being drawn: candidate " + image.candidate + ")"
+                                  : prompt + " (seed " + image.seed + ", candidate " + image.candidate + ")";
     figure.append(picture, caption);
     return figure;
   }));
@@ -97,7 +99,10 @@ async function follow() {
       const job = await response.json();
       if (!response.ok) throw new Error(job.error ? job.error.message : response.statusText);
       if (job.status === "queued") show("Queued (" + job.queue_position + " ahead)…");
-      else if (job.status === "in_progress") show("Generating…");
+      else if (job.status === "in_progress") {
+        show("Generating…");
+        if (job.partial_images) showImages(job.partial_images, stored.prompt, true);
+      }
       else if (job.status === "succeeded") {
         showImages(job.result.data, stored.prompt);
         show(job.result.data.length + " images in " + ((Date.now() - stored.started) / 1000).toFixed(1) + " s");
@@ -117,7 +122,7 @@ $("form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const body = { prompt: $("prompt").value, n: number("n"), response_format: "b64_json",
                  candidates: number("candidates"), seed: number("seed"), guidance_scale: number("guidance"),
-                 superres: $("superres").checked };
+                 superres: $("superres").checked, partial_images: 3 };
   show("Submitting…");
   try {
     const response = await fetch("/v1/images/jobs", {
