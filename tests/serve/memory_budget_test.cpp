@@ -75,6 +75,10 @@ TEST(MemoryBudget, AJobsPartialImagesAreChargedWhileItRunsAndGoWhenItEnds) {
   EXPECT_EQ(budget.used(), 100) << "the answer's bytes alone";
   jobs.set_partial("running", "late");
   EXPECT_TRUE(jobs.find("running")->partial.empty()) << "an ended job shows none";
+  ASSERT_TRUE(jobs.add("cancelled"));
+  jobs.set_partial("cancelled", std::string(300, 'c'));
+  EXPECT_TRUE(jobs.cancel("cancelled")->partial.empty());
+  EXPECT_EQ(budget.used(), 100) << "a cancelled job's partial images go at once";
 }
 
 TEST(MemoryBudget, ImagesForUrlsPushOutTheOldestAndOneLargerThanTheBudgetIsRefused) {

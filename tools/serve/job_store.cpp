@@ -152,6 +152,8 @@ std::optional<StoredJob> JobStore::cancel(const std::string& id) {
   if (!at->second.ended) {
     at->second.cancelled = true;
     at->second.ended = Clock::now();
+    at->second.partial.clear();
+    charges_.erase(id);
   }
   auto stored = at->second;  // with its Job, for the scheduler to cancel
   at->second.job.reset();
