@@ -128,17 +128,23 @@ bool is_file_field(const std::string& name) {
   return name == "image" || name == "image[]" || name == "mask";
 }
 
+namespace {
+
+const FormPart& required_image(const Form& form) {
+  const auto* image = image_part(form, "image");
+  if (!image) throw ApiError(400, "Missing required parameter: 'image'.", "image", "missing_required_parameter");
+  return *image;
+}
+
+}  // namespace
+
 ImageRequest read_edit_fields(const Form& form, const ServedModel& model) {
-  if (!image_part(form, "image")) {
-    throw ApiError(400, "Missing required parameter: 'image'.", "image", "missing_required_parameter");
-  }
+  required_image(form);
   return read_image_request(fields_as_json(form).dump(), model);
 }
 
 generate::PromptImage read_edit_image(const Form& form, const ServedModel& model) {
-  const auto* image_bytes = image_part(form, "image");
-  if (!image_bytes) throw ApiError(400, "Missing required parameter: 'image'.", "image", "missing_required_parameter");
-  auto upload = decode(*image_bytes, "image");
+  auto upload = decode(required_image(form), "image");
   const int64_t height = upload.size(1), width = upload.size(2);
   auto image = generate::square_image(upload, model.plain_size).clone();
   upload = torch::Tensor();  // one full-size decode at a time: the alpha's comes after

@@ -70,7 +70,7 @@ HttpServer::State::State(const ServeConfig& config_, generate::Pipeline& pipelin
       trusted_proxies(config_.trusted_proxies.begin(), config_.trusted_proxies.end()),
       connections({.max_connections = config_.max_connections,
                    .max_per_client = config_.max_connections_per_client,
-                   .unbounded_clients = {config_.trusted_proxies.begin(), config_.trusted_proxies.end()},
+                   .unbounded_clients = trusted_proxies,
                    .header_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.header_timeout_seconds * 1000)),
                    .body_timeout = std::chrono::milliseconds(static_cast<int64_t>(config_.body_timeout_seconds * 1000))}),
       scheduler([&pipeline_](const std::vector<generate::PreparedRequest>& requests,

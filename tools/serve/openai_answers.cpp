@@ -75,28 +75,31 @@ json image_event(std::string b64_png, int64_t side) {
           {"quality", "auto"}, {"background", "opaque"}, {"output_format", "png"}};
 }
 
+namespace {
+
+// `object`'s JSON with `key` holding `raw`, JSON text kept as it is: a stored answer
+// (megabytes of base64) is never parsed again.
+std::string with_raw_field(const json& object, const std::string& key, const std::string& raw) {
+  auto text = object.dump();
+  text.pop_back();
+  return text + ",\"" + key + "\":" + raw + "}";
+}
+
+}  // namespace
+
 std::string HttpServer::State::job_object(const StoredJob& stored) {
   json object = {{"id", stored.id}, {"object", "image.job"}, {"created", stored.created}};
   if (stored.cancelled) {
     object["status"] = "cancelled";
   } else if (stored.ended) {
     object["status"] = stored.error.empty() ? "succeeded" : "failed";
-    if (stored.error.empty()) {
-      // The stored answer (megabytes of base64) goes in as it is, never parsed again.
-      auto text = object.dump();
-      text.pop_back();
-      return text + ",\"result\":" + stored.answer + "}";
-    }
+    if (stored.error.empty()) return with_raw_field(object, "result", stored.answer);
     object["error"] = json::parse(stored.error)["error"];
   } else {
     const auto progress = stored.job ? scheduler.progress(stored.job) : Scheduler::Progress{};
     object["status"] = progress.state == Job::State::queued ? "queued" : "in_progress";
     if (progress.queue_position >= 0) object["queue_position"] = progress.queue_position;
-    if (!stored.partial.empty()) {
-      auto text = object.dump();
-      text.pop_back();
-      return text + ",\"partial_images\":" + stored.partial + "}";
-    }
+    if (!stored.partial.empty()) return with_raw_field(object, "partial_images", stored.partial);
   }
   return object.dump();
 }
