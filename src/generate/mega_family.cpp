@@ -105,6 +105,8 @@ class MegaFamily : public PriorFamily {
   int64_t image_length() const override { return prior_.config.image_length; }
   int64_t image_size() const override { return side_ * detokenizer_->config().downsampling_factor(); }
   bool filters_per_batch() const override { return true; }
+  torch::nn::Module& prior() override { return *prior_.model; }
+  const char* kind() const override { return "bart_prior"; }
 
  private:
   models::TrainedBartPrior prior_;

@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
+#include <cmath>
 #include <map>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -14,6 +17,7 @@
 #include "dalle/error.h"
 #include "dalle/input_limits.h"
 #include "dalle/log.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/tiled_upscale.h"
 #include "dalle/models/token_grid.h"
@@ -21,11 +25,29 @@
 #include "dalle/runtime.h"
 #include "dalle/text/clip_tokenizer.h"
 #include "dalle/text/yttm_tokenizer.h"
+#include "generate/adapter_switch.h"
 #include "generate/prior_family.h"
 
 namespace dalle::generate {
 
 namespace {
+
+// config.named_adapters, parsed; throws for a malformed one or a name given twice.
+std::vector<models::NamedAdapter> named_adapters_of(const PipelineConfig& config) {
+  std::vector<models::NamedAdapter> named;
+  std::set<std::string> names;
+  for (const auto& spec : config.named_adapters) {
+    try {
+      named.push_back(models::parse_named_adapter(spec));
+    } catch (const Error& error) {
+      throw Error(std::string("pipeline: named_adapters: ") + error.what());
+    }
+    if (!names.insert(named.back().name).second) {
+      throw Error("pipeline: named_adapters names " + named.back().name + " twice");
+    }
+  }
+  return named;
+}
 
 void check_config(const PipelineConfig& config) {
   if (config.prior.empty()) throw Error("pipeline: `prior` is required (a prior run directory or checkpoint)");
@@ -38,6 +60,10 @@ void check_config(const PipelineConfig& config) {
   if (config.dtype == "int8" && config.device == "cuda") {
     throw Error("pipeline: dtype int8 runs on the CPU (FBGEMM's kernels): set device cpu or auto, or use bfloat16 "
                 "on a GPU");
+  }
+  if (!named_adapters_of(config).empty() && config.dtype == "int8") {
+    throw Error("pipeline: named_adapters are folded into the prior's weights as requests choose them, which int8 "
+                "weights cannot take: use another dtype, or fold the adapters at load with `adapters`");
   }
   if (config.kept() > config.candidates) {
     throw Error("pipeline: keep (" + std::to_string(config.keep) + ") exceeds candidates (" +
@@ -132,6 +158,10 @@ struct Pipeline::Stages {
   // batch makes its own tensors and frees them).
   std::unique_ptr<models::DecodeGraphs> graphs =
       device.is_cuda() && config.cuda_graphs ? std::make_unique<models::DecodeGraphs>() : nullptr;
+  // The named adapters requests may choose (none without named_adapters), and their names in
+  // the order they are folded.
+  std::unique_ptr<AdapterSwitch> adapters{};
+  std::vector<std::string> adapter_names{};
 
   // Samples and decodes the candidates `rows`, requests' prompts encoded in `captions`,
   // showing `on_preview` those whose request asks for previews.
@@ -155,12 +185,23 @@ struct Pipeline::Stages {
   void upscale(std::vector<GeneratedImage>& images);
   // The settings a batch's rows must share: models::SamplingOptions arithmetic the sampler
   // applies to the whole batch (and top_k, for a family that filters whole batches).
-  // A request's own image prompt is the batch's: it shares batches with no other request.
-  std::tuple<double, double, bool, int64_t, const PromptImage*> batch_key(const PromptRequest& request) const {
+  // A request's own image prompt is the batch's: it shares batches with no other request. The
+  // adapters chosen are the prior's for the batch.
+  std::tuple<double, double, bool, int64_t, const PromptImage*, std::vector<AdapterChoice>> batch_key(
+      const PromptRequest& request) const {
     const auto& s = request.sampling;
-    return {s.temperature, s.guidance_scale, s.use_cache, family->filters_per_batch() ? s.top_k : 0,
-            request.image_prompt.get()};
+    return {s.temperature,
+            s.guidance_scale,
+            s.use_cache,
+            family->filters_per_batch() ? s.top_k : 0,
+            request.image_prompt.get(),
+            request.adapters};
   }
+  // `choices` in the order of named_adapters (unknown names last, for check() to refuse), those
+  // of weight 0 left out.
+  std::vector<AdapterChoice> ordered(std::vector<AdapterChoice> choices) const;
+  // Refuses a choice of no named adapter, one chosen twice or a weight that is not finite.
+  void check_adapters(const std::vector<AdapterChoice>& choices) const;
 
   static uint64_t next_id() {
     static std::atomic<uint64_t> last{0};
@@ -196,6 +237,10 @@ Pipeline::Pipeline(PipelineConfig config) {
     s.superres = models::load_trained_rrdbnet(s.config.superres);
     s.superres->to(device);
   }
+  if (const auto named = named_adapters_of(s.config); !named.empty()) {
+    s.adapters = std::make_unique<AdapterSwitch>(s.family->prior(), named, s.config, s.family->kind());
+    for (const auto& adapter : named) s.adapter_names.push_back(adapter.name);
+  }
   s.image_tokens = s.family->image_length();
   s.decoded_size = s.family->image_size();
   s.upscaled_size = s.superres ? s.decoded_size * s.superres->config().scale : s.decoded_size;
@@ -213,12 +258,28 @@ namespace {
 PromptRequest request_of(const PipelineConfig& config, std::string prompt, int64_t stream_index) {
   return {.prompt = std::move(prompt), .stream_index = stream_index, .candidates = config.candidates,
           .keep = config.keep, .sampling = config.sampling, .schedule = config.schedule, .superres = true,
-          .preview_every = 0, .preview_candidates = 0, .image_prompt = nullptr};
+          .preview_every = 0, .preview_candidates = 0, .image_prompt = nullptr, .adapters = {}};
+}
+
+// "FILE:WEIGHT", the weight written so that it reads back the same.
+std::string weighted_adapter(const std::string& path, double weight) {
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, weight).ptr;
+  return path + ":" + std::string(text, end);
 }
 
 // `config` with the settings `request` gives its own (its sidecars' record, and what check()
-// holds it to). A request's own image prompt is recorded by its rows, not its pixels.
+// holds it to). A request's own image prompt is recorded by its rows, not its pixels; its
+// named adapters by their files, after the config's, as `adapters` would fold them at load.
 PipelineConfig with_settings_of(const PromptRequest& request, PipelineConfig config) {
+  if (!request.adapters.empty()) {
+    std::map<std::string, std::string> path_of;
+    for (auto& [name, path] : named_adapters_of(config)) path_of.emplace(std::move(name), std::move(path));
+    for (const auto& choice : request.adapters) {
+      config.adapters.push_back(weighted_adapter(path_of.at(choice.name), choice.weight));
+    }
+  }
+  config.named_adapters.clear();
   config.candidates = request.candidates;
   config.keep = request.keep;
   config.sampling = request.sampling;
@@ -424,6 +485,7 @@ PreparedRequest Pipeline::prepare(std::string prompt, int64_t stream_index, cons
 
 PreparedRequest Pipeline::prepared(PromptRequest request, const std::string& where) const {
   const auto& s = *stages_;
+  request.adapters = s.ordered(std::move(request.adapters));
   auto settings = s.check(request, where);
   if (!request.superres) settings.superres.clear();
   return {std::move(request), std::move(settings), s.id};
@@ -438,6 +500,7 @@ int64_t Pipeline::image_tokens() const { return stages_->image_tokens; }
 PipelineConfig Pipeline::Stages::check(const PromptRequest& request, const std::string& where) const {
   check_prompt(request.prompt, where);
   try {
+    check_adapters(request.adapters);
     auto changed = with_settings_of(request, config);
     check_config(changed);
     family->check(changed);
@@ -468,6 +531,33 @@ PipelineConfig Pipeline::Stages::check(const PromptRequest& request, const std::
   } catch (const Error& error) {
     if (where == "pipeline") throw;
     throw Error(std::string(error.what()) + " (" + where.substr(std::string("pipeline: ").size()) + ")");
+  }
+}
+
+std::vector<AdapterChoice> Pipeline::Stages::ordered(std::vector<AdapterChoice> choices) const {
+  std::erase_if(choices, [](const AdapterChoice& choice) { return choice.weight == 0; });
+  const auto position = [&](const AdapterChoice& choice) {
+    return std::find(adapter_names.begin(), adapter_names.end(), choice.name) - adapter_names.begin();
+  };
+  std::stable_sort(choices.begin(), choices.end(),
+                   [&](const AdapterChoice& a, const AdapterChoice& b) { return position(a) < position(b); });
+  return choices;
+}
+
+void Pipeline::Stages::check_adapters(const std::vector<AdapterChoice>& choices) const {
+  std::set<std::string> chosen;
+  for (const auto& choice : choices) {
+    if (std::find(adapter_names.begin(), adapter_names.end(), choice.name) == adapter_names.end()) {
+      std::string known;
+      for (const auto& name : adapter_names) {
+        if (!known.empty()) known += ", ";
+        known += name;
+      }
+      throw Error("pipeline: adapters: no named adapter " + excerpt(choice.name) + "; " +
+                  (known.empty() ? "this pipeline has none (named_adapters)" : "it has " + known));
+    }
+    if (!chosen.insert(choice.name).second) throw Error("pipeline: adapters: " + choice.name + " is chosen twice");
+    if (!std::isfinite(choice.weight)) throw Error("pipeline: adapters: " + choice.name + "'s weight is not finite");
   }
 }
 
@@ -508,6 +598,7 @@ std::vector<GeneratedImage> Pipeline::generate(const std::vector<PreparedRequest
   // Batches run across a group's requests; a request is reranked and upscaled once its last
   // candidate is drawn.
   for (const auto& group : group_requests(requests, [&](const PromptRequest& r) { return s.batch_key(r); })) {
+    if (s.adapters) s.adapters->use(requests[group.front()].adapters);
     std::vector<Row> group_rows;
     for (const auto index : group) {
       for (int64_t candidate = 0; candidate < requests[index].candidates; ++candidate) {

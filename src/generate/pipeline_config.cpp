@@ -62,6 +62,11 @@ void PipelineConfig::visit(ConfigVisitor& v) {
           "low-rank adapter files (dalle-export --adapter) folded into the prior's weights when it loads, in order, "
           "each \"FILE\" or \"FILE:WEIGHT\" (weight 1: as trained; 0.5: half its effect); sampling is then as "
           "fast as the prior's own");
+  v.field("named_adapters", named_adapters,
+          "adapters a request may choose by name (dalle-serve's --adapter NAME=FILE, its requests' `adapters`), each "
+          "\"NAME=FILE\": loaded at start, folded (after `adapters`) into the prior for the batches of the requests "
+          "that choose them and taken out for the others; the prior's layers they touch are kept once more in "
+          "host memory. Not with dtype int8");
   v.field("candidates", candidates, "images sampled per prompt (N; DALL-E: 512, most of the gain by 32)",
           {.min = 1, .max = 65536});
   v.field("keep", keep, "images kept per prompt, the best K by CLIP score (0: all N; needs clip when below N)",
@@ -106,6 +111,10 @@ PipelineConfig read_model_folder(const std::string& folder) {
     if (fs::path(weighted.path).is_relative()) {
       spec = (fs::path(folder) / weighted.path).string() + (spec.size() > weighted.path.size() ? spec.substr(weighted.path.size()) : "");
     }
+  }
+  for (auto& spec : config.named_adapters) {
+    const auto named = models::parse_named_adapter(spec);
+    if (fs::path(named.path).is_relative()) spec = named.name + "=" + (fs::path(folder) / named.path).string();
   }
   return config;
 }

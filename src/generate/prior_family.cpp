@@ -34,22 +34,26 @@ torch::ScalarType prior_load_type(const PipelineConfig& config) {
   return config.dtype == "int8" ? torch::kFloat32 : float_type_named(config.dtype);
 }
 
-void apply_adapters(torch::nn::Module& prior, const PipelineConfig& config, const std::string& family) {
-  if (config.adapters.empty()) return;
+models::AdapterFile load_adapter_for(const std::string& path, const PipelineConfig& config, const std::string& family) {
+  auto adapter = models::load_adapter_file(path);
+  if (!adapter.family.empty() && adapter.family != family) {
+    throw Error("pipeline: the adapter " + path + " was trained on a " + adapter.family + ", the prior " +
+                config.prior + " is a " + family);
+  }
   std::error_code ignored;
   const auto ours = std::filesystem::weakly_canonical(io::resolve_checkpoint(config.prior, "prior"), ignored);
+  if (!adapter.base.empty() && std::filesystem::weakly_canonical(adapter.base, ignored) != ours) {
+    // The base's path is where it was trained, often on another machine: compared, never opened.
+    log::warn("pipeline: the adapter ", path, " was trained on ", adapter.base, ", not on ", config.prior,
+              "; it is folded in all the same (a copy of the base under another path is fine, another model is not)");
+  }
+  return adapter;
+}
+
+void apply_adapters(torch::nn::Module& prior, const PipelineConfig& config, const std::string& family) {
   for (const auto& spec : config.adapters) {
     const auto weighted = models::parse_weighted_adapter(spec);
-    const auto adapter = models::load_adapter_file(weighted.path);
-    if (!adapter.family.empty() && adapter.family != family) {
-      throw Error("pipeline: the adapter " + weighted.path + " was trained on a " + adapter.family + ", the prior " +
-                  config.prior + " is a " + family);
-    }
-    if (!adapter.base.empty() && std::filesystem::weakly_canonical(adapter.base, ignored) != ours) {
-      // The base's path is where it was trained, often on another machine: compared, never opened.
-      log::warn("pipeline: the adapter ", weighted.path, " was trained on ", adapter.base, ", not on ", config.prior,
-                "; it is folded in all the same (a copy of the base under another path is fine, another model is not)");
-    }
+    const auto adapter = load_adapter_for(weighted.path, config, family);
     models::apply_adapter(prior, adapter, weighted.weight);
     log::info("pipeline: adapter ", weighted.path, " (rank ", adapter.rank, ", ", adapter.tensors.size() / 2,
               " layers) folded into the prior with weight ", weighted.weight);

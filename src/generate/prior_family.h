@@ -17,6 +17,7 @@
 #include "dalle/error.h"
 #include "dalle/generate/image_prompt.h"
 #include "dalle/generate/pipeline.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/clip_config.h"
 #include "dalle/models/decode_graphs.h"
 #include "dalle/models/prior_sampling.h"
@@ -52,6 +53,10 @@ class PriorFamily {
   virtual void check_clip_reads_captions(const models::ClipConfig& clip, const std::string& path) const = 0;
   virtual int64_t image_length() const = 0;  // tokens per image
   virtual int64_t image_size() const = 0;    // side of a decoded image, in pixels
+  // The prior model (named adapters are folded into its weights) and its kind, as adapter
+  // files name it ("prior", "bart_prior").
+  virtual torch::nn::Module& prior() = 0;
+  virtual const char* kind() const = 0;
   // Whether a batch's rows must share top_k (the family filters the whole batch by one).
   virtual bool filters_per_batch() const { return false; }
   // A request's image prompt as the family's tokens (check() refuses one to a family that
@@ -63,9 +68,12 @@ class PriorFamily {
 
 // The type a family loads its prior's weights in: config.dtype's, float32 for int8.
 torch::ScalarType prior_load_type(const PipelineConfig& config);
+// The adapter file `path` for a `family` prior (prior, bart_prior) loaded with `config`: one
+// trained for another family is refused, one trained on another base than `config.prior` is
+// loaded with a warning.
+models::AdapterFile load_adapter_for(const std::string& path, const PipelineConfig& config, const std::string& family);
 // Folds config.adapters (FILE or FILE:WEIGHT each, models/adapter.h) into the prior's
-// weights, in order; an adapter trained for another family (`family`: prior, bart_prior) is
-// refused, one trained on another base than `config.prior` is loaded with a warning.
+// weights, in order (load_adapter_for each).
 void apply_adapters(torch::nn::Module& prior, const PipelineConfig& config, const std::string& family);
 // With dtype int8, quantizes the prior's matrices (models::quantize_linears_int8) once it is
 // loaded in float32.

@@ -99,6 +99,8 @@ class TransformerFamily : public PriorFamily {
   }
 
   int64_t image_length() const override { return prior_.config.image_length(); }
+  torch::nn::Module& prior() override { return *prior_.model; }
+  const char* kind() const override { return "prior"; }
   int64_t image_size() const override { return decoder_.image_size; }
 
  private:

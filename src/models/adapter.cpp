@@ -3,6 +3,8 @@
 #include <fnmatch.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <set>
 #include <sstream>
@@ -210,6 +212,19 @@ WeightedAdapter parse_weighted_adapter(const std::string& spec) {
   }
   if (spec.empty()) throw Error("--adapter needs a file (FILE or FILE:WEIGHT)");
   return {spec, 1.0};
+}
+
+NamedAdapter parse_named_adapter(const std::string& spec) {
+  const auto equals = spec.find('=');
+  const auto name = spec.substr(0, equals);
+  const bool name_ok = !name.empty() && name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+  });
+  if (equals == std::string::npos || equals + 1 == spec.size() || !name_ok) {
+    throw Error("named adapter '" + spec + "': expected NAME=FILE, NAME 1 to 64 letters, digits, '-', '_' or '.' "
+                "(an adapter folded for every request is a FILE[:WEIGHT] of `adapters`)");
+  }
+  return {name, spec.substr(equals + 1)};
 }
 
 }  // namespace dalle::models

@@ -13,6 +13,7 @@
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/clip_rerank.h"
 #include "dalle/models/linear.h"
 #include "dalle/models/trained.h"
@@ -268,6 +269,106 @@ TEST(PipelineRequests, EachRequestDrawsWhatAPipelineWithItsSettingsDraws) {
   // generate takes only what its own pipeline prepared: nothing else was checked against it.
   EXPECT_THROW_WITH(Pipeline(base).generate({with_seed}), Error, "request 0 was not prepared by this pipeline");
   EXPECT_THROW_WITH(pipeline.generate({with_seed, PreparedRequest()}), Error, "request 1 was not prepared");
+}
+
+// An adapter file for the demo prior whose `targets` layers draw something else: its B drawn
+// at random, as training would move it.
+std::string demo_adapter(const testing::ScratchDir& dir, const std::string& name, const std::string& target,
+                         uint64_t seed) {
+  auto prior = models::load_trained_prior(demo_pipeline(1).prior);
+  const models::AdapterConfig config{.rank = 2, .alpha = 2, .targets = {target}};
+  models::add_adapters(*prior.model, config);
+  torch::manual_seed(seed);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : prior.model->named_parameters()) {
+      if (item.key().ends_with(".lora_B.weight")) item.value().normal_(0.0, 0.3);
+    }
+  }
+  const auto path = dir / (name + ".safetensors");
+  models::save_adapter_file(path, io::state_dict(*prior.model), config, "", "prior");
+  return path;
+}
+
+// Requests choosing named adapters draw what a pipeline with those files in `adapters` draws,
+// whatever they are batched with and in whatever order they name them; the base comes back
+// for the requests that choose none.
+TEST(PipelineAdapters, ARequestsAdaptersDrawWhatAPipelineFoldingThemAtLoadDraws) {
+  testing::ScratchDir dir;
+  const auto attention = demo_adapter(dir, "attention", "resblocks.*.qkv", 5);
+  const auto mlp = demo_adapter(dir, "mlp", "resblocks.*.fc_*", 6);
+  auto config = demo_pipeline(2);
+  config.batch_size = 3;
+  config.named_adapters = {"attention=" + attention, "mlp=" + mlp};
+  Pipeline pipeline(config);
+  const auto choosing = [&](std::vector<AdapterChoice> adapters) {
+    return pipeline.prepare("a red bag on the left", 0, [&](PromptRequest& r) { r.adapters = adapters; });
+  };
+  const auto plain = choosing({});
+  const auto both = choosing({{"mlp", 0.5}, {"attention", 1.0}});  // folded in named_adapters' order
+  const auto one = choosing({{"attention", 1.0}});
+  const auto zero = choosing({{"mlp", 0}});  // weight 0: the base, in the base's batches
+  EXPECT_EQ(both.request().adapters, (std::vector<AdapterChoice>{{"attention", 1.0}, {"mlp", 0.5}}));
+  EXPECT_EQ(both.settings().adapters, (std::vector<std::string>{attention + ":1", mlp + ":0.5"}));
+  EXPECT_TRUE(both.settings().named_adapters.empty()) << "the sidecar's config draws the same by itself";
+  EXPECT_TRUE(zero.request().adapters.empty());
+
+  const auto together = pipeline.generate({plain, both, one, zero, plain});
+  ASSERT_EQ(together.size(), 10u);
+  std::vector<torch::Tensor> expected;
+  for (const auto* prepared : {&plain, &both, &one, &zero, &plain}) {
+    for (const auto& image : Pipeline(prepared->settings()).generate({"a red bag on the left"})) {
+      expected.push_back(image.tokens);
+    }
+  }
+  for (size_t i = 0; i < together.size(); ++i) {
+    EXPECT_TRUE(torch::equal(together[i].tokens, expected[i])) << "image " << i << " of request "
+                                                               << together[i].request;
+  }
+  EXPECT_FALSE(torch::equal(together[0].tokens, together[4].tokens)) << "the attention adapter changes the draw";
+  EXPECT_FALSE(torch::equal(together[2].tokens, together[4].tokens)) << "and mlp's on top of it";
+  // Drawn alone after the adapted ones, the base draws the base's images again.
+  EXPECT_TRUE(torch::equal(pipeline.generate({plain}).at(0).tokens, expected[0]));
+
+  EXPECT_THROW_WITH(choosing({{"style", 1.0}}), Error, "no named adapter 'style'; it has attention, mlp");
+  EXPECT_THROW_WITH(choosing({{"mlp", 1.0}, {"mlp", 2.0}}), Error, "mlp is chosen twice");
+  EXPECT_THROW_WITH(choosing({{"mlp", std::nan("")}}), Error, "mlp's weight is not finite");
+  EXPECT_THROW_WITH(Pipeline(demo_pipeline(1)).prepare("a bag", 0, [](PromptRequest& r) { r.adapters = {{"a", 1}}; }),
+                    Error, "this pipeline has none (named_adapters)");
+  config.named_adapters = {"attention=" + attention, "attention=" + mlp};
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "named_adapters names attention twice");
+  config.named_adapters = {"=" + mlp};
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "expected NAME=FILE");
+  config.named_adapters = {"mlp=" + mlp};
+  config.dtype = "int8";
+  EXPECT_THROW_WITH(Pipeline{config}, Error, "int8 weights cannot take");
+}
+
+// On a GPU the decoding step's graphs, captured once, read the weights each switch folds in
+// place: requests alternating adapters draw what eager launches draw.
+TEST(PipelineAdapters, OnAGpuGraphsReadTheWeightsEachSwitchFolds) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
+  testing::ScratchDir dir;
+  auto config = demo_pipeline(2);
+  config.device = "cuda";
+  config.named_adapters = {"attention=" + demo_adapter(dir, "attention", "resblocks.*.qkv", 5)};
+  const auto tokens_of = [&](bool graphs) {
+    config.cuda_graphs = graphs;
+    Pipeline pipeline(config);
+    std::vector<PreparedRequest> requests;
+    for (const double weight : {0.0, 1.0, 0.0, 0.5}) {
+      requests.push_back(pipeline.prepare("a red bag on the left", 0, [&](PromptRequest& r) {
+        r.adapters = {{"attention", weight}};
+      }));
+    }
+    std::vector<torch::Tensor> tokens;
+    for (const auto& request : requests) tokens.push_back(pipeline.generate({request}).at(0).tokens);
+    return tokens;
+  };
+  const auto replayed = tokens_of(true), launched = tokens_of(false);
+  for (size_t i = 0; i < replayed.size(); ++i) EXPECT_TRUE(torch::equal(replayed[i], launched[i])) << "request " << i;
+  EXPECT_TRUE(torch::equal(replayed[0], replayed[2])) << "the base again after the adapter";
+  EXPECT_FALSE(torch::equal(replayed[0], replayed[1])) << "the adapter is read";
 }
 
 // pipeline.h's thread rule: prepare, image_size, image_tokens and config, called from several

@@ -46,6 +46,9 @@ struct PipelineConfig {
   std::vector<std::string> clip_templates;  // the prompt as CLIP reads it, each with {}; empty: the prompt alone
   std::string superres;   // RRDBNet run or checkpoint; empty: no super-resolution
   std::vector<std::string> adapters;  // adapter files folded into the prior, "FILE" or "FILE:WEIGHT"
+  // Adapters requests may choose by name (PromptRequest::adapters), "NAME=FILE" each: loaded
+  // at start, folded into the prior for the batches of the requests that choose them.
+  std::vector<std::string> named_adapters;
   int64_t candidates = 4;  // N images sampled per prompt
   int64_t keep = 0;        // K images kept per prompt, the best by CLIP score; 0: all N
   int64_t batch_size = 32; // images sampled at once
@@ -70,9 +73,17 @@ inline constexpr const char* kModelFolderConfig = "generate.yaml";
 // The folder's pipeline config, its relative model paths made to point into the folder.
 PipelineConfig read_model_folder(const std::string& folder);
 
+// A named adapter (PipelineConfig::named_adapters) a request folds into the prior, and its weight.
+struct AdapterChoice {
+  std::string name;
+  double weight = 1.0;
+  auto operator<=>(const AdapterChoice&) const = default;
+};
+
 // One prompt of a generate call with settings of its own, as dalle-serve's requests ask:
 // Pipeline::prepare(prompt) starts from the config's. Prompts whose temperature, guidance scale
-// and use_cache agree share batches (for a BART prior, top_k too); the seed, filters,
+// and use_cache agree share batches (for a BART prior, top_k too), as do prompts choosing the
+// same adapters; the seed, filters,
 // candidates, keep and super-resolution may differ row by row, and a prompt's images are
 // what a pipeline configured with its settings draws for it at `stream_index`.
 struct PromptRequest {
@@ -92,6 +103,10 @@ struct PromptRequest {
   // An image prompt of its own, in place of the config's image_prompt (none: the config's).
   // A request with one batches only with requests sharing this object.
   std::shared_ptr<const PromptImage> image_prompt;
+  // Named adapters folded into the prior for its candidates, after the config's `adapters`.
+  // prepare() puts them in named_adapters' order (the order they are folded in, which rounds)
+  // and drops those of weight 0.
+  std::vector<AdapterChoice> adapters;
 
   int64_t kept() const { return keep == 0 ? candidates : keep; }
 };
@@ -105,7 +120,8 @@ class PreparedRequest {
 
   const PromptRequest& request() const { return request_; }
   // The pipeline's config as the request changes it (candidates, keep, sampling, schedule, its
-  // own image prompt; superres cleared when off): what its images' sidecars record.
+  // own image prompt, its adapters as files after `adapters`; superres cleared when off): what
+  // its images' sidecars record.
   const PipelineConfig& settings() const { return settings_; }
 
  private:

@@ -68,4 +68,12 @@ struct WeightedAdapter {
 };
 WeightedAdapter parse_weighted_adapter(const std::string& spec);
 
+// "NAME=FILE", an adapter a request may choose by name (dalle-serve's --adapter); NAME is 1 to
+// 64 of letters, digits, '-', '_' and '.'.
+struct NamedAdapter {
+  std::string name;
+  std::string path;
+};
+NamedAdapter parse_named_adapter(const std::string& spec);
+
 }  // namespace dalle::models
