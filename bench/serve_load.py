@@ -49,7 +49,8 @@ memory: no upload, body, job or mix of requests grows the server past its memory
   working memory, which the budget leaves aside); then
   four phases, each all at once: 12 edits of a SIDE x SIDE PNG (the largest legal image at
   5700), --half-bodies connections each mid-way through a 4 MB body, the job store filled with
-  --jobs finished jobs, and --mixed generations of their own temperatures and guidance. A
+  --jobs finished jobs, and --mixed generations of their own temperatures, guidance and
+  adapters (two random adapters loaded with --adapter NAME=FILE, chosen in five ways). A
   thread samples the RSS and /health's latency every 0.1 s. Every request must be answered
   (200, or a status with OpenAI's error code: 503 memory_budget_exceeded, 429...), the RSS of
   every phase must stay under the start plus the budget, and /health must answer within 1 s
@@ -74,7 +75,7 @@ import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
-from serve_process import ServeProcess  # noqa: E402
+from serve_process import ServeProcess, write_random_adapter  # noqa: E402
 
 PROMPTS = ["a red sandal on the right", "a blue bag on the left", "a white sneaker at the top",
            "a green shirt at the bottom", "a yellow trouser on the left and a red bag on the right",
@@ -645,6 +646,11 @@ def memory(args):
                         "--set", "max_connections_per_client=1024"]
     image = big_rgba_png(args.side, args.side // 4)
     problems, phases = [], {}
+    scratch = tempfile.TemporaryDirectory()
+    prior = pathlib.Path(args.source) / args.model / "prior" / "model.safetensors"
+    for name, seed in (("style_a", 5), ("style_b", 6)):
+        adapter = write_random_adapter(prior, pathlib.Path(scratch.name) / f"{name}.safetensors", seed=seed)
+        server_arguments += ["--adapter", f"{name}={adapter}"]
     with Server(args.tools, args.source, server_arguments) as server:
         pid = server.process.pid
         quick = {"n": 1, "candidates": 2, "superres": False, "response_format": "b64_json"}
@@ -717,10 +723,13 @@ def memory(args):
 
         run("job_store_filled", 16, jobs)
 
-        # 4. Generations with settings of their own, all at once.
+        # 4. Generations with settings and adapters of their own, all at once.
+        adapter_choices = [{}, {"style_a": 1.0}, {"style_b": 0.5, "style_a": 1.0}, {"style_b": -0.5}, {"style_b": 1}]
+
         def mixed(index):
             fields = {"prompt": PROMPTS[index % len(PROMPTS)], "seed": index, "temperature": 0.5 + (index % 4) / 4,
-                      "guidance_scale": float(index % 3), **quick}
+                      "guidance_scale": float(index % 3), "adapters": adapter_choices[index % len(adapter_choices)],
+                      **quick}
             status, _, body = server.request("POST", "/v1/images/generations", fields)
             return outcome(status, json.loads(body) if body.startswith(b"{") else None)
 
@@ -729,6 +738,7 @@ def memory(args):
         refusals = metric(server, "dalle_memory_refusals_total")
         server.process.send_signal(signal.SIGTERM)
         exit_code = server.process.wait(120)
+    scratch.cleanup()
     bound = started + budget_mib
     result = {"test": "serve_memory", "model": pathlib.Path(args.model).name, "budget_mib": budget_mib,
               "rss_after_start_mib": round(started, 1), "bound_mib": round(bound, 1), "image_side": args.side,

@@ -110,7 +110,8 @@ int main(int argc, char** argv) {
   // A request brings its own seed, n and candidates; the rest set the pipeline's defaults.
   tools::PipelineShorthands shorthands;
   shorthands.add_to(app, {"-n", "--candidates", "--seed", "--image-prompt", "--image-prompt-rows",
-                         "--image-prompt-mask"});
+                         "--image-prompt-mask"},
+                    tools::PipelineShorthands::Adapters::named);
 
   return tools::run_tool(app, argc, argv, [&] {
     auto config = read_config(app, config_options, shorthands, model_folder);

@@ -84,7 +84,7 @@ const std::map<std::string, std::string>& pipeline_shorthands() {
 
 }  // namespace
 
-void PipelineShorthands::add_to(CLI::App& app, const std::set<std::string>& except) {
+void PipelineShorthands::add_to(CLI::App& app, const std::set<std::string>& except, Adapters adapters) {
   for (const auto& [flag, key] : pipeline_shorthands()) {
     if (except.count(flag) > 0) continue;
     const bool filter = flag == "--top-k" || flag == "--top-p";
@@ -101,11 +101,13 @@ void PipelineShorthands::add_to(CLI::App& app, const std::set<std::string>& exce
   }
   app.add_flag("--no-cache", no_cache_,
                "recompute the whole prefix for each token (slow; a check); sets sampling.use_cache");
-  app.add_option("--adapter", adapters_,
-                 "FILE or FILE:WEIGHT, repeatable: low-rank adapters (dalle-export --adapter) folded into the prior's "
-                 "weights, in order; sets `adapters`")
-      ->allow_extra_args(false)
-      ->take_all();
+  adapter_kind_ = adapters;
+  const auto help = adapters == Adapters::folded
+                        ? "FILE or FILE:WEIGHT, repeatable: low-rank adapters (dalle-export --adapter) folded into the "
+                          "prior's weights, in order; sets `adapters`"
+                        : "NAME=FILE, repeatable: a low-rank adapter (dalle-export --adapter) that requests may choose "
+                          "by NAME, with a weight (their `adapters`); sets `named_adapters`";
+  app.add_option("--adapter", adapters_, help)->allow_extra_args(false)->take_all();
 }
 
 namespace {
@@ -145,7 +147,8 @@ void PipelineShorthands::apply(const CLI::App& app, ConfigSource& source, const 
       for (const char c : adapter) quoted += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
       list += (list.empty() ? "\"" : ", \"") + quoted + "\"";
     }
-    source.set(prefix + "adapters=[" + list + "]");
+    const auto key = adapter_kind_ == Adapters::folded ? "adapters" : "named_adapters";
+    source.set(prefix + key + "=[" + list + "]");
   }
 }
 

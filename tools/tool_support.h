@@ -51,8 +51,11 @@ struct ConfigOptions {
 // `candidates` as it needs.
 class PipelineShorthands {
  public:
+  // What --adapter sets: `adapters`, folded at load (FILE or FILE:WEIGHT), or, for dalle-serve,
+  // `named_adapters` that requests choose (NAME=FILE).
+  enum class Adapters { folded, named };
   // Adds every shorthand but those named in `except` ("-n", "--candidates").
-  void add_to(CLI::App& app, const std::set<std::string>& except = {});
+  void add_to(CLI::App& app, const std::set<std::string>& except = {}, Adapters adapters = Adapters::folded);
   // Sets the keys of the shorthands given on `app`'s command line in `source`, each under
   // `prefix` ("" for a pipeline config, "pipeline." within dalle-serve's). A value the key
   // refuses is a UsageError naming the option; --top-k or --top-p clears `schedule`.
@@ -68,6 +71,7 @@ class PipelineShorthands {
   std::string images_;  // -n, read when applied (its errors are usage errors naming -n)
   int64_t old_keep_ = 0, old_candidates_ = 0;
   std::vector<std::string> adapters_;
+  Adapters adapter_kind_ = Adapters::folded;
   bool no_cache_ = false;
 };
 

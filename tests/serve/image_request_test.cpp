@@ -95,6 +95,27 @@ TEST(ImageRequest, ReadsTheFrameworksOwnFields) {
   EXPECT_EQ(seedless.keep, 1);
 }
 
+TEST(ImageRequest, AdaptersAreNamesWithWeightsOrNamesAlone) {
+  auto model = demo_model();
+  model.adapters = {"sneaker", "style"};
+  const auto weighted = read_image_request(R"({"prompt": "a", "adapters": {"style": -0.5, "sneaker": 2}})", model);
+  // In the object's order as parsed; Pipeline::prepare puts them in the server's order.
+  EXPECT_EQ(weighted.adapters, (std::vector<generate::AdapterChoice>{{"sneaker", 2.0}, {"style", -0.5}}));
+  const auto named = read_image_request(R"({"prompt": "a", "adapters": ["style"]})", model);
+  EXPECT_EQ(named.adapters, (std::vector<generate::AdapterChoice>{{"style", 1.0}}));
+  EXPECT_EQ(to_prompt_request(named, {}, 1).adapters, named.adapters);
+  EXPECT_TRUE(read_image_request(R"({"prompt": "a", "adapters": null})", model).adapters.empty());
+
+  expect_refused(R"({"prompt": "a", "adapters": {"cartoon": 1}})", 400, "adapters", "invalid_value", model);
+  expect_refused(R"({"prompt": "a", "adapters": ["sneaker", "sneaker"]})", 400, "adapters", "invalid_value", model);
+  expect_refused(R"({"prompt": "a", "adapters": "sneaker"})", 400, "adapters", "invalid_type", model);
+  expect_refused(R"({"prompt": "a", "adapters": [1]})", 400, "adapters", "invalid_type", model);
+  expect_refused(R"({"prompt": "a", "adapters": {"sneaker": "1"}})", 400, "adapters.sneaker", "invalid_type", model);
+  expect_refused(R"({"prompt": "a", "adapters": {"sneaker": 10.5}})", 400, "adapters.sneaker", "invalid_value",
+                 model);
+  expect_refused(R"({"prompt": "a", "adapters": ["sneaker"]})", 400, "adapters", "invalid_value");  // has none
+}
+
 TEST(ImageRequest, RefusesWhatIsMalformedMistypedOrOutOfRange) {
   expect_refused("{\"prompt\": ", 400, "", "invalid_json");
   expect_refused("[1, 2]", 400, "", "invalid_json");

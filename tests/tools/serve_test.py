@@ -17,6 +17,9 @@ the pinned `openai` package)
 - `stream: true` with `partial_images` answers as server-sent events that OpenAI's client
   reads: the partial images of each candidate as it is drawn, then the image, which is the
   one the same request draws unstreamed.
+- Named adapters (--adapter NAME=FILE): /v1/models lists them, a request chooses them with
+  weights (OpenAI's client, extra_body) and draws dalle-generate's image with --adapter
+  FILE:WEIGHT, alone or batched with requests choosing others or none.
 - The web page (its script run by node) submits a job, and a reload finds it and shows its images.
 - A job (POST /v1/images/jobs) outlives its connection: fetched by id once done, it holds the
   synchronous answer's images; a cancelled one frees its place in the queue.
@@ -49,7 +52,7 @@ import openai
 
 SOURCE, TOOLS = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 sys.path.insert(0, str(SOURCE / "scripts"))
-from serve_process import ServeProcess  # noqa: E402
+from serve_process import ServeProcess, write_random_adapter  # noqa: E402
 MODEL = SOURCE / "models" / "fashion-compose"
 MODEL_ID = "fashion-compose"
 KEY = "test-key-0123456789"
@@ -195,6 +198,41 @@ def test_openai_client(server, scratch):
         fail("a wrong key was accepted")
     except openai.AuthenticationError:
         pass
+
+
+
+def test_adapters(server, scratch, adapter):
+    """A request chooses the server's named adapters (--adapter sneaker=FILE) with OpenAI's client
+    (extra_body); its image is dalle-generate's with --adapter FILE:WEIGHT, batched or not."""
+    status, models = call(server, "GET", "/v1/models")
+    check(status == 200 and models["data"][0]["adapters"] == ["sneaker"], f"/v1/models lists the adapters: {models}")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=CALL_TIMEOUT)
+
+    def png_of(adapters):
+        answer = client.images.generate(prompt=PROMPT, n=1, size="64x64", response_format="b64_json",
+                                        extra_body={"seed": 7, "candidates": 2, **({"adapters": adapters} if adapters
+                                                                                    else {})})
+        return base64.b64decode(answer.data[0].b64_json)
+
+    adapted = png_facts(png_of({"sneaker": 0.75}))
+    reference = png_facts(generated_by_dalle_generate(scratch / "adapted", seed=7, candidates=2, n=1, superres=False,
+                                                      extra=("--adapter", f"{adapter}:0.75"))[0])
+    check(adapted[3] == reference[3], "an adapted image differs from dalle-generate's with --adapter FILE:0.75")
+    check(adapted[2] == reference[2], f"its settings differ from dalle-generate's:\n{adapted[2]}\n{reference[2]}")
+    check(f"{adapter}:0.75" in str(adapted[2]["pipeline"]["adapters"]), f"the sidecar names the adapter: {adapted[2]}")
+    plain = png_facts(png_of(None))
+    check(plain[3] != adapted[3], "the adapter changes nothing")
+    # Sent together (one batch window), each draws what it draws alone: the adapted request in a
+    # batch of its own, the base restored for the other.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        mixed = list(pool.map(png_of, [None, {"sneaker": 0.75}, ["sneaker"], None]))
+    check(png_facts(mixed[0])[3] == plain[3] and png_facts(mixed[3])[3] == plain[3], "the base changed in a mix")
+    check(png_facts(mixed[1])[3] == adapted[3], "an adapted image changed in a mix")
+    check(png_facts(mixed[2])[3] not in (plain[3], adapted[3]), "weight 1 draws what 0.75 or none draws")
+    for bad, code in (({"style": 1}, "invalid_value"), ("sneaker", "invalid_type"), ({"sneaker": 11}, "invalid_value"),
+                      ({"sneaker": "1"}, "invalid_type")):
+        param = "adapters.sneaker" if isinstance(bad, dict) and "sneaker" in bad else "adapters"
+        expect_error(server, f"adapters {bad}", generate(server, {"prompt": PROMPT, "adapters": bad}), 400, code, param)
 
 
 def rgba_png(width, height, alpha_of_row):
@@ -560,8 +598,11 @@ def main():
         scratch = pathlib.Path(scratch)
         (scratch / "key").write_text(KEY + "\n")
         test_bad_command_lines()
-        with Server("--api-key-file", scratch / "key", "--set", "batch_window_ms=300") as server:
+        adapter = write_random_adapter(MODEL / "prior" / "model.safetensors", scratch / "sneaker.safetensors")
+        with Server("--api-key-file", scratch / "key", "--set", "batch_window_ms=300",
+                    "--adapter", f"sneaker={adapter}") as server:
             test_openai_client(server, scratch)
+            test_adapters(server, scratch, adapter)
             test_edits(server, scratch)
             test_streaming(server)
             test_batching(server)

@@ -16,6 +16,7 @@ const localStorage = {
   setItem: (name, value) => { storage[name] = String(value); },
   removeItem: (name) => { delete storage[name]; },
 };
+const sessionStorage = { getItem: () => null, setItem() {}, removeItem() {} };
 const fields = { prompt: "a red sandal on the right", n: "1", candidates: "2", seed: "3", guidance: "", key };
 
 // Runs the page's script once, as a (re)loaded page does; its elements by id.
@@ -30,8 +31,8 @@ function load(script) {
   });
   const document = { getElementById: element,
                      createElement: () => ({ children: [], append(...children) { this.children.push(...children); } }) };
-  new Function("document", "localStorage", "fetch", "performance", script)(
-    document, localStorage, (path, options) => fetch(base + path, options), performance);
+  new Function("document", "localStorage", "sessionStorage", "fetch", "performance", script)(
+    document, localStorage, sessionStorage, (path, options) => fetch(base + path, options), performance);
   return element;
 }
 

@@ -22,7 +22,7 @@ using nlohmann::json;
 const std::set<std::string>& typed_fields() {
   static const std::set<std::string> fields = {"n", "seed", "candidates", "guidance_scale", "top_k", "top_p",
                                                "temperature", "superres", "stream", "partial_images",
-                                               "partial_images_of_every_candidate"};
+                                               "partial_images_of_every_candidate", "adapters"};
   return fields;
 }
 

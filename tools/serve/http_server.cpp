@@ -13,6 +13,7 @@
 
 #include "dalle/input_limits.h"
 #include "dalle/log.h"
+#include "dalle/models/adapter.h"
 #include "serve/api_error.h"
 #include "serve/client_address.h"
 #include "serve/edit_request.h"
@@ -87,7 +88,11 @@ HttpServer::State::State(const ServeConfig& config_, generate::Pipeline& pipelin
            .default_candidates = pipeline.config().candidates,
            .max_n = config.max_n,
            .max_candidates = config.max_candidates,
-           .max_prompt_length = config.max_prompt_length};
+           .max_prompt_length = config.max_prompt_length,
+           .adapters = {}};
+  for (const auto& spec : pipeline.config().named_adapters) {
+    model.adapters.push_back(models::parse_named_adapter(spec).name);
+  }
   if (config.connection_threads != 0) {
     log::warn("serve: connection_threads is no longer used (one event loop holds every connection; "
               "max_connections bounds them)");

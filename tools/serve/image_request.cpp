@@ -1,5 +1,7 @@
 #include "serve/image_request.h"
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
 
@@ -156,7 +158,7 @@ bool read_superres(const json& body, const ServedModel& model) {
   if (model.superres_size > 0 && *size == side_by_side(model.superres_size)) by_size = true;
   if (*size == side_by_side(model.plain_size)) by_size = false;
   if (!by_size) {
-    throw ApiError(400, "Invalid 'size': '" + excerpt(*size) + "' is not a size this model makes; it makes " + sizes +
+    throw ApiError(400, "Invalid 'size': " + excerpt(*size) + " is not a size this model makes; it makes " + sizes +
                             ".", "size", "invalid_value");
   }
   if (superres && *superres != *by_size) {
@@ -184,6 +186,50 @@ int64_t read_candidates(const json& body, const ServedModel& model, int64_t n) {
   return given.value_or(std::min(std::max(model.default_candidates, n), model.max_candidates));
 }
 
+ApiError unknown_adapter(const std::string& name, const ServedModel& model) {
+  std::string known;
+  for (const auto& adapter : model.adapters) {
+    if (!known.empty()) known += ", ";
+    known += adapter;
+  }
+  return {400, "Invalid 'adapters': " + excerpt(name) + " is no adapter of this model; " +
+                   (known.empty() ? std::string("it has none.") : "it has " + known + " (GET /v1/models)."),
+          "adapters", "invalid_value"};
+}
+
+// `adapters`: an object of names and weights, or an array of names (weight 1).
+std::vector<generate::AdapterChoice> read_adapters(const json& body, const ServedModel& model) {
+  const auto* value = field(body, "adapters");
+  if (!value) return {};
+  if (!value->is_object() && !value->is_array()) {
+    throw wrong_type("adapters", "an object of adapter names and weights, or an array of names", *value);
+  }
+  std::vector<generate::AdapterChoice> choices;
+  for (const auto& [key, item] : value->items()) {
+    generate::AdapterChoice choice;
+    if (value->is_array() && !item.is_string()) throw wrong_type("adapters", "an array of adapter names", item);
+    choice.name = value->is_array() ? item.get<std::string>() : key;
+    if (std::find(model.adapters.begin(), model.adapters.end(), choice.name) == model.adapters.end()) {
+      throw unknown_adapter(choice.name, model);
+    }
+    for (const auto& earlier : choices) {
+      if (earlier.name == choice.name) {
+        throw ApiError(400, "Invalid 'adapters': '" + choice.name + "' is named twice.", "adapters", "invalid_value");
+      }
+    }
+    if (value->is_object()) {  // the name is one of ours: safe to echo
+      const auto param = std::string("adapters.").append(choice.name);
+      if (!item.is_number()) throw wrong_type(param, "a number (the adapter's weight)", item);
+      choice.weight = item.get<double>();
+      if (!(std::abs(choice.weight) <= kMaxAdapterWeight)) {
+        throw out_of_range(param, item.dump(), "a weight in [-10, 10]");
+      }
+    }
+    choices.push_back(std::move(choice));
+  }
+  return choices;
+}
+
 }  // namespace
 
 std::string side_by_side(int64_t side) { return std::to_string(side) + "x" + std::to_string(side); }
@@ -199,8 +245,8 @@ ImageRequest read_image_request(std::string_view body, const ServedModel& model)
   request.n = integer_field(parsed, "n", 1, model.max_n).value_or(1);
   request.response_format = string_field(parsed, "response_format").value_or("url");
   if (request.response_format != "url" && request.response_format != "b64_json") {
-    throw ApiError(400, "Invalid 'response_format': '" + excerpt(request.response_format) +
-                            "'; expected 'url' or 'b64_json'.", "response_format", "invalid_value");
+    throw ApiError(400, "Invalid 'response_format': " + excerpt(request.response_format) +
+                            "; expected 'url' or 'b64_json'.", "response_format", "invalid_value");
   }
   request.user = string_field(parsed, "user").value_or("");
   request.superres = read_superres(parsed, model);
@@ -213,6 +259,7 @@ ImageRequest read_image_request(std::string_view body, const ServedModel& model)
   request.stream = bool_field(parsed, "stream").value_or(false);
   request.partial_images = integer_field(parsed, "partial_images", 0, 3).value_or(0);
   request.partial_images_of_every_candidate = bool_field(parsed, "partial_images_of_every_candidate").value_or(false);
+  request.adapters = read_adapters(parsed, model);
   return request;
 }
 
@@ -243,6 +290,7 @@ generate::PromptRequest to_prompt_request(const ImageRequest& request, generate:
   if (request.top_k || request.top_p) prompt.schedule = {};
   if (request.top_k) sampling.top_k = *request.top_k;
   if (request.top_p) sampling.top_p = *request.top_p;
+  prompt.adapters = request.adapters;
   return prompt;
 }
 

@@ -2,12 +2,13 @@
 // The body of POST /v1/images/generations as OpenAI's clients send it, read and checked:
 // OpenAI's fields (prompt, n, size, response_format, stream, partial_images, user, model;
 // others ignored, as a client may send fields of newer models) and the framework's own (seed, candidates,
-// guidance_scale, top_k, top_p, temperature, superres). Whatever is wrong is an ApiError
+// guidance_scale, top_k, top_p, temperature, superres, adapters). Whatever is wrong is an ApiError
 // naming the field, before the request costs the model anything.
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "dalle/generate/pipeline.h"
 
@@ -24,7 +25,11 @@ struct ServedModel {
   int64_t max_n = 4;
   int64_t max_candidates = 64;
   int64_t max_prompt_length = 1000;  // characters
+  std::vector<std::string> adapters;  // the named adapters a request may choose
 };
+
+// The weights a request may give an adapter: beyond them a low-rank change swamps the model.
+inline constexpr double kMaxAdapterWeight = 10;
 
 struct ImageRequest {
   std::string prompt;
@@ -40,6 +45,8 @@ struct ImageRequest {
   int64_t partial_images = 0;  // previews streamed per returned image while it is drawn (0-3)
   // Ours: previews of every candidate, not only of the first n (`partial_images_of_every_candidate`).
   bool partial_images_of_every_candidate = false;
+  // Named adapters folded into the prior for it: {"NAME": WEIGHT, ...} or ["NAME", ...] (weight 1).
+  std::vector<generate::AdapterChoice> adapters;
 
   // Throws ApiError 400 for partial_images without stream, which a synchronous answer
   // cannot carry (a job can: GET shows its latest ones).

@@ -105,7 +105,12 @@ std::string HttpServer::State::job_object(const StoredJob& stored) {
 }
 
 json HttpServer::State::model_object() const {
-  return {{"id", model.id}, {"object", "model"}, {"created", started}, {"owned_by", "dalle"}};
+  // Ours: the adapters a request may choose (its `adapters`).
+  return {{"id", model.id},
+          {"object", "model"},
+          {"created", started},
+          {"owned_by", "dalle"},
+          {"adapters", model.adapters}};
 }
 
 std::string HttpServer::State::base_url(const std::string& host) const {

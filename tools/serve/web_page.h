@@ -1,8 +1,10 @@
 #pragma once
 // The page at GET /: a prompt box that submits a job (POST /v1/images/jobs) from the browser,
-// follows it and shows the images, with the framework's own fields at hand. The job's id is
-// kept in the browser's storage, so that a reload (or a closed and reopened tab) finds the
-// job again. Inline, so that the binary is the whole service.
+// follows it and shows the images as they are drawn, with the framework's own fields and the
+// model's adapters at hand. The job's id is kept in the browser's storage, so that a reload
+// (or a closed and reopened tab) finds the job again; the API key is kept for the tab's life
+// (sessionStorage), so that the reloaded page can follow it. Inline, so that the binary is the
+// whole service.
 namespace dalle::serve {
 
 inline constexpr const char* kWebPage = R"html(<!doctype html>
@@ -16,7 +18,7 @@ inline constexpr const char* kWebPage = R"html(<!doctype html>
   form { display: grid; grid-template-columns: repeat(auto-fill, minmax(9rem, 1fr)); gap: .6rem 1rem; align-items: end; }
   label { display: flex; flex-direction: column; font-size: 13px; color: #555; }
   #prompt-label { grid-column: 1 / -1; }
-  input { font: inherit; padding: .35rem .45rem; border: 1px solid #bbb; border-radius: 4px; }
+  input, select { font: inherit; padding: .35rem .45rem; border: 1px solid #bbb; border-radius: 4px; }
   button { font: inherit; padding: .45rem 1rem; border-radius: 4px; border: 0; background: #2456c4; color: #fff; cursor: pointer; }
   button:disabled { background: #999; cursor: wait; }
   #status { margin: 1rem 0; min-height: 1.2em; }
@@ -37,6 +39,7 @@ the asynchronous form of <code>POST /v1/images/generations</code>), which a relo
   <label>Seed <input id="seed" type="number" min="0" placeholder="random"></label>
   <label>Guidance scale <input id="guidance" type="number" min="0" step="0.5" placeholder="model's"></label>
   <label>Super-resolution <input id="superres" type="checkbox" checked></label>
+  <label id="adapter-label" hidden>Adapter <select id="adapter"><option value="">none</option></select></label>
   <label>API key <input id="key" type="password" placeholder="if the server has one"></label>
   <button id="go" type="submit">Generate</button>
   <button id="cancel" type="button" hidden>Cancel</button>
@@ -45,9 +48,32 @@ the asynchronous form of <code>POST /v1/images/generations</code>), which a relo
 <div id="images"></div>
 <script>
 const $ = (id) => document.getElementById(id);
-fetch("/v1/models", { headers: authorization() }).then((r) => r.json())
-  .then((list) => { $("model").textContent = list.data ? list.data[0].id : "(needs the API key)"; })
-  .catch(() => { $("model").textContent = "(unreachable)"; });
+const kKeyKey = "dalle-serve-key";
+if (sessionStorage.getItem(kKeyKey)) $("key").value = sessionStorage.getItem(kKeyKey);
+
+// The model's name and the adapters a request may choose, once the key lets us read them.
+function showModel() {
+  fetch("/v1/models", { headers: authorization() }).then((r) => r.json())
+    .then((list) => {
+      const model = list.data ? list.data[0] : null;
+      $("model").textContent = model ? model.id : "(needs the API key)";
+      const adapters = model && model.adapters ? model.adapters : [];
+      $("adapter").replaceChildren(...["", ...adapters].map((name) => {
+        const option = document.createElement("option");
+        option.value = name;
+        option.textContent = name || "none";
+        return option;
+      }));
+      $("adapter-label").hidden = adapters.length === 0;
+      if (adapters.includes(wantedAdapter)) $("adapter").value = wantedAdapter;
+    })
+    .catch(() => { $("model").textContent = "(unreachable)"; });
+}
+showModel();
+$("key").addEventListener("change", () => {
+  sessionStorage.setItem(kKeyKey, $("key").value);
+  showModel();
+});
 
 function authorization() {
   const key = $("key") ? $("key").value : "";
@@ -60,6 +86,22 @@ function number(id) {
 }
 
 const kJobKey = "dalle-serve-job";
+const kFormFields = ["prompt", "n", "candidates", "seed", "guidance"];
+
+// The form as typed, kept with the job, so that a reload shows what is being drawn.
+function formFields() {
+  const form = { superres: $("superres").checked, adapter: $("adapter").value };
+  for (const id of kFormFields) form[id] = $(id).value;
+  return form;
+}
+
+let wantedAdapter = "";  // set once the model's adapters are listed
+function restoreForm(form) {
+  for (const id of kFormFields) if (form[id] !== undefined) $(id).value = form[id];
+  if (form.superres !== undefined) $("superres").checked = form.superres;
+  wantedAdapter = form.adapter || "";
+  $("adapter").value = wantedAdapter;
+}
 
 function show(status, error) {
   $("status").className = error ? "error" : "";
@@ -91,7 +133,7 @@ function showImages(data, prompt, drawing) {
 async function follow() {
   const stored = JSON.parse(localStorage.getItem(kJobKey) || "null");
   if (!stored) return;
-  $("prompt").value = stored.prompt;  // a reload shows what is being drawn
+  restoreForm(stored.form || { prompt: stored.prompt });  // a reload shows what is being drawn
   busy(true);
   try {
     while (true) {
@@ -122,14 +164,16 @@ $("form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const body = { prompt: $("prompt").value, n: number("n"), response_format: "b64_json",
                  candidates: number("candidates"), seed: number("seed"), guidance_scale: number("guidance"),
-                 superres: $("superres").checked, partial_images: 3 };
+                 superres: $("superres").checked, partial_images: 3,
+                 adapters: $("adapter").value ? { [$("adapter").value]: 1 } : undefined };
   show("Submitting…");
   try {
     const response = await fetch("/v1/images/jobs", {
       method: "POST", headers: { "Content-Type": "application/json", ...authorization() }, body: JSON.stringify(body) });
     const job = await response.json();
     if (!response.ok) throw new Error(job.error ? job.error.message : response.statusText);
-    localStorage.setItem(kJobKey, JSON.stringify({ id: job.id, prompt: body.prompt, started: Date.now() }));
+    localStorage.setItem(kJobKey, JSON.stringify({ id: job.id, prompt: body.prompt, form: formFields(),
+                                                   started: Date.now() }));
     follow();
   } catch (error) {
     show(error.message, true);
