@@ -179,11 +179,9 @@ void HttpServer::State::admit_edit(const std::shared_ptr<Exchange>& exchange, co
 void HttpServer::State::register_waiting(const std::shared_ptr<Exchange>& exchange) {
   // Registered before it can be parked, so that drop_waiting (the server stopping) wakes it
   // whenever it comes: a parked connection nobody wakes would hold the event loop's stop.
-  std::lock_guard lock(waiting_mutex);
-  if (waiting_closed) {
+  if (!waiting.join(exchange)) {
     throw ApiError(503, "The server is shutting down and takes no new requests.", "", "server_shutting_down");
   }
-  waiting.insert(exchange);
 }
 
 std::function<void(const std::shared_ptr<Job>&)> HttpServer::State::settle_on_change(
@@ -214,9 +212,7 @@ MHD_Result HttpServer::State::answer_with_job(const std::shared_ptr<Exchange>& e
     exchange->job = admit(std::move(prompt), std::move(held), settle_on_change(exchange));
     if (!request.stream && !exchange->dropped) exchange->park();
   } catch (...) {
-    std::lock_guard lock(waiting_mutex);
-    waiting.erase(exchange);
-    waiting_changed.notify_all();
+    waiting.leave(exchange);
     throw;
   }
   return request.stream ? stream(exchange) : MHD_YES;

@@ -403,9 +403,7 @@ void HttpServer::State::on_completed(void* self, MHD_Connection* connection, voi
     log::info("serve: a client left before its images were ready (", exchange->client, ")");
     state.metrics.count_response(exchange->endpoint, kClientClosedRequest);
   }
-  std::lock_guard lock(state.waiting_mutex);
-  state.waiting.erase(exchange);
-  state.waiting_changed.notify_all();
+  state.waiting.leave(exchange);
 }
 
 // ---- the server
@@ -456,8 +454,8 @@ int HttpServer::bind() {
 void HttpServer::listen() {
   auto& s = *state_;
   {
-    std::unique_lock lock(s.waiting_mutex);
-    s.waiting_changed.wait(lock, [&] { return s.stop_requested; });
+    std::unique_lock lock(s.stop_mutex);
+    s.stop_changed.wait(lock, [&] { return s.stop_requested; });
   }
   s.drop_waiting();
   MHD_stop_daemon(s.daemon);
@@ -471,10 +469,10 @@ void HttpServer::drain_and_stop() {
   s.scheduler.drain();
   // Their answers go out before the loop stops; a client that does not take its answer
   // within a grace period is not waited for.
-  std::unique_lock lock(s.waiting_mutex);
-  s.waiting_changed.wait_for(lock, std::chrono::seconds(30), [&] { return s.waiting.empty(); });
+  s.waiting.wait_until_empty(std::chrono::seconds(30));
+  std::lock_guard lock(s.stop_mutex);
   s.stop_requested = true;
-  s.waiting_changed.notify_all();
+  s.stop_changed.notify_all();
 }
 
 }  // namespace dalle::serve

@@ -138,11 +138,7 @@ void HttpServer::State::sweep() {
   for (const auto& job : jobs.end_overdue(timeout, timeout_error(config.request_timeout_seconds).json())) {
     scheduler.cancel(job);
   }
-  std::vector<std::shared_ptr<Exchange>> watched;
-  {
-    std::lock_guard lock(waiting_mutex);
-    watched.assign(waiting.begin(), waiting.end());
-  }
+  const auto watched = waiting.members();
   const auto now = Clock::now();
   for (const auto& exchange : watched) {
     std::lock_guard lock(exchange->mutex);
@@ -173,13 +169,11 @@ void HttpServer::State::sweep() {
 }
 
 void HttpServer::State::drop_waiting() {
-  std::lock_guard lock(waiting_mutex);
-  waiting_closed = true;
-  for (const auto& exchange : waiting) {
-    std::lock_guard exchange_lock(exchange->mutex);
-    exchange->dropped = true;
-    exchange->wake();
-  }
+  waiting.close([](Exchange& exchange) {
+    std::lock_guard lock(exchange.mutex);
+    exchange.dropped = true;
+    exchange.wake();
+  });
 }
 
 void HttpServer::State::settle_stored(const std::string& id, const std::string& host, const ImageRequest& request,

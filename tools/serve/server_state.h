@@ -36,6 +36,7 @@
 #include "serve/route.h"
 #include "serve/scheduler.h"
 #include "serve/task_thread.h"
+#include "serve/waiting_set.h"
 
 namespace dalle::serve {
 
@@ -210,10 +211,9 @@ struct HttpServer::State {
   std::condition_variable tasks_changed;
   std::deque<std::function<void()>> tasks;
   bool stopping = false;
-  std::mutex waiting_mutex;
-  std::set<std::shared_ptr<Exchange>> waiting;  // requests with a job, until the loop is done with them
-  bool waiting_closed = false;                   // drop_waiting ran: nothing more may wait
-  std::condition_variable waiting_changed;
+  WaitingSet<Exchange> waiting;  // requests with a job, until the loop is done with them
+  std::mutex stop_mutex;
+  std::condition_variable stop_changed;
   bool stop_requested = false;
 
   Scheduler scheduler;  // after what its jobs' callbacks use, so that it stops before them
