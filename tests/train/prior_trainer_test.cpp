@@ -24,15 +24,16 @@ namespace {
 using testing::ScratchDir;
 
 // Captions [eos-terminated word, padding] and 4x4 image grids that are a function of the
-// caption's word, so that a prior can learn them.
-void write_token_dataset(const std::string& directory, int64_t images, uint64_t seed) {
+// caption's word, so that a prior can learn them: cell c of word w's grid is (c * stride + w)
+// mod 16, so that another stride teaches the same captions other images.
+void write_token_dataset(const std::string& directory, int64_t images, uint64_t seed, int64_t stride = 1) {
   data::TokenDatasetWriter writer(directory, {.image_vocab_size = 16, .text_vocab_size = 24, .grid_height = 4,
                                               .grid_width = 4, .text_length = 6, .source = "synthetic"});
   std::mt19937_64 rng(seed);
   for (int64_t i = 0; i < images; ++i) {
     const int64_t word = 4 + static_cast<int64_t>(rng() % 8);
     const auto text = torch::tensor({word, int64_t{3}, int64_t{0}, int64_t{0}, int64_t{0}, int64_t{0}}).view({1, 6});
-    const auto image = (torch::arange(16).view({4, 4}) + word) % 16;
+    const auto image = (torch::arange(16).view({4, 4}) * stride + word) % 16;
     writer.add(image, text, {"word " + std::to_string(word)});
   }
   writer.finish();
@@ -419,6 +420,57 @@ TEST_F(PriorTrainerTest, FrozenWeightsIn16BitsTrainAdaptersAsTheFp32BaseDoes) {
   EXPECT_THAT([&] { PriorTrainer(fp32, runs / "refused"); },
               ::testing::ThrowsMessage<Error>(
                   ::testing::HasSubstr("frozen_weights float16 needs precision.mode bfloat16 or float16")));
+}
+
+// data.retention tells a fine-tuning run what it forgets: a base trained on one mapping of
+// captions to images, fine-tuned on another for the same captions, says so in metrics.jsonl
+// (retention_loss before the first update and at each validation, forgetting its rise), and
+// replaying the old images with the new ones forgets less.
+TEST_F(PriorTrainerTest, RetentionLossSaysWhatAFineTuningRunForgetsAndReplayForgetsLess) {
+  ScratchDir runs;
+  PriorTrainer(tiny(60), runs / "base").run();
+  write_token_dataset(runs / "new-train", 64, 3, /*stride=*/3);
+  write_token_dataset(runs / "new-validation", 16, 4, /*stride=*/3);
+  {  // the new images and as many old ones, replayed
+    data::TokenDatasetWriter writer(runs / "new-and-old", {.image_vocab_size = 16, .text_vocab_size = 24,
+                                                        .grid_height = 4, .grid_width = 4, .text_length = 6,
+                                                        .source = "synthetic"});
+    for (const auto& folder : {runs / "new-train", *data_ / "train"}) {
+      auto set = data::TokenDataset::open(folder);
+      std::mt19937_64 rng(0);
+      for (size_t i = 0; i < set->size(); ++i) {
+        const auto example = set->get(i, rng);
+        writer.add(example->image_tokens, example->text_tokens.view({1, 6}), {example->caption});
+      }
+    }
+    writer.finish();
+  }
+  const auto forgetting = [&](const std::string& train, const std::string& run) {
+    auto config = tiny(20);
+    config.init_from = runs / "base";
+    config.data.train = train;
+    config.data.validation = runs / "new-validation";
+    config.data.retention = *data_ / "validation";
+    config.run.validate_every = 10;
+    PriorTrainer trainer(config, runs / run);
+    trainer.run();
+    std::vector<nlohmann::json> retained;
+    std::ifstream metrics(runs / run + "/metrics.jsonl");
+    for (std::string text; std::getline(metrics, text);) {
+      auto line = nlohmann::json::parse(text);
+      if (line.contains("retention_loss")) retained.push_back(std::move(line));
+    }
+    EXPECT_EQ(retained.size(), 3u) << "before the first update, at 10 and at 20";
+    EXPECT_EQ(retained.front()["step"], 0);
+    EXPECT_EQ(retained.front()["forgetting"], 0.0);
+    const auto last = trainer.validate();
+    EXPECT_NEAR(last.forgetting, last.retention_loss - retained.front()["retention_loss"].get<double>(), 1e-9);
+    return retained.back()["forgetting"].get<double>();
+  };
+  const double alone = forgetting(runs / "new-train", "alone");
+  const double replayed = forgetting(runs / "new-and-old", "replayed");
+  EXPECT_GT(alone, 0.5) << "new images for the same captions: the old ones are forgotten";
+  EXPECT_LT(replayed, 0.5 * alone) << "replay keeps them";
 }
 
 TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -164,6 +165,10 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
     s.validation_set = data::TokenDataset::open(s.config.data.validation);
     check_dataset(s.validation_set->info(), s.config.model, s.config.data.validation);
   }
+  if (!s.config.data.retention.empty()) {
+    s.retention_set = data::TokenDataset::open(s.config.data.retention);
+    check_dataset(s.retention_set->info(), s.config.model, s.config.data.retention);
+  }
   check_weights_storage(s.config.precision, s.shards_resblocks(), "prior training");
   s.config.checkpointed_inputs_type("prior training");
   const bool checkpoints = s.shards_resblocks() || s.config.checkpoint_activations_every > 0;
@@ -315,6 +320,7 @@ void PriorTrainer::State::log_step() const {
 
 void PriorTrainer::run() {
   auto& s = *state_;
+  s.measure_retention_start();
   detail::run_training_loop(
       s, detail::intervals_of(s.config.run),
       {.update =
@@ -327,9 +333,14 @@ void PriorTrainer::run() {
        .validate =
            [&] {
              const auto validation = validate();
-             if (std::isnan(validation.loss)) return;  // no data.validation: nothing to report
-             log::info("prior: update ", s.step, " loss ", s.last.loss, " validation loss ", validation.loss,
-                       " (text ", validation.text_loss, ", image ", validation.image_loss, ")");
+             if (!std::isnan(validation.loss)) {
+               log::info("prior: update ", s.step, " loss ", s.last.loss, " validation loss ", validation.loss,
+                         " (text ", validation.text_loss, ", image ", validation.image_loss, ")");
+             }
+             if (!std::isnan(validation.retention_loss)) {
+               log::info("prior: update ", s.step, " retention loss ", validation.retention_loss, " (",
+                         validation.forgetting >= 0 ? "+" : "", validation.forgetting, " since the start)");
+             }
            },
        .checkpoint = [&] { s.save_checkpoint(); }});
 }
@@ -375,34 +386,59 @@ void write_sample_grid(models::Prior& model, const PriorTrainConfig& config, con
 
 }  // namespace
 
+PriorValidation PriorTrainer::State::loss_on(data::TokenDataset& set) {
+  auto& average = validation_model();
+  average->eval();
+  const int64_t count = std::min<int64_t>(static_cast<int64_t>(set.size()), 256);
+  double total = 0, text = 0, image = 0;
+  int64_t batches = 0;
+  for (int64_t begin = 0; begin < count; begin += config.data.batch_size) {
+    std::vector<data::TokenExample> examples;
+    for (int64_t i = begin; i < std::min(count, begin + config.data.batch_size); ++i) {
+      std::mt19937_64 rng(static_cast<uint64_t>(i));
+      if (auto example = set.get(static_cast<size_t>(i), rng)) examples.push_back(std::move(*example));
+    }
+    const auto tokens = batch_tokens(examples, /*drop_captions=*/false);
+    const auto loss = models::prior_loss(average->forward(tokens), tokens, config.model);
+    total += loss.total.item<double>();
+    text += loss.text.item<double>();
+    image += loss.image.item<double>();
+    ++batches;
+  }
+  return {.loss = total / batches, .text_loss = text / batches, .image_loss = image / batches};
+}
+
+void PriorTrainer::State::measure_retention_start() {
+  if (!retention_set || !std::isnan(retention_start) || step != 0) return;
+  torch::NoGradGuard no_grad;
+  const AverageSwappedIn swapped(*this);
+  retention_start = loss_on(*retention_set).loss;
+  metrics_log.append({{"step", step}, {"retention_loss", retention_start}, {"forgetting", 0.0}});
+  log::info("prior: retention loss ", retention_start, " before the first update (", config.data.retention, ")");
+}
+
 PriorValidation PriorTrainer::validate() {
   auto& s = *state_;
   torch::NoGradGuard no_grad;
   const State::AverageSwappedIn swapped(s);
   auto& average = s.validation_model();
-  average->eval();
   PriorValidation result{std::nan(""), std::nan(""), std::nan("")};
   if (s.validation_set) {
-    const int64_t count = std::min<int64_t>(static_cast<int64_t>(s.validation_set->size()), 256);
-    double total = 0, text = 0, image = 0;
-    int64_t batches = 0;
-    for (int64_t begin = 0; begin < count; begin += s.config.data.batch_size) {
-      std::vector<data::TokenExample> examples;
-      for (int64_t i = begin; i < std::min(count, begin + s.config.data.batch_size); ++i) {
-        std::mt19937_64 rng(static_cast<uint64_t>(i));
-        if (auto example = s.validation_set->get(static_cast<size_t>(i), rng)) examples.push_back(std::move(*example));
-      }
-      const auto tokens = s.batch_tokens(examples, /*drop_captions=*/false);
-      const auto loss = models::prior_loss(average->forward(tokens), tokens, s.config.model);
-      total += loss.total.item<double>();
-      text += loss.text.item<double>();
-      image += loss.image.item<double>();
-      ++batches;
-    }
-    result = {total / batches, text / batches, image / batches};
+    const auto measured = s.loss_on(*s.validation_set);
+    result.loss = measured.loss;
+    result.text_loss = measured.text_loss;
+    result.image_loss = measured.image_loss;
     s.metrics_log.append({{"step", s.step}, {"validation_loss", result.loss}, {"validation_text_loss", result.text_loss},
                       {"validation_image_loss", result.image_loss}});
     if (s.config.learning_rate.decay == "plateau") s.update_plateau(result.loss);
+  }
+  if (s.retention_set) {
+    result.retention_loss = s.loss_on(*s.retention_set).loss;
+    // Resumed from a run that never measured its start (before data.retention was set): no rise.
+    if (!std::isnan(s.retention_start)) result.forgetting = result.retention_loss - s.retention_start;
+    s.metrics_log.append({{"step", s.step}, {"retention_loss", result.retention_loss},
+                          {"forgetting", std::isnan(result.forgetting) ? nlohmann::json(nullptr)
+                                                                        : nlohmann::json(result.forgetting)}});
   }
   // Sharded, the first machine's ranks draw together.
   const bool draws = s.shards ? s.job->place().node_rank == 0 : s.writes_files;
@@ -419,6 +455,11 @@ void PriorTrainer::State::save_extra(io::Checkpoint& checkpoint) const {
   checkpoint.state_metadata.insert({{"best_validation", std::to_string(best_validation)},
                                     {"validations_since_best", std::to_string(validations_since_best)},
                                     {"reductions", std::to_string(reductions)}});
+  if (!std::isnan(retention_start)) {
+    char text[32];  // the shortest text that reads back the same double: a resume reports the same rise
+    const auto end = std::to_chars(text, text + sizeof text, retention_start).ptr;
+    checkpoint.state_metadata.emplace("retention_start", std::string(text, end));
+  }
 }
 
 void PriorTrainer::State::restore_extra(const io::Checkpoint& checkpoint, const std::string&) {
@@ -427,6 +468,9 @@ void PriorTrainer::State::restore_extra(const io::Checkpoint& checkpoint, const 
   best_validation = std::stod(meta.at("best_validation"));
   validations_since_best = std::stoll(meta.at("validations_since_best"));
   reductions = std::stoll(meta.at("reductions"));
+  // Absent from a checkpoint of a run without data.retention: measured never, not again.
+  const auto start = meta.find("retention_start");
+  retention_start = start == meta.end() ? std::numeric_limits<double>::quiet_NaN() : std::stod(start->second);
 }
 
 }  // namespace dalle::train

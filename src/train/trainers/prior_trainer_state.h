@@ -23,12 +23,14 @@
 namespace dalle::train {
 
 struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prior> {
-  std::shared_ptr<data::TokenDataset> train_set, validation_set;
+  std::shared_ptr<data::TokenDataset> train_set, validation_set, retention_set;
   std::unique_ptr<data::DataLoader<data::TokenDataset>> loader;
   at::Generator caption_dropout;
   // Plateau decay: the best validation loss, validations since it, reductions made.
   double best_validation = std::numeric_limits<double>::infinity();
   int64_t validations_since_best = 0, reductions = 0;
+  // data.retention's loss before the first update (NaN until measured, or without it).
+  double retention_start = std::numeric_limits<double>::quiet_NaN();
   PriorStepMetrics last;
 
   State(PriorTrainConfig c, std::filesystem::path r)
@@ -43,6 +45,10 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void store_frozen_blocks();
   void log_step() const;
   void update_plateau(double validation_loss);
+  // The average's loss on (at most 256 of) `set`'s examples, the average swapped in by the caller.
+  PriorValidation loss_on(data::TokenDataset& set);
+  // Before the first update of a run with data.retention: its loss as the model starts.
+  void measure_retention_start();
 
   data::LoaderPosition loader_position() const override { return loader->position(); }
   void seek_loader(const data::LoaderPosition& position) override { loader->seek(position); }

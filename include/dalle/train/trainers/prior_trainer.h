@@ -7,6 +7,7 @@
 // sample grids from fixed validation captions and checkpoints; reopening it resumes
 // exactly where it stopped.
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@ namespace dalle::train {
 struct PriorDataConfig {
   std::string train;       // token dataset folder
   std::string validation;  // token dataset folder for the validation loss ("" -> none)
+  std::string retention;   // token dataset of what the model knew before this run ("" -> none)
   int64_t batch_size = 16;
   int64_t workers = 2;
   double caption_dropout = 0.1;
@@ -31,6 +33,10 @@ struct PriorDataConfig {
   void visit(ConfigVisitor& v) {
     v.field("train", train, "token dataset folder to train on, from dalle-encode-images (required)");
     v.field("validation", validation, "token dataset folder for the validation loss (empty: none)");
+    v.field("retention", retention,
+            "fine-tuning: a token dataset of what the model knew before this run (held-out images of its own "
+            "training data): its loss is measured before the first update and at each validation, as "
+            "retention_loss and forgetting (its rise since the start) in metrics.jsonl (empty: none)");
     v.field("batch_size", batch_size, "captioned images per update", {.min = 1, .max = 1 << 16});
     v.field("workers", workers, "loader threads (0: load on the training thread)", {.min = 0, .max = 64});
     v.field("caption_dropout", caption_dropout,
@@ -97,6 +103,9 @@ struct PriorStepMetrics {
 
 struct PriorValidation {
   double loss = 0, text_loss = 0, image_loss = 0;  // EMA weights; NaN without a validation set
+  // On data.retention (NaN without it): the loss, and its rise since before the first update.
+  double retention_loss = std::numeric_limits<double>::quiet_NaN();
+  double forgetting = std::numeric_limits<double>::quiet_NaN();
 };
 
 class PriorTrainer {
