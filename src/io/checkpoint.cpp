@@ -240,17 +240,36 @@ std::optional<std::string> CheckpointStore::latest() const {
   return directory_for(found.back());
 }
 
+void CheckpointStore::mark_best(int64_t step) const {
+  write_file_atomic((fs::path(root_) / "best").string(), fs::path(directory_for(step)).filename().string() + "\n");
+}
+
+std::optional<std::string> CheckpointStore::best() const {
+  const fs::path pointer = fs::path(root_) / "best";
+  if (!fs::exists(pointer)) return std::nullopt;
+  std::string name = read_text(pointer);
+  name.erase(name.find_last_not_of(" \n\r\t") + 1);
+  const fs::path directory = fs::path(root_) / name;
+  if (step_of(directory) && fs::is_directory(directory)) return directory.string();
+  log::warn(pointer.string(), " names '", name, "', which is missing; using the latest checkpoint");
+  return std::nullopt;
+}
+
 void CheckpointStore::prune() const {
   if (keep_ <= 0) return;
   const auto found = steps();
+  const auto kept = best();
   for (size_t i = 0; i + static_cast<size_t>(keep_) < found.size(); ++i) {
+    if (kept && directory_for(found[i]) == *kept) continue;
     fs::remove_all(directory_for(found[i]));
   }
 }
 
 std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what) {
   if (fs::exists(fs::path(run_or_checkpoint) / kWeightsFile)) return run_or_checkpoint;
-  auto latest = CheckpointStore((fs::path(run_or_checkpoint) / kCheckpointsFolder).string()).latest();
+  const CheckpointStore store((fs::path(run_or_checkpoint) / kCheckpointsFolder).string());
+  if (auto best = store.best()) return *best;
+  auto latest = store.latest();
   if (!latest) throw Error(run_or_checkpoint + ": neither a " + what + " checkpoint nor a run with checkpoints");
   return *latest;
 }

@@ -473,6 +473,49 @@ TEST_F(PriorTrainerTest, RetentionLossSaysWhatAFineTuningRunForgetsAndReplayForg
   EXPECT_LT(replayed, 0.5 * alone) << "replay keeps them";
 }
 
+// keep_best: a run whose validation loss rises (fine-tuned away from what it is validated on)
+// keeps the checkpoint of its best validation beside the latest ones, and that one is the
+// run's model: loaded, exported, started from.
+TEST_F(PriorTrainerTest, KeepBestKeepsTheBestValidationsCheckpointAndItIsTheOneExported) {
+  ScratchDir runs;
+  PriorTrainer(tiny(60), runs / "base").run();
+  write_token_dataset(runs / "new-train", 64, 3, /*stride=*/3);
+  auto config = tiny(20);
+  config.init_from = runs / "base";
+  config.data.train = runs / "new-train";
+  config.run.validate_every = 5;
+  config.run.checkpoint_every = 3;
+  config.run.keep_checkpoints = 2;
+  config.keep_best = true;
+  PriorTrainer(config, runs / "tuned").run();
+  std::map<int64_t, double> validation;
+  std::ifstream metrics(runs / "tuned/metrics.jsonl");
+  for (std::string text; std::getline(metrics, text);) {
+    const auto line = nlohmann::json::parse(text);
+    if (line.contains("validation_loss")) validation[line["step"]] = line["validation_loss"];
+  }
+  ASSERT_EQ(validation.size(), 4u);
+  const auto best = std::min_element(validation.begin(), validation.end(),
+                                     [](const auto& a, const auto& b) { return a.second < b.second; });
+  ASSERT_LT(best->first, 20) << "the validation loss rises: the best is not the last";
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%09lld", static_cast<long long>(best->first));
+  const auto kept = runs / ("tuned/checkpoints/" + std::string(name));
+  EXPECT_TRUE(std::filesystem::exists(kept + "/model.safetensors")) << "pruning keeps the best";
+  EXPECT_TRUE(std::filesystem::exists(runs / "tuned/checkpoints/step-000000020")) << "and the latest";
+  EXPECT_EQ(io::resolve_checkpoint(runs / "tuned", "prior"), kept);
+  const auto exported = models::export_weights(runs / "tuned", runs / "exported");
+  EXPECT_EQ(exported.checkpoint, kept);
+  const auto from_run = io::inference_weights(io::load_checkpoint(kept));
+  for (const auto& [key, tensor] : io::inference_weights(io::load_checkpoint(runs / "exported"))) {
+    if (from_run.count(key)) {
+      EXPECT_TRUE(torch::equal(tensor, from_run.at(key))) << key;
+    }
+  }
+  config.data.validation.clear();
+  EXPECT_THROW_WITH(PriorTrainer(config, runs / "no-validation"), Error, "keep_best");
+}
+
 TEST(PriorLearningRate, WarmupThenCosineOrPlateau) {
   PriorLearningRate rate{.peak = 1.0, .warmup_steps = 10, .decay = "cosine", .end = 0.1};
   EXPECT_DOUBLE_EQ(rate.at(0, 110, 0), 0.1);

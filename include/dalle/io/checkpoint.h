@@ -47,7 +47,8 @@ std::string base_of(const Checkpoint& checkpoint);
 std::string checkpoint_config(const std::string& directory);
 
 // The checkpoints of one run: <root>/step-<N>/ directories, a `latest` file naming the
-// newest complete one, and pruning to the newest `keep` (0 keeps all).
+// newest complete one, a `best` file naming the one a run chose (its best validation), and
+// pruning to the newest `keep` (0 keeps all) and the best.
 class CheckpointStore {
  public:
   explicit CheckpointStore(std::string root, int keep = 3);
@@ -63,6 +64,10 @@ class CheckpointStore {
   std::string publish(int64_t step);
   // The newest complete checkpoint's directory, if any.
   std::optional<std::string> latest() const;
+  // Names `step`'s checkpoint, already written, the run's best: kept by pruning, and what
+  // resolve_checkpoint reads of the run.
+  void mark_best(int64_t step) const;
+  std::optional<std::string> best() const;
   std::vector<int64_t> steps() const;
   // The directory of `step`'s checkpoint (one of steps()).
   std::string directory_for(int64_t step) const;
@@ -77,7 +82,8 @@ class CheckpointStore {
 };
 
 // A checkpoint directory: `run_or_checkpoint` itself when it holds model.safetensors, else
-// the latest checkpoint of the run it names. `what` names the model in the error.
+// the best checkpoint of the run it names when one is marked, else its latest. `what` names
+// the model in the error.
 std::string resolve_checkpoint(const std::string& run_or_checkpoint, const std::string& what);
 
 }  // namespace dalle::io

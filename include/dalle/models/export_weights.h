@@ -21,7 +21,8 @@ struct ExportedWeights {
   int64_t merged_adapters = 0;  // layers whose adapters were folded into their weights
 };
 
-// Reads `run_or_checkpoint` (a run directory: its latest checkpoint) and writes the
+// Reads `run_or_checkpoint` (a run directory: its best checkpoint when it keeps one, else its
+// latest: io::resolve_checkpoint) and writes the
 // checkpoint directory `out` atomically; an existing `out` is replaced only once the new
 // one is complete. `config_overrides` ("key.path=value") rewrite keys of the exported
 // config.yaml, such as the paths a prior names for its tokenizers once they are shipped
@@ -39,7 +40,7 @@ struct ExportedAdapter {
   std::string base;        // the checkpoint the run started from, as the adapter file names it
   int64_t layers = 0;
 };
-// The adapters of a fine-tuning run's latest checkpoint (their moving average), alone, as an
+// The adapters of a fine-tuning run's checkpoint (its best or latest, as above; their moving average), alone, as an
 // adapter file (models/adapter.h) `out`, naming the base the run started from.
 ExportedAdapter export_adapter(const std::string& run_or_checkpoint, const std::string& out);
 

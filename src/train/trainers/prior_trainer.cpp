@@ -104,6 +104,10 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
           "runs, which autocast casts anyway: float16 or bfloat16 halves the frozen base (float16 keeps ruDALL-E's "
           "released weights exactly); float32 (the default) keeps them as loaded",
           dtype_choices({"float32", "bfloat16", "float16"}));
+  v.field("keep_best", keep_best,
+          "keep the checkpoint of the best validation loss (data.validation) beside the latest ones, named by "
+          "checkpoints/best: loading the run as a model (dalle-generate --prior, dalle-export, init_from) reads it, "
+          "the run resumes from its latest");
   v.field("tokenizer", tokenizer, "caption tokenizer model that made the dataset's text tokens (for sample grids)");
   v.field("image_tokenizer", image_tokenizer, "dVAE or VQGAN run that made the image tokens (for sample grids)");
   v.field("sample_captions", sample_captions, "captions drawn at each validation (needs tokenizer and image_tokenizer)");
@@ -164,6 +168,9 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   if (!s.config.data.validation.empty()) {
     s.validation_set = data::TokenDataset::open(s.config.data.validation);
     check_dataset(s.validation_set->info(), s.config.model, s.config.data.validation);
+  }
+  if (s.config.keep_best && !s.validation_set) {
+    throw Error("prior training: keep_best keeps the checkpoint of the best validation loss: set data.validation");
   }
   if (!s.config.data.retention.empty()) {
     s.retention_set = data::TokenDataset::open(s.config.data.retention);
@@ -321,6 +328,12 @@ void PriorTrainer::State::log_step() const {
 void PriorTrainer::run() {
   auto& s = *state_;
   s.measure_retention_start();
+  int64_t saved = -1;  // the step checkpointed last: a best one is not written twice
+  const auto checkpoint = [&] {
+    if (saved == s.step) return;
+    s.save_checkpoint();
+    saved = s.step;
+  };
   detail::run_training_loop(
       s, detail::intervals_of(s.config.run),
       {.update =
@@ -337,12 +350,17 @@ void PriorTrainer::run() {
                log::info("prior: update ", s.step, " loss ", s.last.loss, " validation loss ", validation.loss,
                          " (text ", validation.text_loss, ", image ", validation.image_loss, ")");
              }
+             if (s.config.keep_best && validation.loss < s.kept_best) {
+               s.kept_best = validation.loss;
+               checkpoint();
+               s.mark_best();
+             }
              if (!std::isnan(validation.retention_loss)) {
                log::info("prior: update ", s.step, " retention loss ", validation.retention_loss, " (",
                          validation.forgetting >= 0 ? "+" : "", validation.forgetting, " since the start)");
              }
            },
-       .checkpoint = [&] { s.save_checkpoint(); }});
+       .checkpoint = checkpoint});
 }
 
 void PriorTrainer::State::update_plateau(double validation_loss) {
@@ -455,11 +473,14 @@ void PriorTrainer::State::save_extra(io::Checkpoint& checkpoint) const {
   checkpoint.state_metadata.insert({{"best_validation", std::to_string(best_validation)},
                                     {"validations_since_best", std::to_string(validations_since_best)},
                                     {"reductions", std::to_string(reductions)}});
-  if (!std::isnan(retention_start)) {
-    char text[32];  // the shortest text that reads back the same double: a resume reports the same rise
-    const auto end = std::to_chars(text, text + sizeof text, retention_start).ptr;
-    checkpoint.state_metadata.emplace("retention_start", std::string(text, end));
-  }
+  // The shortest texts that read back the same doubles: a resume reports the same rise, and
+  // compares validations with the same best.
+  const auto exact = [](double value) {
+    char text[32];
+    return std::string(text, std::to_chars(text, text + sizeof text, value).ptr);
+  };
+  if (!std::isnan(retention_start)) checkpoint.state_metadata.emplace("retention_start", exact(retention_start));
+  if (std::isfinite(kept_best)) checkpoint.state_metadata.emplace("kept_best", exact(kept_best));
 }
 
 void PriorTrainer::State::restore_extra(const io::Checkpoint& checkpoint, const std::string&) {
@@ -471,6 +492,15 @@ void PriorTrainer::State::restore_extra(const io::Checkpoint& checkpoint, const 
   // Absent from a checkpoint of a run without data.retention: measured never, not again.
   const auto start = meta.find("retention_start");
   retention_start = start == meta.end() ? std::numeric_limits<double>::quiet_NaN() : std::stod(start->second);
+  const auto best = meta.find("kept_best");
+  kept_best = best == meta.end() ? std::numeric_limits<double>::infinity() : std::stod(best->second);
+}
+
+void PriorTrainer::State::mark_best() const {
+  if (!writes_files) return;
+  checkpoints.mark_best(step);
+  log::info("prior: update ", step, " has the best validation loss yet (", kept_best, "): ",
+            checkpoints.directory_for(step), " is the run's model");
 }
 
 }  // namespace dalle::train

@@ -31,6 +31,8 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   int64_t validations_since_best = 0, reductions = 0;
   // data.retention's loss before the first update (NaN until measured, or without it).
   double retention_start = std::numeric_limits<double>::quiet_NaN();
+  // keep_best: the best validation loss of a kept checkpoint.
+  double kept_best = std::numeric_limits<double>::infinity();
   PriorStepMetrics last;
 
   State(PriorTrainConfig c, std::filesystem::path r)
@@ -49,6 +51,8 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   PriorValidation loss_on(data::TokenDataset& set);
   // Before the first update of a run with data.retention: its loss as the model starts.
   void measure_retention_start();
+  // checkpoints/best names this step's checkpoint (written by then).
+  void mark_best() const;
 
   data::LoaderPosition loader_position() const override { return loader->position(); }
   void seek_loader(const data::LoaderPosition& position) override { loader->seek(position); }
