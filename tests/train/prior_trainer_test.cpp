@@ -473,7 +473,7 @@ TEST_F(PriorTrainerTest, RetentionLossSaysWhatAFineTuningRunForgetsAndReplayForg
   EXPECT_LT(replayed, 0.5 * alone) << "replay keeps them";
 }
 
-// keep_best: a run whose validation loss rises (fine-tuned away from what it is validated on)
+// keep_best: a run whose validation image loss rises (fine-tuned away from what it is validated on)
 // keeps the checkpoint of its best validation beside the latest ones, and that one is the
 // run's model: loaded, exported, started from.
 TEST_F(PriorTrainerTest, KeepBestKeepsTheBestValidationsCheckpointAndItIsTheOneExported) {
@@ -492,12 +492,12 @@ TEST_F(PriorTrainerTest, KeepBestKeepsTheBestValidationsCheckpointAndItIsTheOneE
   std::ifstream metrics(runs / "tuned/metrics.jsonl");
   for (std::string text; std::getline(metrics, text);) {
     const auto line = nlohmann::json::parse(text);
-    if (line.contains("validation_loss")) validation[line["step"]] = line["validation_loss"];
+    if (line.contains("validation_image_loss")) validation[line["step"]] = line["validation_image_loss"];
   }
   ASSERT_EQ(validation.size(), 4u);
   const auto best = std::min_element(validation.begin(), validation.end(),
                                      [](const auto& a, const auto& b) { return a.second < b.second; });
-  ASSERT_LT(best->first, 20) << "the validation loss rises: the best is not the last";
+  ASSERT_LT(best->first, 20) << "the validation image loss rises: the best is not the last";
   char name[32];
   std::snprintf(name, sizeof name, "step-%09lld", static_cast<long long>(best->first));
   const auto kept = runs / ("tuned/checkpoints/" + std::string(name));

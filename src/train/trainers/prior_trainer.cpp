@@ -105,7 +105,7 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
           "released weights exactly); float32 (the default) keeps them as loaded",
           dtype_choices({"float32", "bfloat16", "float16"}));
   v.field("keep_best", keep_best,
-          "keep the checkpoint of the best validation loss (data.validation) beside the latest ones, named by "
+          "keep the checkpoint of the best validation image loss (data.validation) beside the latest ones, named by "
           "checkpoints/best: loading the run as a model (dalle-generate --prior, dalle-export, init_from) reads it, "
           "the run resumes from its latest");
   v.field("tokenizer", tokenizer, "caption tokenizer model that made the dataset's text tokens (for sample grids)");
@@ -350,8 +350,10 @@ void PriorTrainer::run() {
                log::info("prior: update ", s.step, " loss ", s.last.loss, " validation loss ", validation.loss,
                          " (text ", validation.text_loss, ", image ", validation.image_loss, ")");
              }
-             if (s.config.keep_best && validation.loss < s.kept_best) {
-               s.kept_best = validation.loss;
+             // By the image loss: the run's model draws images; the caption's loss (weighted
+             // text_loss_weight in the total) falls long after the images overfit.
+             if (s.config.keep_best && validation.image_loss < s.kept_best) {
+               s.kept_best = validation.image_loss;
                checkpoint();
                s.mark_best();
              }
@@ -499,7 +501,7 @@ void PriorTrainer::State::restore_extra(const io::Checkpoint& checkpoint, const 
 void PriorTrainer::State::mark_best() const {
   if (!writes_files) return;
   checkpoints.mark_best(step);
-  log::info("prior: update ", step, " has the best validation loss yet (", kept_best, "): ",
+  log::info("prior: update ", step, " has the best validation image loss yet (", kept_best, "): ",
             checkpoints.directory_for(step), " is the run's model");
 }
 

@@ -31,7 +31,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   int64_t validations_since_best = 0, reductions = 0;
   // data.retention's loss before the first update (NaN until measured, or without it).
   double retention_start = std::numeric_limits<double>::quiet_NaN();
-  // keep_best: the best validation loss of a kept checkpoint.
+  // keep_best: the best validation image loss of a kept checkpoint.
   double kept_best = std::numeric_limits<double>::infinity();
   PriorStepMetrics last;
 

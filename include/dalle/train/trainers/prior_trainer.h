@@ -80,7 +80,7 @@ struct PriorTrainConfig {
   std::string frozen_weights = "float32";  // storage of the resblocks' frozen matrices: float32, bfloat16 or float16
   std::string tokenizer;        // caption tokenizer model, for the sample grids
   std::string image_tokenizer;  // dVAE or VQGAN run that made the tokens, for the sample grids
-  // Keep the checkpoint of the best validation loss beside the latest ones; loading the run as a
+  // Keep the checkpoint of the best validation image loss beside the latest ones; loading the run as a
   // model (generation, export, init_from) reads it.
   bool keep_best = false;
   std::vector<std::string> sample_captions;
