@@ -49,6 +49,7 @@ the asynchronous form of <code>POST /v1/images/generations</code>), which a relo
 <script>
 const $ = (id) => document.getElementById(id);
 const kKeyKey = "dalle-serve-key";
+let wantedAdapter = "";  // a restored job's adapter, chosen once the model's adapters are listed
 if (sessionStorage.getItem(kKeyKey)) $("key").value = sessionStorage.getItem(kKeyKey);
 
 // The model's name and the adapters a request may choose, once the key lets us read them.
@@ -95,7 +96,6 @@ function formFields() {
   return form;
 }
 
-let wantedAdapter = "";  // set once the model's adapters are listed
 function restoreForm(form) {
   for (const id of kFormFields) if (form[id] !== undefined) $(id).value = form[id];
   if (form.superres !== undefined) $("superres").checked = form.superres;
