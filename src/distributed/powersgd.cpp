@@ -76,28 +76,46 @@ LowRankAverager::LowRankAverager(std::shared_ptr<ProcessGroup> group, const Powe
   }
 }
 
+torch::Tensor LowRankAverage::decompressed() const { return p.mm(q.to(torch::kFloat32).t()); }
+
 double LowRankAverager::average(const std::vector<torch::Tensor>& gradients, const std::vector<LowRankState*>& states) {
   if (gradients.empty()) return 0.0;
   torch::NoGradGuard no_grad;
-  const auto dtype = options_.dtype;
   // What earlier updates dropped joins this one; a buffer that holds non-finite values
   // starts again from zero. (The flags are read together: one synchronisation on a GPU.)
   std::vector<torch::Tensor> finite;
   for (const auto* state : states) finite.push_back(torch::isfinite(state->error).all());
   const auto flags = torch::stack(finite).cpu();
   const bool* is_finite = flags.data_ptr<bool>();
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    auto& error = states[i]->error;
+    if (!is_finite[i]) error.zero_();
+    if (options_.dtype == torch::kFloat32) {
+      error.add_(gradients[i]);
+    } else {
+      error.copy_(stored_as(error.to(torch::kFloat32) + gradients[i], options_.dtype));
+    }
+  }
+  double square = 0;
+  const auto averages = compress(states, square);
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const auto decompressed = averages[i].decompressed();
+    drop_from_error(*states[i], decompressed);
+    gradients[i].copy_(decompressed);
+  }
+  return square;
+}
+
+std::vector<LowRankAverage> LowRankAverager::compress(const std::vector<LowRankState*>& states, double& square) {
+  std::vector<LowRankAverage> averages(states.size());
+  if (states.empty()) return averages;
+  torch::NoGradGuard no_grad;
+  const auto dtype = options_.dtype;
   // A 16-bit buffer is read back in float32 where it is used, one matrix at a time, never
   // all at once (DALL-E's 12B would hold 5.6 GiB of such copies per GPU).
   const auto in_float32 = [&](size_t i) { return states[i]->error.to(torch::kFloat32); };
   std::vector<torch::Tensor> ps, qs;
-  for (size_t i = 0; i < gradients.size(); ++i) {
-    auto& error = states[i]->error;
-    if (!is_finite[i]) error.zero_();
-    if (dtype == torch::kFloat32) {
-      error.add_(gradients[i]);
-    } else {
-      error.copy_(stored_as(error.to(torch::kFloat32) + gradients[i], dtype));
-    }
+  for (size_t i = 0; i < states.size(); ++i) {
     ps.push_back(stored_as(in_float32(i).mm(states[i]->q.to(torch::kFloat32)), dtype));
   }
   bytes_ += average_together(*group_, ps);
@@ -106,16 +124,19 @@ double LowRankAverager::average(const std::vector<torch::Tensor>& gradients, con
     qs.push_back(stored_as(in_float32(i).t().mm(ps[i]), dtype));
   }
   bytes_ += average_together(*group_, qs);
-  auto square = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(gradients.front().device()));
-  for (size_t i = 0; i < gradients.size(); ++i) {
-    const auto q = qs[i].to(torch::kFloat32);
-    const auto decompressed = ps[i].mm(q.t());
-    states[i]->error.copy_(stored_as(in_float32(i) - decompressed, dtype));
-    if (options_.warm_start) states[i]->q.copy_(q);
-    gradients[i].copy_(decompressed);
-    square += q.square().sum().to(square.device(), torch::kFloat64);
+  auto sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(states.front()->error.device()));
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (options_.warm_start) states[i]->q.copy_(qs[i]);
+    sum += qs[i].to(torch::kFloat32).square().sum().to(sum.device(), torch::kFloat64);
+    averages[i] = {std::move(ps[i]), std::move(qs[i])};
   }
-  return square.item<double>();
+  square += sum.item<double>();
+  return averages;
+}
+
+void LowRankAverager::drop_from_error(LowRankState& state, const torch::Tensor& decompressed) const {
+  torch::NoGradGuard no_grad;
+  state.error.copy_(stored_as(state.error.to(torch::kFloat32) - decompressed, options_.dtype));
 }
 
 PowerSgdReducer::PowerSgdReducer(std::shared_ptr<ProcessGroup> group, PowerSgdOptions options, bool overlap)

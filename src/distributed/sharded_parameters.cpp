@@ -235,11 +235,13 @@ void ShardedParameters::finish_reductions_but(size_t newest) {
     auto& reduction = reductions_[i];
     reduction.pending->wait();
     auto& shard = shards_[reduction.g];
-    auto mine = reduction.output.to(shard.device(), shard.scalar_type());
+    auto mine = reduction.output.to(shard.device());
+    // Added in float32 and rounded once to the gradient's type (PowerSGD's 16-bit error
+    // feedback may be the gradient: sharded_reducer.h).
     if (shard.grad().defined()) {
       shard.mutable_grad().add_(mine);
     } else {
-      shard.mutable_grad() = mine;
+      shard.mutable_grad() = mine.to(shard.scalar_type());
     }
   }
   reductions_.erase(reductions_.begin(), reductions_.begin() + static_cast<std::ptrdiff_t>(done));

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "dalle/error.h"
@@ -67,17 +68,33 @@ std::vector<torch::Tensor> ShardedReducer::replicated(const std::vector<torch::T
 }
 
 void ShardedReducer::before_backward(const std::vector<torch::Tensor>& parameters) {
-  if (!across_group_) replicated_.before_backward(replicated(parameters));
+  if (!across_group_) {
+    replicated_.before_backward(replicated(parameters));
+    return;
+  }
+  // A skipped update (or one whose optimizer took no gradient) left its gradients, at that
+  // backward's scales, in the buffers.
+  if (backward_unreduced_ || keeps_gradients()) drop_errors();
+  if (!low_rank_ || updates_ + 1 < powersgd_->start_update) return;
+  prepare_low_rank();
+  for (size_t g = 0; g < sharded_->groups(); ++g) {
+    if (!compressed_rows_[g].empty()) sharded_->shard(g).mutable_grad() = errors_[g];
+  }
 }
 
 void ShardedReducer::reduce_scaled(const std::vector<torch::Tensor>& parameters) {
   sharded_->finish_reductions();
-  if (!across_group_) replicated_.reduce_scaled(replicated(parameters));
+  if (!across_group_) {
+    replicated_.reduce_scaled(replicated(parameters));
+    return;
+  }
+  backward_unreduced_ = true;
 }
 
 void ShardedReducer::reduce_unscaled(const std::vector<torch::Tensor>& parameters) {
   shard_square_.reset();
   if (!across_group_) return;
+  backward_unreduced_ = false;
   average_replicated_hierarchically(replicated(parameters));
   std::vector<torch::Tensor> shards;
   for (const auto& parameter : parameters) {
@@ -112,33 +129,114 @@ void ShardedReducer::prepare_low_rank() {
     states_.push_back(std::move(states));
     slot += static_cast<int64_t>(sharded_->shapes(g).size());
   }
+  averages_.resize(errors_.size());
+  whole_parts_.resize(errors_.size());
+  kept_.assign(errors_.size(), false);
+}
+
+void ShardedReducer::accumulate_into_error(size_t g) {
+  auto shard = sharded_->shard(g);
+  const auto gradient = shard.grad();
+  shard.mutable_grad() = torch::Tensor();
+  auto& error = errors_[g];
+  if (!gradient.defined() || gradient.is_same(error)) return;
+  // A gradient reduced without before_backward (a caller of reduce() alone): two buffers, as
+  // PowerSGD has them elsewhere; one that holds non-finite values starts again from zero.
+  if (!torch::isfinite(error).all().item<bool>()) error.zero_();
+  error.add_(gradient);
+}
+
+void ShardedReducer::drop_errors() {
+  torch::NoGradGuard no_grad;
+  for (auto& error : errors_) error.zero_();
+  for (size_t g = 0; g < kept_.size(); ++g) {
+    kept_[g] = false;
+    averages_[g].clear();
+    whole_parts_[g].clear();
+  }
+}
+
+bool ShardedReducer::keeps_gradients() const {
+  return std::any_of(kept_.begin(), kept_.end(), [](bool kept) { return kept; });
+}
+
+// P Q^T of each compressed block and the rest as averaged, in float32; the buffer keeps what
+// P Q^T dropped. One group at a time: no rank holds every decompressed gradient.
+torch::Tensor ShardedReducer::take_gradient(const torch::Tensor& parameter, double factor) {
+  size_t g = 0;
+  while (g < kept_.size() && !(kept_[g] && sharded_->shard(g).is_same(parameter))) ++g;
+  if (g == kept_.size()) return {};
+  torch::NoGradGuard no_grad;
+  auto gradient = torch::empty({errors_[g].numel()}, errors_[g].options().dtype(torch::kFloat32));
+  int64_t at = 0;
+  size_t part = 0;
+  const auto fill_whole = [&](int64_t end) {
+    if (end > at) gradient.narrow(0, at, end - at).copy_(whole_parts_[g][part++]);
+  };
+  for (size_t k = 0; k < compressed_rows_[g].size(); ++k) {
+    const auto& rows = compressed_rows_[g][k];
+    fill_whole(rows.offset);
+    const auto decompressed = averages_[g][k].decompressed();
+    low_rank_->drop_from_error(states_[g][k], decompressed);
+    gradient.narrow(0, rows.offset, rows.rows * rows.columns).view({rows.rows, rows.columns}).copy_(decompressed);
+    at = rows.offset + rows.rows * rows.columns;
+  }
+  fill_whole(gradient.numel());
+  kept_[g] = false;
+  averages_[g].clear();
+  whole_parts_[g].clear();
+  if (factor != 1.0) gradient.mul_(factor);
+  return gradient;
 }
 
 void ShardedReducer::compress_shards() {
   torch::NoGradGuard no_grad;
   prepare_low_rank();
-  std::vector<torch::Tensor> matrices, whole;
   std::vector<LowRankState*> states;
+  std::vector<torch::Tensor> whole;  // averaged in place
+  std::vector<size_t> compressed_groups;
   for (size_t g = 0; g < sharded_->groups(); ++g) {
     if (!sharded_->trains(g)) continue;
     auto shard = sharded_->shard(g);
-    if (!shard.grad().defined()) shard.mutable_grad() = torch::zeros_like(shard);
-    const auto gradient = shard.grad();
+    if (compressed_rows_[g].empty()) {
+      // Nothing of it compressed: its gradient is averaged whole where it is, and stays.
+      if (!shard.grad().defined()) shard.mutable_grad() = torch::zeros_like(shard);
+      whole.push_back(shard.grad());
+      continue;
+    }
+    accumulate_into_error(g);
+    // What lies between the compressed blocks leaves the buffer, to be averaged whole.
+    auto& error = errors_[g];
     int64_t at = 0;
+    const auto keep_whole = [&](int64_t end) {
+      if (end <= at) return;
+      auto part = error.narrow(0, at, end - at);
+      whole_parts_[g].push_back(part.to(torch::kFloat32, false, true));
+      part.zero_();
+      whole.push_back(whole_parts_[g].back());
+    };
     for (size_t k = 0; k < compressed_rows_[g].size(); ++k) {
       const auto& rows = compressed_rows_[g][k];
-      if (rows.offset > at) whole.push_back(gradient.narrow(0, at, rows.offset - at));
-      matrices.push_back(gradient.narrow(0, rows.offset, rows.rows * rows.columns).view({rows.rows, rows.columns}));
+      keep_whole(rows.offset);
       states.push_back(&states_[g][k]);
       at = rows.offset + rows.rows * rows.columns;
     }
-    if (at < gradient.numel()) whole.push_back(gradient.narrow(0, at, gradient.numel() - at));
+    keep_whole(error.numel());
+    compressed_groups.push_back(g);
   }
-  const double compressed = low_rank_->average(matrices, states);
+  double square = 0;
+  auto averages = low_rank_->compress(states, square);
+  auto next = averages.begin();
+  for (const size_t g : compressed_groups) {
+    const auto blocks = static_cast<std::ptrdiff_t>(compressed_rows_[g].size());
+    averages_[g].assign(std::make_move_iterator(next), std::make_move_iterator(next + blocks));
+    next += blocks;
+    kept_[g] = true;
+  }
   whole_bytes_ += average_together(*across_group_, whole);
   std::vector<torch::Tensor> squares;
   for (const auto& part : whole) squares.push_back(part.to(torch::kFloat32).square().sum().to(torch::kFloat64));
-  shard_square_ = compressed + (squares.empty() ? 0.0 : torch::stack(squares).sum().item<double>());
+  shard_square_ = square + (squares.empty() ? 0.0 : torch::stack(squares).sum().item<double>());
 }
 
 void ShardedReducer::save_state(io::TensorMap& state, const std::string& prefix) {
@@ -154,7 +252,10 @@ void ShardedReducer::load_state(const io::TensorMap& state, const std::string& p
 
 torch::Tensor ShardedReducer::shard_error(size_t g) {
   if (!low_rank_) return {};
-  prepare_low_rank();
+  if (errors_.empty()) {  // before compression: zeros, the buffers not yet made
+    const int64_t values = sharded_->trains(g) ? sharded_->shard(g).numel() : 0;
+    return torch::zeros({values}, torch::TensorOptions().device(across_group_->device()));
+  }
   auto error = errors_[g].to(across_group_->device(), torch::kFloat32).contiguous();
   if (error.numel() > 0) across_group_->all_reduce(error, ReduceOp::average);
   return error;
@@ -186,10 +287,12 @@ void ShardedReducer::set_shard_q(size_t g, const std::vector<torch::Tensor>& qs)
 
 void ShardedReducer::set_shard_error(size_t g, const torch::Tensor& error) {
   if (!low_rank_) return;
-  prepare_low_rank();
-  if (error.numel() != errors_[g].numel()) {
+  if (error.numel() != (sharded_->trains(g) ? sharded_->shard(g).numel() : 0)) {
     throw Error("the checkpoint's PowerSGD error feedback does not fit shard " + std::to_string(g));
   }
+  // Zeros (a checkpoint written before compression) make no buffers before they are needed.
+  if (errors_.empty() && (error.numel() == 0 || !error.ne(0).any().item<bool>())) return;
+  prepare_low_rank();
   errors_[g].copy_(error.reshape({-1}));
 }
 

@@ -35,17 +35,24 @@ torch::Tensor AdamW::step(LossClosure closure) {
     torch::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  uint64_t place = 0;
-  for (auto& group : param_groups()) {
-    const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
-    if (options.amsgrad()) throw Error("AdamW with 16-bit moments or parameters does not implement amsgrad");
-    for (auto& parameter : group.params()) step_parameter(parameter, options, place++);
-  }
+  step_with([](const torch::Tensor& parameter) { return parameter.grad(); });
   return loss;
 }
 
-void AdamW::step_parameter(torch::Tensor& parameter, const torch::optim::AdamWOptions& options, uint64_t place) {
-  if (!parameter.grad().defined()) return;
+// The same arithmetic as torch's AdamW, operation for operation: a float32 model steps as it would.
+void AdamW::step_with(const GradientOf& gradient_of) {
+  torch::NoGradGuard no_grad;
+  uint64_t place = 0;
+  for (auto& group : param_groups()) {
+    const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    if (options.amsgrad()) throw Error("this AdamW (16-bit state, or gradients given as it steps) has no amsgrad");
+    for (auto& parameter : group.params()) step_parameter(parameter, gradient_of(parameter), options, place++);
+  }
+}
+
+void AdamW::step_parameter(torch::Tensor& parameter, const torch::Tensor& gradient,
+                           const torch::optim::AdamWOptions& options, uint64_t place) {
+  if (!gradient.defined()) return;
   auto& slot = state()[parameter.unsafeGetTensorImpl()];
   if (!slot) {
     auto fresh = std::make_unique<torch::optim::AdamWParamState>();
@@ -58,7 +65,7 @@ void AdamW::step_parameter(torch::Tensor& parameter, const torch::optim::AdamWOp
   const bool rounds = parameter.scalar_type() != torch::kFloat32;
   // A float32 parameter is updated in place; a 16-bit one through a float32 copy.
   auto value = rounds ? parameter.to(torch::kFloat32) : parameter;
-  const auto grad = parameter.grad().to(torch::kFloat32);
+  const auto grad = gradient.to(torch::kFloat32);
   value.mul_(1 - options.lr() * options.weight_decay());
   adam.step(adam.step() + 1);
   auto exp_avg = adam.exp_avg().to(torch::kFloat32).mul_(beta1).add_(grad, 1 - beta1);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <unordered_set>
 
@@ -250,6 +251,7 @@ class Planner {
     batch();
     check_storage();
     count_parameters();
+    low_rank_costs();
     state_memory();
     working_memory();
     powersgd_memory();
@@ -344,7 +346,12 @@ class Planner {
         frozen ? "what trains (" + with_thousands(plan_.parameters.trained) + " values" +
                      (plan_.sharded ? ", the blocks' part sharded, adapters whole)" : ")")
                : what;
-    add_memory("gradients", MemoryPhase::kept, kFp32 * trained - halved, stored + trains);
+    // Compressing across machines, the rows PowerSGD compresses have no gradient of their own:
+    // they accumulate in its error feedback (ShardedReducer), the rank with the fewest such rows counted.
+    const bool in_errors = plan_.sharded && reduces_low_rank();
+    const double in_error_feedback = in_errors ? matrix_bytes_ * fewest_compressed_values_ : 0.0;
+    add_memory("gradients", MemoryPhase::kept, kFp32 * trained - halved - in_error_feedback,
+               stored + trains + (in_errors ? "; the rows PowerSGD compresses accumulate in its error feedback" : ""));
     const double moment = static_cast<double>(c10::elementSize(recipe_.precision.moments_dtype()));
     add_memory("AdamW moments", MemoryPhase::kept, 2 * moment * trained,
                "two, " + recipe_.precision.adam_moments + ", " + trains);
@@ -491,37 +498,61 @@ class Planner {
 
   // PowerSGD's buffers; the per-rank cost of the hierarchy differs by local rank (which
   // rows a shard holds): memory takes the largest, traffic the mean.
+  void low_rank_costs() {
+    if (!reduces_low_rank()) return;
+    const auto options = *powersgd_options(recipe_.distributed, recipe_.run);
+    if (!plan_.sharded) {
+      low_rank_ = largest_low_rank_ = flat_low_rank(shape_, layers_, options);
+      return;
+    }
+    fewest_compressed_values_ = std::numeric_limits<double>::infinity();
+    for (int64_t rank = 0; rank < gpus_; ++rank) {
+      const auto cost = shard_low_rank(shape_, layers_, rank, gpus_, options);
+      low_rank_ += cost.times(1.0 / static_cast<double>(gpus_));
+      largest_low_rank_.largest_values = std::max(largest_low_rank_.largest_values, cost.largest_values);
+      fewest_compressed_values_ = std::min(fewest_compressed_values_, cost.compressed_values);
+      if (cost.pq_values + cost.compressed_values > largest_low_rank_.pq_values + largest_low_rank_.compressed_values) {
+        const double largest_matrix = largest_low_rank_.largest_values;
+        largest_low_rank_ = cost;
+        largest_low_rank_.largest_values = std::max(largest_matrix, cost.largest_values);
+      }
+    }
+  }
+
   void powersgd_memory() {
     if (!reduces_low_rank()) return;
     const auto options = *powersgd_options(recipe_.distributed, recipe_.run);
     const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
     const auto& dtype = recipe_.distributed.powersgd.dtype;
-    LowRankCost largest;
-    double error_values = 0, largest_matrix = 0;
-    if (plan_.sharded) {
-      for (int64_t rank = 0; rank < gpus_; ++rank) {
-        const auto cost = shard_low_rank(shape_, layers_, rank, gpus_, options);
-        low_rank_ += cost.times(1.0 / static_cast<double>(gpus_));
-        largest_matrix = std::max(largest_matrix, cost.largest_values);
-        if (cost.pq_values + cost.compressed_values > largest.pq_values + largest.compressed_values) largest = cost;
-      }
-      error_values = static_cast<double>(trained_shard_values_);  // a buffer per trained shard, whole
-    } else {
-      low_rank_ = largest = flat_low_rank(shape_, layers_, options);
-      error_values = largest.compressed_values;
-      largest_matrix = largest.largest_values;
-    }
+    const auto& largest = largest_low_rank_;
+    const double error_values =
+        plan_.sharded ? static_cast<double>(trained_shard_values_) : largest.compressed_values;
     add_memory("PowerSGD error feedback", MemoryPhase::kept, bytes * error_values,
-               dtype + (plan_.sharded ? ", the size of the shards" : ", the size of the compressed gradients"));
+               dtype + (plan_.sharded ? ", the size of the shards; the compressed rows' gradients accumulate in it"
+                                      : ", the size of the compressed gradients"));
     const bool fixed_q = distributed::q_dtype(options) != torch::kFloat32;
     add_memory("PowerSGD Q", MemoryPhase::kept, (fixed_q ? bytes : kFp32) * largest.q_values,
                (fixed_q ? dtype + " (fixed Q)" : std::string("fp32")) + ", columns x rank per matrix");
+    if (plan_.sharded) {
+      // Kept from the reduction until the optimizer takes each group's gradient (P Q^T).
+      const double p_values = largest.pq_values - largest.q_values;
+      add_memory("PowerSGD P and Q of an update", MemoryPhase::reduction, kFp32 * p_values + 2 * bytes * largest.q_values,
+                 "P in fp32 (orthonormal), Q in " + dtype + " and its flat copy for the all-reduce, kept until the "
+                 "optimizer takes the gradients");
+      double group = 0;
+      for (const auto& block : shape_.layer) group = std::max(group, static_cast<double>(block.matrix_shard_values(gpus_)));
+      add_memory("PowerSGD fp32 working copies", MemoryPhase::reduction,
+                 kFp32 * (2 * largest.largest_values + group),
+                 "the largest buffer block read back in fp32 and its decompressed product, and the gradient of one "
+                 "group as the optimizer takes it: one at a time");
+      return;
+    }
     add_memory("PowerSGD P and Q of an update", MemoryPhase::reduction, 2 * bytes * largest.pq_values,
                dtype + ", each and its flat copy for the all-reduce");
     // In 16 bits, LowRankAverager::average reads each buffer back in fp32 where it uses it,
     // one matrix at a time; the last step holds it beside its decompressed product.
     if (dtype != "float32") {
-      add_memory("PowerSGD fp32 working copies", MemoryPhase::reduction, 2 * kFp32 * largest_matrix,
+      add_memory("PowerSGD fp32 working copies", MemoryPhase::reduction, 2 * kFp32 * largest.largest_values,
                  "the largest 16-bit buffer read back in fp32, and its decompressed product: one matrix at a time");
     }
   }
@@ -707,6 +738,8 @@ class Planner {
   int64_t layers_ = 0, resblocks_ = 0, gpus_ = 1;
   int64_t shard_values_ = 0;  // of every resblock group on one rank, padding included
   int64_t trained_shard_values_ = 0;  // of the trained groups only
+  LowRankCost largest_low_rank_;      // PowerSGD's state of the rank that holds the most
+  double fewest_compressed_values_ = 0;  // the compressed rows of the rank that holds the fewest
   int64_t matrix_shard_values_ = 0;   // of the trained matrices' groups (precision.weights' storage)
   int64_t outside_trained_ = 0;       // values that train outside the blocks, adapters included
   int64_t replicated_trained_ = 0;    // values that train whole on every rank (outside, and adapters)

@@ -28,6 +28,17 @@ ScaleSummary GradientScaler::summary() const {
   return {std::exp2(sorted.front()), std::exp2(sorted[sorted.size() / 2]), std::exp2(sorted.back())};
 }
 
+void GradientScaler::scale_held_gradients() {
+  torch::NoGradGuard no_grad;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    std::vector<torch::Tensor> gradients;
+    for (const auto& parameter : groups_[g]) {
+      if (parameter.grad().defined()) gradients.push_back(parameter.grad());
+    }
+    if (!gradients.empty()) torch::_foreach_mul_(gradients, scale(g));
+  }
+}
+
 torch::Tensor GradientScaler::finite_flags() const {
   // Stacked on the gradients' device, so that a GPU synchronises once.
   std::vector<torch::Tensor> flags;

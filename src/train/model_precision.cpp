@@ -25,6 +25,10 @@ torch::Tensor ModelPrecision::scaled(const torch::Tensor& loss) const {
   return scaler_ && scales_loss_ ? loss * scale() : loss;
 }
 
+void ModelPrecision::scale_held_gradients() {
+  if (scaler_) scaler_->scale_held_gradients();
+}
+
 torch::Tensor ModelPrecision::finite_flags() const {
   if (scaler_) return scaler_->finite_flags();
   std::vector<torch::Tensor> finite;

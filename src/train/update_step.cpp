@@ -7,6 +7,7 @@
 
 #include "dalle/error.h"
 #include "dalle/log.h"
+#include "dalle/train/adamw.h"
 
 namespace dalle::train {
 
@@ -35,6 +36,7 @@ double UpdateStep::clip_gradients() {
   const double norm = reducer_->gradient_norm(parameters);
   if (options_.grad_clip > 0 && std::isfinite(norm)) {
     const double factor = std::min(1.0, options_.grad_clip / (norm + 1e-6));
+    clip_factor_ = factor;
     torch::NoGradGuard no_grad;
     for (const auto& parameter : parameters) {
       if (parameter.grad().defined()) parameter.grad().mul_(factor);
@@ -43,9 +45,27 @@ double UpdateStep::clip_gradients() {
   return norm;
 }
 
+// Gradients the reducer keeps compressed are made one at a time, as AdamW reaches them.
+void UpdateStep::step_optimizer() {
+  if (!reducer_->keeps_gradients()) {
+    optimizer_.step();
+    return;
+  }
+  auto* adamw = dynamic_cast<AdamW*>(&optimizer_);
+  if (adamw == nullptr) throw Error(options_.what + ": a reducer that keeps gradients compressed needs dalle's AdamW");
+  adamw->step_with([this](const torch::Tensor& parameter) {
+    auto kept = reducer_->take_gradient(parameter, clip_factor_);
+    return kept.defined() ? kept : parameter.grad();
+  });
+}
+
 UpdateResult UpdateStep::apply(const torch::Tensor& loss, int64_t update) {
   optimizer_.zero_grad();
+  clip_factor_ = 1.0;
   reducer_->before_backward(precision_.parameters());
+  // A gradient the reducer keeps from update to update (PowerSGD's error feedback) is added
+  // to by this backward, so it is brought to this backward's scales first.
+  precision_.scale_held_gradients();
   precision_.scaled(loss).backward();
   // Averaging commutes with the fp16 scales, so what backward started averaging finishes
   // first; what must see true gradients (PowerSGD's error feedback would otherwise carry one
@@ -65,7 +85,7 @@ UpdateResult UpdateStep::apply(const torch::Tensor& loss, int64_t update) {
     log::warn(options_.what, ": gradients not finite at update ", update, "; the update is skipped");
     return result;
   }
-  optimizer_.step();
+  step_optimizer();
   if (options_.after_step) options_.after_step();
   if (ema_) ema_->update(*averaged_);
   return result;

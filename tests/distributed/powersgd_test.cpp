@@ -263,7 +263,11 @@ TEST(ShardedPowerSgd, AtFullRankEqualsTheFlatPathAndTheExactMean) {
     reducer.reduce(parameters);
     EXPECT_TRUE(torch::allclose(replicated.grad(), torch::full({7}, 1.5)));
 
-    const auto& shard = sharded->shard(0).grad();
+    EXPECT_FALSE(sharded->shard(0).grad().defined()) << "kept compressed until the optimizer takes it";
+    ASSERT_TRUE(reducer.keeps_gradients());
+    const auto shard = reducer.take_gradient(sharded->shard(0), 1.0);
+    EXPECT_FALSE(reducer.keeps_gradients());
+    EXPECT_FALSE(reducer.take_gradient(sharded->shard(0), 1.0).defined()) << "taken once";
     std::vector<torch::Tensor> flat_gradients;
     for (const auto& parameter : flat) flat_gradients.push_back(parameter.grad());
     const double off_mean = testing::relative_error(shard, sharded->shard_of(0, mean));
@@ -313,8 +317,8 @@ TEST(ShardedPowerSgd, WarmQAtFullRankStaysTheExactMeanAndIsKept) {
       sharded->shard(0).mutable_grad() = torch::Tensor();
       sharded->finish_reductions();
       reducer.reduce(sharded->shards());
-      EXPECT_LT(testing::relative_error(sharded->shard(0).grad(), sharded->shard_of(0, mean)), 1e-5) << update;
-      sharded->shard(0).mutable_grad() = torch::Tensor();
+      EXPECT_LT(testing::relative_error(reducer.take_gradient(sharded->shard(0), 1.0), sharded->shard_of(0, mean)), 1e-5)
+          << update;
     }
     const auto kept = reducer.shard_q(0);
     ASSERT_EQ(kept.size(), before.size());
@@ -323,6 +327,63 @@ TEST(ShardedPowerSgd, WarmQAtFullRankStaysTheExactMeanAndIsKept) {
     EXPECT_TRUE(torch::equal(reducer.shard_q(0)[0], before[0]));
     EXPECT_THROW_WITH(reducer.set_shard_q(0, {}), Error, "blocks of rows for shard 0");
   });
+}
+
+// DALL-E kept one buffer where PowerSGD has two: from before_backward the shard's gradient
+// is its error feedback, brought to the backward's fp16 scale (8 here, as the update step's
+// scaler does), so that backward adds into it. Over three lossy updates (rank 2, the error
+// feedback carried) it takes the gradients and keeps the error feedback of two buffers bit
+// for bit, in float32 and in bfloat16 (a power-of-two scale commutes with rounding); the
+// buffer is the same storage at every update, and no gradient is left on the shard once it is
+// reduced: the optimizer takes each, clipped by its factor.
+TEST(ShardedPowerSgd, OneBufferForGradientAndErrorFeedbackReducesAsTwoDo) {
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    testing::on_ranks(4, [&](const LaunchEnvironment& place) {
+      const int64_t node = place.rank / 2, local = place.rank % 2;
+      auto world = group_at(place);
+      auto within = testing::subgroup_at(place, "node" + std::to_string(node), local, 2);
+      auto across = testing::subgroup_at(place, "local" + std::to_string(local), node, 2);
+      const PowerSgdOptions options{.rank = 2, .start_update = 1, .min_compression_rate = 0.0, .dtype = dtype};
+      const auto make = [&](const std::string& name) {
+        std::vector<std::vector<torch::Tensor>> tensors{{}};
+        for (const auto& parameter : cut_group_of_rank(0)) tensors[0].push_back(torch::zeros_like(parameter).requires_grad_());
+        auto sharded = std::make_shared<ShardedParameters>(
+            tensors, testing::subgroup_at(place, name + std::to_string(node), local, 2));
+        auto reducer = std::make_shared<ShardedReducer>(
+            sharded, world, within, testing::subgroup_at(place, name + "across" + std::to_string(local), node, 2),
+            1 << 20, options);
+        return std::make_tuple(tensors, sharded, reducer);
+      };
+      auto [one_tensors, one, one_reducer] = make("one");
+      auto [two_tensors, two, two_reducer] = make("two");
+      const double scale = 8.0;
+      const void* buffer = nullptr;
+      for (int64_t update = 0; update < 3; ++update) {
+        const auto own = cut_group_of_rank(4 * update + place.rank);
+        one_reducer->before_backward(one->shards());
+        auto& held = one->shard(0).mutable_grad();
+        ASSERT_TRUE(held.defined()) << "the error feedback, as the gradient backward adds to";
+        if (update == 0) buffer = held.data_ptr();
+        EXPECT_EQ(held.data_ptr(), buffer) << "one buffer for every update";
+        held.mul_(scale);
+        for (auto& [tensors, sharded, factor] : {std::tuple{one_tensors, one, scale}, std::tuple{two_tensors, two, 1.0}}) {
+          sharded->gather(0);
+          for (size_t i = 0; i < own.size(); ++i) tensors[0][i].mutable_grad() = own[i].grad() * factor;
+          sharded->reduce_gradients(0);
+          sharded->release(0);
+        }
+        one_reducer->reduce_scaled(one->shards());
+        one->shard(0).mutable_grad().div_(scale);
+        one_reducer->reduce_unscaled(one->shards());
+        two_reducer->reduce(two->shards());
+        EXPECT_FALSE(one->shard(0).grad().defined());
+        const auto taken = one_reducer->take_gradient(one->shard(0), 0.5);
+        EXPECT_TRUE(torch::equal(taken, two_reducer->take_gradient(two->shard(0), 1.0) * 0.5)) << update;
+      }
+      EXPECT_TRUE(torch::equal(one_reducer->shard_error(0), two_reducer->shard_error(0)));
+      EXPECT_GT(one_reducer->shard_error(0).abs().max().item<double>(), 0.0) << "lossy: the error feedback carries";
+    });
+  }
 }
 
 }  // namespace

@@ -713,6 +713,37 @@ TEST_F(TrainingJob, ShardedPowerSgdWithWarmQResumesExactly) {
   EXPECT_LT(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10)), 1e-6);
 }
 
+// DALL-E's 12B settings on two "machines" of two ranks: fp16 with per-resblock scales,
+// bfloat16 weights, moments and PowerSGD state, rank 2 per shard. Each shard's gradient is
+// accumulated straight into its error buffer (at the backward's scales) and decompressed only
+// as AdamW takes it: the run learns without a skipped update, and a run stopped at update 5
+// and resumed goes on from the error feedback its checkpoint keeps. (Not bit for bit: the
+// checkpoint keeps the machines' mean of the feedback, DALL-E's sum, which enters the next
+// averages as each machine's own does up to rounding, and a last-bit difference moves a
+// stochastic rounding of a bfloat16 weight by one step.)
+TEST_F(TrainingJob, ShardedPowerSgdInDallEsSixteenBitsLearnsAndResumes) {
+  ScratchDir dir;
+  const std::string dalle = "--set distributed.sharding=within_node --set distributed.gradient_reduction=powersgd"
+                            " --set distributed.powersgd.start_update=1 --set distributed.powersgd.min_compression_rate=0"
+                            " --set distributed.powersgd.rank=2 --set distributed.powersgd.dtype=bfloat16"
+                            " --set precision.mode=float16 --set precision.weights=bfloat16"
+                            " --set precision.adam_moments=bfloat16 --set learning_rate.decay=plateau";
+  auto whole = run_command(on_two_machines_of_two(train_prior(dir / "whole", dalle)));
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  for (const char* steps : {"5", "10"}) {
+    auto leg = run_command(on_two_machines_of_two(train_prior(dir / "resumed", dalle + " --set run.steps=" + steps)));
+    ASSERT_EQ(leg.status, 0) << leg.output;
+  }
+  EXPECT_LT(metrics_at(dir / "whole", 10)["loss"].get<double>(), metrics_at(dir / "whole", 1)["loss"].get<double>());
+  EXPECT_EQ(metrics_at(dir / "whole", 10)["skipped_updates"].get<int64_t>(), 0);
+  const double resumed = largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10));
+  std::printf("resumed at update 5: the weights at 10 differ by %.2e at most\n", resumed);
+  EXPECT_LT(resumed, 2e-3);
+  const auto state = io::load_checkpoint(dir / "resumed/checkpoints/step-000000005").state;
+  ASSERT_TRUE(state.count("reducer.error.resblocks.0.qkv.weight"));
+  EXPECT_GT(state.at("reducer.error.resblocks.0.qkv.weight").abs().max().item<double>(), 0.0) << "carried";
+}
+
 // Ranks started as torchrun starts them (its variables), one with another recipe.
 TEST_F(TrainingJob, RanksStartedWithDifferentConfigsRefuseToStart) {
   ScratchDir dir;

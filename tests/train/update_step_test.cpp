@@ -3,7 +3,9 @@
 #include <torch/torch.h>
 
 #include <limits>
+#include <utility>
 
+#include "dalle/train/adamw.h"
 #include "test_support.h"
 
 namespace dalle::train {
@@ -161,6 +163,57 @@ TEST(UpdateStep, GradientsOutsideTheScaleGroupsAreCheckedByTheNorm) {
   const auto loss = grouped->forward(torch::ones({1, 2})).sum() + outside->forward(torch::tensor({{nan, 1.0}})).sum();
   EXPECT_TRUE(update.apply(loss, 1).skipped);
   EXPECT_TRUE(torch::equal(outside->weight.detach(), before));
+}
+
+// A reducer that keeps a gradient from update to update (as ShardedReducer keeps PowerSGD's
+// error feedback as the gradient) and keeps the reduced one until the optimizer takes it.
+class KeepingReducer final : public distributed::GradientReducer {
+ public:
+  explicit KeepingReducer(torch::Tensor parameter) : parameter_(std::move(parameter)) {}
+  void before_backward(const std::vector<torch::Tensor>&) override { parameter_.mutable_grad() = held.clone(); }
+  void reduce_scaled(const std::vector<torch::Tensor>&) override {}
+  void reduce_unscaled(const std::vector<torch::Tensor>&) override {
+    kept = parameter_.grad();
+    parameter_.mutable_grad() = torch::Tensor();
+  }
+  torch::Tensor agree(const torch::Tensor& flags) override { return flags; }
+  int64_t replicas() const override { return 1; }
+  bool keeps_gradients() const override { return kept.defined(); }
+  torch::Tensor take_gradient(const torch::Tensor& parameter, double factor) override {
+    if (!parameter.is_same(parameter_) || !kept.defined()) return {};
+    return std::exchange(kept, torch::Tensor()) * factor;
+  }
+
+  torch::Tensor held = torch::tensor({{10.0, 20.0, 30.0}}), kept;
+
+ private:
+  torch::Tensor parameter_;
+};
+
+// In fp16 the gradient a reducer holds before backward is brought to the backward's scale,
+// so that backward adds to it and unscaling gives held + this update's gradient; AdamW takes
+// the gradient the reducer kept as it steps (its first moment is 0.1 x that gradient), and an
+// optimizer that cannot take one is refused.
+TEST(UpdateStep, AGradientHeldBeforeBackwardIsScaledAndTheOptimizerTakesWhatTheReducerKeeps) {
+  Fixture f;
+  ModelPrecision precision(fp16(), f.model->parameters());
+  ASSERT_GT(precision.scale(), 1.0);
+  AdamW adamw(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(f.model->parameters())},
+              torch::optim::AdamWOptions(0.1).weight_decay(0.0));
+  UpdateStep update(adamw, precision, {.what = "test"});
+  auto reducer = std::make_shared<KeepingReducer>(f.model->weight);
+  update.set_reducer(reducer);
+  EXPECT_FALSE(update.apply(f.loss(torch::tensor({1.0, 2.0, 3.0})), 1).skipped);
+  EXPECT_FALSE(reducer->keeps_gradients()) << "taken";
+  const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
+      *adamw.state().at(f.model->weight.unsafeGetTensorImpl()));
+  EXPECT_TRUE(torch::allclose(adam.exp_avg().flatten(), torch::tensor({11.0, 22.0, 33.0}) * 0.1));
+
+  Fixture g;
+  ModelPrecision sgd_precision(PrecisionConfig{}, g.model->parameters());
+  UpdateStep sgd(g.optimizer, sgd_precision, {.what = "test"});
+  sgd.set_reducer(std::make_shared<KeepingReducer>(g.model->weight));
+  EXPECT_THROW_WITH(sgd.apply(g.loss(torch::tensor({1.0, 2.0, 3.0})), 1), Error, "needs dalle's AdamW");
 }
 
 }  // namespace

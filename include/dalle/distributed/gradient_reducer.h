@@ -52,6 +52,13 @@ class GradientReducer {
   // machine, so far (what crosses the network between machines, in a job on several): a
   // reducer over every rank counts all it reduces.
   virtual int64_t bytes_across_machines() const { return 0; }
+  // A reducer may keep some gradients compressed after reduce_unscaled (PowerSGD's P and Q,
+  // across machines), those parameters' .grad() then undefined, so that no rank ever holds
+  // every decompressed gradient at once (DALL-E): the optimizer asks for each as it steps
+  // it. `keeps_gradients` says whether any is kept; `take_gradient` gives one, in float32,
+  // times `factor` (clipping), once, and an undefined tensor for a parameter it keeps none of.
+  virtual bool keeps_gradients() const { return false; }
+  virtual torch::Tensor take_gradient(const torch::Tensor&, double) { return {}; }
   // What the reducer carries from one update to the next (PowerSGD's error feedback), into
   // or out of a checkpoint's state under `prefix`. Every rank calls both, at the same point.
   virtual void save_state(io::TensorMap&, const std::string&) {}

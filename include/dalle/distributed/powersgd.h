@@ -63,6 +63,14 @@ torch::ScalarType q_dtype(const PowerSgdOptions& options);
 torch::Tensor initial_q(const PowerSgdOptions& options, int64_t slot, int64_t rows, int64_t columns,
                         torch::Device device);
 
+// A matrix's average over the group as P Q^T: P (n x r) orthonormal, in float32; Q (m x r)
+// as it crossed the wire.
+struct LowRankAverage {
+  torch::Tensor p, q;
+  // P Q^T, n x m, in float32.
+  torch::Tensor decompressed() const;
+};
+
 // The low-rank averaging of a set of gradient matrices over one group of replicas.
 class LowRankAverager {
  public:
@@ -73,6 +81,13 @@ class LowRankAverager {
   // buffer keeps what the average dropped. Returns the averages' squared Frobenius norm,
   // read from Q (P is orthonormal), as DALL-E measured its global norm.
   double average(const std::vector<torch::Tensor>& gradients, const std::vector<LowRankState*>& states);
+  // The part of average() that leaves the buffers alone: each `states[i]`'s error buffer
+  // already holds M (the gradient accumulated into it); returns M's averages, their squared
+  // norm added to `square`. The caller decompresses each when it needs it and keeps
+  // M - P Q^T in the buffer (drop_from_error), one matrix at a time.
+  std::vector<LowRankAverage> compress(const std::vector<LowRankState*>& states, double& square);
+  // The buffer keeps what `average` (of its M) dropped: M - `decompressed`.
+  void drop_from_error(LowRankState& state, const torch::Tensor& decompressed) const;
   // P's and Q's bytes handed to all-reduce so far.
   int64_t bytes_reduced() const { return bytes_; }
 

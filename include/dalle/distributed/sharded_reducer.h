@@ -28,6 +28,13 @@ namespace dalle::distributed {
 // machines on each shard; the all-gather within the machine is the next forward's), the
 // rest of each shard whole in one all-reduce. Q stays fixed (DALL-E) or, with warm_start,
 // each block's last Q starts its next power iteration.
+//
+// Compressing, it keeps one buffer per shard where there would be two (DALL-E): from
+// before_backward the shard's gradient IS its error feedback, so that backward's
+// reduce-scatters add this update's gradient to what earlier ones dropped (the update step
+// brings the buffer to the backward's fp16 scale first); P and Q are made from it, and the
+// decompressed gradient only when the optimizer takes it, group by group, as the buffer
+// keeps what P Q^T dropped. A skipped update drops the buffers' contents.
 class ShardedReducer final : public GradientReducer {
  public:
   // `within_node`: the group the parameters are sharded over; `across_nodes`: the replicas
@@ -45,6 +52,8 @@ class ShardedReducer final : public GradientReducer {
   torch::Tensor agree(const torch::Tensor& flags) override { return replicated_.agree(flags); }
   int64_t replicas() const override { return replicated_.replicas(); }
   double gradient_norm(const std::vector<torch::Tensor>& parameters) override;
+  bool keeps_gradients() const override;
+  torch::Tensor take_gradient(const torch::Tensor& parameter, double factor) override;
   // PowerSGD's update count; the error feedback travels in the checkpoint's shards (below).
   void save_state(io::TensorMap& state, const std::string& prefix) override;
   void load_state(const io::TensorMap& state, const std::string& prefix) override;
@@ -75,6 +84,9 @@ class ShardedReducer final : public GradientReducer {
   void average_replicated_hierarchically(const std::vector<torch::Tensor>& parameters);
   void prepare_low_rank();
   void compress_shards();
+  // Group g's gradient joins its error feedback (unless it is that buffer already) and leaves.
+  void accumulate_into_error(size_t g);
+  void drop_errors();
 
   std::shared_ptr<ShardedParameters> sharded_;
   std::shared_ptr<ProcessGroup> within_node_, across_group_;
@@ -87,6 +99,13 @@ class ShardedReducer final : public GradientReducer {
   std::vector<torch::Tensor> errors_;
   std::vector<std::vector<ShardRows>> compressed_rows_;
   std::vector<std::vector<LowRankState>> states_;
+  // After a compressed reduction, per group, until the optimizer takes its gradient: each
+  // compressed block's average, and the rest of the shard averaged whole (float32); `kept_`
+  // says which groups' are still there.
+  std::vector<std::vector<LowRankAverage>> averages_;
+  std::vector<std::vector<torch::Tensor>> whole_parts_;
+  std::vector<bool> kept_;
+  bool backward_unreduced_ = false;  // from reduce_scaled to reduce_unscaled: a skip leaves it set
   int64_t updates_ = 0, whole_bytes_ = 0, replicated_across_bytes_ = 0;
   std::optional<double> shard_square_;  // the shards' squared norm, from Q, after a compressed update
 };

@@ -7,6 +7,7 @@
 #include <torch/optim/adamw.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace dalle::train {
@@ -17,6 +18,11 @@ class AdamW : public torch::optim::AdamW {
         torch::ScalarType moments = torch::kFloat32);
 
   torch::Tensor step(LossClosure closure = nullptr) override;
+  // A step with each parameter's gradient as `gradient_of` gives it when the parameter's turn
+  // comes (one made then: a reducer that keeps gradients compressed, gradient_reducer.h);
+  // an undefined one leaves the parameter as it is.
+  using GradientOf = std::function<torch::Tensor(const torch::Tensor& parameter)>;
+  void step_with(const GradientOf& gradient_of);
   torch::ScalarType moments() const { return moments_; }
   // The seed of the stochastic rounding of 16-bit parameters: each parameter's rounding at
   // each of its steps draws from it, its place among the parameters and that step, so that a
@@ -26,7 +32,8 @@ class AdamW : public torch::optim::AdamW {
 
  private:
   bool steps_as_torch() const;
-  void step_parameter(torch::Tensor& parameter, const torch::optim::AdamWOptions& options, uint64_t place);
+  void step_parameter(torch::Tensor& parameter, const torch::Tensor& gradient, const torch::optim::AdamWOptions& options,
+                      uint64_t place);
 
   torch::ScalarType moments_;
   uint64_t rounding_seed_ = 0;

@@ -29,6 +29,10 @@ class GradientScaler {
   ScaleSummary summary() const;
   int64_t skipped_updates() const { return skipped_; }
 
+  // Before backward: the gradients its groups already hold (what backward will add to:
+  // PowerSGD's error feedback, kept as the gradient) multiplied by their scales, so that
+  // all of a gradient is at one scale when it is unscaled.
+  void scale_held_gradients();
   // After backward: [groups] booleans on the gradients' device, true where a group's
   // gradients are all finite.
   torch::Tensor finite_flags() const;

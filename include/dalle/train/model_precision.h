@@ -32,6 +32,9 @@ class ModelPrecision {
   // What to backpropagate: the loss times the scale when one scale covers the model.
   torch::Tensor scaled(const torch::Tensor& loss) const;
   double scale() const { return scaler_ ? scaler_->scale(0) : 1.0; }
+  // Before backward, in fp16: gradients that backward will add to are brought to its scales
+  // (GradientScaler::scale_held_gradients).
+  void scale_held_gradients();
   // After backward: one boolean per scale group (in fp16), or a single one for every
   // parameter, true where the gradients are finite. Gradients outside the scale groups are
   // checked by the norm of the update step.

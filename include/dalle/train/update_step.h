@@ -48,6 +48,7 @@ class UpdateStep {
 
  private:
   double clip_gradients();
+  void step_optimizer();
 
   torch::optim::Optimizer& optimizer_;
   ModelPrecision& precision_;
@@ -55,6 +56,7 @@ class UpdateStep {
   Ema* ema_;
   const torch::nn::Module* averaged_;
   std::shared_ptr<distributed::GradientReducer> reducer_;
+  double clip_factor_ = 1.0;  // of this update's gradients, applied by the reducer to those it keeps
 };
 
 }  // namespace dalle::train
