@@ -4,7 +4,10 @@
 // gradient reduction across data-parallel replicas (the hook point the distributed layer
 // fills; nothing happens in one process), clipping of the global gradient norm, the
 // optimizer step and the moving average of the weights. A non-finite gradient skips the
-// update: the weights, the moments and the average are left as they were.
+// update: the weights, the moments and the average are left as they were. A gradient the
+// reducer hands a parameter before backward (PowerSGD's error feedback, which backward adds
+// to) is brought to backward's fp16 scales first, and one the reducer keeps compressed after
+// reducing is taken as AdamW steps its parameter (distributed/gradient_reducer.h).
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
