@@ -113,8 +113,23 @@ torch::Tensor ShardedParameters::flatten(size_t g, const std::vector<torch::Tens
   return torch::constant_pad_nd(flat, {0, padded - flat.numel()});
 }
 
+// Only this rank's range of the group's values is read, never the whole group flattened: a
+// base mapped from its file (a fine-tuning run's frozen blocks, on resume) is touched there alone.
 torch::Tensor ShardedParameters::shard_of(size_t g, const std::vector<torch::Tensor>& full) const {
-  return flatten(g, full).narrow(0, group_->rank() * shard_numel_[g], shard_numel_[g]).clone();
+  const int64_t begin = group_->rank() * shard_numel_[g], end = begin + shard_numel_[g];
+  auto shard = torch::zeros({shard_numel_[g]}, torch::TensorOptions().device(group_->device()));
+  int64_t offset = 0;
+  for (const auto& tensor : full) {
+    const int64_t low = std::max(begin, offset), high = std::min(end, offset + tensor.numel());
+    if (low < high) {
+      shard.narrow(0, low - begin, high - low).copy_(tensor.detach().reshape({-1}).narrow(0, low - offset, high - low));
+    }
+    offset += tensor.numel();
+  }
+  if (offset > shard_numel_[g] * group_->size()) {
+    throw Error("sharded parameters: more values than group " + std::to_string(g) + " holds");
+  }
+  return shard;
 }
 
 namespace {

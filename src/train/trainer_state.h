@@ -4,7 +4,10 @@
 // seed gives the same weights anywhere), its loss, its data and whatever extra state it
 // checkpoints; the driver builds the moving average, AdamW, the precision and the update
 // step, opens the run directory, writes and restores checkpoints (refusing a resume under a
-// changed config) and adds the fp16 scales to the metrics line. Private to the library.
+// changed config) and adds the fp16 scales to the metrics line. Its parts that need no
+// template are files of their own: joining the job (train/trainer_job.h), a fine-tuning
+// run's base (train/fine_tuning_base.h) and the metrics line (train/metrics_line.h).
+// Private to the library.
 #include <torch/optim/optimizer.h>
 #include <torch/torch.h>
 
@@ -31,7 +34,10 @@
 #include "dalle/train/model_precision.h"
 #include "dalle/train/recipe.h"
 #include "dalle/train/update_step.h"
+#include "train/fine_tuning_base.h"
+#include "train/metrics_line.h"
 #include "train/run_directory.h"
+#include "train/trainer_job.h"
 #include "train/training_loop.h"
 
 namespace dalle::train::detail {
@@ -43,42 +49,6 @@ std::unique_ptr<State> start_trainer(Config config, const std::string& run, cons
   check_run_directory(run, what);
   prepare_torch(config.run.threads, config.run.seed);
   return std::make_unique<State>(std::move(config), std::filesystem::path(run));
-}
-
-// distributed.backend for a job on `device`: auto is NCCL on GPUs and gloo on the CPU.
-inline distributed::Backend job_backend(const std::string& backend, torch::Device device) {
-  if (backend == "gloo") return distributed::Backend::gloo;
-  if (backend == "nccl" && !device.is_cuda()) {
-    throw Error("distributed.backend nccl carries CUDA tensors only, but run.device is " + device.str() +
-                "; use gloo or auto");
-  }
-  return device.is_cuda() ? distributed::Backend::nccl : distributed::Backend::gloo;
-}
-
-// Joins the job the launcher started (a job of one without a launcher) before any model is
-// built, so that ranks started with another config or build are refused at once.
-template <class Config>
-std::shared_ptr<distributed::Job> join_job(Config config, const distributed::LaunchEnvironment& place,
-                                           torch::Device device) {
-  const auto& d = config.distributed;
-  distributed::JobOptions options{.timeout = std::chrono::milliseconds(std::llround(d.timeout_seconds * 1000)),
-                                  .bucket_bytes = bucket_bytes(d),
-                                  .backend = job_backend(d.backend, device),
-                                  .cuda_device = device.is_cuda() ? device.index() : 0,
-                                  .overlap = d.overlap};
-  if (!d.simulated_link.empty()) options.link = distributed::parse_simulated_link(d.simulated_link);
-  options.powersgd = powersgd_options(d, config.run);
-  return std::make_shared<distributed::Job>(
-      place, options,
-      distributed::Fingerprint{.config = fingerprint_of(config_to_yaml(visit_of(config))),
-                               .code = build_fingerprint()});
-}
-
-// `device` for the rank at `place`: a GPU job gives each rank of a machine its own GPU.
-inline torch::Device rank_device(torch::Device device, const distributed::LaunchEnvironment& place) {
-  if (!device.is_cuda() || place.world_size == 1) return device;
-  const auto gpus = std::max<int64_t>(static_cast<int64_t>(torch::cuda::device_count()), 1);
-  return {torch::kCUDA, static_cast<c10::DeviceIndex>(place.local_rank % gpus)};
 }
 
 template <class Config, class Model>
@@ -207,31 +177,13 @@ struct TrainerState : RunRecord {
               "of them under the model's names, ", base_checkpoint, ", written with the first checkpoint");
   }
   bool holds_as_they_are(const io::TensorMap& weights, const std::vector<std::string>& frozen) const {
-    const auto ours = model->named_parameters();
-    for (const auto& name : frozen) {
-      const auto found = weights.find(name);
-      const auto& value = ours[name];
-      if (found == weights.end() || found->second.sizes() != value.sizes() ||
-          !torch::equal(found->second.to(value.device(), value.scalar_type()), value)) {
-        return false;
-      }
-    }
-    return true;
+    return train::holds_as_they_are(weights, model->named_parameters(), frozen);
   }
   // The frozen weights as the model holds them, as the checkpoint `base_checkpoint` names;
   // `released`: those the model does not hold whole (a sharded run's frozen blocks).
   void write_base_copy(const io::TensorMap& released = {}) {
     write_base_copy_ = false;
-    if (!writes_files || std::filesystem::exists(std::filesystem::path(base_checkpoint) / io::kWeightsFile)) return;
-    io::Checkpoint copy;
-    copy.config_yaml = "# The frozen weights of this run's init_from, under the model's names: the base its checkpoints\n"
-                       "# refer to (docs/fine-tuning.md).\n";
-    const auto parameters = model->named_parameters();
-    for (const auto& name : frozen_names()) {
-      const auto found = released.find(name);
-      copy.weights.emplace(name, (found != released.end() ? found->second : parameters[name]).detach().cpu());
-    }
-    io::save_checkpoint(base_checkpoint, copy);
+    if (writes_files) write_frozen_copy(base_checkpoint, model->named_parameters(), frozen_names(), released);
   }
   bool write_base_copy_ = false;
 
@@ -348,25 +300,8 @@ struct TrainerState : RunRecord {
   void append_metrics(nlohmann::json line) const {
     add_traffic(line);
     add_update_time(line);
-    std::vector<double> values;
-    for (const auto& item : line.items()) {
-      if (item.value().is_number_float()) values.push_back(item.value().get<double>());
-    }
-    job->average(values);
-    auto next = values.begin();
-    for (auto& item : line.items()) {
-      if (item.value().is_number_float()) item.value() = *next++;
-    }
-    if (const auto* scaler = precision->scaler()) {
-      if (precision->scales_loss()) {
-        line["grad_scale"] = scaler->scale(0);
-      } else {
-        const auto scales = scaler->summary();
-        line.update({{"grad_scale_min", scales.min}, {"grad_scale_median", scales.median},
-                     {"grad_scale_max", scales.max}});
-      }
-      line["skipped_updates"] = scaler->skipped_updates();
-    }
+    average_over_job(line, *job);
+    add_scale_metrics(line, *precision);
     metrics_log.append(line);
   }
 

@@ -46,6 +46,17 @@ TEST_P(ShardedParametersAtWorldSize, EachRankKeepsItsShardAndGathersTheWholeBloc
     const auto moment = sharded.shard_of(1, {torch::full({5}, 2.0)});
     const auto whole = sharded.unshard(1, moment);
     EXPECT_TRUE(torch::equal(whole[0], torch::full({5}, 2.0)));
+    // Read from the rank's range of the tensors alone (bfloat16 here), padding zero: the
+    // part of the group flattened whole that is this rank's.
+    const int64_t share = sharded.shard(0).numel();
+    const auto flat = torch::constant_pad_nd(
+        torch::cat({original[0][0].detach(), original[0][1].detach().flatten()}), {0, share * world - 10});
+    const auto from_bf16 = sharded.shard_of(0, {original[0][0].detach().to(torch::kBFloat16),
+                                                original[0][1].detach().to(torch::kBFloat16)});
+    EXPECT_EQ(from_bf16.scalar_type(), torch::kFloat32);
+    EXPECT_TRUE(torch::equal(from_bf16, flat.narrow(0, place.rank * share, share)));
+    EXPECT_THROW_WITH(sharded.shard_of(1, {torch::zeros({5 + world * ((5 + world - 1) / world)})}), Error,
+                      "more values than group 1 holds");
   });
 }
 

@@ -70,14 +70,12 @@ void PriorTrainer::State::cut_resblocks() {
                                               config.precision.weights_dtype());
 }
 
-// The update state moved to the shards, before any resume, on a fresh update: no moments
-// yet, an average equal to the weights (each shard's starts as the shard), the first scales.
-void PriorTrainer::State::shard_resblocks() {
-  if (!shards) return;
-  io::TensorMap scales;
-  precision->save_state(scales, "");
+// The update state of a sharded prior, made once: AdamW over the shards and what trains whole
+// (outside the blocks, and the adapters), a moving average of each shard (starting as the
+// shard), per-resblock fp16 scales over each block's shards, and the update step with the
+// sharded reducer.
+void PriorTrainer::State::build_sharded_update() {
   const auto& sharded = *shards->parameters();
-  // AdamW steps the shards and what trains whole (outside the blocks, and the adapters).
   const auto in_shards = block_names();
   std::unordered_set<const torch::TensorImpl*> sharded_tensors;
   for (const auto& item : model->named_parameters()) {
@@ -96,23 +94,11 @@ void PriorTrainer::State::shard_resblocks() {
   // The replicas of a shard on other machines hold the same values: they round alike.
   optimizer->set_rounding_seed(mix_seed(static_cast<uint64_t>(config.run.seed),
                                         static_cast<uint64_t>(job->place().local_rank)));
-  shard_update(scales);
-  const int64_t ranks = job->place().local_world_size;
-  log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
-            " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
-            frozen_names().empty() ? "" : " (of their frozen weights too; adapters stay whole)",
-            job->place().nodes > 1 ? ", replicated on the " + std::to_string(job->place().nodes) + " machines" : "");
-}
-
-// The precision (per-resblock fp16 scales over each block's shards, as `scales` left them)
-// and the update step of the shards.
-void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
   std::vector<torch::Tensor> learned;
   for (const auto& group : optimizer->param_groups()) {
     learned.insert(learned.end(), group.params().begin(), group.params().end());
   }
   precision = std::make_unique<ModelPrecision>(config.precision, learned, shards->scale_groups(), replicas());
-  precision->load_state(scales, "");
   update = std::make_unique<UpdateStep>(*optimizer, *precision,
                                         UpdateOptions{.what = what,
                                                       .grad_clip = config.optimizer.grad_clip,
@@ -123,6 +109,11 @@ void PriorTrainer::State::shard_update(const io::TensorMap& scales) {
       shards->parameters(), job->group(), job->within_node(), job->across_nodes(), bucket_bytes(config.distributed),
       powersgd_options(config.distributed, config.run), config.distributed.overlap);
   update->set_reducer(sharded_reducer);
+  const int64_t ranks = job->place().local_world_size;
+  log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
+            " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
+            frozen_names().empty() ? "" : " (of their frozen weights too; adapters stay whole)",
+            job->place().nodes > 1 ? ", replicated on the " + std::to_string(job->place().nodes) + " machines" : "");
 }
 
 std::unordered_set<std::string> PriorTrainer::State::block_names() const {

@@ -194,17 +194,21 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   // Sharded, the blocks are cut before the average and the update state are made, so that no
   // rank ever holds a whole average of them (nor a validation copy).
   s.cut_resblocks();
-  if (sharded) s.start_average();
-  s.build_update(parameter_groups(*s.model, s.config.optimizer.weight_decay), s.config.learning_rate.peak,
-                 std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
-                                                  resblock_parameter_groups(s.model->resblocks()), s.replicas()),
-                 {.measure_norm = true});
+  // The update state is made once, on the shards when sharded (before the resume, which then
+  // reads only this rank's part of the checkpoint), else on the whole model.
+  if (s.shards) {
+    s.start_average();
+    s.build_sharded_update();
+  } else {
+    s.build_update(parameter_groups(*s.model, s.config.optimizer.weight_decay), s.config.learning_rate.peak,
+                   std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
+                                                    resblock_parameter_groups(s.model->resblocks()), s.replicas()),
+                   {.measure_norm = true});
+  }
   s.loader = std::make_unique<data::DataLoader<data::TokenDataset>>(
       s.train_set, data::LoaderOptions{.batch_size = s.rank_batch(s.config.data.batch_size),
                                        .workers = s.config.data.workers,
                                        .sampler = s.shard()});
-  // Sharded before the resume, which then reads only this rank's part of the checkpoint.
-  s.shard_resblocks();
   s.open_run(/*samples=*/true);
   s.install_resblock_runner();
 }

@@ -98,8 +98,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   std::unordered_set<std::string> block_names() const;
   void build_model(bool starts_from_init);
   void cut_resblocks();
-  void shard_resblocks();
-  void shard_update(const io::TensorMap& scales);
+  void build_sharded_update();
   void average_shards();
   torch::Tensor average_of(const torch::Tensor& shard) const;
   void save_checkpoint() override;
