@@ -744,6 +744,32 @@ TEST_F(TrainingJob, ShardedPowerSgdInDallEsSixteenBitsLearnsAndResumes) {
   EXPECT_GT(state.at("reducer.error.resblocks.0.qkv.weight").abs().max().item<double>(), 0.0) << "carried";
 }
 
+// DALLE_MEMORY_PHASES logs each phase's own peak resident memory (docs/benchmarks.md): the
+// start, each update, validation and checkpoint, the high-water mark reset at each; a
+// resumed run's start includes its resume. Without it, no such line.
+TEST_F(TrainingJob, MemoryPhasesAreLoggedWhenAsked) {
+  ScratchDir dir;
+  const std::string sharded = "--nproc-per-node 2 --set distributed.sharding=within_node --set run.validate_every=2";
+  auto plain = run_command(train_prior(dir / "plain", sharded + " --set run.steps=2"));
+  ASSERT_EQ(plain.status, 0) << plain.output;
+  EXPECT_THAT(plain.output, ::testing::Not(::testing::HasSubstr("memory phase")));
+  auto first = run_command("DALLE_MEMORY_PHASES=1 " + train_prior(dir / "run", sharded + " --set run.steps=2"));
+  ASSERT_EQ(first.status, 0) << first.output;
+  const auto peak_of = [](const std::string& output, const std::string& phase) {
+    const auto at = output.find("memory phase " + phase);
+    if (at == std::string::npos) return -1.0;
+    const auto peak = output.find(": peak ", at);
+    return std::stod(output.substr(peak + 7));
+  };
+  for (const char* phase : {"start at update 0", "update at update 1", "update at update 2", "validation at update 2",
+                            "checkpoint at update 2"}) {
+    EXPECT_GT(peak_of(first.output, phase), 0.0) << phase << "\n" << first.output;
+  }
+  auto resumed = run_command("DALLE_MEMORY_PHASES=1 " + train_prior(dir / "run", sharded + " --set run.steps=3"));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_GT(peak_of(resumed.output, "start at update 2"), 0.0) << "the resume's peak\n" << resumed.output;
+}
+
 // Ranks started as torchrun starts them (its variables), one with another recipe.
 TEST_F(TrainingJob, RanksStartedWithDifferentConfigsRefuseToStart) {
   ScratchDir dir;
