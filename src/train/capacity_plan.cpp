@@ -536,11 +536,14 @@ class Planner {
     if (plan_.sharded) {
       // Kept from the reduction until the optimizer takes each group's gradient (P Q^T).
       const double p_values = largest.pq_values - largest.q_values;
-      add_memory("PowerSGD P and Q of an update", MemoryPhase::reduction, kFp32 * p_values + 2 * bytes * largest.q_values,
+      add_memory("PowerSGD P and Q of an update", MemoryPhase::reduction,
+                 kFp32 * p_values + 2 * bytes * largest.q_values,
                  "P in fp32 (orthonormal), Q in " + dtype + " and its flat copy for the all-reduce, kept until the "
                  "optimizer takes the gradients");
       double group = 0;
-      for (const auto& block : shape_.layer) group = std::max(group, static_cast<double>(block.matrix_shard_values(gpus_)));
+      for (const auto& block : shape_.layer) {
+        group = std::max(group, static_cast<double>(block.matrix_shard_values(gpus_)));
+      }
       add_memory("PowerSGD fp32 working copies", MemoryPhase::reduction,
                  kFp32 * (2 * largest.largest_values + group),
                  "the largest buffer block read back in fp32 and its decompressed product, and the gradient of one "

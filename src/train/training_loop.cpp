@@ -23,13 +23,14 @@ void save_before_stopping(const RunRecord& record, const LoopIntervals& interval
   if (step > checkpointed) actions.checkpoint();
 }
 
-// With DALLE_MEMORY_PHASES set (docs/benchmarks.md, "Memory by phase"), each phase's peak
+// With DALLE_MEMORY_PHASES set (docs/benchmarks.md, "Memory at resume" (f)), each phase's peak
 // resident memory is logged: the start (resume included) as the high-water mark so far, then
 // each update, validation and checkpoint with the mark reset as it begins (Linux's
 // /proc/self/clear_refs), so that each peak is that phase's own.
 class MemoryPhases {
  public:
-  explicit MemoryPhases(const RunRecord& record) : record_(record), enabled_(std::getenv("DALLE_MEMORY_PHASES")) {
+  explicit MemoryPhases(const RunRecord& record)
+      : record_(record), enabled_(std::getenv("DALLE_MEMORY_PHASES") != nullptr) {
     if (enabled_) log_peak("start");
   }
   void run(const char* phase, const std::function<void()>& action) const {

@@ -317,8 +317,8 @@ TEST(ShardedPowerSgd, WarmQAtFullRankStaysTheExactMeanAndIsKept) {
       sharded->shard(0).mutable_grad() = torch::Tensor();
       sharded->finish_reductions();
       reducer.reduce(sharded->shards());
-      EXPECT_LT(testing::relative_error(reducer.take_gradient(sharded->shard(0), 1.0), sharded->shard_of(0, mean)), 1e-5)
-          << update;
+      const auto taken = reducer.take_gradient(sharded->shard(0), 1.0);
+      EXPECT_LT(testing::relative_error(taken, sharded->shard_of(0, mean)), 1e-5) << update;
     }
     const auto kept = reducer.shard_q(0);
     ASSERT_EQ(kept.size(), before.size());
@@ -346,7 +346,9 @@ TEST(ShardedPowerSgd, OneBufferForGradientAndErrorFeedbackReducesAsTwoDo) {
       const PowerSgdOptions options{.rank = 2, .start_update = 1, .min_compression_rate = 0.0, .dtype = dtype};
       const auto make = [&](const std::string& name) {
         std::vector<std::vector<torch::Tensor>> tensors{{}};
-        for (const auto& parameter : cut_group_of_rank(0)) tensors[0].push_back(torch::zeros_like(parameter).requires_grad_());
+        for (const auto& parameter : cut_group_of_rank(0)) {
+          tensors[0].push_back(torch::zeros_like(parameter).requires_grad_());
+        }
         auto sharded = std::make_shared<ShardedParameters>(
             tensors, testing::subgroup_at(place, name + std::to_string(node), local, 2));
         auto reducer = std::make_shared<ShardedReducer>(
@@ -366,7 +368,8 @@ TEST(ShardedPowerSgd, OneBufferForGradientAndErrorFeedbackReducesAsTwoDo) {
         if (update == 0) buffer = held.data_ptr();
         EXPECT_EQ(held.data_ptr(), buffer) << "one buffer for every update";
         held.mul_(scale);
-        for (auto& [tensors, sharded, factor] : {std::tuple{one_tensors, one, scale}, std::tuple{two_tensors, two, 1.0}}) {
+        const auto runs = {std::tuple{one_tensors, one, scale}, std::tuple{two_tensors, two, 1.0}};
+        for (auto& [tensors, sharded, factor] : runs) {
           sharded->gather(0);
           for (size_t i = 0; i < own.size(); ++i) tensors[0][i].mutable_grad() = own[i].grad() * factor;
           sharded->reduce_gradients(0);

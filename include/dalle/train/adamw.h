@@ -32,8 +32,8 @@ class AdamW : public torch::optim::AdamW {
 
  private:
   bool steps_as_torch() const;
-  void step_parameter(torch::Tensor& parameter, const torch::Tensor& gradient, const torch::optim::AdamWOptions& options,
-                      uint64_t place);
+  void step_parameter(torch::Tensor& parameter, const torch::Tensor& gradient,
+                      const torch::optim::AdamWOptions& options, uint64_t place);
 
   torch::ScalarType moments_;
   uint64_t rounding_seed_ = 0;
