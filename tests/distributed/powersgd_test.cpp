@@ -220,6 +220,17 @@ TEST(RowsInShard, DallEsLayoutSendsFiveRankOverEightWidthsOfItsValues) {
                    5.0 * static_cast<double>(rank_per_shard * ranks) / (8.0 * d));
 }
 
+// 4 ranks as two "machines" of two: the ranks of this one's machine, and this rank's replicas
+// on the other machine (the subgroups of DALL-E's hierarchy), named after `prefix`.
+struct TwoMachines {
+  std::shared_ptr<ProcessGroup> within, across;
+};
+TwoMachines two_machines_of_two(const LaunchEnvironment& place, const std::string& prefix = "") {
+  const int64_t node = place.rank / 2, local = place.rank % 2;
+  return {testing::subgroup_at(place, prefix + "node" + std::to_string(node), local, 2),
+          testing::subgroup_at(place, prefix + "local" + std::to_string(local), node, 2)};
+}
+
 // Gradients of the group above, drawn per rank.
 std::vector<torch::Tensor> cut_group_of_rank(int64_t rank) {
   auto generator = at::make_generator<at::CPUGeneratorImpl>(11 + static_cast<uint64_t>(rank));
@@ -239,10 +250,8 @@ std::vector<torch::Tensor> cut_group_of_rank(int64_t rank) {
 TEST(ShardedPowerSgd, AtFullRankEqualsTheFlatPathAndTheExactMean) {
   const auto mean = testing::mean_gradients(4, cut_group_of_rank);
   testing::on_ranks(4, [&](const LaunchEnvironment& place) {
-    const int64_t node = place.rank / 2, local = place.rank % 2;
     auto world = group_at(place);
-    auto within = testing::subgroup_at(place, "node" + std::to_string(node), local, 2);
-    auto across = testing::subgroup_at(place, "local" + std::to_string(local), node, 2);
+    const auto [within, across] = two_machines_of_two(place);
     const PowerSgdOptions options{.rank = 5, .start_update = 1, .min_compression_rate = 0.0};
     auto flat = cut_group_of_rank(place.rank);
     PowerSgdReducer(world, options).reduce(flat);
@@ -292,10 +301,8 @@ TEST(ShardedPowerSgd, AtFullRankEqualsTheFlatPathAndTheExactMean) {
 // iteration; at full rank every update is still the exact mean, and the Q kept is the last.
 TEST(ShardedPowerSgd, WarmQAtFullRankStaysTheExactMeanAndIsKept) {
   testing::on_ranks(4, [&](const LaunchEnvironment& place) {
-    const int64_t node = place.rank / 2, local = place.rank % 2;
     auto world = group_at(place);
-    auto within = testing::subgroup_at(place, "node" + std::to_string(node), local, 2);
-    auto across = testing::subgroup_at(place, "local" + std::to_string(local), node, 2);
+    const auto [within, across] = two_machines_of_two(place);
     const PowerSgdOptions options{.rank = 5, .start_update = 1, .min_compression_rate = 0.0, .warm_start = true};
     std::vector<std::vector<torch::Tensor>> tensors{{}};
     for (const auto& parameter : cut_group_of_rank(0)) tensors[0].push_back(torch::zeros_like(parameter).requires_grad_());
@@ -339,21 +346,18 @@ TEST(ShardedPowerSgd, WarmQAtFullRankStaysTheExactMeanAndIsKept) {
 TEST(ShardedPowerSgd, OneBufferForGradientAndErrorFeedbackReducesAsTwoDo) {
   for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     testing::on_ranks(4, [&](const LaunchEnvironment& place) {
-      const int64_t node = place.rank / 2, local = place.rank % 2;
       auto world = group_at(place);
-      auto within = testing::subgroup_at(place, "node" + std::to_string(node), local, 2);
-      auto across = testing::subgroup_at(place, "local" + std::to_string(local), node, 2);
       const PowerSgdOptions options{.rank = 2, .start_update = 1, .min_compression_rate = 0.0, .dtype = dtype};
+      // Each path on subgroups of its own.
       const auto make = [&](const std::string& name) {
         std::vector<std::vector<torch::Tensor>> tensors{{}};
         for (const auto& parameter : cut_group_of_rank(0)) {
           tensors[0].push_back(torch::zeros_like(parameter).requires_grad_());
         }
-        auto sharded = std::make_shared<ShardedParameters>(
-            tensors, testing::subgroup_at(place, name + std::to_string(node), local, 2));
-        auto reducer = std::make_shared<ShardedReducer>(
-            sharded, world, within, testing::subgroup_at(place, name + "across" + std::to_string(local), node, 2),
-            1 << 20, options);
+        const auto groups = two_machines_of_two(place, name);
+        auto sharded = std::make_shared<ShardedParameters>(tensors, groups.within);
+        auto reducer =
+            std::make_shared<ShardedReducer>(sharded, world, groups.within, groups.across, 1 << 20, options);
         return std::make_tuple(tensors, sharded, reducer);
       };
       auto [one_tensors, one, one_reducer] = make("one");

@@ -9,6 +9,7 @@
 #include <torch/cuda.h>
 
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "dalle/io/checkpoint.h"
@@ -613,6 +614,22 @@ std::string on_two_machines_of_two(const std::string& train) {
   return ranks + "status=0; for p in $pids; do wait $p || status=1; done; exit $status";
 }
 
+// The run `arguments` describe on two "machines" of two, uninterrupted into DIR/whole and in
+// two legs (stopped at update 5, then resumed) into DIR/resumed; returns the legs' outputs.
+using TrainCommand = std::function<std::string(const std::string& run, const std::string& arguments)>;
+std::vector<std::string> train_whole_and_resumed(const ScratchDir& dir, const TrainCommand& train,
+                                                 const std::string& arguments) {
+  auto whole = run_command(on_two_machines_of_two(train(dir / "whole", arguments)));
+  EXPECT_EQ(whole.status, 0) << whole.output;
+  std::vector<std::string> legs;
+  for (const char* steps : {"5", "10"}) {
+    auto leg = run_command(on_two_machines_of_two(train(dir / "resumed", arguments + " --set run.steps=" + steps)));
+    EXPECT_EQ(leg.status, 0) << leg.output;
+    legs.push_back(leg.output);
+  }
+  return legs;
+}
+
 // Two "machines" of two ranks: every resblock is sharded between the ranks of a machine and
 // replicated across the machines (DALL-E's hybrid layout), and the job trains as 4
 // data-parallel ranks do.
@@ -649,14 +666,10 @@ TEST_F(TrainingJob, ShardedPowerSgdAcrossMachinesTrainsAsDataParallelAtFullRankA
   }
 
   const std::string low = powersgd + " --set distributed.powersgd.rank=2";
-  auto uninterrupted = run_command(on_two_machines_of_two(train_prior(dir / "whole", low)));
-  ASSERT_EQ(uninterrupted.status, 0) << uninterrupted.output;
+  train_whole_and_resumed(dir, train_prior, low);
+  ASSERT_FALSE(HasFailure());
   EXPECT_GT(largest_difference(weights_at(dir / "plain", 10), weights_at(dir / "whole", 10)), 1e-4) << "compressed";
   EXPECT_LT(metrics_at(dir / "whole", 10)["loss"].get<double>(), metrics_at(dir / "whole", 1)["loss"].get<double>());
-  for (const char* steps : {"5", "10"}) {
-    auto leg = run_command(on_two_machines_of_two(train_prior(dir / "resumed", low + " --set run.steps=" + steps)));
-    ASSERT_EQ(leg.status, 0) << leg.output;
-  }
   const auto state = io::load_checkpoint(dir / "resumed/checkpoints/step-000000005").state;
   EXPECT_TRUE(state.count("reducer.error.resblocks.0.qkv.weight")) << "the shards' error feedback, whole";
   EXPECT_EQ(state.at("reducer.updates").item<int64_t>(), 5);
@@ -674,12 +687,8 @@ TEST_F(TrainingJob, ShardedPowerSgdFineTuningLeavesTheFrozenBlocksAndResumesExac
                            " --set distributed.sharding=within_node --set distributed.gradient_reduction=powersgd"
                            " --set distributed.powersgd.start_update=1 --set distributed.powersgd.rank=2"
                            " --set distributed.powersgd.min_compression_rate=0 --set learning_rate.decay=plateau";
-  auto whole = run_command(on_two_machines_of_two(train_prior(dir / "whole", tune)));
-  ASSERT_EQ(whole.status, 0) << whole.output;
-  for (const char* steps : {"5", "10"}) {
-    auto leg = run_command(on_two_machines_of_two(train_prior(dir / "resumed", tune + " --set run.steps=" + steps)));
-    ASSERT_EQ(leg.status, 0) << leg.output;
-  }
+  train_whole_and_resumed(dir, train_prior, tune);
+  ASSERT_FALSE(HasFailure());
   const auto tuned = weights_at(dir / "whole", 10);
   EXPECT_LT(largest_difference(tuned, weights_at(dir / "resumed", 10)), 1e-5);
   const auto started_from = io::inference_weights(io::load_checkpoint(dir / "base/checkpoints/step-000000005"));
@@ -701,13 +710,10 @@ TEST_F(TrainingJob, ShardedPowerSgdWithWarmQResumesExactly) {
                            " --set distributed.powersgd.start_update=1 --set distributed.powersgd.min_compression_rate=0"
                            " --set distributed.powersgd.rank=2 --set distributed.powersgd.warm_start=true"
                            " --set learning_rate.decay=plateau";  // a schedule that run.steps leaves alone
-  auto uninterrupted = run_command(on_two_machines_of_two(train_prior(dir / "whole", warm)));
-  ASSERT_EQ(uninterrupted.status, 0) << uninterrupted.output;
-  for (const char* steps : {"5", "10"}) {
-    auto leg = run_command(on_two_machines_of_two(train_prior(dir / "resumed", warm + " --set run.steps=" + steps)));
-    ASSERT_EQ(leg.status, 0) << leg.output;
-    EXPECT_THAT(leg.output, ::testing::Not(::testing::HasSubstr("warm Q starts afresh")));
+  for (const auto& leg : train_whole_and_resumed(dir, train_prior, warm)) {
+    EXPECT_THAT(leg, ::testing::Not(::testing::HasSubstr("warm Q starts afresh")));
   }
+  ASSERT_FALSE(HasFailure());
   EXPECT_TRUE(io::read_safetensors(dir / "resumed/checkpoints/step-000000005/shard-00001-of-00002.safetensors")
                   .tensors.count("powersgd_q.0.0"));
   EXPECT_LT(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10)), 1e-6);
@@ -728,12 +734,8 @@ TEST_F(TrainingJob, ShardedPowerSgdInDallEsSixteenBitsLearnsAndResumes) {
                             " --set distributed.powersgd.rank=2 --set distributed.powersgd.dtype=bfloat16"
                             " --set precision.mode=float16 --set precision.weights=bfloat16"
                             " --set precision.adam_moments=bfloat16 --set learning_rate.decay=plateau";
-  auto whole = run_command(on_two_machines_of_two(train_prior(dir / "whole", dalle)));
-  ASSERT_EQ(whole.status, 0) << whole.output;
-  for (const char* steps : {"5", "10"}) {
-    auto leg = run_command(on_two_machines_of_two(train_prior(dir / "resumed", dalle + " --set run.steps=" + steps)));
-    ASSERT_EQ(leg.status, 0) << leg.output;
-  }
+  train_whole_and_resumed(dir, train_prior, dalle);
+  ASSERT_FALSE(HasFailure());
   EXPECT_LT(metrics_at(dir / "whole", 10)["loss"].get<double>(), metrics_at(dir / "whole", 1)["loss"].get<double>());
   EXPECT_EQ(metrics_at(dir / "whole", 10)["skipped_updates"].get<int64_t>(), 0);
   const double resumed = largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10));
