@@ -56,7 +56,7 @@
 #include "dalle/train/adamw.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
-#include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/sharded_prior.h"
 #include "dalle/train/trainable.h"
 #include "dalle/train/update_step.h"
 
@@ -478,7 +478,7 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   int64_t parameters = 0;
   for (const auto& p : prior->parameters()) parameters += p.numel();
   // Sharded: the resblocks' shards and the replicated rest are what AdamW steps.
-  std::unique_ptr<train::ShardedResblocks> shards;
+  std::unique_ptr<train::ShardedPrior> shards;
   std::vector<torch::Tensor> learned;
   if (sharded && job.size() > 1) {
     std::unordered_set<const torch::TensorImpl*> in_blocks;
@@ -488,7 +488,7 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
     for (const auto& p : prior->parameters()) {
       if (!in_blocks.count(p.unsafeGetTensorImpl())) learned.push_back(p);
     }
-    shards = std::make_unique<train::ShardedResblocks>(
+    shards = std::make_unique<train::ShardedPrior>(
         *prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, job.within_node(),
         link.overlap);
     for (const auto& shard : shards->parameters()->shards()) learned.push_back(shard);

@@ -39,7 +39,7 @@ int64_t numel(const Shape& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
 }
 
-// One resblock as ShardedResblocks groups it, once the recipe's adapters are added and
+// One resblock as ShardedPrior groups it, once the recipe's adapters are added and
 // optimizer.trainable applied: its trained matrices (which AdamW decays: no embeddings live in
 // a block), its other trained tensors, its frozen ones, each in the block's parameter order,
 // and its adapters, which stay whole.

@@ -10,7 +10,7 @@
 #include "dalle/models/adapter.h"
 #include "dalle/models/prior_flops.h"
 #include "dalle/train/precision.h"
-#include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/sharded_prior.h"
 #include "dalle/train/trainable.h"
 #include "distributed/on_ranks.h"
 #include "test_support.h"
@@ -92,7 +92,7 @@ TEST(CapacityPlan, CountsTheParametersOfTheBuiltModel) {
 TEST(CapacityPlan, ShardedStateIsAShareOfEveryResblockAndTheWholeRest) {
   const int64_t gpus = 4;
   const models::Prior prior(tiny_model());
-  // As ShardedResblocks groups a block: its matrices, then the rest, each padded to the ranks.
+  // As ShardedPrior groups a block: its matrices, then the rest, each padded to the ranks.
   int64_t shards = 0, in_blocks = 0, largest_block = 0;
   for (const auto& block : prior->resblocks()) {
     int64_t matrices = 0, rest = 0;
@@ -330,7 +330,7 @@ TEST(CapacityPlan, ShardedBytesAreWhatTheShardsAndTheReducerCount) {
     for (const auto& parameter : prior->parameters()) {
       if (!in_blocks.count(parameter.unsafeGetTensorImpl())) learned.push_back(parameter);
     }
-    ShardedResblocks shards(*prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, within);
+    ShardedPrior shards(*prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, within);
     for (const auto& shard : shards.parameters()->shards()) learned.push_back(shard);
     prior->set_resblock_runner(shards.runner(
         [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
@@ -365,7 +365,7 @@ TEST(CapacityPlan, SixteenBitShardsHoldAndMoveWhatThePlanCounts) {
     int64_t in_blocks = 0;
     for (const auto& block : prior->resblocks()) in_blocks += numel_of(block->parameters());
     const double replicated = 4.0 * static_cast<double>(numel_of(prior->parameters()) - in_blocks);
-    ShardedResblocks shards(*prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; },
+    ShardedPrior shards(*prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; },
                             testing::group_at(place), true, nullptr, torch::kBFloat16);
     const auto bytes_of = [](const torch::Tensor& tensor) {
       return static_cast<double>(tensor.numel()) * static_cast<double>(tensor.element_size());
@@ -522,7 +522,7 @@ TEST(CapacityPlan, ShardedFineTuningIsWhatTheShardsAndTheReducerCount) {
       if (whole) held += item.value().numel();
       if (whole && item.value().requires_grad()) learned.push_back(item.value());
     }
-    ShardedResblocks shards(*prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, group,
+    ShardedPrior shards(*prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, group,
                             true, models::is_adapter_tensor);
     for (size_t g = 0; g < shards.parameters()->groups(); ++g) {
       held += shards.parameters()->shard(g).numel();

@@ -24,7 +24,7 @@
 #include "dalle/train/precision.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
-#include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/sharded_prior.h"
 #include "dalle/train/stochastic_rounding.h"
 #include "dalle/train/update_step.h"
 #include "train/run_directory.h"
@@ -44,7 +44,7 @@ void PriorTrainer::State::build_model(bool starts_from_init) {
     model = models::Prior(config.model);
     return;
   }
-  shards = std::make_unique<ShardedResblocks>(2 * static_cast<size_t>(config.model.layers), decayed_by_adamw,
+  shards = std::make_unique<ShardedPrior>(2 * static_cast<size_t>(config.model.layers), decayed_by_adamw,
                                               job->within_node(), config.distributed.overlap,
                                               models::is_adapter_tensor, config.precision.weights_dtype());
   model = models::Prior(config.model, [this](size_t b, models::ResblockImpl& block) {
@@ -65,7 +65,7 @@ void PriorTrainer::State::build_model(bool starts_from_init) {
 // its frozen base too; the blocks' own tensors are emptied. Adapters, small, stay whole.
 void PriorTrainer::State::cut_resblocks() {
   if (shards || config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
-  shards = std::make_unique<ShardedResblocks>(*model, decayed_by_adamw, job->within_node(),
+  shards = std::make_unique<ShardedPrior>(*model, decayed_by_adamw, job->within_node(),
                                               config.distributed.overlap, models::is_adapter_tensor,
                                               config.precision.weights_dtype());
 }

@@ -34,7 +34,7 @@
 #include "dalle/train/precision.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
-#include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/sharded_prior.h"
 #include "dalle/train/stochastic_rounding.h"
 #include "dalle/train/update_step.h"
 #include "train/run_directory.h"

@@ -16,7 +16,7 @@
 #include "dalle/data/token_dataset.h"
 #include "dalle/distributed/sharded_reducer.h"
 #include "dalle/io/sharded_checkpoint.h"
-#include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/sharded_prior.h"
 #include "dalle/train/trainers/prior_trainer.h"
 #include "train/trainer_state.h"
 
@@ -67,7 +67,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   // distributed.sharding within_node: the resblocks' shards and their moving averages
   // (float32; in host memory for 16-bit shards), and the runners that gather the blocks for
   // training and for validation on the average.
-  std::unique_ptr<ShardedResblocks> shards;
+  std::unique_ptr<ShardedPrior> shards;
   std::vector<torch::Tensor> shard_averages;
   std::shared_ptr<distributed::ShardedReducer> sharded_reducer;
   models::ResblockRunner training_runner, validation_runner;

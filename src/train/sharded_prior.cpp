@@ -1,4 +1,4 @@
-#include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/sharded_prior.h"
 
 #include <torch/torch.h>
 
@@ -69,14 +69,14 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
 
 }  // namespace
 
-ShardedResblocks::ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
+ShardedPrior::ShardedPrior(models::PriorImpl& prior, const DecayRule& decayed,
                                    std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
                                    const KeepWhole& keep_whole, torch::ScalarType matrices)
-    : ShardedResblocks(prior.resblocks().size(), decayed, std::move(group), overlap, keep_whole, matrices) {
+    : ShardedPrior(prior.resblocks().size(), decayed, std::move(group), overlap, keep_whole, matrices) {
   for (size_t b = 0; b < blocks_; ++b) add_block(b, *prior.resblocks()[b]);
 }
 
-ShardedResblocks::ShardedResblocks(size_t blocks, const DecayRule& decayed,
+ShardedPrior::ShardedPrior(size_t blocks, const DecayRule& decayed,
                                    std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
                                    const KeepWhole& keep_whole, torch::ScalarType matrices)
     : blocks_(blocks),
@@ -89,7 +89,7 @@ ShardedResblocks::ShardedResblocks(size_t blocks, const DecayRule& decayed,
 
 // Group 2b: the block's trained matrices (AdamW decays them), in `matrices_`; 2b + 1: the rest
 // of what trains; 2 blocks + b: what is frozen.
-void ShardedResblocks::add_block(size_t b, models::ResblockImpl& block) {
+void ShardedPrior::add_block(size_t b, models::ResblockImpl& block) {
   if (b >= blocks_ || block_index_.count(&block)) {
     throw Error("sharded resblocks: block " + std::to_string(b) + " added twice, or beyond the " +
                 std::to_string(blocks_) + " blocks");
@@ -116,7 +116,7 @@ void ShardedResblocks::add_block(size_t b, models::ResblockImpl& block) {
   sharded_->set_group(2 * blocks_ + b, std::move(frozen));
 }
 
-void ShardedResblocks::gather_averages(const std::vector<torch::Tensor>& averages) const {
+void ShardedPrior::gather_averages(const std::vector<torch::Tensor>& averages) const {
   if (averages.empty()) return sharded_->gather_from({});
   if (averages.size() != trained_groups()) throw Error("sharded resblocks: an average per trained group");
   auto sources = averages;
@@ -124,19 +124,19 @@ void ShardedResblocks::gather_averages(const std::vector<torch::Tensor>& average
   sharded_->gather_from(std::move(sources));
 }
 
-std::vector<torch::Tensor> ShardedResblocks::decayed_shards() const {
+std::vector<torch::Tensor> ShardedPrior::decayed_shards() const {
   std::vector<torch::Tensor> shards;
   for (size_t b = 0; b < blocks_; ++b) shards.push_back(sharded_->shard(2 * b));
   return shards;
 }
 
-std::vector<torch::Tensor> ShardedResblocks::undecayed_shards() const {
+std::vector<torch::Tensor> ShardedPrior::undecayed_shards() const {
   std::vector<torch::Tensor> shards;
   for (size_t b = 0; b < blocks_; ++b) shards.push_back(sharded_->shard(2 * b + 1));
   return shards;
 }
 
-std::vector<std::vector<torch::Tensor>> ShardedResblocks::scale_groups() const {
+std::vector<std::vector<torch::Tensor>> ShardedPrior::scale_groups() const {
   std::vector<std::vector<torch::Tensor>> groups;
   for (size_t b = 0; b < blocks_; ++b) {
     groups.push_back({sharded_->shard(2 * b), sharded_->shard(2 * b + 1)});
@@ -145,7 +145,7 @@ std::vector<std::vector<torch::Tensor>> ShardedResblocks::scale_groups() const {
   return groups;
 }
 
-models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner, torch::ScalarType kept_as) const {
+models::ResblockRunner ShardedPrior::runner(models::ResblockRunner inner, torch::ScalarType kept_as) const {
   std::vector<bool> trains;
   for (size_t b = 0; b < blocks_; ++b) {
     const int64_t in_shards = sharded_->shard(2 * b).numel() + sharded_->shard(2 * b + 1).numel();
@@ -173,7 +173,7 @@ models::ResblockRunner ShardedResblocks::runner(models::ResblockRunner inner, to
   };
 }
 
-io::TensorMap ShardedResblocks::frozen_weights() const {
+io::TensorMap ShardedPrior::frozen_weights() const {
   io::TensorMap named;
   for (size_t g = trained_groups(); g < sharded_->groups(); ++g) {
     const auto full = sharded_->unshard(g, sharded_->shard(g));
@@ -182,7 +182,7 @@ io::TensorMap ShardedResblocks::frozen_weights() const {
   return named;
 }
 
-void ShardedResblocks::restore_frozen(io::TensorMap& weights) const {
+void ShardedPrior::restore_frozen(io::TensorMap& weights) const {
   torch::NoGradGuard no_grad;
   for (size_t g = trained_groups(); g < sharded_->groups(); ++g) {
     std::vector<torch::Tensor> full;

@@ -26,7 +26,7 @@
 
 namespace dalle::train {
 
-class ShardedResblocks {
+class ShardedPrior {
  public:
   // Whether AdamW decays a parameter, by its name in the prior's state dict.
   using DecayRule = std::function<bool(const std::string& name, const torch::Tensor& parameter)>;
@@ -37,12 +37,12 @@ class ShardedResblocks {
   // `overlap`: a block's reduce-scatter runs while backward goes on (ShardedParameters).
   // `matrices`: the storage of the trained groups AdamW decays (precision.weights); the
   // rest is float32.
-  ShardedResblocks(models::PriorImpl& prior, const DecayRule& decayed,
+  ShardedPrior(models::PriorImpl& prior, const DecayRule& decayed,
                    std::shared_ptr<distributed::ProcessGroup> group, bool overlap = true,
                    const KeepWhole& keep_whole = nullptr, torch::ScalarType matrices = torch::kFloat32);
   // The same for a prior of `blocks` resblocks not built yet, each then cut by add_block as it
   // is built (models::ResblockBuilt): no rank holds more than one block whole.
-  ShardedResblocks(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
+  ShardedPrior(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
                    bool overlap = true, const KeepWhole& keep_whole = nullptr,
                    torch::ScalarType matrices = torch::kFloat32);
   // Cuts resblock b (named "resblocks.<b>." as in the prior's state dict) into its shards and

@@ -1,6 +1,6 @@
-// ShardedResblocks built with the prior (models::ResblockBuilt): each block cut into its shards
+// ShardedPrior built with the prior (models::ResblockBuilt): each block cut into its shards
 // as soon as it is drawn holds, on every rank, the weights of a whole build from the same seed.
-#include "dalle/train/sharded_resblocks.h"
+#include "dalle/train/sharded_prior.h"
 
 #include <torch/torch.h>
 
@@ -41,7 +41,7 @@ models::Prior copy_of(const models::Prior& reference) {
   return prior;
 }
 
-TEST(ShardedResblocks, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
+TEST(ShardedPrior, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
   const auto config = tiny_model();
   torch::manual_seed(5);
   const models::Prior whole(config);
@@ -52,7 +52,7 @@ TEST(ShardedResblocks, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
     testing::on_ranks(ranks, [&](const distributed::LaunchEnvironment& place) {
       const size_t blocks = 2 * static_cast<size_t>(config.layers);
       const auto group = testing::group_at(place);
-      ShardedResblocks shards(blocks, is_matrix, group, true, nullptr, torch::kBFloat16);
+      ShardedPrior shards(blocks, is_matrix, group, true, nullptr, torch::kBFloat16);
       models::Prior prior{nullptr};
       {
         std::lock_guard<std::mutex> lock(drawing);
@@ -82,7 +82,7 @@ TEST(ShardedResblocks, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
       models::Prior copy(config);
       torch::NoGradGuard no_grad;
       for (auto& item : copy->named_parameters()) item.value().copy_(expected.at(item.key()));
-      ShardedResblocks cut(*copy, is_matrix, group, true, nullptr, torch::kBFloat16);
+      ShardedPrior cut(*copy, is_matrix, group, true, nullptr, torch::kBFloat16);
       for (size_t g = 0; g < sharded.groups(); ++g) {
         EXPECT_TRUE(torch::equal(cut.parameters()->shard(g), sharded.shard(g))) << "group " << g;
         EXPECT_EQ(cut.names(g), shards.names(g)) << "group " << g;
@@ -98,7 +98,7 @@ TEST(ShardedResblocks, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
 // their collectives in different orders. Each group keeps its own order: the update ends on
 // both ranks, the missing gradient counts as zeros, and every gradient is the mean of the
 // ranks' own, as one process computes them.
-TEST(ShardedResblocks, ARankLackingAReplicatedGradientOrdersItsCollectivesAsTheOthers) {
+TEST(ShardedPrior, ARankLackingAReplicatedGradientOrdersItsCollectivesAsTheOthers) {
   const auto config = tiny_model();
   const int64_t ranks = 2;
   torch::manual_seed(3);
@@ -143,7 +143,7 @@ TEST(ShardedResblocks, ARankLackingAReplicatedGradientOrdersItsCollectivesAsTheO
     // backward begins, before any block's reduce-scatter; rank 1 starts no bucket until the end.
     replicated.push_back(bias);
     replicated_names.push_back("bias");
-    ShardedResblocks shards(*prior, is_matrix, machine);
+    ShardedPrior shards(*prior, is_matrix, machine);
     prior->set_resblock_runner(shards.runner(
         [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
           return x + block.branch(x, context);
@@ -173,7 +173,7 @@ TEST(ShardedResblocks, ARankLackingAReplicatedGradientOrdersItsCollectivesAsTheO
 // checkpointed_inputs, sharded: each gathered block keeps its input in bfloat16 for its
 // backward, as the unsharded checkpointed runner does, so that the shards' gradients are the
 // ranks' mean of that runner's (and not of the float32-kept one's).
-TEST(ShardedResblocks, SixteenBitKeptInputsGiveTheCheckpointedRunnersGradients) {
+TEST(ShardedPrior, SixteenBitKeptInputsGiveTheCheckpointedRunnersGradients) {
   const auto config = tiny_model();
   const int64_t ranks = 2;
   torch::manual_seed(8);
@@ -197,7 +197,7 @@ TEST(ShardedResblocks, SixteenBitKeptInputsGiveTheCheckpointedRunnersGradients) 
   const auto rounded = mean_of_checkpointed(torch::kBFloat16), exact = mean_of_checkpointed(torch::kFloat32);
   testing::on_ranks(ranks, [&](const distributed::LaunchEnvironment& place) {
     auto prior = copy_of(reference);
-    ShardedResblocks shards(*prior, is_matrix, testing::group_at(place));
+    ShardedPrior shards(*prior, is_matrix, testing::group_at(place));
     prior->set_resblock_runner(shards.runner(
         [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
           return x + block.branch(x, context);
