@@ -477,17 +477,10 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   models::Prior prior(config);
   int64_t parameters = 0;
   for (const auto& p : prior->parameters()) parameters += p.numel();
-  // Sharded: the resblocks' shards and the replicated rest are what AdamW steps.
+  // Sharded: the shards are what AdamW steps.
   std::unique_ptr<train::ShardedPrior> shards;
   std::vector<torch::Tensor> learned;
   if (sharded && job.size() > 1) {
-    std::unordered_set<const torch::TensorImpl*> in_blocks;
-    for (const auto& block : prior->resblocks()) {
-      for (const auto& p : block->parameters()) in_blocks.insert(p.unsafeGetTensorImpl());
-    }
-    for (const auto& p : prior->parameters()) {
-      if (!in_blocks.count(p.unsafeGetTensorImpl())) learned.push_back(p);
-    }
     shards = std::make_unique<train::ShardedPrior>(
         *prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, job.within_node(),
         link.overlap);

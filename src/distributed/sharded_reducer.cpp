@@ -12,18 +12,24 @@ namespace dalle::distributed {
 
 ShardedReducer::ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> world,
                                std::shared_ptr<ProcessGroup> within_node, std::shared_ptr<ProcessGroup> across_nodes,
-                               int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd, bool overlap)
+                               int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd, bool overlap,
+                               std::vector<size_t> uncompressed)
     : sharded_(std::move(sharded)),
       within_node_(std::move(within_node)),
       across_group_(std::move(across_nodes)),
       replicated_(std::move(world), bucket_bytes, overlap),
-      powersgd_(powersgd) {
+      powersgd_(powersgd),
+      uncompressed_(uncompressed.begin(), uncompressed.end()) {
   if (!across_group_) return;
   across_nodes_ = std::make_unique<DataParallelReducer>(across_group_, bucket_bytes);
   if (powersgd_) low_rank_ = std::make_unique<LowRankAverager>(across_group_, *powersgd_);
 }
 
 bool ShardedReducer::compressing() const { return low_rank_ && updates_ >= powersgd_->start_update; }
+
+int64_t ShardedReducer::error_values(size_t g) const {
+  return sharded_->trains(g) && !uncompressed_.count(g) ? sharded_->shard(g).numel() : 0;
+}
 
 int64_t ShardedReducer::bytes_across_nodes() const {
   return (across_nodes_ ? across_nodes_->bytes_reduced() : 0) + (low_rank_ ? low_rank_->bytes_reduced() : 0) +
@@ -115,7 +121,7 @@ void ShardedReducer::prepare_low_rank() {
   int64_t slot = 0;
   for (size_t g = 0; g < sharded_->groups(); ++g) {
     const auto& shard = sharded_->shard(g);
-    const int64_t values = sharded_->trains(g) ? shard.numel() : 0;  // a frozen group sends nothing
+    const int64_t values = error_values(g);
     errors_.push_back(torch::zeros({values}, torch::TensorOptions().dtype(powersgd_->dtype).device(shard.device())));
     std::vector<ShardRows> compressed;
     std::vector<LowRankState> states;
@@ -252,7 +258,8 @@ void ShardedReducer::load_state(const io::TensorMap& state, const std::string& p
 
 torch::Tensor ShardedReducer::shard_error(size_t g) {
   if (!low_rank_) return {};
-  if (errors_.empty()) {  // before compression: zeros, the buffers not yet made
+  // Before compression (the buffers not yet made), or a group sent whole: zeros.
+  if (errors_.empty() || uncompressed_.count(g)) {
     const int64_t values = sharded_->trains(g) ? sharded_->shard(g).numel() : 0;
     return torch::zeros({values}, torch::TensorOptions().device(across_group_->device()));
   }
@@ -290,8 +297,11 @@ void ShardedReducer::set_shard_error(size_t g, const torch::Tensor& error) {
   if (error.numel() != (sharded_->trains(g) ? sharded_->shard(g).numel() : 0)) {
     throw Error("the checkpoint's PowerSGD error feedback does not fit shard " + std::to_string(g));
   }
-  // Zeros (a checkpoint written before compression) make no buffers before they are needed.
-  if (errors_.empty() && (error.numel() == 0 || !error.ne(0).any().item<bool>())) return;
+  // Zeros (a checkpoint written before compression) make no buffers before they are needed; a
+  // group sent whole has none.
+  if (uncompressed_.count(g) || (errors_.empty() && (error.numel() == 0 || !error.ne(0).any().item<bool>()))) {
+    return;
+  }
   prepare_low_rank();
   errors_[g].copy_(error.reshape({-1}));
 }

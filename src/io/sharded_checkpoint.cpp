@@ -144,7 +144,9 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
   if (const auto layout = checkpoint.state_metadata.find(kLayoutKey); layout != checkpoint.state_metadata.end()) {
     written = parse_layout(root, layout->second);
     checkpoint.state_metadata.erase(layout);
-    if (written->groups.size() != wanted.groups.size()) {
+    // Groups beyond the written ones are read from the whole tensors (a checkpoint written
+    // before the prior's embeddings and head were sharded keeps them whole).
+    if (written->groups.size() > wanted.groups.size()) {
       throw Error(directory + ": the checkpoint's shards hold " + std::to_string(written->groups.size()) +
                   " groups where the model has " + std::to_string(wanted.groups.size()));
     }
@@ -163,8 +165,9 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
   };
   for (size_t g = 0; g < wanted.groups.size(); ++g) {
     TensorMap group_slices;
+    const bool in_shards = written && g < written->groups.size();
     for (const auto& [kind, where] : wanted.kinds) {
-      if (written && !written->kinds.count(kind)) continue;
+      if (in_shards && !written->kinds.count(kind)) continue;
       const int64_t values = values_of(wanted.groups[g]);
       const int64_t share = shard_size(values, ranks), low = rank * share, high = std::min(values, low + share);
       auto slice = torch::zeros({share});
@@ -172,7 +175,7 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
         group_slices.emplace(slice_key(kind, g), std::move(slice));
         continue;
       }
-      if (written) {
+      if (in_shards) {
         if (values_of(written->groups[g]) != values) {
           throw Error(directory + ": the checkpoint's shard group " + std::to_string(g) + " holds " +
                       std::to_string(values_of(written->groups[g])) + " values where the model has " +

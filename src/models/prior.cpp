@@ -153,16 +153,42 @@ void check_tokens(const torch::Tensor& tokens, int64_t start, const PriorConfig&
 
 torch::Tensor PriorImpl::run(const torch::Tensor& tokens, const ResblockContext& context) {
   check_tokens(tokens, context.start, config_);
-  return through_resblocks(embed(tokens, context.start), context);
+  const int64_t start = context.start;
+  const auto x = run_end(
+      PriorEnd::embeddings, [this, start](const torch::Tensor& ids) { return embed(ids, start); }, tokens);
+  return through_resblocks(x, context);
 }
 
 torch::Tensor PriorImpl::through_resblocks(torch::Tensor x, const ResblockContext& context) {
   for (const auto& block : resblocks_) {
     x = runner_ ? runner_(*block, x, context) : x + block->branch(x, context);
   }
-  x = final_norm_(x);
-  if (head_norm_) x = head_norm_(x);
-  return to_logits_(x);
+  return run_end(PriorEnd::head, [this](const torch::Tensor& stream) { return head(stream); }, x);
+}
+
+torch::Tensor PriorImpl::head(const torch::Tensor& x) {
+  auto y = final_norm_(x);
+  if (head_norm_) y = head_norm_(y);
+  return to_logits_(y);
+}
+
+torch::Tensor PriorImpl::run_end(PriorEnd end, const std::function<torch::Tensor(const torch::Tensor&)>& part,
+                                 const torch::Tensor& input) {
+  return end_runner_ ? end_runner_(end, part, input) : part(input);
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> PriorImpl::end_parameters(PriorEnd end) const {
+  // named_parameters()' order: the embeddings' modules, the resblocks, then the head's.
+  std::vector<std::pair<std::string, torch::Tensor>> parameters;
+  bool after_blocks = false;
+  for (const auto& item : named_parameters()) {
+    if (item.key().starts_with("resblocks.")) {
+      after_blocks = true;
+      continue;
+    }
+    if (after_blocks == (end == PriorEnd::head)) parameters.emplace_back(item.key(), item.value());
+  }
+  return parameters;
 }
 
 torch::Tensor PriorImpl::forward(const torch::Tensor& tokens) {
@@ -199,7 +225,9 @@ torch::Tensor PriorImpl::forward_step(const torch::Tensor& codes, KvCache& cache
     throw Error("prior: a decoding step takes codes [B, 1], one position and 1 .. " +
                 std::to_string(config_.length()) + " keys");
   }
-  const auto x = embed_image(codes, position - config_.text_length);
+  const auto cells = position - config_.text_length;
+  const auto x = run_end(
+      PriorEnd::embeddings, [this, cells](const torch::Tensor& ids) { return embed_image(ids, cells); }, codes);
   return through_resblocks(x, {.cache = &cache, .path = AttentionPath::dense, .position = position, .keys = keys});
 }
 

@@ -18,6 +18,7 @@
 #include "dalle/models/prior_flops.h"
 #include "dalle/train/trainable.h"
 #include "train/capacity_plan_text.h"
+#include "train/trainers/prior_weight_decay.h"
 
 namespace dalle::train {
 namespace {
@@ -85,6 +86,8 @@ struct BlockShape {
 // The parameters' shapes of one layer's two resblocks and of everything outside them.
 struct ModelShape {
   std::vector<BlockShape> layer;  // attention, then MLP
+  // The embeddings and the head as ShardedPrior groups them (group 0: what AdamW decays).
+  BlockShape ends[2];
   std::vector<Shape> outside, outside_trained;  // the base's; what trains, adapters included
   int64_t outside_matrix_weights = 0, outside_adapters = 0;
   bool frozen = false;  // optimizer.trainable or adapters leave part of the model frozen
@@ -135,6 +138,19 @@ ModelShape measure(const PriorTrainConfig& recipe) {
     if (parameter.requires_grad()) shape.outside_trained.push_back(parameter.sizes().vec());
   }
   shape.outside_matrix_weights = base_matrix_weights - block_matrix_weights;
+  for (const auto end : {models::PriorEnd::embeddings, models::PriorEnd::head}) {
+    auto& measured = shape.ends[end == models::PriorEnd::head ? 1 : 0];
+    for (const auto& [name, parameter] : prior->end_parameters(end)) {
+      auto sizes = parameter.sizes().vec();
+      if (!parameter.requires_grad()) {
+        measured.groups[2].push_back(std::move(sizes));
+      } else if (models::is_adapter_tensor(name)) {
+        measured.adapters.push_back(std::move(sizes));
+      } else {
+        measured.groups[prior_training::decayed_by_adamw(name, parameter) ? 0 : 1].push_back(std::move(sizes));
+      }
+    }
+  }
   return shape;
 }
 
@@ -206,7 +222,12 @@ LowRankCost shard_low_rank(const ModelShape& shape, int64_t layers, int64_t rank
       per_layer.whole_values += left;
     }
   }
-  return per_layer.times(static_cast<double>(layers));
+  auto cost = per_layer.times(static_cast<double>(layers));
+  // The embeddings and head cross whole (ShardedPrior::uncompressed_groups).
+  for (const auto& end : shape.ends) {
+    cost.whole_values += static_cast<double>(end.trained_shard_values(ranks));
+  }
+  return cost;
 }
 
 double ring_factor(const std::string& collective, int64_t ranks) {
@@ -306,12 +327,16 @@ class Planner {
     counts.adapters = layers_ * layer_adapters + shape_.outside_adapters;
     counts.total = counts.in_resblocks + counts.outside_resblocks + counts.adapters;
     counts.trained = shape_.frozen ? layers_ * layer_trained + outside_trained_ : counts.total;
-    shard_values_ = layers_ * layer_shards;
-    trained_shard_values_ = layers_ * layer_trained_shards;
+    for (const auto& end : shape_.ends) {
+      end_shard_values_ += end.shard_values(gpus_);
+      end_trained_shard_values_ += end.trained_shard_values(gpus_);
+    }
+    shard_values_ = layers_ * layer_shards + end_shard_values_;
+    trained_shard_values_ = layers_ * layer_trained_shards + end_trained_shard_values_;
     matrix_shard_values_ = layers_ * layer_matrix_shards;
-    // Sharded, a rank holds its shards of the blocks, the rest whole, and the adapters whole.
-    replicated_trained_ = layers_ * layer_adapters + outside_trained_;
-    counts.per_rank = plan_.sharded ? shard_values_ + counts.outside_resblocks + counts.adapters : counts.total;
+    // Sharded, a rank holds its shards of the blocks, embeddings and head, and the adapters whole.
+    replicated_trained_ = layers_ * layer_adapters + shape_.outside_adapters;
+    counts.per_rank = plan_.sharded ? shard_values_ + counts.adapters : counts.total;
     trained_per_rank_ = plan_.sharded ? trained_shard_values_ + replicated_trained_ : counts.trained;
   }
 
@@ -325,7 +350,7 @@ class Planner {
   void state_memory() {
     const double held = static_cast<double>(plan_.parameters.per_rank);
     const std::string what = plan_.sharded ? "1/" + std::to_string(gpus_) +
-                                                 " of every resblock (padded) and the rest whole"
+                                                 " of every resblock, the embeddings and the head (padded)"
                                            : "the whole model";
     const bool frozen = shape_.frozen;
     // frozen_weights: the frozen block matrices in 16 bits, in the model and in the validation
@@ -337,7 +362,8 @@ class Planner {
     const double saved = plan_.sharded ? 0 : 2 * sixteen_bit;
     // precision.weights, sharded: the trained matrices' shards and their gradients in 16 bits.
     const double halved = (kFp32 - matrix_bytes_) * static_cast<double>(matrix_shard_values_);
-    const std::string stored = sixteen_bit_matrices() ? plan_.weights + " matrices, fp32 rest, " : "fp32, ";
+    const std::string stored =
+        sixteen_bit_matrices() ? plan_.weights + " resblock matrices, fp32 rest, " : "fp32, ";
     add_memory("weights", MemoryPhase::kept, kFp32 * held - saved - halved,
                saved > 0 ? "fp32, the whole model, its frozen resblock matrices in " + recipe_.frozen_weights
                          : stored + what + (frozen ? ", frozen and trained" : ""));
@@ -440,10 +466,14 @@ class Planner {
                    (kept == kFp32 ? std::string("fp32") : "the checkpointed ones' in " + recipe_.checkpointed_inputs) +
                    "), the internals of those not checkpointed, one recomputed");
     const double classes = static_cast<double>(recipe_.model.text_classes() + recipe_.model.image_vocab_size);
-    add_memory("logits", MemoryPhase::backward, tokens * classes * kLogitBytes,
+    // Sharded, backward holds the logits and the gathered head first, then one gathered block
+    // at a time: two moments, the larger counts.
+    const auto at_head = plan_.sharded ? MemoryPhase::backward_head : MemoryPhase::backward;
+    const auto at_blocks = plan_.sharded ? MemoryPhase::backward_blocks : MemoryPhase::backward;
+    add_memory("logits", at_head, tokens * classes * kLogitBytes,
                "fp32 values, log-softmax and gradient per token and class");
     if (sixteen_bits) {
-      add_memory("16-bit weight copies", MemoryPhase::backward, 2 * (copied_weights + recomputed_weights),
+      add_memory("16-bit weight copies", at_blocks, 2 * (copied_weights + recomputed_weights),
                  std::string("autocast's casts of the blocks whose activations are kept, and of one recomputed") +
                      (matrices_stored_as_cast() ? " (not of the matrices, " + plan_.weights + " already)" : ""));
     }
@@ -473,23 +503,48 @@ class Planner {
     return matrix_bytes_ * matrices + kFp32 * (static_cast<double>(gpus_ * block.shard_values(gpus_)) - matrices);
   }
 
+  // The embeddings or the head gathered (float32 in every group), as the all-gather's output.
+  double gathered_end_bytes(const BlockShape& end) const {
+    return kFp32 * static_cast<double>(gpus_ * end.shard_values(gpus_));
+  }
+
   void gathered_memory() {
+    const auto& embeddings = shape_.ends[0];
+    const auto& head = shape_.ends[1];
     double gathered = 0, prefetched = 0, flattened = 0;
     for (const auto& block : shape_.layer) {
       gathered = std::max(gathered, gathered_bytes(block));
       prefetched = std::max(prefetched, gathered_padded_bytes(block));
       flattened = std::max(flattened, kFp32 * static_cast<double>(gpus_ * block.trained_shard_values(gpus_)));
     }
+    const double last_block = prefetched, block_flattened = flattened;
+    // The first block prefetches the embeddings; the head's reduce-scatter may still run while
+    // the last block computes.
+    prefetched = std::max(prefetched, gathered_end_bytes(embeddings));
+    flattened = std::max(flattened, kFp32 * static_cast<double>(gpus_ * head.trained_shard_values(gpus_)));
     const std::string stored = sixteen_bit_matrices() ? plan_.weights + " matrices, fp32 rest" : "fp32";
-    add_memory("gathered resblock", MemoryPhase::backward, 2 * gathered,
+    add_memory("gathered resblock", MemoryPhase::backward_blocks, 2 * gathered,
                (sixteen_bit_matrices() ? stored + ": values" : "fp32 values") +
                    " and gradients of the largest block, whole");
-    add_memory("prefetched resblock", MemoryPhase::backward, prefetched,
+    add_memory("prefetched resblock", MemoryPhase::backward_blocks, prefetched,
                stored + ", the next block's all-gather in flight");
-    // ShardedParameters keeps the latest block's reduce-scatters running on (their inputs,
-    // flattened in fp32) while the next block's backward runs, and completes the older.
-    add_memory("reduce-scatter in flight", MemoryPhase::backward, flattened,
-               "fp32, the largest block's trained gradients flattened, reduced while the next block computes");
+    // ShardedParameters keeps the latest unit's reduce-scatters running on (their inputs,
+    // flattened in fp32) while the next one's backward runs, and completes the older.
+    add_memory("reduce-scatter in flight", MemoryPhase::backward_blocks, flattened,
+               "fp32, the largest unit's trained gradients flattened, reduced while the next block computes");
+    add_memory("gathered head", MemoryPhase::backward_head,
+               2 * kFp32 * static_cast<double>(head.values() + head.adapter_values()),
+               "fp32 values and gradients of the head, whole, as backward starts");
+    add_memory("head's reduce-scatter", MemoryPhase::backward_head,
+               kFp32 * static_cast<double>(gpus_ * head.trained_shard_values(gpus_)) + last_block,
+               "fp32, the head's gradients flattened; the last block's all-gather in flight");
+    if (embeddings.trained_values() == 0) return;
+    add_memory("gathered embeddings", MemoryPhase::backward_embeddings,
+               2 * kFp32 * static_cast<double>(embeddings.values() + embeddings.adapter_values()),
+               "fp32 values and gradients of the embeddings, whole, as backward ends (the blocks' inputs freed)");
+    add_memory("embeddings' reduce-scatter", MemoryPhase::backward_embeddings,
+               kFp32 * static_cast<double>(gpus_ * embeddings.trained_shard_values(gpus_)) + block_flattened,
+               "fp32, the embeddings' gradients flattened; the first block's reduce-scatter in flight");
   }
 
   bool reduces_low_rank() const {
@@ -525,10 +580,11 @@ class Planner {
     const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
     const auto& dtype = recipe_.distributed.powersgd.dtype;
     const auto& largest = largest_low_rank_;
-    const double error_values =
-        plan_.sharded ? static_cast<double>(trained_shard_values_) : largest.compressed_values;
+    const double error_values = plan_.sharded ? static_cast<double>(trained_shard_values_ - end_trained_shard_values_)
+                                              : largest.compressed_values;
     add_memory("PowerSGD error feedback", MemoryPhase::kept, bytes * error_values,
-               dtype + (plan_.sharded ? ", the size of the shards; the compressed rows' gradients accumulate in it"
+               dtype + (plan_.sharded ? ", the size of the resblocks' shards; the compressed rows' gradients "
+                                        "accumulate in it (the embeddings and head cross whole)"
                                       : ", the size of the compressed gradients"));
     const bool fixed_q = distributed::q_dtype(options) != torch::kFloat32;
     add_memory("PowerSGD Q", MemoryPhase::kept, (fixed_q ? bytes : kFp32) * largest.q_values,
@@ -560,16 +616,32 @@ class Planner {
     }
   }
 
+  // Sharded, backward holds what all of it holds and the larger of its head's and its blocks'
+  // moments, or, as it ends, the embeddings' moment alone.
   void decide_fit() {
-    for (const auto& part : plan_.memory) bytes_of_phase(part.phase) += part.bytes;
+    double at_head = 0, at_blocks = 0, at_embeddings = 0;
+    for (const auto& part : plan_.memory) {
+      bytes_of_phase(part.phase, at_head, at_blocks, at_embeddings) += part.bytes;
+    }
+    plan_.backward_bytes += std::max(at_head, at_blocks);
+    auto busiest = at_head >= at_blocks ? MemoryPhase::backward_head : MemoryPhase::backward_blocks;
+    if (at_embeddings > plan_.backward_bytes) {
+      plan_.backward_bytes = at_embeddings;
+      busiest = MemoryPhase::backward_embeddings;
+    }
     const auto peak_phase =
         plan_.backward_bytes >= plan_.reduction_bytes ? MemoryPhase::backward : MemoryPhase::reduction;
     plan_.peak_bytes = plan_.kept_bytes + std::max(plan_.backward_bytes, plan_.reduction_bytes);
     plan_.capacity_bytes = cluster_.gpu_memory_gib * kGiB;
     plan_.fits = plan_.peak_bytes <= plan_.capacity_bytes;
+    const auto held_at_peak = [&](MemoryPhase phase) {
+      if (phase == MemoryPhase::kept) return true;
+      if (peak_phase == MemoryPhase::reduction) return phase == MemoryPhase::reduction;
+      return phase == busiest || (phase == MemoryPhase::backward && busiest != MemoryPhase::backward_embeddings);
+    };
     std::vector<const MemoryPart*> at_peak;
     for (const auto& part : plan_.memory) {
-      if (part.phase == MemoryPhase::kept || part.phase == peak_phase) at_peak.push_back(&part);
+      if (held_at_peak(part.phase)) at_peak.push_back(&part);
     }
     std::stable_sort(at_peak.begin(), at_peak.end(), [](auto* a, auto* b) { return a->bytes > b->bytes; });
     double left = plan_.peak_bytes;
@@ -582,18 +654,25 @@ class Planner {
   }
 
   // A sharded run that trains everything from a random start builds the prior one block at a
-  // time, each cut into its shards as it is drawn: the weights' shards and the rest, one block
-  // whole in fp32 and its flattened copy being cut. Any other run builds the whole model in
-  // fp32 (a sharded one loads, freezes and cuts it once built); unsharded, the validation copy
-  // follows (of what trains, when the frozen weights are shared), and what is kept holds both
-  // anyway; sharded, there is no validation copy.
+  // time, each cut into its shards as it is drawn, then its embeddings and head. Any other run
+  // builds the whole model in fp32 (a sharded one loads, freezes and cuts it once built);
+  // unsharded, the validation copy follows (of what trains, when the frozen weights are
+  // shared), and what is kept holds both anyway; sharded, there is no validation copy.
   void startup_memory() {
     const auto& counts = plan_.parameters;
     plan_.built_sharded = recipe_.builds_sharded(plan_.sharded, !recipe_.init_from.empty());
     if (plan_.built_sharded) {
-      double block = 0;
+      // The embeddings and head are built whole and cut once the blocks are: beside the
+      // shards, they and one block drawn and flattened, or their own largest group flattened.
+      double block = 0, ends = 0, largest_end_group = 0;
       for (const auto& layer_block : shape_.layer) block = std::max(block, static_cast<double>(layer_block.values()));
-      plan_.startup_bytes = part_bytes("weights") + 2 * kFp32 * block;
+      for (const auto& end : shape_.ends) {
+        ends += static_cast<double>(end.values());
+        for (const auto& group : end.groups) {
+          largest_end_group = std::max(largest_end_group, static_cast<double>(BlockShape::values_of(group)));
+        }
+      }
+      plan_.startup_bytes = part_bytes("weights") + kFp32 * (ends + std::max(2 * block, largest_end_group));
     } else {
       const double validation_copy =
           plan_.sharded ? 0 : static_cast<double>(shape_.frozen ? counts.trained : counts.total);
@@ -609,10 +688,14 @@ class Planner {
     throw Error("plan: no memory part named " + name);
   }
 
-  double& bytes_of_phase(MemoryPhase phase) {
+  // Where a phase's parts are summed: the backward's moments apart.
+  double& bytes_of_phase(MemoryPhase phase, double& at_head, double& at_blocks, double& at_embeddings) {
     switch (phase) {
       case MemoryPhase::kept: return plan_.kept_bytes;
       case MemoryPhase::backward: return plan_.backward_bytes;
+      case MemoryPhase::backward_head: return at_head;
+      case MemoryPhase::backward_blocks: return at_blocks;
+      case MemoryPhase::backward_embeddings: return at_embeddings;
       case MemoryPhase::reduction: return plan_.reduction_bytes;
       case MemoryPhase::host: return plan_.host_bytes;
     }
@@ -655,20 +738,23 @@ class Planner {
   void sharded_traffic() {
     double blocks = 0;
     for (const auto& block : shape_.layer) blocks += static_cast<double>(layers_) * gathered_padded_bytes(block);
-    const double trained_blocks = kFp32 * static_cast<double>(gpus_ * trained_shard_values_);
+    const auto& embeddings = shape_.ends[0];
+    const auto& head = shape_.ends[1];
+    // Backward gathers the head again, and the embeddings only when they train.
+    const double forward = blocks + gathered_end_bytes(embeddings) + gathered_end_bytes(head);
+    const double backward =
+        blocks + gathered_end_bytes(head) + (embeddings.trained_values() > 0 ? gathered_end_bytes(embeddings) : 0);
+    const double trained_units = kFp32 * static_cast<double>(gpus_ * trained_shard_values_);
     const auto within = CollectiveScope::within, across = CollectiveScope::across;
     const char* moved = "ShardedParameters::bytes_moved";
-    add_traffic("resblocks gathered for forward", "all-gather", within, gpus_, blocks, moved, true);
-    add_traffic("resblocks gathered again for backward", "all-gather", within, gpus_, blocks, moved, true);
-    if (trained_blocks > 0) {
-      add_traffic("resblock gradients reduce-scattered", "reduce-scatter", within, gpus_, trained_blocks, moved,
-                  overlap_);
+    add_traffic("the prior gathered for forward", "all-gather", within, gpus_, forward, moved, true);
+    add_traffic("gathered again for backward", "all-gather", within, gpus_, backward, moved, true);
+    if (trained_units > 0) {
+      add_traffic("gradients reduce-scattered", "reduce-scatter", within, gpus_, trained_units, moved, overlap_);
     }
     const int64_t outside = replicated_trained_;
     if (cluster_.nodes == 1) {
-      add_traffic(shape_.frozen ? "replicated gradients (adapters, the rest)"
-                                : "replicated gradients (embeddings, output layer)",
-                  "all-reduce", within, gpus_, kFp32 * static_cast<double>(outside),
+      add_traffic("replicated gradients (adapters)", "all-reduce", within, gpus_, kFp32 * static_cast<double>(outside),
                   "ShardedReducer::bytes_reduced (DataParallelReducer)", overlap_);
       return;
     }
@@ -683,14 +769,14 @@ class Planner {
     const double shards = kFp32 * static_cast<double>(trained_shard_values_);
     plan_.bytes_across_uncompressed = part + shards;
     if (!powersgd_) {
-      add_traffic("resblock shards across machines", "all-reduce", across, machines, shards,
+      add_traffic("shards across machines", "all-reduce", across, machines, shards,
                   "ShardedReducer::bytes_across_nodes (DataParallelReducer)");
       return;
     }
     const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
     add_traffic("shards' P and Q across machines", "all-reduce", across, machines, bytes * low_rank_.pq_values,
                 "ShardedReducer::bytes_across_nodes (LowRankAverager)");
-    add_traffic("shards' rest across machines, whole", "all-reduce", across, machines,
+    add_traffic("shards' rest across machines, whole (embeddings and head too)", "all-reduce", across, machines,
                 kFp32 * low_rank_.whole_values, "ShardedReducer::bytes_across_nodes");
   }
 
@@ -741,11 +827,12 @@ class Planner {
   int64_t layers_ = 0, resblocks_ = 0, gpus_ = 1;
   int64_t shard_values_ = 0;  // of every resblock group on one rank, padding included
   int64_t trained_shard_values_ = 0;  // of the trained groups only
+  int64_t end_shard_values_ = 0, end_trained_shard_values_ = 0;  // of the embeddings' and head's (in the above)
   LowRankCost largest_low_rank_;      // PowerSGD's state of the rank that holds the most
   double fewest_compressed_values_ = 0;  // the compressed rows of the rank that holds the fewest
   int64_t matrix_shard_values_ = 0;   // of the trained matrices' groups (precision.weights' storage)
   int64_t outside_trained_ = 0;       // values that train outside the blocks, adapters included
-  int64_t replicated_trained_ = 0;    // values that train whole on every rank (outside, and adapters)
+  int64_t replicated_trained_ = 0;    // values that train whole on every rank (all, or sharded the adapters)
   int64_t trained_per_rank_ = 0;      // the gradients, moments and average a rank keeps
   double matrix_bytes_ = kFp32;  // per value of the sharded trained matrices and their gradients
   bool powersgd_ = false;

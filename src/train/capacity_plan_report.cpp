@@ -41,6 +41,9 @@ const char* phase_name(MemoryPhase phase) {
   switch (phase) {
     case MemoryPhase::kept: return "kept";
     case MemoryPhase::backward: return "backward";
+    case MemoryPhase::backward_head: return "bwd head";
+    case MemoryPhase::backward_blocks: return "bwd block";
+    case MemoryPhase::backward_embeddings: return "bwd embed";
     case MemoryPhase::reduction: return "reduction";
     case MemoryPhase::host: return "host";
   }
@@ -141,8 +144,8 @@ std::string capacity_plan_table(const CapacityPlan& plan) {
                                              c.gpu_memory_gib, (plan.peak_bytes - plan.capacity_bytes) / kGiB);
   for (size_t i = 0; i < plan.too_large.size(); ++i) verdict += (i ? ", " : " ") + plan.too_large[i];
   out += printed("  %-30s %10.2f  %s\n", "start", plan.startup_bytes / kGiB,
-                 plan.built_sharded ? "built one resblock at a time: the weights' shards and the rest, one block "
-                                      "whole in fp32 and its flattened copy"
+                 plan.built_sharded ? "built one resblock at a time: the weights' shards, the embeddings and head "
+                                      "whole until cut, one block whole in fp32 and its flattened copy"
                                     : "the whole model in fp32, built before it is sharded, loaded or copied");
   if (plan.sharded) verdict += plan.fits_at_startup ? "; fits at start" : "; does not fit at start";
   out += "  " + verdict + "\n\n";

@@ -11,24 +11,24 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// What a sharded block's backward needs, carried through the autograd context.
+// Unit u's groups: its trained matrices, the rest of what trains, what is frozen.
+std::vector<size_t> groups_of(size_t u, size_t units) { return {2 * u, 2 * u + 1, 2 * units + u}; }
+
+// What a sharded unit's backward needs, carried through the autograd context.
 struct ShardedRun : torch::CustomClassHolder {
   std::function<torch::Tensor(const torch::Tensor&)> fn;
   std::shared_ptr<distributed::ShardedParameters> sharded;
-  size_t block = 0, blocks = 0;
-  std::vector<size_t> groups;  // of the block: its trained ones, then its frozen one
+  // The unit's groups (its trained ones, then its frozen one), and those of the unit that
+  // runs next: the following one in forward, the one before in backward (none at the ends).
+  std::vector<size_t> groups, next_in_forward, next_in_backward;
   ForwardState state;
   torch::ScalarType kept_as = torch::kFloat32, input_type = torch::kFloat32;
 
-  std::vector<size_t> groups_of(size_t b) const { return {2 * b, 2 * b + 1, 2 * blocks + b}; }
   void gather() const {
     for (const size_t g : groups) sharded->gather(g);
   }
-  // The groups of the block that runs next: the following one in forward, the one before
-  // in backward.
-  void prefetch(size_t next_block) const {
-    if (next_block >= blocks) return;
-    for (const size_t g : groups_of(next_block)) sharded->prefetch(g);
+  void prefetch(const std::vector<size_t>& next) const {
+    for (const size_t g : next) sharded->prefetch(g);
   }
   void reduce_gradients() const {
     for (const size_t g : groups) {
@@ -37,6 +37,15 @@ struct ShardedRun : torch::CustomClassHolder {
   }
   void release() const {
     for (const size_t g : groups) sharded->release(g);
+  }
+  // fn(x) on the gathered unit, released after; `prefetching`: the next unit's gather is
+  // started first (a forward whose backward follows).
+  torch::Tensor gathered_run(const torch::Tensor& x, bool prefetching = false) const {
+    gather();
+    if (prefetching) prefetch(next_in_forward);
+    auto y = fn(x);
+    release();
+    return y;
   }
 };
 
@@ -48,18 +57,14 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
     ctx->save_for_backward({kept_input(x, run->kept_as)});
     ctx->saved_data["run"] = c10::IValue::make_capsule(run);
     torch::NoGradGuard no_grad;
-    run->gather();
-    run->prefetch(run->block + 1);
-    auto y = run->fn(x);
-    run->release();
-    return y;
+    return run->gathered_run(x, /*prefetching=*/true);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
     const auto input = recomputation_input(ctx->get_saved_variables()[0], run->input_type);
     run->gather();
-    if (run->block > 0) run->prefetch(run->block - 1);
+    run->prefetch(run->next_in_backward);
     torch::autograd::backward({run->state.rerun(run->fn, input)}, {grads[0]});
     run->reduce_gradients();
     run->release();
@@ -67,53 +72,97 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
   }
 };
 
+// The embeddings, sharded: their input (the tokens) takes no gradient, so an empty `anchor`
+// that requires one makes autograd run this backward, which recomputes the embeddings on the
+// gathered tables and reduce-scatters their gradients.
+class ShardedEmbeddings : public torch::autograd::Function<ShardedEmbeddings> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& /*anchor*/, const torch::Tensor& tokens,
+                               c10::intrusive_ptr<ShardedRun> run) {
+    ctx->save_for_backward({tokens});
+    ctx->saved_data["run"] = c10::IValue::make_capsule(run);
+    torch::NoGradGuard no_grad;
+    return run->gathered_run(tokens, /*prefetching=*/true);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
+    const auto tokens = ctx->get_saved_variables()[0];
+    run->gather();
+    {
+      torch::AutoGradMode enabled(true);
+      torch::autograd::backward({run->fn(tokens)}, {grads[0]});
+    }
+    run->reduce_gradients();
+    run->release();
+    return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 ShardedPrior::ShardedPrior(models::PriorImpl& prior, const DecayRule& decayed,
-                                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
-                                   const KeepWhole& keep_whole, torch::ScalarType matrices)
+                           std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
+                           const KeepWhole& keep_whole, torch::ScalarType matrices)
     : ShardedPrior(prior.resblocks().size(), decayed, std::move(group), overlap, keep_whole, matrices) {
   for (size_t b = 0; b < blocks_; ++b) add_block(b, *prior.resblocks()[b]);
+  add_ends(prior);
 }
 
-ShardedPrior::ShardedPrior(size_t blocks, const DecayRule& decayed,
-                                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
-                                   const KeepWhole& keep_whole, torch::ScalarType matrices)
+ShardedPrior::ShardedPrior(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
+                           bool overlap, const KeepWhole& keep_whole, torch::ScalarType matrices)
     : blocks_(blocks),
       decayed_(decayed),
       keep_whole_(keep_whole),
       matrices_(matrices),
-      sharded_(std::make_shared<distributed::ShardedParameters>(3 * blocks, std::move(group), overlap)),
-      names_(3 * blocks),
-      kept_whole_(blocks) {}
+      sharded_(std::make_shared<distributed::ShardedParameters>(3 * units(), std::move(group), overlap)),
+      names_(3 * units()),
+      kept_whole_(units()) {}
 
-// Group 2b: the block's trained matrices (AdamW decays them), in `matrices_`; 2b + 1: the rest
-// of what trains; 2 blocks + b: what is frozen.
 void ShardedPrior::add_block(size_t b, models::ResblockImpl& block) {
   if (b >= blocks_ || block_index_.count(&block)) {
-    throw Error("sharded resblocks: block " + std::to_string(b) + " added twice, or beyond the " +
+    throw Error("sharded prior: block " + std::to_string(b) + " added twice, or beyond the " +
                 std::to_string(blocks_) + " blocks");
   }
   block_index_.emplace(&block, b);
-  std::vector<torch::Tensor> matrices, rest, frozen;
+  std::vector<std::pair<std::string, torch::Tensor>> parameters;
   const std::string prefix = "resblocks." + std::to_string(b) + ".";
-  for (const auto& item : block.named_parameters()) {
-    const auto name = prefix + item.key();
-    const auto& parameter = item.value();
+  for (const auto& item : block.named_parameters()) parameters.emplace_back(prefix + item.key(), item.value());
+  cut(b, parameters, matrices_);
+}
+
+void ShardedPrior::add_ends(models::PriorImpl& prior) {
+  if (ends_added_) throw Error("sharded prior: the ends were added twice");
+  ends_added_ = true;
+  cut(blocks_, prior.end_parameters(models::PriorEnd::embeddings), torch::kFloat32);
+  cut(blocks_ + 1, prior.end_parameters(models::PriorEnd::head), torch::kFloat32);
+  prior.set_end_runner(end_runner());
+}
+
+// Group 2u: the unit's trained matrices (AdamW decays them), in `matrices`; 2u + 1: the rest
+// of what trains; 2 units + u: what is frozen.
+void ShardedPrior::cut(size_t u, const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
+                       torch::ScalarType matrices) {
+  std::vector<torch::Tensor> decayed, rest, frozen;
+  for (const auto& [name, parameter] : parameters) {
     if (!parameter.requires_grad()) {
       frozen.push_back(parameter);
-      names_[2 * blocks_ + b].push_back(name);
+      names_[trained_groups() + u].push_back(name);
     } else if (keep_whole_ && keep_whole_(name)) {
-      kept_whole_[b].push_back(parameter);
+      kept_whole_[u].push_back(parameter);
     } else {
-      const bool decayed = decayed_(name, parameter);
-      (decayed ? matrices : rest).push_back(parameter);
-      names_[decayed ? 2 * b : 2 * b + 1].push_back(name);
+      const bool is_decayed = decayed_(name, parameter);
+      (is_decayed ? decayed : rest).push_back(parameter);
+      names_[is_decayed ? 2 * u : 2 * u + 1].push_back(name);
     }
   }
-  sharded_->set_group(2 * b, std::move(matrices), matrices_);
-  sharded_->set_group(2 * b + 1, std::move(rest));
-  sharded_->set_group(2 * blocks_ + b, std::move(frozen));
+  sharded_->set_group(2 * u, std::move(decayed), matrices);
+  sharded_->set_group(2 * u + 1, std::move(rest));
+  sharded_->set_group(trained_groups() + u, std::move(frozen));
+}
+
+bool ShardedPrior::trains(size_t u) const {
+  return !kept_whole_[u].empty() || sharded_->shard(2 * u).numel() + sharded_->shard(2 * u + 1).numel() > 0;
 }
 
 void ShardedPrior::gather_averages(const std::vector<torch::Tensor>& averages) const {
@@ -126,13 +175,13 @@ void ShardedPrior::gather_averages(const std::vector<torch::Tensor>& averages) c
 
 std::vector<torch::Tensor> ShardedPrior::decayed_shards() const {
   std::vector<torch::Tensor> shards;
-  for (size_t b = 0; b < blocks_; ++b) shards.push_back(sharded_->shard(2 * b));
+  for (size_t u = 0; u < units(); ++u) shards.push_back(sharded_->shard(2 * u));
   return shards;
 }
 
 std::vector<torch::Tensor> ShardedPrior::undecayed_shards() const {
   std::vector<torch::Tensor> shards;
-  for (size_t b = 0; b < blocks_; ++b) shards.push_back(sharded_->shard(2 * b + 1));
+  for (size_t u = 0; u < units(); ++u) shards.push_back(sharded_->shard(2 * u + 1));
   return shards;
 }
 
@@ -145,31 +194,61 @@ std::vector<std::vector<torch::Tensor>> ShardedPrior::scale_groups() const {
   return groups;
 }
 
+std::vector<size_t> ShardedPrior::uncompressed_groups() const {
+  return {2 * blocks_, 2 * blocks_ + 1, 2 * blocks_ + 2, 2 * blocks_ + 3};
+}
+
+// Units run as embeddings, blocks 0 .. n - 1, head in forward, and in reverse in backward:
+// each prefetches the next one's groups.
 models::ResblockRunner ShardedPrior::runner(models::ResblockRunner inner, torch::ScalarType kept_as) const {
-  std::vector<bool> trains;
-  for (size_t b = 0; b < blocks_; ++b) {
-    const int64_t in_shards = sharded_->shard(2 * b).numel() + sharded_->shard(2 * b + 1).numel();
-    trains.push_back(!kept_whole_[b].empty() || in_shards > 0);
-  }
-  return [inner = std::move(inner), sharded = sharded_, index = block_index_, trains = std::move(trains), kept_as](
-             models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
+  std::vector<bool> trained;
+  for (size_t b = 0; b < blocks_; ++b) trained.push_back(trains(b));
+  const size_t units = this->units(), head = blocks_ + 1;
+  // Frozen embeddings have no backward to take a prefetch.
+  const auto before_first = trains(blocks_) ? groups_of(blocks_, units) : std::vector<size_t>{};
+  return [inner = std::move(inner), sharded = sharded_, index = block_index_, trained = std::move(trained), kept_as,
+          units, head, before_first](models::ResblockImpl& block, const torch::Tensor& x,
+                                     const models::ResblockContext& context) {
     const size_t b = index.at(&block);
     auto run = c10::make_intrusive<ShardedRun>();
     run->fn = [inner, &block, context](const torch::Tensor& input) { return inner(block, input, context); };
     run->sharded = sharded;
-    run->block = b;
-    run->blocks = index.size();
-    run->groups = run->groups_of(b);
+    run->groups = groups_of(b, units);
+    run->next_in_forward = groups_of(b + 1 < index.size() ? b + 1 : head, units);
+    run->next_in_backward = b > 0 ? groups_of(b - 1, units) : before_first;
     run->kept_as = kept_as;
-    if (!torch::GradMode::is_enabled() || (!x.requires_grad() && !trains.at(b))) {
-      run->gather();
-      auto y = run->fn(x);
-      run->release();
-      return y;
-    }
+    if (!torch::GradMode::is_enabled() || (!x.requires_grad() && !trained.at(b))) return run->gathered_run(x);
     // A block that trains behind frozen layers (adapters after frozen embeddings) gets an
     // input that requires a gradient, without which its backward would never run.
     return ShardedBlock::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), run);
+  };
+}
+
+models::EndRunner ShardedPrior::end_runner() const {
+  const size_t units = this->units(), embeddings = blocks_, head = blocks_ + 1;
+  const bool embeddings_train = trains(embeddings), head_trains = trains(head);
+  const size_t first = 0, last = blocks_ - 1;
+  return [sharded = sharded_, units, embeddings, head, embeddings_train, head_trains, first, last](
+             models::PriorEnd end, const std::function<torch::Tensor(const torch::Tensor&)>& part,
+             const torch::Tensor& input) {
+    auto run = c10::make_intrusive<ShardedRun>();
+    run->fn = part;
+    run->sharded = sharded;
+    const bool is_head = end == models::PriorEnd::head;
+    run->groups = groups_of(is_head ? head : embeddings, units);
+    if (is_head) {
+      run->next_in_backward = groups_of(last, units);
+    } else {
+      run->next_in_forward = groups_of(first, units);
+    }
+    if (!torch::GradMode::is_enabled()) return run->gathered_run(input);
+    if (!is_head) {
+      if (!embeddings_train) return run->gathered_run(input);
+      const auto anchor = torch::empty({0}, input.options().dtype(torch::kFloat32).requires_grad(true));
+      return ShardedEmbeddings::apply(anchor, input, run);
+    }
+    if (!input.requires_grad() && !head_trains) return run->gathered_run(input);
+    return ShardedBlock::apply(input.requires_grad() ? input : input.detach().requires_grad_(true), run);
   };
 }
 

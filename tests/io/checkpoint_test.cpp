@@ -158,6 +158,24 @@ TEST(Checkpoint, ARankReadsOnlyTheSlicesItWillHold) {
                            torch::tensor({8.0f, 9.0f, 0.0f, 0.0f})));
 }
 
+// A model that shards more than the checkpoint's writer did (the prior's embeddings and head,
+// whole before): the groups the shards hold come from the shard files, the later ones from
+// the checkpoint's whole tensors; a checkpoint with more groups than the model is refused.
+TEST(Checkpoint, GroupsBeyondTheWrittenShardsAreCutFromTheWholeTensors) {
+  ScratchDir dir;
+  const auto directory = four_rank_checkpoint(dir);
+  auto wanted = block_layout(2);
+  wanted.groups.push_back({{"layer.weight", {2, 2}}});
+  const auto read = load_checkpoint_for_rank(directory, wanted, 1, 2);
+  EXPECT_TRUE(torch::equal(read.slices.at("weights.0"), torch::arange(5.0f, 10.0f)));
+  EXPECT_TRUE(torch::equal(read.slices.at("weights.1"), torch::full({2}, 3.0f))) << "rank 1's half of 2x2";
+  EXPECT_EQ(read.slices.count("ema.1"), 0u) << "a kind the whole tensors lack";
+  EXPECT_EQ(read.replicated.weights.count("layer.weight"), 0u);
+  auto fewer = block_layout(4);
+  fewer.groups.clear();
+  EXPECT_THROW_WITH(load_checkpoint_for_rank(directory, fewer, 0, 4), Error, "hold 1 groups where the model has 0");
+}
+
 TEST(Checkpoint, ARankTakesItsSlicesOfACheckpointThatWasNotSharded) {
   ScratchDir dir;
   auto whole = make_checkpoint(3);

@@ -191,6 +191,46 @@ TEST(Prior, ResblocksAreListedAndCanBeWrapped) {
   EXPECT_EQ(calls, 10);
 }
 
+// The ends, as ShardedPrior cuts and gathers them from outside: their parameters listed once
+// each, by state-dict name, the embeddings' before the resblocks and the head's after; an
+// end runner sees every forward's embeddings and head, cached decoding and its steps too.
+TEST(Prior, EndsAreListedAndCanBeWrapped) {
+  Prior prior(tiny_config());
+  std::vector<std::string> outside;
+  for (const auto& item : prior->named_parameters()) {
+    if (!item.key().starts_with("resblocks.")) outside.push_back(item.key());
+  }
+  std::vector<std::string> ends;
+  for (const auto end : {PriorEnd::embeddings, PriorEnd::head}) {
+    for (const auto& [name, parameter] : prior->end_parameters(end)) {
+      EXPECT_TRUE(parameter.is_same(prior->named_parameters()[name])) << name;
+      ends.push_back(name);
+    }
+  }
+  EXPECT_EQ(ends, outside);
+  EXPECT_EQ(prior->end_parameters(PriorEnd::embeddings).front().first, "text_embedding.weight");
+  EXPECT_EQ(prior->end_parameters(PriorEnd::head).back().first, "to_logits.bias");
+
+  torch::NoGradGuard no_grad;
+  prior->eval();
+  const auto tokens = random_tokens(tiny_config(), 2);
+  const auto plain = prior->forward(tokens);
+  std::map<PriorEnd, int> calls;
+  prior->set_end_runner([&](PriorEnd end, const std::function<torch::Tensor(const torch::Tensor&)>& part,
+                            const torch::Tensor& input) {
+    ++calls[end];
+    return part(input);
+  });
+  EXPECT_TRUE(torch::equal(prior->forward(tokens), plain));
+  auto cache = prior->make_cache(2);
+  prior->forward_cached(tokens.index({Slice(), Slice(0, tiny_config().text_length)}), cache);
+  const auto position = torch::full({1}, cache.length, torch::kInt64);
+  prior->forward_step(tokens.index({Slice(), Slice(cache.length, cache.length + 1)}), cache, position,
+                      cache.length + 1);
+  EXPECT_EQ(calls[PriorEnd::embeddings], 3);
+  EXPECT_EQ(calls[PriorEnd::head], 3);
+}
+
 TEST(Prior, LossWeighsTextAndImageByTheirOwnCounts) {
   const auto config = tiny_config();
   const auto tokens = random_tokens(config, 2);

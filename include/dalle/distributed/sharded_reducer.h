@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "dalle/distributed/data_parallel.h"
@@ -38,10 +39,13 @@ namespace dalle::distributed {
 class ShardedReducer final : public GradientReducer {
  public:
   // `within_node`: the group the parameters are sharded over; `across_nodes`: the replicas
-  // of this rank's shards (null on one machine); `world`: every rank.
+  // of this rank's shards (null on one machine); `world`: every rank. `uncompressed`: groups
+  // PowerSGD sends whole (the prior's embeddings and head, as DALL-E did): they keep no error
+  // feedback buffer.
   ShardedReducer(std::shared_ptr<ShardedParameters> sharded, std::shared_ptr<ProcessGroup> world,
                  std::shared_ptr<ProcessGroup> within_node, std::shared_ptr<ProcessGroup> across_nodes,
-                 int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd = std::nullopt, bool overlap = true);
+                 int64_t bucket_bytes, std::optional<PowerSgdOptions> powersgd = std::nullopt, bool overlap = true,
+                 std::vector<size_t> uncompressed = {});
   // Before unscaling: the blocks' reduce-scatters (started in backward) waited for, and on
   // one machine the replicated parameters' buckets (overlapped with backward when attached).
   // After it: what crosses machines (the replicated parameters' hierarchy, the shards'
@@ -59,7 +63,7 @@ class ShardedReducer final : public GradientReducer {
   void load_state(const io::TensorMap& state, const std::string& prefix) override;
 
   // PowerSGD's error feedback of this rank's shard of group g (shard-shaped, zero where
-  // nothing is compressed) as its mean over the shard's replicas on the other machines (what
+  // nothing is compressed, as in a group sent whole; empty for a frozen group) as its mean over the shard's replicas on the other machines (what
   // enters their next averages), and the same set back from a checkpoint; undefined without
   // PowerSGD across machines. Every rank calls it for every group.
   torch::Tensor shard_error(size_t g);
@@ -80,6 +84,8 @@ class ShardedReducer final : public GradientReducer {
 
  private:
   bool compressing() const;
+  // The values of group g's error feedback: its shard's, or none (frozen, or sent whole).
+  int64_t error_values(size_t g) const;
   std::vector<torch::Tensor> replicated(const std::vector<torch::Tensor>& parameters) const;
   void average_replicated_hierarchically(const std::vector<torch::Tensor>& parameters);
   void prepare_low_rank();
@@ -94,6 +100,7 @@ class ShardedReducer final : public GradientReducer {
   std::unique_ptr<DataParallelReducer> across_nodes_;
   std::optional<PowerSgdOptions> powersgd_;
   std::unique_ptr<LowRankAverager> low_rank_;
+  std::unordered_set<size_t> uncompressed_;
   // PowerSGD's state, made at its first update: per group, the error feedback of the shard
   // (flat), and each compressed block of rows with its Q and its view of that buffer.
   std::vector<torch::Tensor> errors_;

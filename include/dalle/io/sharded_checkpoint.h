@@ -39,7 +39,9 @@ struct ShardLayout {
 // flat values that rank `rank` of `ranks` holds (shard_size(values, ranks), zero-padded at
 // the end, as distributed::ShardedParameters cuts them). In a sharded checkpoint the slices
 // are read from the shard files that hold them, on any world size; in another, from the
-// whole tensors. A kind the checkpoint lacks (moments before the first update) has no slices.
+// whole tensors; so are groups beyond those its shards hold (a checkpoint written when fewer
+// parameters were sharded). A kind the checkpoint lacks (moments before the first update)
+// has no slices.
 // The replicated part has its base's weights filled in, as load_checkpoint fills them.
 struct RankCheckpoint {
   Checkpoint replicated;  // the shard layout's own parameters absent

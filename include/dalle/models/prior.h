@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "dalle/models/decode_graphs.h"
@@ -26,6 +28,15 @@ namespace dalle::models {
 // shards, from outside the model) and empties the block's parameters builds a prior that never
 // holds more than one resblock whole.
 using ResblockBuilt = std::function<void(size_t index, ResblockImpl& block)>;
+
+// The prior's two parts outside its resblocks: the embeddings (tokens into the residual
+// stream) and the head (final LayerNorms and logits).
+enum class PriorEnd { embeddings, head };
+// Runs one of them, `part`, on `input` (the tokens; the stream); the default is part(input).
+// Wrappers (sharding gathers the end's parameters around it) replace it without touching
+// the model, as a ResblockRunner does for the blocks.
+using EndRunner = std::function<torch::Tensor(PriorEnd end, const std::function<torch::Tensor(const torch::Tensor&)>& part,
+                                              const torch::Tensor& input)>;
 
 class PriorImpl : public torch::nn::Module {
  public:
@@ -48,6 +59,9 @@ class PriorImpl : public torch::nn::Module {
 
   const std::vector<std::shared_ptr<ResblockImpl>>& resblocks() const { return resblocks_; }
   void set_resblock_runner(ResblockRunner runner) { runner_ = std::move(runner); }
+  void set_end_runner(EndRunner runner) { end_runner_ = std::move(runner); }
+  // The parameters of one end, named as in the state dict ("text_embedding.weight", ...).
+  std::vector<std::pair<std::string, torch::Tensor>> end_parameters(PriorEnd end) const;
   const PriorConfig& config() const { return config_; }
 
  private:
@@ -56,6 +70,9 @@ class PriorImpl : public torch::nn::Module {
   torch::Tensor embed_image(const torch::Tensor& codes, const torch::Tensor& cells);
   torch::Tensor run(const torch::Tensor& tokens, const ResblockContext& context);
   torch::Tensor through_resblocks(torch::Tensor x, const ResblockContext& context);
+  torch::Tensor head(const torch::Tensor& x);
+  torch::Tensor run_end(PriorEnd end, const std::function<torch::Tensor(const torch::Tensor&)>& part,
+                        const torch::Tensor& input);
   // GPT-style initial values of every parameter, in the order of named_parameters(); each
   // resblock handed to `built` (when set) once its values are drawn.
   void init_weights(const ResblockBuilt& built);
@@ -69,6 +86,7 @@ class PriorImpl : public torch::nn::Module {
   torch::nn::LayerNorm final_norm_{nullptr}, head_norm_{nullptr};
   Linear to_logits_{nullptr};
   ResblockRunner runner_;
+  EndRunner end_runner_;
 };
 TORCH_MODULE(Prior);
 

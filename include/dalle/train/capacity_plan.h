@@ -26,9 +26,12 @@ struct ClusterShape {
   void validate() const;
 };
 
-// When a part of a rank's memory is held: on the GPU between updates, during backward, during
-// the gradient reduction; or between updates in host memory, outside the GPU's peak.
-enum class MemoryPhase { kept, backward, reduction, host };
+// When a part of a rank's memory is held: on the GPU between updates; during backward: all of
+// it or, sharded, only while the head backpropagates or only while a block does (the larger
+// of those two counts beside all of it), or only as the embeddings end it (the blocks' inputs
+// freed: counted alone); during the gradient reduction; or between updates in host memory,
+// outside the GPU's peak.
+enum class MemoryPhase { kept, backward, backward_head, backward_blocks, backward_embeddings, reduction, host };
 
 struct MemoryPart {
   std::string name;
@@ -54,7 +57,7 @@ struct TrafficPart {
 
 struct ParameterCounts {
   int64_t total = 0, in_resblocks = 0, outside_resblocks = 0, matrix_weights = 0;
-  int64_t per_rank = 0;  // what a rank holds and steps: its shards (padding included) and the rest
+  int64_t per_rank = 0;  // what a rank holds: sharded, its shards (padding included) and the adapters
   // Fine-tuning (optimizer.trainable, adapter): the adapters' values (in `total` too) and the
   // values that train; `trained` is `total` when nothing is frozen.
   int64_t adapters = 0, trained = 0;
@@ -73,13 +76,15 @@ struct CapacityPlan {
   ParameterCounts parameters;
 
   std::vector<MemoryPart> memory;
+  // backward_bytes: the most backward holds at once (MemoryPhase).
   double kept_bytes = 0, backward_bytes = 0, reduction_bytes = 0, peak_bytes = 0, capacity_bytes = 0;
   double host_bytes = 0;  // kept in host memory (16-bit matrix shards' moving average): not in the peak
   bool fits = false;
   std::vector<std::string> too_large;  // the fewest largest parts without which the rest would fit
   // At start: built sharded (a sharded run that trains everything from a random start), the
-  // weights' shards and one block whole twice (drawn, and flattened to be cut); else the whole
-  // fp32 model, and unsharded its validation copy (a sharded run keeps none).
+  // weights' shards, the embeddings and head whole (cut last) and one block whole twice
+  // (drawn, and flattened to be cut); else the whole fp32 model, and unsharded its
+  // validation copy (a sharded run keeps none).
   bool built_sharded = false;
   double startup_bytes = 0;
   bool fits_at_startup = false;

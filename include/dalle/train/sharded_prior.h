@@ -1,21 +1,26 @@
 #pragma once
-// ZeRO-3 for a prior's resblocks, applied from outside the model as the training runner is
-// (train/resblock_runner.h), DALL-E's layout within a machine: each resblock's trained
-// parameters are two sharded groups (distributed/sharded_parameters.h), its matrices, which
-// AdamW decays, and the rest; its frozen ones (fine-tuning) a third, gathered as the others
-// but never reduced, stepped or checkpointed; and those kept whole (the small low-rank
-// adapters that train on a sharded base) stay replicated, reduced with the parameters outside
-// the blocks. A block is gathered before its forward, which keeps no activations, and
-// released after it; its backward gathers it again, reruns the forward with the random and
-// autocast state of the first run (activation checkpointing: DALL-E checkpointed every
-// resblock), backpropagates, reduce-scatters the block's gradients into its shards and
-// releases it. Embeddings and the final layers stay whole on every rank.
+// ZeRO-3 for a prior, applied from outside the model as the training runner is
+// (train/resblock_runner.h), DALL-E's layout within a machine: "every parameter array" is
+// sharded among the ranks of a machine. The prior is cut into units: each resblock, the
+// embeddings and the head. A unit's trained parameters are two sharded groups
+// (distributed/sharded_parameters.h), its matrices, which AdamW decays, and the rest; its
+// frozen ones (fine-tuning) a third, gathered as the others but never reduced, stepped or
+// checkpointed; and those kept whole (the small low-rank adapters that train on a sharded
+// base) stay replicated, reduced with any other replicated parameter. A unit is gathered
+// before its forward, which keeps no activations, and released after it; its backward
+// gathers it again, reruns the forward with the random and autocast state of the first run
+// (activation checkpointing: DALL-E checkpointed every resblock), backpropagates,
+// reduce-scatters the unit's gradients into its shards and releases it. The next unit's
+// gather is prefetched: embeddings, resblocks, head in forward, the reverse in backward.
+// The ends stay float32 in every group (DALL-E kept embeddings and unembeddings in fp32 with
+// fp32 gradients and moments), and PowerSGD sends them whole (uncompressed_groups()).
 #include <torch/types.h>
 
 #include <functional>
 #include <memory>
-#include <unordered_map>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "dalle/distributed/process_group.h"
@@ -32,8 +37,9 @@ class ShardedPrior {
   using DecayRule = std::function<bool(const std::string& name, const torch::Tensor& parameter)>;
   // Whether a block's trained parameter stays whole on every rank, by its name.
   using KeepWhole = std::function<bool(const std::string& name)>;
-  // Shards the blocks' current values (the same on every rank of `group`), named as in
-  // `prior`'s state dict; a parameter that requires no gradient is frozen.
+  // Shards the blocks' and the ends' current values (the same on every rank of `group`), named
+  // as in `prior`'s state dict, and installs the prior's end runner (add_ends); a parameter
+  // that requires no gradient is frozen.
   // `overlap`: a block's reduce-scatter runs while backward goes on (ShardedParameters).
   // `matrices`: the storage of the trained groups AdamW decays (precision.weights); the
   // rest is float32.
@@ -41,24 +47,33 @@ class ShardedPrior {
                    std::shared_ptr<distributed::ProcessGroup> group, bool overlap = true,
                    const KeepWhole& keep_whole = nullptr, torch::ScalarType matrices = torch::kFloat32);
   // The same for a prior of `blocks` resblocks not built yet, each then cut by add_block as it
-  // is built (models::ResblockBuilt): no rank holds more than one block whole.
+  // is built (models::ResblockBuilt): no rank holds more than one block whole; add_ends once
+  // the prior exists.
   ShardedPrior(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
                    bool overlap = true, const KeepWhole& keep_whole = nullptr,
                    torch::ScalarType matrices = torch::kFloat32);
   // Cuts resblock b (named "resblocks.<b>." as in the prior's state dict) into its shards and
   // empties its tensors. Once per block, in any order, before anything is gathered.
   void add_block(size_t b, models::ResblockImpl& block);
+  // Cuts the prior's embeddings and head (float32) into their shards, empties their tensors
+  // and installs the end runner that gathers them around each use (in forward, backward,
+  // validation and sampling alike). Once, after the blocks are added.
+  void add_ends(models::PriorImpl& prior);
 
   const std::shared_ptr<distributed::ShardedParameters>& parameters() const { return sharded_; }
-  // The groups that train come first, two per block (2b: its matrices, 2b + 1: the rest,
-  // either possibly empty); the frozen groups follow (trained_groups() + b).
-  size_t trained_groups() const { return 2 * blocks_; }
-  // The shards AdamW decays (the blocks' matrices) and those it does not.
+  // Units 0 .. blocks - 1 are the resblocks, then the embeddings and the head. The groups
+  // that train come first, two per unit (2u: its matrices, 2u + 1: the rest, either possibly
+  // empty); the frozen groups follow (trained_groups() + u).
+  size_t units() const { return blocks_ + 2; }
+  size_t trained_groups() const { return 2 * units(); }
+  // The shards AdamW decays (the matrices) and those it does not.
   std::vector<torch::Tensor> decayed_shards() const;
   std::vector<torch::Tensor> undecayed_shards() const;
   // One fp16 scale group per resblock: its two trained shards and its trained parameters
-  // kept whole.
+  // kept whole. The ends compute in float32 and have none.
   std::vector<std::vector<torch::Tensor>> scale_groups() const;
+  // The ends' trained groups: PowerSGD sends them whole (DALL-E compressed the resblocks).
+  std::vector<size_t> uncompressed_groups() const;
 
   // A runner that runs `inner` (x + branch, in the training precision) on gathered blocks,
   // as above, each block's input kept for its backward as `kept_as` (kept_input). Without
@@ -79,13 +94,21 @@ class ShardedPrior {
   void restore_frozen(io::TensorMap& weights) const;
 
  private:
+  // Cuts unit u's parameters, named as in the state dict, into its groups.
+  void cut(size_t u, const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
+           torch::ScalarType matrices);
+  // Whether unit u has anything that trains (in its shards or kept whole).
+  bool trains(size_t u) const;
+  models::EndRunner end_runner() const;
+
   size_t blocks_ = 0;
+  bool ends_added_ = false;
   DecayRule decayed_;
   KeepWhole keep_whole_;
   torch::ScalarType matrices_ = torch::kFloat32;
   std::shared_ptr<distributed::ShardedParameters> sharded_;
   std::vector<std::vector<std::string>> names_;  // of each group's tensors
-  std::vector<std::vector<torch::Tensor>> kept_whole_;  // of each block
+  std::vector<std::vector<torch::Tensor>> kept_whole_;  // of each unit
   std::unordered_map<const models::ResblockImpl*, size_t> block_index_;
 };
 

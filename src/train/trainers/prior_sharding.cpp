@@ -37,16 +37,16 @@ using namespace prior_training;
 // A sharded run that trains every parameter of a random start (no init_from, adapters or
 // optimizer.trainable) builds the prior one block at a time, each cut into its shards on the
 // run's device before the next exists: no rank ever holds the whole prior, and the weights are
-// those of a whole build, bit for bit. Otherwise the prior is built whole, then loaded, frozen
-// and cut (cut_resblocks).
+// those of a whole build, bit for bit (its embeddings and head, built whole, are cut once
+// placed). Otherwise the prior is built whole, then loaded, frozen and cut (cut_into_shards).
 void PriorTrainer::State::build_model(bool starts_from_init) {
   if (!config.builds_sharded(shards_resblocks(), starts_from_init)) {
     model = models::Prior(config.model);
     return;
   }
   shards = std::make_unique<ShardedPrior>(2 * static_cast<size_t>(config.model.layers), decayed_by_adamw,
-                                              job->within_node(), config.distributed.overlap,
-                                              models::is_adapter_tensor, config.precision.weights_dtype());
+                                          job->within_node(), config.distributed.overlap, models::is_adapter_tensor,
+                                          config.precision.weights_dtype());
   model = models::Prior(config.model, [this](size_t b, models::ResblockImpl& block) {
     block.to(device);
     shards->add_block(b, block);
@@ -61,13 +61,14 @@ void PriorTrainer::State::build_model(bool starts_from_init) {
             " shards as it was drawn");
 }
 
-// Each rank of a machine keeps 1/N of every resblock (distributed.sharding within_node), of
-// its frozen base too; the blocks' own tensors are emptied. Adapters, small, stay whole.
-void PriorTrainer::State::cut_resblocks() {
-  if (shards || config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
-  shards = std::make_unique<ShardedPrior>(*model, decayed_by_adamw, job->within_node(),
-                                              config.distributed.overlap, models::is_adapter_tensor,
-                                              config.precision.weights_dtype());
+// Each rank of a machine keeps 1/N of every resblock, of the embeddings and of the head (of
+// a frozen base too); the prior's own tensors are emptied. Adapters, small, stay whole. A
+// prior built sharded has its blocks cut already: its ends are cut here, once it is placed.
+void PriorTrainer::State::cut_into_shards() {
+  if (shards) return shards->add_ends(*model);
+  if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
+  shards = std::make_unique<ShardedPrior>(*model, decayed_by_adamw, job->within_node(), config.distributed.overlap,
+                                          models::is_adapter_tensor, config.precision.weights_dtype());
 }
 
 // The update state of a sharded prior, made once: AdamW over the shards and what trains whole
@@ -107,11 +108,11 @@ void PriorTrainer::State::build_sharded_update() {
                                         ema.get(), model.get());
   sharded_reducer = std::make_shared<distributed::ShardedReducer>(
       shards->parameters(), job->group(), job->within_node(), job->across_nodes(), bucket_bytes(config.distributed),
-      powersgd_options(config.distributed, config.run), config.distributed.overlap);
+      powersgd_options(config.distributed, config.run), config.distributed.overlap, shards->uncompressed_groups());
   update->set_reducer(sharded_reducer);
   const int64_t ranks = job->place().local_world_size;
-  log::info("prior: the ", model->resblocks().size(), " resblocks are sharded between the ", ranks,
-            " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
+  log::info("prior: the ", model->resblocks().size(), " resblocks, the embeddings and the head are sharded between the ",
+            ranks, " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
             frozen_names().empty() ? "" : " (of their frozen weights too; adapters stay whole)",
             job->place().nodes > 1 ? ", replicated on the " + std::to_string(job->place().nodes) + " machines" : "");
 }
@@ -326,8 +327,14 @@ void PriorTrainer::State::write_own_shards(const std::string& staging, bool mome
       }
     }
     if (!moments) continue;
-    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(
-        *optimizer->state().at(sharded.shard(g).unsafeGetTensorImpl()));
+    // A group AdamW keeps no moments for (an empty one: the frozen ends of an adapter run): zeros.
+    const auto state = optimizer->state().find(sharded.shard(g).unsafeGetTensorImpl());
+    if (state == optimizer->state().end()) {
+      mine.emplace("exp_avg" + index, torch::zeros({sharded.shard(g).numel()}));
+      mine.emplace("exp_avg_sq" + index, torch::zeros({sharded.shard(g).numel()}));
+      continue;
+    }
+    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*state->second);
     mine.emplace("exp_avg" + index, adam.exp_avg().cpu());
     mine.emplace("exp_avg_sq" + index, adam.exp_avg_sq().cpu());
   }

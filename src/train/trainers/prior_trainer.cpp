@@ -193,7 +193,7 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   if (starts_from_init) s.refer_to_base(s.config.init_from);
   // Sharded, the blocks are cut before the average and the update state are made, so that no
   // rank ever holds a whole average of them (nor a validation copy).
-  s.cut_resblocks();
+  s.cut_into_shards();
   // The update state is made once, on the shards when sharded (before the resume, which then
   // reads only this rank's part of the checkpoint), else on the whole model.
   if (s.shards) {

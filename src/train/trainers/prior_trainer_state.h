@@ -19,6 +19,7 @@
 #include "dalle/train/sharded_prior.h"
 #include "dalle/train/trainers/prior_trainer.h"
 #include "train/trainer_state.h"
+#include "train/trainers/prior_weight_decay.h"
 
 namespace dalle::train {
 
@@ -64,7 +65,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void save_extra(io::Checkpoint& checkpoint) const override;
   void restore_extra(const io::Checkpoint& checkpoint, const std::string& directory) override;
 
-  // distributed.sharding within_node: the resblocks' shards and their moving averages
+  // distributed.sharding within_node: the prior's shards and their moving averages
   // (float32; in host memory for 16-bit shards), and the runners that gather the blocks for
   // training and for validation on the average.
   std::unique_ptr<ShardedPrior> shards;
@@ -97,7 +98,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   io::ShardLayout shard_layout(bool moments, bool errors) const;
   std::unordered_set<std::string> block_names() const;
   void build_model(bool starts_from_init);
-  void cut_resblocks();
+  void cut_into_shards();
   void build_sharded_update();
   void average_shards();
   torch::Tensor average_of(const torch::Tensor& shard) const;
@@ -112,11 +113,6 @@ namespace prior_training {
 // rank's shard file, the warm Q of its blocks of rows ("powersgd_q.<group>.<block>").
 inline constexpr const char* kReducerErrors = "reducer.error.";
 inline constexpr const char* kShardQ = "powersgd_q.";
-
-// Weight decay for the matrices only: DALL-E keeps gains, biases and embeddings undecayed.
-inline bool decayed_by_adamw(const std::string& name, const torch::Tensor& parameter) {
-  return parameter.dim() == 2 && name.find("embedding") == std::string::npos;
-}
 
 inline std::vector<torch::optim::OptimizerParamGroup> decay_groups(std::vector<torch::Tensor> decayed,
                                                                    std::vector<torch::Tensor> undecayed,
