@@ -94,6 +94,40 @@ void check_weight_dtype(torch::ScalarType dtype, const std::string& what) {
   }
 }
 
+// A prior checkpoint opened, its config.yaml read into `trained` (the model section of
+// `kind`, the tokenizers it names) and the adapters it trained, if any.
+struct PriorOpened {
+  CheckpointConfig opened;
+  AdapterConfig adapter;
+};
+
+template <class Trained>
+PriorOpened open_prior(const std::string& run_or_checkpoint, const std::string& what, const std::string& kind,
+                       Trained& trained) {
+  PriorOpened prior{open_checkpoint(run_or_checkpoint, what), {}};
+  trained.config = read_model_config<decltype(trained.config)>(prior.opened.source, kind, [&](ConfigVisitor& v) {
+    v.field("tokenizer", trained.tokenizer, "");
+    v.field("image_tokenizer", trained.image_tokenizer, "");
+    v.section("adapter", "", prior.adapter);
+  });
+  trained.checkpoint = prior.opened.directory;
+  return prior;
+}
+
+// A run that trained adapters: they are folded into the layers they adapt.
+io::TensorMap with_adapters_folded(io::TensorMap weights, const PriorOpened& prior) {
+  const auto adapters = adapter_tensors(weights);
+  if (adapters.empty()) return weights;
+  const auto& directory = prior.opened.directory;
+  if (!prior.adapter.enabled()) throw Error(directory + ": holds adapters, but its config has no adapter.rank");
+  return merge_adapter_tensors(std::move(weights), adapters, prior.adapter.scale(), 1.0, directory);
+}
+
+// ruDALL-E's released weights keep its own names (scripts/export_rudalle_prior.py).
+io::TensorMap with_dalle_names(const io::TensorMap& weights, const PriorConfig& config) {
+  return weights.count("text_embeddings.weight") > 0 ? import_rudalle_state(weights, config) : weights;
+}
+
 // A prior of `kind`, its sizes and the tokenizers it names read from config.yaml, built in
 // `dtype`; `adapt` renames or completes the checkpoint's weights for the built model.
 template <class Trained>
@@ -101,26 +135,14 @@ Trained load_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype
                    const std::string& kind,
                    const std::function<io::TensorMap(const io::TensorMap&, Trained&)>& adapt) {
   check_weight_dtype(dtype, what);
-  auto opened = open_checkpoint(run_or_checkpoint, what);
   Trained trained;
-  AdapterConfig adapter;
-  trained.config = read_model_config<decltype(trained.config)>(opened.source, kind, [&](ConfigVisitor& v) {
-    v.field("tokenizer", trained.tokenizer, "");
-    v.field("image_tokenizer", trained.image_tokenizer, "");
-    v.section("adapter", "", adapter);
-  });
+  const auto prior = open_prior(run_or_checkpoint, what, kind, trained);
   {
     const DefaultDtype building(dtype);
     trained.model = decltype(trained.model)(trained.config);
   }
-  auto weights = adapt(io::inference_weights(opened.checkpoint), trained);
-  // A run that trained adapters: they are folded into the layers they adapt.
-  if (const auto adapters = adapter_tensors(weights); !adapters.empty()) {
-    if (!adapter.enabled()) throw Error(opened.directory + ": holds adapters, but its config has no adapter.rank");
-    weights = merge_adapter_tensors(std::move(weights), adapters, adapter.scale(), 1.0, opened.directory);
-  }
-  trained.checkpoint = opened.directory;
-  load_weights(*trained.model, weights, weights_source(opened));
+  const auto weights = with_adapters_folded(adapt(io::inference_weights(prior.opened.checkpoint), trained), prior);
+  load_weights(*trained.model, weights, weights_source(prior.opened));
   return trained;
 }
 
@@ -166,14 +188,17 @@ torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& 
 }
 
 TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype) {
-  return load_prior<TrainedPrior>(run_or_checkpoint, dtype, "prior", "prior",
-                                  [](const io::TensorMap& weights, TrainedPrior& trained) {
-                                    // ruDALL-E's released weights keep its own names
-                                    // (scripts/export_rudalle_prior.py).
-                                    return weights.count("text_embeddings.weight") > 0
-                                               ? import_rudalle_state(weights, trained.config)
-                                               : weights;
-                                  });
+  return load_prior<TrainedPrior>(
+      run_or_checkpoint, dtype, "prior", "prior",
+      [](const io::TensorMap& weights, TrainedPrior& trained) { return with_dalle_names(weights, trained.config); });
+}
+
+TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpoint) {
+  TrainedPrior trained;  // its config and names only: the model is never built
+  const auto prior = open_prior(run_or_checkpoint, "prior", "prior", trained);
+  auto weights = with_adapters_folded(with_dalle_names(io::inference_weights(prior.opened.checkpoint), trained.config),
+                                      prior);
+  return {trained.config, std::move(weights), weights_source(prior.opened)};
 }
 
 std::string prior_kind(const std::string& run_or_checkpoint) {

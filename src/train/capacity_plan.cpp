@@ -660,7 +660,7 @@ class Planner {
   // shared), and what is kept holds both anyway; sharded, there is no validation copy.
   void startup_memory() {
     const auto& counts = plan_.parameters;
-    plan_.built_sharded = recipe_.builds_sharded(plan_.sharded, !recipe_.init_from.empty());
+    plan_.built_sharded = recipe_.builds_sharded(plan_.sharded);
     if (plan_.built_sharded) {
       // The embeddings and head are built whole and cut once the blocks are: beside the
       // shards, they and one block drawn and flattened, or their own largest group flattened.

@@ -676,6 +676,27 @@ TEST_F(TrainingJob, ShardedPowerSgdAcrossMachinesTrainsAsDataParallelAtFullRankA
   EXPECT_LT(largest_difference(weights_at(dir / "whole", 10), weights_at(dir / "resumed", 10)), 1e-5);
 }
 
+// A sharded run from init_from builds its prior one block at a time, each read from the
+// base's moving average and cut before the next exists (no rank holds the whole prior), and
+// trains as data parallelism does from the same start.
+TEST_F(TrainingJob, ShardedFromInitFromIsReadBlockByBlockAndTrainsAsDataParallel) {
+  ScratchDir dir;
+  ASSERT_NO_FATAL_FAILURE(train_base(dir / "base"));
+  const std::string tuned =
+      " --nproc-per-node 2 --set init_from=" + (dir / "base") + " --set learning_rate.decay=plateau";
+  for (const auto& [run, arguments] : {std::pair{std::string("job"), tuned},
+                                       {"sharded", tuned + " --set distributed.sharding=within_node"}}) {
+    auto trained = run_command(train_prior(dir / run, arguments));
+    ASSERT_EQ(trained.status, 0) << trained.output;
+  }
+  EXPECT_THAT(testing::read_text(dir / "sharded.log"),
+              ::testing::HasSubstr("built one resblock at a time, each read from init_from"));
+  EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "sharded", 10)), 1e-5);
+  const auto started_from = io::inference_weights(io::load_checkpoint(dir / "base/checkpoints/step-000000005"));
+  EXPECT_FALSE(torch::equal(weights_at(dir / "sharded", 10).at("to_logits.weight"), started_from.at("to_logits.weight")))
+      << "it trains";
+}
+
 // Fine-tuning in DALL-E's hierarchy: the MLP matrices train (in shards, compressed across the
 // machines), attention stays frozen (sharded, never reduced). The frozen weights stay as they
 // were, and a run stopped at update 5 and resumed takes the updates of an uninterrupted one.

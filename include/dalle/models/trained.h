@@ -70,6 +70,17 @@ using TrainedPrior = TrainedPriorOf<Prior, PriorConfig>;
 // load models from one thread at a time.
 TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype = torch::kFloat32);
 
+// A trained prior's inference weights by state-dict name (its moving average where it keeps
+// one, ruDALL-E's names imported, adapters folded in) and its model section, without building
+// the model: views of the mapped weights file (a sharded checkpoint's shards are joined in
+// host memory). What a sharded trainer copies into its prior one block at a time.
+struct TrainedPriorWeights {
+  PriorConfig config;
+  io::TensorMap weights;
+  std::string source;  // where the weights came from, for errors
+};
+TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpoint);
+
 // Which prior a run or checkpoint holds, as its `kind` says: "prior" (the sparse
 // transformer, also when `kind` is absent) or "bart_prior" (DALL-E Mega / Mini).
 std::string prior_kind(const std::string& run_or_checkpoint);

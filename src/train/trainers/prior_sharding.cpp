@@ -34,31 +34,38 @@ namespace dalle::train {
 
 using namespace prior_training;
 
-// A sharded run that trains every parameter of a random start (no init_from, adapters or
-// optimizer.trainable) builds the prior one block at a time, each cut into its shards on the
-// run's device before the next exists: no rank ever holds the whole prior, and the weights are
-// those of a whole build, bit for bit (its embeddings and head, built whole, are cut once
-// placed). Otherwise the prior is built whole, then loaded, frozen and cut (cut_into_shards).
-void PriorTrainer::State::build_model(bool starts_from_init) {
-  if (!config.builds_sharded(shards_resblocks(), starts_from_init)) {
+// A sharded run that trains every parameter (no adapters or optimizer.trainable) builds the
+// prior one block at a time, each drawn, or read from init_from's weights (`init`), and cut
+// into its shards on the run's device before the next exists: no rank ever holds the whole
+// prior, and the weights are those of a whole build, or of init_from, bit for bit (its
+// embeddings and head, built whole, are cut once placed). Otherwise the prior is built
+// whole, then loaded, frozen and cut (cut_into_shards).
+void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
+  if (!config.builds_sharded(shards_resblocks())) {
     model = models::Prior(config.model);
+    if (init) io::load_state_dict(*model, init->weights, init->source);
     return;
   }
   shards = std::make_unique<ShardedPrior>(2 * static_cast<size_t>(config.model.layers), decayed_by_adamw,
                                           job->within_node(), config.distributed.overlap, models::is_adapter_tensor,
                                           config.precision.weights_dtype());
-  model = models::Prior(config.model, [this](size_t b, models::ResblockImpl& block) {
+  model = models::Prior(config.model, [this, init](size_t b, models::ResblockImpl& block) {
+    if (init) {
+      const std::string prefix = "resblocks." + std::to_string(b) + ".";
+      io::load_state_dict(block, io::with_prefix_removed(init->weights, prefix), init->source + ", " + prefix);
+    }
     block.to(device);
     shards->add_block(b, block);
   });
+  if (init) io::load_state_dict(*model, init->weights, init->source, block_names());
 #if defined(__GLIBC__)
   // Each block drawn whole and freed leaves holes in the C heap between the shards kept there
   // (glibc's dynamic mmap threshold puts them on the heap once large blocks have been freed):
   // about 200 MiB per rank resident at 8 layers of width 2048 that nothing holds. Returned.
   malloc_trim(0);
 #endif
-  log::info(what, ": the prior was built one resblock at a time, each cut into ", job->within_node()->size(),
-            " shards as it was drawn");
+  log::info(what, ": the prior was built one resblock at a time, each ", init ? "read from init_from" : "drawn",
+            " and cut into ", job->within_node()->size(), " shards before the next");
 }
 
 // Each rank of a machine keeps 1/N of every resblock, of the embeddings and of the head (of

@@ -10,6 +10,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <map>
+#include <optional>
 #include <unordered_set>
 
 #include "dalle/data/image.h"
@@ -67,8 +68,8 @@ torch::ScalarType PriorTrainConfig::checkpointed_inputs_type(const std::string& 
   return float_type_named(checkpointed_inputs);
 }
 
-bool PriorTrainConfig::builds_sharded(bool sharded, bool loads_init_from) const {
-  return sharded && !loads_init_from && !adapter.enabled() && optimizer.trainable.empty();
+bool PriorTrainConfig::builds_sharded(bool sharded) const {
+  return sharded && !adapter.enabled() && optimizer.trainable.empty();
 }
 
 double PriorLearningRate::at(int64_t step, int64_t total_steps, int64_t reductions) const {
@@ -139,9 +140,9 @@ void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig
   if (!problems.empty()) throw Error(where + ": the token dataset does not fit the model:" + problems);
 }
 
-// The moving average of a trained prior of the same sizes and options, into `model`.
-void initialise_from(models::PriorImpl& model, const PriorTrainConfig& config) {
-  auto trained = models::load_trained_prior(config.init_from);
+// The moving average of a trained prior of the same sizes and options, by name.
+models::TrainedPriorWeights read_init_from(const PriorTrainConfig& config) {
+  auto trained = models::read_trained_prior_weights(config.init_from);
   auto wanted = config.model;
   const auto ours = flatten_config(visit_of(wanted)), theirs = flatten_config(visit_of(trained.config));
   std::string differences;
@@ -153,7 +154,8 @@ void initialise_from(models::PriorImpl& model, const PriorTrainConfig& config) {
     throw Error("prior training: init_from " + config.init_from + " is another model:" + differences +
                 "; copy its model section into the config");
   }
-  io::load_state_dict(model, io::state_dict(*trained.model), config.init_from + " (init_from)");
+  trained.source = config.init_from + " (init_from: " + trained.source + ")";
+  return trained;
 }
 
 }  // namespace
@@ -185,8 +187,10 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   }
   // A resumed run has its own weights; init_from is read only to start one.
   const bool starts_from_init = !s.config.init_from.empty() && !s.checkpoints.latest();
-  s.build_model(starts_from_init);
-  if (starts_from_init) initialise_from(*s.model, s.config);
+  std::optional<models::TrainedPriorWeights> init;
+  if (starts_from_init) init = read_init_from(s.config);
+  s.build_model(init ? &*init : nullptr);
+  init.reset();
   const bool sharded = s.shards_resblocks();
   s.place_model(sharded);
   s.store_frozen_blocks();

@@ -16,6 +16,7 @@
 #include "dalle/data/token_dataset.h"
 #include "dalle/distributed/sharded_reducer.h"
 #include "dalle/io/sharded_checkpoint.h"
+#include "dalle/models/trained.h"
 #include "dalle/train/sharded_prior.h"
 #include "dalle/train/trainers/prior_trainer.h"
 #include "train/trainer_state.h"
@@ -97,7 +98,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void restore_warm_q(const io::TensorMap& own);
   io::ShardLayout shard_layout(bool moments, bool errors) const;
   std::unordered_set<std::string> block_names() const;
-  void build_model(bool starts_from_init);
+  void build_model(const models::TrainedPriorWeights* init);
   void cut_into_shards();
   void build_sharded_update();
   void average_shards();
