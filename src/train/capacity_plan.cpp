@@ -753,6 +753,10 @@ class Planner {
       add_traffic("gradients reduce-scattered", "reduce-scatter", within, gpus_, trained_units, moved, overlap_);
     }
     const int64_t outside = replicated_trained_;
+    if (outside == 0) {
+      sharded_across_machines(0.0);
+      return;
+    }
     if (cluster_.nodes == 1) {
       add_traffic("replicated gradients (adapters)", "all-reduce", within, gpus_, kFp32 * static_cast<double>(outside),
                   "ShardedReducer::bytes_reduced (DataParallelReducer)", overlap_);
@@ -766,8 +770,17 @@ class Planner {
     add_traffic("replicated gradients' part across machines", "all-reduce", across, machines, part,
                 "ShardedReducer::bytes_across_nodes");
     add_traffic("replicated gradients all-gathered in the machine", "all-gather", within, gpus_, part_whole, "");
+    sharded_across_machines(part);
+  }
+
+  // The shards' gradients averaged with their replicas on the other machines; `replicated`:
+  // the replicated gradients' part a rank sends across.
+  void sharded_across_machines(double replicated) {
+    if (cluster_.nodes == 1) return;
+    const auto across = CollectiveScope::across;
+    const int64_t machines = cluster_.nodes;
     const double shards = kFp32 * static_cast<double>(trained_shard_values_);
-    plan_.bytes_across_uncompressed = part + shards;
+    plan_.bytes_across_uncompressed = replicated + shards;
     if (!powersgd_) {
       add_traffic("shards across machines", "all-reduce", across, machines, shards,
                   "ShardedReducer::bytes_across_nodes (DataParallelReducer)");
@@ -776,7 +789,7 @@ class Planner {
     const double bytes = dtype_bytes(recipe_.distributed.powersgd.dtype);
     add_traffic("shards' P and Q across machines", "all-reduce", across, machines, bytes * low_rank_.pq_values,
                 "ShardedReducer::bytes_across_nodes (LowRankAverager)");
-    add_traffic("shards' rest across machines, whole (embeddings and head too)", "all-reduce", across, machines,
+    add_traffic("shards' rest and the ends across machines, whole", "all-reduce", across, machines,
                 kFp32 * low_rank_.whole_values, "ShardedReducer::bytes_across_nodes");
   }
 
