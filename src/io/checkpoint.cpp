@@ -140,7 +140,9 @@ void detail::fill_from_base(Checkpoint& checkpoint, const std::string& directory
     throw Error(where + ": the base checkpoint's weights changed since the run started from them; put the "
                 "original back at that path");
   }
-  for (auto& [name, tensor] : inference_weights(load_checkpoint(base))) checkpoint.weights.emplace(name, std::move(tensor));
+  for (auto& [name, tensor] : inference_weights(load_inference_checkpoint(base))) {
+    checkpoint.weights.emplace(name, std::move(tensor));
+  }
 }
 
 std::string checkpoint_config(const std::string& directory) {
@@ -160,6 +162,13 @@ TensorMap inference_weights(const Checkpoint& checkpoint) {
   auto weights = checkpoint.weights;
   for (auto& [name, tensor] : with_prefix_removed(checkpoint.state, "ema.")) weights[name] = std::move(tensor);
   return weights;
+}
+
+Checkpoint load_inference_checkpoint(const std::string& directory) {
+  auto checkpoint = detail::read_files(directory);
+  detail::join_shards(directory, checkpoint, /*inference_only=*/true);
+  detail::fill_from_base(checkpoint, directory);
+  return checkpoint;
 }
 
 void refer_to_base(Checkpoint& checkpoint, const std::string& base_directory) {

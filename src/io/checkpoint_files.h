@@ -17,7 +17,9 @@ Checkpoint read_files(const std::string& directory);
 void fill_from_base(Checkpoint& checkpoint, const std::string& directory);
 // A checkpoint written in shards (its state metadata holds the layout): the shards of
 // `directory` joined into `checkpoint`'s weights and state where the layout says, the layout
-// taken out of the metadata. Another checkpoint is left as it is.
-void join_shards(const std::string& directory, Checkpoint& checkpoint);
+// taken out of the metadata. Another checkpoint is left as it is. `inference_only`: of the
+// shards only what inference_weights reads (the moving average, or the weights where the
+// checkpoint keeps none).
+void join_shards(const std::string& directory, Checkpoint& checkpoint, bool inference_only = false);
 
 }  // namespace dalle::io::detail

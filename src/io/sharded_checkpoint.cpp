@@ -94,7 +94,7 @@ int64_t copy_overlap(const Piece& piece, int64_t low, int64_t high, torch::Tenso
   return (to - from) * static_cast<int64_t>(piece.values.element_size());
 }
 
-// Joins the shards of `directory` into `checkpoint`, as `layout` lays them out.
+// Joins the shards of `directory` into `checkpoint`, as `layout` lays them out (its kinds).
 void join(const fs::path& directory, const ShardLayout& layout, Checkpoint& checkpoint) {
   std::vector<TensorMap> shards;
   for (int64_t rank = 0; rank < layout.ranks; ++rank) {
@@ -126,10 +126,16 @@ void join(const fs::path& directory, const ShardLayout& layout, Checkpoint& chec
 
 }  // namespace
 
-void detail::join_shards(const std::string& directory, Checkpoint& checkpoint) {
+void detail::join_shards(const std::string& directory, Checkpoint& checkpoint, bool inference_only) {
   const auto layout = checkpoint.state_metadata.find(kLayoutKey);
   if (layout == checkpoint.state_metadata.end()) return;
-  join(fs::path(directory), parse_layout(fs::path(directory), layout->second), checkpoint);
+  auto parsed = parse_layout(fs::path(directory), layout->second);
+  if (inference_only) {
+    // The average replaces the weights wherever it is kept (inference_weights).
+    const std::string read = parsed.kinds.count("ema") ? "ema" : "weights";
+    std::erase_if(parsed.kinds, [&](const auto& kind) { return kind.first != read; });
+  }
+  join(fs::path(directory), parsed, checkpoint);
   checkpoint.state_metadata.erase(layout);
 }
 

@@ -93,7 +93,7 @@ io::TensorMap averaged_weights(const std::vector<std::string>& directories, io::
     if (tensor.is_floating_point()) tensor = tensor.to(torch::kFloat64);
   }
   for (size_t i = 0; i + 1 < directories.size(); ++i) {
-    auto checkpoint = io::load_checkpoint(directories[i]);
+    auto checkpoint = io::load_inference_checkpoint(directories[i]);
     bool moving_average = false;
     auto weights = inference_weights(checkpoint, moving_average);
     if (moving_average != newest_is_moving_average) {
@@ -130,7 +130,7 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
       throw Error(out + ": is a checkpoint being exported; choose another output folder");
     }
   }
-  auto checkpoint = io::load_checkpoint(exported.checkpoint);
+  auto checkpoint = io::load_inference_checkpoint(exported.checkpoint);
   check_loadable(exported.checkpoint, checkpoint.config_yaml);
   if (!config_overrides.empty()) {
     // The exported config is complete, so a key it lacks is a typo, not an addition.
@@ -163,7 +163,7 @@ namespace dalle::models {
 ExportedAdapter export_adapter(const std::string& run_or_checkpoint, const std::string& out) {
   ExportedAdapter exported;
   exported.checkpoint = io::resolve_checkpoint(run_or_checkpoint, "fine-tuning run");
-  auto checkpoint = io::load_checkpoint(exported.checkpoint);
+  auto checkpoint = io::load_inference_checkpoint(exported.checkpoint);
   const auto config = ConfigSource::from_string(checkpoint.config_yaml, exported.checkpoint + "/config.yaml");
   const auto adapter = adapter_config(config);
   bool moving_average = false;

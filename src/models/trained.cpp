@@ -26,7 +26,7 @@ struct CheckpointConfig {
 
 CheckpointConfig open_checkpoint(const std::string& run_or_checkpoint, const std::string& what) {
   auto directory = io::resolve_checkpoint(run_or_checkpoint, what);
-  auto checkpoint = io::load_checkpoint(directory);
+  auto checkpoint = io::load_inference_checkpoint(directory);
   auto source = ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml");
   return {std::move(directory), std::move(checkpoint), std::move(source)};
 }

@@ -166,7 +166,7 @@ struct TrainerState : RunRecord {
     const auto frozen = frozen_names();
     if (init_from.empty() || frozen.empty()) return;
     const auto base = io::resolve_checkpoint(init_from, what + " init_from");
-    if (holds_as_they_are(io::inference_weights(io::load_checkpoint(base)), frozen)) {
+    if (holds_as_they_are(io::inference_weights(io::load_inference_checkpoint(base)), frozen)) {
       base_checkpoint = base;
       log::info(what, ": checkpoints hold what trains and refer to ", base, " for the frozen weights");
       return;

@@ -176,6 +176,31 @@ TEST(Checkpoint, GroupsBeyondTheWrittenShardsAreCutFromTheWholeTensors) {
   EXPECT_THROW_WITH(load_checkpoint_for_rank(directory, fewer, 0, 4), Error, "hold 1 groups where the model has 0");
 }
 
+// What inference reads of a sharded checkpoint is its average's shards alone: shards that hold
+// no moments (which the layout names) load as a model, while the whole checkpoint does not.
+TEST(Checkpoint, AnInferenceCheckpointJoinsOnlyTheAveragesShards) {
+  ScratchDir dir;
+  const auto staging = dir / "ckpt";
+  fs::create_directories(staging);
+  write_checkpoint_files(staging, make_checkpoint(3), block_layout(4));
+  const auto values = torch::constant_pad_nd(torch::arange(10.0f), {0, 2});
+  for (int64_t rank = 0; rank < 4; ++rank) {
+    write_checkpoint_shard(staging, rank, 4,
+                           {{"weights.0", values.slice(0, 3 * rank, 3 * rank + 3)},
+                            {"ema.0", -values.slice(0, 3 * rank, 3 * rank + 3)}});
+  }
+  EXPECT_THROW_WITH(load_checkpoint(staging), Error, "a shard lacks 'exp_avg.0'");
+  const auto checkpoint = load_inference_checkpoint(staging);
+  EXPECT_EQ(checkpoint.state.count("adamw.block.weight.exp_avg"), 0u);
+  EXPECT_EQ(checkpoint.weights.count("block.weight"), 0u) << "the average replaces the weights: they are not joined";
+  EXPECT_EQ(checkpoint.state.count("adam.exp_avg"), 1u) << "what is not sharded is read as it is";
+  const auto weights = inference_weights(checkpoint);
+  EXPECT_EQ(weights.size(), 3u);
+  EXPECT_TRUE(torch::equal(weights.at("block.weight"), -torch::arange(8.0f).view({2, 4})));
+  EXPECT_TRUE(torch::equal(weights.at("block.bias"), -torch::tensor({8.0f, 9.0f})));
+  EXPECT_TRUE(torch::equal(weights.at("layer.weight"), torch::full({2, 2}, 3.0f)));
+}
+
 TEST(Checkpoint, ARankTakesItsSlicesOfACheckpointThatWasNotSharded) {
   ScratchDir dir;
   auto whole = make_checkpoint(3);

@@ -34,6 +34,11 @@ Checkpoint load_checkpoint(const std::string& directory);
 // What inference reads of a checkpoint: its weights, with their moving average where it keeps
 // one (the average may cover only the trained part of a fine-tuned model).
 TensorMap inference_weights(const Checkpoint& checkpoint);
+// load_checkpoint(directory), but of a sharded checkpoint only the shards inference_weights
+// reads (its moving average, or its weights where it keeps none) are joined, never its
+// moments or PowerSGD state: what a model, an export, a fine-tuning run's base or init_from
+// reads. Not a checkpoint to resume from.
+Checkpoint load_inference_checkpoint(const std::string& directory);
 
 // A fine-tuning run's checkpoint need not hold the weights it never trained: it may refer to
 // the checkpoint it started from (its base), whose inference weights fill every name its own
