@@ -172,8 +172,7 @@ torch::Tensor PriorImpl::head(const torch::Tensor& x) {
   return to_logits_(y);
 }
 
-torch::Tensor PriorImpl::run_end(PriorEnd end, const std::function<torch::Tensor(const torch::Tensor&)>& part,
-                                 const torch::Tensor& input) {
+torch::Tensor PriorImpl::run_end(PriorEnd end, const EndPart& part, const torch::Tensor& input) {
   return end_runner_ ? end_runner_(end, part, input) : part(input);
 }
 

@@ -63,9 +63,10 @@ class ShardedReducer final : public GradientReducer {
   void load_state(const io::TensorMap& state, const std::string& prefix) override;
 
   // PowerSGD's error feedback of this rank's shard of group g (shard-shaped, zero where
-  // nothing is compressed, as in a group sent whole; empty for a frozen group) as its mean over the shard's replicas on the other machines (what
-  // enters their next averages), and the same set back from a checkpoint; undefined without
-  // PowerSGD across machines. Every rank calls it for every group.
+  // nothing is compressed, as in a group sent whole; empty for a frozen group) as its mean
+  // over the shard's replicas on the other machines (what enters their next averages), and
+  // the same set back from a checkpoint; undefined without PowerSGD across machines. Every
+  // rank calls it for every group.
   torch::Tensor shard_error(size_t g);
   void set_shard_error(size_t g, const torch::Tensor& error);
   // Q of each compressed block of rows of this rank's shard of group g (the same on every

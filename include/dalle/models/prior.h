@@ -32,11 +32,11 @@ using ResblockBuilt = std::function<void(size_t index, ResblockImpl& block)>;
 // The prior's two parts outside its resblocks: the embeddings (tokens into the residual
 // stream) and the head (final LayerNorms and logits).
 enum class PriorEnd { embeddings, head };
-// Runs one of them, `part`, on `input` (the tokens; the stream); the default is part(input).
-// Wrappers (sharding gathers the end's parameters around it) replace it without touching
-// the model, as a ResblockRunner does for the blocks.
-using EndRunner = std::function<torch::Tensor(PriorEnd end, const std::function<torch::Tensor(const torch::Tensor&)>& part,
-                                              const torch::Tensor& input)>;
+// An EndRunner runs one end's computation, `part`, on `input` (the tokens; the stream); the
+// default is part(input). Wrappers (sharding gathers the end's parameters around it) replace
+// it without touching the model, as a ResblockRunner does for the blocks.
+using EndPart = std::function<torch::Tensor(const torch::Tensor&)>;
+using EndRunner = std::function<torch::Tensor(PriorEnd end, const EndPart& part, const torch::Tensor& input)>;
 
 class PriorImpl : public torch::nn::Module {
  public:
@@ -71,8 +71,7 @@ class PriorImpl : public torch::nn::Module {
   torch::Tensor run(const torch::Tensor& tokens, const ResblockContext& context);
   torch::Tensor through_resblocks(torch::Tensor x, const ResblockContext& context);
   torch::Tensor head(const torch::Tensor& x);
-  torch::Tensor run_end(PriorEnd end, const std::function<torch::Tensor(const torch::Tensor&)>& part,
-                        const torch::Tensor& input);
+  torch::Tensor run_end(PriorEnd end, const EndPart& part, const torch::Tensor& input);
   // GPT-style initial values of every parameter, in the order of named_parameters(); each
   // resblock handed to `built` (when set) once its values are drawn.
   void init_weights(const ResblockBuilt& built);

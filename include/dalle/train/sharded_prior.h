@@ -43,15 +43,15 @@ class ShardedPrior {
   // `overlap`: a block's reduce-scatter runs while backward goes on (ShardedParameters).
   // `matrices`: the storage of the trained groups AdamW decays (precision.weights); the
   // rest is float32.
-  ShardedPrior(models::PriorImpl& prior, const DecayRule& decayed,
-                   std::shared_ptr<distributed::ProcessGroup> group, bool overlap = true,
-                   const KeepWhole& keep_whole = nullptr, torch::ScalarType matrices = torch::kFloat32);
+  ShardedPrior(models::PriorImpl& prior, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
+               bool overlap = true, const KeepWhole& keep_whole = nullptr,
+               torch::ScalarType matrices = torch::kFloat32);
   // The same for a prior of `blocks` resblocks not built yet, each then cut by add_block as it
   // is built (models::ResblockBuilt): no rank holds more than one block whole; add_ends once
   // the prior exists.
   ShardedPrior(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
-                   bool overlap = true, const KeepWhole& keep_whole = nullptr,
-                   torch::ScalarType matrices = torch::kFloat32);
+               bool overlap = true, const KeepWhole& keep_whole = nullptr,
+               torch::ScalarType matrices = torch::kFloat32);
   // Cuts resblock b (named "resblocks.<b>." as in the prior's state dict) into its shards and
   // empties its tensors. Once per block, in any order, before anything is gathered.
   void add_block(size_t b, models::ResblockImpl& block);
