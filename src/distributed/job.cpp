@@ -91,9 +91,16 @@ std::shared_ptr<ProcessGroup> Job::subgroup(const std::string& name, int64_t ran
 // then never share an order with data parallelism's buckets on the world group, which each
 // rank issues as its gradients come (a rank lacking a gradient would issue them otherwise).
 // On one machine it carries the job's simulated link, as the world group does.
+// A job of one has a group of its process alone: sharding over it keeps the model in units
+// gathered one at a time (16-bit shards, no whole validation copy), dividing nothing.
 std::shared_ptr<ProcessGroup> Job::within_node() {
-  if (!group_) return nullptr;
-  if (!within_node_) {
+  if (within_node_) return within_node_;
+  if (!group_) {
+    within_node_ = std::make_shared<ProcessGroup>(ProcessGroupOptions{.timeout = options_.timeout,
+                                                                      .backend = options_.backend,
+                                                                      .cuda_device = options_.cuda_device,
+                                                                      .alone = true});
+  } else {
     within_node_ = subgroup("node" + std::to_string(place_.node_rank), place_.local_rank, place_.local_world_size,
                             place_.nodes == 1 ? options_.link : SimulatedLink{});
   }

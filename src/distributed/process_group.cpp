@@ -4,6 +4,7 @@
 #include "dalle/distributed/process_group.h"
 
 #include <gloo/context.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -62,6 +63,20 @@ double bytes_of(const torch::Tensor& tensor) {
 std::mutex gloo_start_mutex;
 
 std::string heartbeat_key(int64_t rank) { return "heartbeat/" + std::to_string(rank); }
+
+// The group's store: in memory for a group alone, else a TCPStore that rank 0 (or a
+// launcher's agent) serves.
+c10::intrusive_ptr<c10d::Store> make_store(const ProcessGroupOptions& options) {
+  if (options.alone) return c10::make_intrusive<c10d::HashStore>();
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(options.port);
+  store_options.isServer = options.serve_store && options.rank == 0;
+  store_options.numWorkers = static_cast<std::size_t>(options.world_size);
+  store_options.waitWorkers = false;
+  store_options.timeout = options.timeout;
+  if (options.listen_fd >= 0 && store_options.isServer) store_options.masterListenFd = options.listen_fd;
+  return c10::make_intrusive<c10d::TCPStore>(options.address, store_options);
+}
 
 }  // namespace
 
@@ -165,16 +180,9 @@ ProcessGroup::ProcessGroup(const ProcessGroupOptions& options) : impl_(std::make
     throw Error("process group: rank " + std::to_string(options.rank) + " of a world of " +
                 std::to_string(options.world_size));
   }
-  c10d::TCPStoreOptions store_options;
-  store_options.port = static_cast<std::uint16_t>(options.port);
-  store_options.isServer = options.serve_store && options.rank == 0;
-  store_options.numWorkers = static_cast<std::size_t>(options.world_size);
-  store_options.waitWorkers = false;
-  store_options.timeout = options.timeout;
-  if (options.listen_fd >= 0 && store_options.isServer) store_options.masterListenFd = options.listen_fd;
+  if (options.alone && options.world_size != 1) throw Error("process group: a group alone has one rank");
   try {
-    auto tcp = c10::make_intrusive<c10d::TCPStore>(options.address, store_options);
-    impl_->store = c10::make_intrusive<c10d::PrefixStore>(options.prefix, tcp);
+    impl_->store = c10::make_intrusive<c10d::PrefixStore>(options.prefix, make_store(options));
     const int rank = static_cast<int>(options.rank), size = static_cast<int>(options.world_size);
     if (options.backend == Backend::nccl) {
       impl_->backend = detail::make_nccl_backend(impl_->store, rank, size, options.timeout, options.cuda_device);

@@ -258,7 +258,7 @@ class Planner {
     plan_.adam_moments = recipe.precision.adam_moments;
     plan_.sharding = recipe.distributed.sharding;
     plan_.gradient_reduction = recipe.distributed.gradient_reduction;
-    plan_.sharded = recipe.distributed.sharding == "within_node" && cluster.gpus_per_node > 1;
+    plan_.sharded = recipe.distributed.sharding == "within_node";
     plan_.weights = recipe.precision.weights;
     matrix_bytes_ = dtype_bytes(plan_.weights);
     layers_ = recipe.model.layers;
@@ -349,9 +349,8 @@ class Planner {
   // What each rank keeps from one update to the next.
   void state_memory() {
     const double held = static_cast<double>(plan_.parameters.per_rank);
-    const std::string what = plan_.sharded ? "1/" + std::to_string(gpus_) +
-                                                 " of every resblock, the embeddings and the head (padded)"
-                                           : "the whole model";
+    const std::string what =
+        plan_.sharded ? share_of_blocks() + ", the embeddings and the head (padded)" : "the whole model";
     const bool frozen = shape_.frozen;
     // frozen_weights: the frozen block matrices in 16 bits, in the model and in the validation
     // model that shares them (a sharded run's shards stay fp32).
@@ -392,6 +391,11 @@ class Planner {
   // The fp32 moving average of what trains. The trainer keeps the average of 16-bit matrix
   // shards in host memory (on the GPU, it would take back what their 16 bits save); the rest
   // of the shards' and the replicated parameters' stay on the GPU.
+  // What a rank holds of the blocks, sharded.
+  std::string share_of_blocks() const {
+    return gpus_ == 1 ? "shards of one: every resblock" : "1/" + std::to_string(gpus_) + " of every resblock";
+  }
+
   void average_memory(const std::string& trains) {
     const double trained = kFp32 * static_cast<double>(trained_per_rank_);
     if (!sixteen_bit_matrices()) {
@@ -402,7 +406,7 @@ class Planner {
     add_memory("moving average", MemoryPhase::kept, trained - matrices,
                "fp32, " + trains + ", but the matrices' shards (in host memory)");
     add_memory("moving average (host)", MemoryPhase::host, matrices,
-               "fp32, 1/" + std::to_string(gpus_) + " of every resblock's matrices (padded): not on the GPU");
+               "fp32, " + share_of_blocks() + "'s matrices (padded): not on the GPU");
   }
 
   // The model validation and sample grids run with the moving average in. Sharded, there is
@@ -809,8 +813,10 @@ class Planner {
 
   void add_notes() {
     auto& notes = plan_.notes;
-    if (recipe_.distributed.sharding == "within_node" && !plan_.sharded) {
-      notes.push_back("distributed.sharding within_node changes nothing on one GPU per machine");
+    if (plan_.sharded && gpus_ == 1) {
+      notes.push_back("distributed.sharding within_node on one GPU per machine divides nothing: the model is kept "
+                      "as shards of one, gathered a block at a time, for what that layout holds less of (16-bit "
+                      "precision.weights, no validation copy)");
     }
     if (!plan_.fits_at_startup) {
       char text[200];
@@ -838,7 +844,7 @@ class Planner {
   ModelShape shape_;
   CapacityPlan plan_;
   int64_t layers_ = 0, resblocks_ = 0, gpus_ = 1;
-  int64_t shard_values_ = 0;  // of every resblock group on one rank, padding included
+  int64_t shard_values_ = 0;  // of every sharded group (resblocks, ends) on one rank, padding included
   int64_t trained_shard_values_ = 0;  // of the trained groups only
   int64_t end_shard_values_ = 0, end_trained_shard_values_ = 0;  // of the embeddings' and head's (in the above)
   LowRankCost largest_low_rank_;      // PowerSGD's state of the rank that holds the most

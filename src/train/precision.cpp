@@ -77,8 +77,8 @@ void check_weights_storage(const PrecisionConfig& precision, bool sharded, const
     throw Error(key + " needs precision.mode bfloat16 or float16 (the blocks compute with their 16-bit weights)");
   }
   if (!sharded) {
-    throw Error(key + " stores the shards of the resblocks: it needs distributed.sharding within_node and "
-                      "several ranks on each machine");
+    throw Error(key + " stores the shards of the resblocks: it needs distributed.sharding within_node (on one "
+                      "rank too)");
   }
 }
 

@@ -67,8 +67,9 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           {.min = 0.001, .max = 4096.0});
   v.field("sharding", sharding,
           "none: every rank holds the whole model; within_node (the prior): each rank of a machine holds 1/N of "
-          "every resblock's weights, gradients and AdamW moments, gathered per block (ZeRO-3, DALL-E's layout; "
-          "implies per-resblock activation checkpointing)",
+          "every parameter array (each resblock, the embeddings, the head) with its gradients and AdamW moments, "
+          "gathered per block (ZeRO-3, DALL-E's layout; implies per-resblock activation checkpointing); on one "
+          "rank, the same layout as one shard: 16-bit precision.weights, no whole validation copy",
           {.choices = {"none", "within_node"}});
   v.field("gradient_reduction", gradient_reduction,
           "allreduce: the gradients averaged whole; powersgd: each matrix averaged as a low-rank product with error "

@@ -74,11 +74,13 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
 
 // The embeddings, sharded: their input (the tokens) takes no gradient, so an empty `anchor`
 // that requires one makes autograd run this backward, which recomputes the embeddings on the
-// gathered tables and reduce-scatters their gradients.
+// gathered tables (with the forward's random and autocast state, as a block's) and
+// reduce-scatters their gradients.
 class ShardedEmbeddings : public torch::autograd::Function<ShardedEmbeddings> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& /*anchor*/, const torch::Tensor& tokens,
                                c10::intrusive_ptr<ShardedRun> run) {
+    run->state = ForwardState(tokens);
     ctx->save_for_backward({tokens});
     ctx->saved_data["run"] = c10::IValue::make_capsule(run);
     torch::NoGradGuard no_grad;
@@ -89,10 +91,7 @@ class ShardedEmbeddings : public torch::autograd::Function<ShardedEmbeddings> {
     auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
     const auto tokens = ctx->get_saved_variables()[0];
     run->gather();
-    {
-      torch::AutoGradMode enabled(true);
-      torch::autograd::backward({run->fn(tokens)}, {grads[0]});
-    }
+    torch::autograd::backward({run->state.rerun(run->fn, tokens)}, {grads[0]});
     run->reduce_gradients();
     run->release();
     return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -167,7 +166,7 @@ bool ShardedPrior::trains(size_t u) const {
 
 void ShardedPrior::gather_averages(const std::vector<torch::Tensor>& averages) const {
   if (averages.empty()) return sharded_->gather_from({});
-  if (averages.size() != trained_groups()) throw Error("sharded resblocks: an average per trained group");
+  if (averages.size() != trained_groups()) throw Error("sharded prior: an average per trained group");
   auto sources = averages;
   for (size_t g = trained_groups(); g < sharded_->groups(); ++g) sources.push_back(sharded_->shard(g));
   sharded_->gather_from(std::move(sources));
@@ -229,8 +228,7 @@ models::EndRunner ShardedPrior::end_runner() const {
   const bool embeddings_train = trains(embeddings), head_trains = trains(head);
   const size_t first = 0, last = blocks_ - 1;
   return [sharded = sharded_, units, embeddings, head, embeddings_train, head_trains, first, last](
-             models::PriorEnd end, const std::function<torch::Tensor(const torch::Tensor&)>& part,
-             const torch::Tensor& input) {
+             models::PriorEnd end, const models::EndPart& part, const torch::Tensor& input) {
     auto run = c10::make_intrusive<ShardedRun>();
     run->fn = part;
     run->sharded = sharded;

@@ -118,6 +118,73 @@ TEST_F(PriorTrainerTest, Fp16AndBf16RunsEndNearTheFp32Run) {
   EXPECT_NEAR(final_loss("bfloat16"), fp32, 0.03 * fp32);
 }
 
+// distributed.sharding within_node on a job of one: the prior is kept as shards of one (the
+// layout a machine's ranks share, nothing divided), so that one GPU gets what sharding gives
+// a machine: 16-bit weights, the average swapped in block by block to validate, no whole
+// copy. It trains as the whole model does; with bfloat16 weights it learns as fp32 weights do
+// and resumes bit for bit; its checkpoint loads as a model.
+// distributed.sharding within_node on a job of one: the prior is kept as shards of one (the
+// layout a machine's ranks share, nothing divided), so that one GPU gets what sharding gives
+// a machine: 16-bit weights, the average swapped in block by block to validate, no whole
+// copy. It trains as the whole model does; with bfloat16 weights it learns as fp32 weights do
+// and resumes bit for bit; its checkpoint loads as a model.
+TEST_F(PriorTrainerTest, DebugBf16) {
+  ScratchDir runs;
+  auto sixteen_bit = tiny(std::getenv("STEPS") ? std::atoi(std::getenv("STEPS")) : 2);
+  sixteen_bit.distributed.sharding = "within_node";
+  sixteen_bit.precision.mode = "bfloat16";
+  if (!std::getenv("FP32W")) sixteen_bit.precision.weights = "bfloat16";
+  PriorTrainer bf16(sixteen_bit, runs / "bf16");
+  bf16.run();
+}
+
+TEST_F(PriorTrainerTest, OneRankShardedTrainsAsTheWholeModelAndHoldsSixteenBitWeights) {
+  ScratchDir runs;
+  auto whole_config = tiny(8);
+  whole_config.run.validate_every = 8;
+  // Without dropout: the whole run draws its validation copy's initial values from the
+  // generator that draws the dropout masks, so its masks are others.
+  whole_config.model.dropout = 0;
+  auto sharded_config = whole_config;
+  sharded_config.distributed.sharding = "within_node";
+  PriorTrainer whole(whole_config, runs / "whole");
+  whole.run();
+  PriorTrainer sharded(sharded_config, runs / "sharded");
+  sharded.run();
+  for (const auto& parameter : sharded.model()->parameters()) {
+    EXPECT_EQ(parameter.numel(), 0) << "the prior's own tensors are emptied: only its shards are held";
+  }
+  const auto whole_lines = testing::training_lines(runs / "whole");
+  const auto sharded_lines = testing::training_lines(runs / "sharded");
+  for (int64_t step : {1, 4, 8}) {
+    EXPECT_NEAR(sharded_lines.at(step)["loss"].get<double>(), whole_lines.at(step)["loss"].get<double>(), 1e-5)
+        << "update " << step;
+  }
+  EXPECT_NEAR(sharded.validate().loss, whole.validate().loss, 1e-5);
+  EXPECT_TRUE(std::filesystem::exists(runs / "sharded/checkpoints/step-000000008/shard-00000-of-00001.safetensors"));
+  {
+    torch::NoGradGuard no_grad;
+    const auto tokens = tokens_for_test();
+    const auto from_shards = models::load_trained_prior(runs / "sharded").model->forward(tokens);
+    const auto from_whole = models::load_trained_prior(runs / "whole").model->forward(tokens);
+    EXPECT_LT((from_shards - from_whole).abs().max().item<double>(), 1e-4);
+  }
+
+  auto sixteen_bit = tiny(24);
+  sixteen_bit.distributed.sharding = "within_node";
+  sixteen_bit.precision.mode = "bfloat16";
+  auto fp32_weights = sixteen_bit;
+  sixteen_bit.precision.weights = "bfloat16";
+  PriorTrainer bf16(sixteen_bit, runs / "bf16");
+  bf16.run();
+  PriorTrainer fp32(fp32_weights, runs / "fp32-weights");
+  fp32.run();
+  const double reference = fp32.validate().loss;
+  EXPECT_NEAR(bf16.validate().loss, reference, 0.01 * reference);
+  sixteen_bit.run.validate_every = 1000;
+  testing::expect_exact_resume<PriorTrainer>(sixteen_bit);
+}
+
 TEST_F(PriorTrainerTest, InfInOneResblockSkipsTheUpdateAndDividesOnlyItsScale) {
   ScratchDir runs;
   auto config = tiny(1);

@@ -62,9 +62,9 @@ class Job {
   std::shared_ptr<GradientReducer> reducer() const { return reducer_; }
   // The group, or null for a job of one.
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
-  // The ranks of this machine (a group of its own, on one machine too), and this rank's peers
-  // on the other machines, those of the same local rank (null on one machine); both null for
-  // a job of one. Made at the first call, which every rank must make.
+  // The ranks of this machine (a group of its own, on one machine too; for a job of one, a
+  // group of this process alone), and this rank's peers on the other machines, those of the
+  // same local rank (null on one machine). Made at the first call, which every rank must make.
   std::shared_ptr<ProcessGroup> within_node();
   std::shared_ptr<ProcessGroup> across_nodes();
 

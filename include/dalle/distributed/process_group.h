@@ -45,6 +45,9 @@ struct ProcessGroupOptions {
   Backend backend = Backend::gloo;
   int cuda_device = 0;  // NCCL: this rank's GPU
   SimulatedLink link = {};  // delays every collective of the group as that link would
+  // A group of this process alone (world_size 1): its store lives in memory, no port is
+  // opened and no rendezvous waited for. What a job of one shards over (Job::within_node).
+  bool alone = false;
 };
 
 enum class ReduceOp { sum, average, max, min };

@@ -73,7 +73,7 @@ void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
 // prior built sharded has its blocks cut already: its ends are cut here, once it is placed.
 void PriorTrainer::State::cut_into_shards() {
   if (shards) return shards->add_ends(*model);
-  if (config.distributed.sharding != "within_node" || job->place().local_world_size == 1) return;
+  if (!shards_resblocks()) return;
   shards = std::make_unique<ShardedPrior>(*model, decayed_by_adamw, job->within_node(), config.distributed.overlap,
                                           models::is_adapter_tensor, config.precision.weights_dtype());
 }
@@ -113,11 +113,19 @@ void PriorTrainer::State::build_sharded_update() {
                                                       .measure_norm = true,
                                                       .after_step = [this] { average_shards(); }},
                                         ema.get(), model.get());
+  // A job of one reduces its replicated parameters (adapters) over its group alone.
+  const auto world = job->group() ? job->group() : job->within_node();
   sharded_reducer = std::make_shared<distributed::ShardedReducer>(
-      shards->parameters(), job->group(), job->within_node(), job->across_nodes(), bucket_bytes(config.distributed),
+      shards->parameters(), world, job->within_node(), job->across_nodes(), bucket_bytes(config.distributed),
       powersgd_options(config.distributed, config.run), config.distributed.overlap, shards->uncompressed_groups());
   update->set_reducer(sharded_reducer);
   const int64_t ranks = job->place().local_world_size;
+  if (ranks == 1 && job->place().nodes == 1) {
+    log::info("prior: one rank holds the ", model->resblocks().size(), " resblocks, the embeddings and the head as "
+              "shards of one, each gathered when it computes (", config.precision.weights, " matrices; the moving "
+              "average swapped in block by block to validate, no whole copy)");
+    return;
+  }
   log::info("prior: the ", model->resblocks().size(), " resblocks, the embeddings and the head are sharded between the ",
             ranks, " ranks of each machine; each holds 1/", ranks, " of their weights, gradients and moments",
             frozen_names().empty() ? "" : " (of their frozen weights too; adapters stay whole)",
@@ -306,7 +314,11 @@ void PriorTrainer::State::save_checkpoint() {
   if (writes_files) checkpoints.stage(step);
   job->barrier();
   const auto staging = checkpoints.staging_for(step);
-  const bool moments = optimizer->state().count(shards->parameters()->shard(0).unsafeGetTensorImpl()) > 0;
+  // Moments exist once AdamW has stepped a trained shard (a group may be empty, or frozen).
+  bool moments = false;
+  for (size_t g = 0; g < shards->trained_groups(); ++g) {
+    moments = moments || optimizer->state().count(shards->parameters()->shard(g).unsafeGetTensorImpl()) > 0;
+  }
   // PowerSGD's error feedback, as its mean over the machines: every rank takes part.
   std::vector<torch::Tensor> errors;
   for (size_t g = 0; g < shards->trained_groups(); ++g) errors.push_back(sharded_reducer->shard_error(g));

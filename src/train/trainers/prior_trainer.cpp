@@ -224,7 +224,7 @@ models::Prior& PriorTrainer::model() { return state_->model; }
 const GradientScaler* PriorTrainer::gradient_scaler() const { return state_->precision->scaler(); }
 
 bool PriorTrainer::State::shards_resblocks() const {
-  return config.distributed.sharding == "within_node" && job->place().local_world_size > 1;
+  return config.distributed.sharding == "within_node";
 }
 
 void PriorTrainer::State::install_resblock_runner() {
