@@ -18,11 +18,17 @@
 //             recipe), --finetune=adapters --adapter-rank=R trains rank-R adapters on them alone;
 //             --frozen-weights=bfloat16|float16 keeps the frozen resblock matrices in 16 bits;
 //   data-parallel: the same steps on N processes of this machine, with the bytes each rank
-//             hands to all-reduce.
+//             hands to all-reduce;
+//   trainer:  dalle-train's own PriorTrainer on random tokens of a recipe's layout
+//             (--config=configs/prior/rudalle-xl.yaml, --set=key=value repeated): the mean
+//             update time from its metrics, peak memory (CUDA on a GPU) beside dalle-plan's peak
+//             for the same recipe on one GPU of --gpu-memory GiB, and model FLOPs utilisation:
+//             what a run gets with its recipe's state (sharding on one GPU, 16-bit weights).
 // Ratios are taken within one run, on one machine.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <sys/resource.h>
+#include <unistd.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -30,6 +36,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <numeric>
 #include <nlohmann/json.hpp>
@@ -48,16 +56,20 @@
 #include "dalle/models/vqgan_detokenizer.h"
 #include "dalle/error.h"
 #include "dalle/log.h"
+#include "dalle/config.h"
+#include "dalle/data/token_dataset.h"
 #include "dalle/models/adapter.h"
 #include "dalle/models/prior.h"
 #include "dalle/models/prior_flops.h"
 #include "dalle/models/prior_sampling.h"
 #include "dalle/runtime.h"
 #include "dalle/train/adamw.h"
+#include "dalle/train/capacity_plan.h"
 #include "dalle/train/model_precision.h"
 #include "dalle/train/resblock_runner.h"
 #include "dalle/train/sharded_prior.h"
 #include "dalle/train/trainable.h"
+#include "dalle/train/trainers/prior_trainer.h"
 #include "dalle/train/update_step.h"
 
 using namespace dalle;
@@ -445,6 +457,58 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
   std::fflush(stdout);
 }
 
+// `steps` timed updates (after a warm one) of dalle-train's PriorTrainer with `recipe`, on
+// random tokens of its layout written to a scratch folder (removed after).
+void trainer_steps(train::PriorTrainConfig recipe, const std::string& name, int64_t steps, double gpu_memory_gib,
+                   const TrainingOptions& options) {
+  const auto scratch = std::filesystem::temp_directory_path() / ("dalle-bench-trainer-" + std::to_string(getpid()));
+  std::filesystem::remove_all(scratch);
+  const auto& model = recipe.model;
+  data::TokenDatasetWriter writer((scratch / "tokens").string(),
+                                  {.image_vocab_size = model.image_vocab_size, .text_vocab_size = model.text_vocab_size,
+                                   .grid_height = model.grid_size, .grid_width = model.grid_size,
+                                   .text_length = model.text_length, .source = "random"});
+  for (int64_t i = 0; i < recipe.data.batch_size * (steps + 1); ++i) {
+    writer.add(torch::randint(model.image_vocab_size, {model.grid_size, model.grid_size}),
+               torch::randint(1, model.text_vocab_size, {1, model.text_length}), {"random"});
+  }
+  writer.finish();
+  recipe.data.train = (scratch / "tokens").string();
+  recipe.data.validation.clear();
+  recipe.tokenizer.clear();  // no sample grids
+  recipe.image_tokenizer.clear();
+  recipe.run = {.steps = steps + 1, .log_every = 1, .validate_every = 1 << 30, .checkpoint_every = 1 << 30};
+  recipe.run.device = options.device.str();
+  const auto plan = train::plan_capacity(recipe, {.nodes = 1, .gpus_per_node = 1, .gpu_memory_gib = gpu_memory_gib});
+  const double rss_before = peak_rss_mib();
+  train::PriorTrainer(recipe, (scratch / "run").string()).run();
+  double seconds = 0;
+  std::ifstream metrics(scratch / "run" / "metrics.jsonl");
+  for (std::string text; std::getline(metrics, text);) {
+    const auto line = nlohmann::json::parse(text);
+    if (line.value("step", 0) > 1 && line.contains("update_seconds")) seconds += line["update_seconds"].get<double>();
+  }
+  seconds /= static_cast<double>(steps);
+  std::filesystem::remove_all(scratch);
+  const double tokens_per_s = static_cast<double>(recipe.data.batch_size * model.length()) / seconds;
+  nlohmann::json line = {{"benchmark", "trainer"}, {"model", name}, {"device", options.device.str()},
+                         {"batch", recipe.data.batch_size}, {"precision", recipe.precision.mode},
+                         {"weights", recipe.precision.weights}, {"sharding", recipe.distributed.sharding},
+                         {"step_s", seconds}, {"tokens_per_s", tokens_per_s},
+                         {"planned_peak_gib", plan.peak_bytes / 1073741824.0},
+                         {"planned_host_gib", plan.host_bytes / 1073741824.0},
+                         {"planned_fits", plan.fits}, {"peak_rss_mib", peak_rss_mib()}, {"rss_before_mib", rss_before}};
+  if (options.device.is_cuda()) {
+    const double flops_per_token =
+        models::prior_flops_per_token(static_cast<double>(plan.parameters.matrix_weights), model);
+    line["peak_cuda_mib"] = peak_cuda_mib(options.device);
+    line["peak_cuda_over_plan"] = peak_cuda_mib(options.device) / (plan.peak_bytes / 1048576.0);
+    line["mfu"] = flops_per_token * tokens_per_s / (options.peak_tflops * 1e12);
+  }
+  std::printf("%s\n", line.dump().c_str());
+  std::fflush(stdout);
+}
+
 // How the ranks of data_parallel talk: overlapped or not, in buckets of how many bytes, and
 // over which simulated link: a fixed one, or one whose communication alone takes
 // `comm_ratio` times the step measured without it.
@@ -696,6 +760,16 @@ std::string option(int argc, char** argv, const std::string& name, const std::st
   return fallback;
 }
 
+// Every "--name=value" among the arguments, in order.
+std::vector<std::string> options_named(int argc, char** argv, const std::string& name) {
+  const std::string prefix = "--" + name + "=";
+  std::vector<std::string> values;
+  for (int i = 2; i < argc; ++i) {
+    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0) values.emplace_back(argv[i] + prefix.size());
+  }
+  return values;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -765,6 +839,12 @@ int main(int argc, char** argv) {
     for (const int64_t rank : {512, 896}) powersgd_compression(twelve, rank, 8, "DALL-E 12B");
   } else if (which == "powersgd-qr") {
     powersgd_qr(quick ? 1 : 3);
+  } else if (which == "trainer") {
+    const auto path = option(argc, argv, "config", "configs/prior/rudalle-xl.yaml");
+    auto source = ConfigSource::from_file(path);
+    source.set_all(options_named(argc, argv, "set"));
+    trainer_steps(load_config<train::PriorTrainConfig>(source), path, std::stoll(option(argc, argv, "steps", "3")),
+                  std::stod(option(argc, argv, "gpu-memory", "16")), options);
   } else if (which == "training-xl-slice") {
     const int64_t layers = std::stoll(option(argc, argv, "layers", "2"));
     auto slice = rudalle_xl_slice(layers);
@@ -775,13 +855,13 @@ int main(int argc, char** argv) {
   } else {
     std::fprintf(stderr,
                  "usage: dalle_bench_prior attention|generation|generation-xl|generation-mega|grid-mega|training-tiny|"
-                 "training-xl-slice|"
+                 "training-xl-slice|trainer|"
                  "data-parallel|"
                  "powersgd-compression|powersgd-qr "
                  "[--quick] [--path=sparse|dense] [--precision=float32|bfloat16|float16] [--checkpoint-every=K] "
                  "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice|mega|mini] [--layers=L] [--steps=N] "
                  "[--dtype=float32|bfloat16|float16|int8 (CPU)] [--batch=B] [--images=N] [--tokens=N] [--device=cpu|cuda] "
-                 "[--peak-tflops=989]\n");
+                 "[--peak-tflops=989] [--config=RECIPE --set=key=value... --gpu-memory=16 (trainer)]\n");
     return 2;
   }
   return 0;
