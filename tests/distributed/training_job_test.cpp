@@ -167,7 +167,7 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
                                                               samples));
   ASSERT_EQ(sharded.status, 0) << sharded.output;
   EXPECT_THAT(sharded.output, ::testing::HasSubstr("each holds 1/" + std::to_string(ranks)));
-  EXPECT_THAT(sharded.output, ::testing::HasSubstr("built one resblock at a time, each cut into " +
+  EXPECT_THAT(sharded.output, ::testing::HasSubstr("built one resblock at a time, each drawn and cut into " +
                                                    std::to_string(ranks) + " shards"));
   EXPECT_LT(largest_difference(weights_at(dir / "job", 10), weights_at(dir / "sharded", 10)), 1e-5);
   for (const int64_t step : {5, 10}) {
