@@ -388,14 +388,14 @@ class Planner {
     }
   }
 
-  // The fp32 moving average of what trains. The trainer keeps the average of 16-bit matrix
-  // shards in host memory (on the GPU, it would take back what their 16 bits save); the rest
-  // of the shards' and the replicated parameters' stay on the GPU.
   // What a rank holds of the blocks, sharded.
   std::string share_of_blocks() const {
     return gpus_ == 1 ? "shards of one: every resblock" : "1/" + std::to_string(gpus_) + " of every resblock";
   }
 
+  // The fp32 moving average of what trains. The trainer keeps the average of 16-bit matrix
+  // shards in host memory (on the GPU, it would take back what their 16 bits save); the rest
+  // of the shards' and the replicated parameters' stay on the GPU.
   void average_memory(const std::string& trains) {
     const double trained = kFp32 * static_cast<double>(trained_per_rank_);
     if (!sixteen_bit_matrices()) {

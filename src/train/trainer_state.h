@@ -256,15 +256,20 @@ struct TrainerState : RunRecord {
   virtual void save_checkpoint() {
     auto checkpoint =
         make_checkpoint(config_to_yaml(visit_of(config)), *model, *ema, *optimizer, step, loader_position());
-    precision->save_state(checkpoint.state, "gradient_scaler.");
-    update->reducer().save_state(checkpoint.state, "reducer.");
     if (!base_checkpoint.empty() && writes_files) {
       if (write_base_copy_) write_base_copy();
       for (const auto& name : frozen_names()) checkpoint.weights.erase(name);
-      io::refer_to_base(checkpoint, base_checkpoint);
     }
-    save_extra(checkpoint);
+    add_run_state(checkpoint);
     save(checkpoint);
+  }
+  // What every checkpoint holds beside the weights, their average and the moments: the fp16
+  // scales, the reducer's state, the base it refers to and the trainer's own state.
+  void add_run_state(io::Checkpoint& checkpoint) const {
+    precision->save_state(checkpoint.state, "gradient_scaler.");
+    update->reducer().save_state(checkpoint.state, "reducer.");
+    if (!base_checkpoint.empty() && writes_files) io::refer_to_base(checkpoint, base_checkpoint);
+    save_extra(checkpoint);
   }
 
   virtual void resume(const std::string& directory) {
@@ -272,7 +277,13 @@ struct TrainerState : RunRecord {
     base_checkpoint = io::base_of(checkpoint);
     check_resumable<Config>(config, checkpoint.config_yaml, directory + "/config.yaml",
                             [this](const std::string& key) { return may_change_on_resume(key); });
-    const auto progress = restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer);
+    finish_resume(checkpoint, directory, restore_checkpoint(checkpoint, directory, *model, *ema, *optimizer));
+  }
+  // What every resume ends with once the weights, their average and the moments are back: the
+  // thread count, the fp16 scales, the reducer's state, the trainer's own state and the
+  // loader's place.
+  void finish_resume(const io::Checkpoint& checkpoint, const std::string& directory,
+                     const RestoredProgress& progress) {
     keep_threads_of(checkpoint);
     precision->load_state(checkpoint.state, "gradient_scaler.");
     update->reducer().load_state(checkpoint.state, "reducer.");

@@ -183,13 +183,7 @@ void PriorTrainer::State::resume(const std::string& directory) {
   const auto moments = io::with_prefix_removed(checkpoint.state, "adamw.");
   load_adamw_state(*optimizer, *model, moments);
   restore_warm_q(read.own);
-  const auto progress = restore_progress(checkpoint);
-  keep_threads_of(checkpoint);
-  precision->load_state(checkpoint.state, "gradient_scaler.");
-  sharded_reducer->load_state(checkpoint.state, "reducer.");
-  restore_extra(checkpoint, directory);
-  seek_loader(progress.position);
-  resumed(directory, progress.step);
+  finish_resume(checkpoint, directory, restore_progress(checkpoint));
 }
 
 // PowerSGD's warm Q of this rank's blocks of rows, from its own shard file: only a checkpoint
@@ -382,10 +376,7 @@ void PriorTrainer::State::write_checkpoint_files(const std::string& staging, boo
   }
   auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), ema->weights(),
                                     replicated_moments, step, loader_position());
-  precision->save_state(checkpoint.state, "gradient_scaler.");
-  sharded_reducer->save_state(checkpoint.state, "reducer.");
-  if (!base_checkpoint.empty()) io::refer_to_base(checkpoint, base_checkpoint);
-  save_extra(checkpoint);
+  add_run_state(checkpoint);
   io::write_checkpoint_files(staging, std::move(checkpoint), layout);
 }
 
