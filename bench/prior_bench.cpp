@@ -501,8 +501,9 @@ void trainer_steps(train::PriorTrainConfig recipe, const std::string& name, int6
   if (options.device.is_cuda()) {
     const double flops_per_token =
         models::prior_flops_per_token(static_cast<double>(plan.parameters.matrix_weights), model);
-    line["peak_cuda_mib"] = peak_cuda_mib(options.device);
-    line["peak_cuda_over_plan"] = peak_cuda_mib(options.device) / (plan.peak_bytes / 1048576.0);
+    const double peak_cuda = peak_cuda_mib(options.device);
+    line["peak_cuda_mib"] = peak_cuda;
+    line["peak_cuda_over_plan"] = peak_cuda / (plan.peak_bytes / 1048576.0);
     line["mfu"] = flops_per_token * tokens_per_s / (options.peak_tflops * 1e12);
   }
   std::printf("%s\n", line.dump().c_str());

@@ -123,21 +123,6 @@ TEST_F(PriorTrainerTest, Fp16AndBf16RunsEndNearTheFp32Run) {
 // a machine: 16-bit weights, the average swapped in block by block to validate, no whole
 // copy. It trains as the whole model does; with bfloat16 weights it learns as fp32 weights do
 // and resumes bit for bit; its checkpoint loads as a model.
-// distributed.sharding within_node on a job of one: the prior is kept as shards of one (the
-// layout a machine's ranks share, nothing divided), so that one GPU gets what sharding gives
-// a machine: 16-bit weights, the average swapped in block by block to validate, no whole
-// copy. It trains as the whole model does; with bfloat16 weights it learns as fp32 weights do
-// and resumes bit for bit; its checkpoint loads as a model.
-TEST_F(PriorTrainerTest, DebugBf16) {
-  ScratchDir runs;
-  auto sixteen_bit = tiny(std::getenv("STEPS") ? std::atoi(std::getenv("STEPS")) : 2);
-  sixteen_bit.distributed.sharding = "within_node";
-  sixteen_bit.precision.mode = "bfloat16";
-  if (!std::getenv("FP32W")) sixteen_bit.precision.weights = "bfloat16";
-  PriorTrainer bf16(sixteen_bit, runs / "bf16");
-  bf16.run();
-}
-
 TEST_F(PriorTrainerTest, OneRankShardedTrainsAsTheWholeModelAndHoldsSixteenBitWeights) {
   ScratchDir runs;
   auto whole_config = tiny(8);
