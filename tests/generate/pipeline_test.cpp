@@ -282,7 +282,7 @@ std::string demo_adapter(const testing::ScratchDir& dir, const std::string& name
   {
     torch::NoGradGuard no_grad;
     for (auto& item : prior.model->named_parameters()) {
-      if (item.key().ends_with(".lora_B.weight")) item.value().normal_(0.0, 0.3);
+      if (item.key().ends_with(".lora_B.weight")) item.value().normal_(0.0, 1.0);
     }
   }
   const auto path = dir / (name + ".safetensors");
@@ -325,8 +325,13 @@ TEST(PipelineAdapters, ARequestsAdaptersDrawWhatAPipelineFoldingThemAtLoadDraws)
     EXPECT_TRUE(torch::equal(together[i].tokens, expected[i])) << "image " << i << " of request "
                                                                << together[i].request;
   }
-  EXPECT_FALSE(torch::equal(together[0].tokens, together[4].tokens)) << "the attention adapter changes the draw";
-  EXPECT_FALSE(torch::equal(together[2].tokens, together[4].tokens)) << "and mlp's on top of it";
+  // Both candidates of a request, so that one token flipped anywhere tells adapters apart: a single
+  // 64-token draw of the trained demo prior can come out the same on another machine's arithmetic.
+  const auto request_tokens = [&](size_t request) {
+    return torch::cat({together[2 * request].tokens, together[2 * request + 1].tokens});
+  };
+  EXPECT_FALSE(torch::equal(request_tokens(0), request_tokens(2))) << "the attention adapter changes the draw";
+  EXPECT_FALSE(torch::equal(request_tokens(1), request_tokens(2))) << "and mlp's on top of it";
   // Drawn alone after the adapted ones, the base draws the base's images again.
   EXPECT_TRUE(torch::equal(pipeline.generate({plain}).at(0).tokens, expected[0]));
 
