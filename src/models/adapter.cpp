@@ -75,7 +75,8 @@ void AdapterConfig::visit(ConfigVisitor& v) {
           "\"decoder.layers.*.self_attn.*\"); empty: every linear layer; a pattern matching none is refused");
 }
 
-std::vector<std::string> add_adapters(torch::nn::Module& model, const AdapterConfig& config) {
+std::vector<std::string> add_adapters(torch::nn::Module& model, const AdapterConfig& config,
+                                      std::optional<torch::ScalarType> type) {
   if (!config.enabled()) return {};
   std::vector<bool> used(config.targets.size(), false);
   std::vector<std::string> adapted;
@@ -87,7 +88,7 @@ std::vector<std::string> add_adapters(torch::nn::Module& model, const AdapterCon
       if (fnmatch(config.targets[p].c_str(), item.key().c_str(), 0) == 0) matched = used[p] = true;
     }
     if (!matched) continue;
-    linear->add_adapter(config.rank, config.scale());
+    linear->add_adapter(config.rank, config.scale(), type);
     adapted.push_back(item.key());
   }
   for (size_t p = 0; p < config.targets.size(); ++p) {

@@ -48,7 +48,7 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
       .view(sizes);
 }
 
-void LinearImpl::add_adapter(int64_t rank, double scale) {
+void LinearImpl::add_adapter(int64_t rank, double scale, std::optional<torch::ScalarType> type) {
   if (adapted()) throw Error("this linear layer has an adapter already; merge it first");
   if (packed_) throw Error("an int8 linear layer takes no adapter; add adapters before quantizing");
   if (rank < 1 || rank > std::min(in_features_, out_features_)) {
@@ -60,8 +60,8 @@ void LinearImpl::add_adapter(int64_t rank, double scale) {
   lora_B = register_module("lora_B", torch::nn::Linear(torch::nn::LinearOptions(rank, out_features_).bias(false)));
   torch::NoGradGuard no_grad;
   lora_B->weight.zero_();
-  lora_A->to(weight.device(), weight.scalar_type());
-  lora_B->to(weight.device(), weight.scalar_type());
+  lora_A->to(weight.device(), type.value_or(weight.scalar_type()));
+  lora_B->to(weight.device(), type.value_or(weight.scalar_type()));
   adapter_scale_ = scale;
 }
 

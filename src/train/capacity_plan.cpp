@@ -362,7 +362,9 @@ class Planner {
     // precision.weights, sharded: the trained matrices' shards and their gradients in 16 bits.
     const double halved = (kFp32 - matrix_bytes_) * static_cast<double>(matrix_shard_values_);
     const std::string stored =
-        sixteen_bit_matrices() ? plan_.weights + " resblock matrices, fp32 rest, " : "fp32, ";
+        !sixteen_bit_matrices() ? "fp32, "
+        : frozen                ? plan_.weights + " trained resblock matrices, fp32 frozen ones and the rest, "
+                                : plan_.weights + " resblock matrices, fp32 rest, ";
     add_memory("weights", MemoryPhase::kept, kFp32 * held - saved - halved,
                saved > 0 ? "fp32, the whole model, its frozen resblock matrices in " + recipe_.frozen_weights
                          : stored + what + (frozen ? ", frozen and trained" : ""));
@@ -657,14 +659,14 @@ class Planner {
     startup_memory();
   }
 
-  // A sharded run that trains everything from a random start builds the prior one block at a
-  // time, each cut into its shards as it is drawn, then its embeddings and head. Any other run
-  // builds the whole model in fp32 (a sharded one loads, freezes and cuts it once built);
-  // unsharded, the validation copy follows (of what trains, when the frozen weights are
-  // shared), and what is kept holds both anyway; sharded, there is no validation copy.
+  // A sharded run builds the prior one block at a time, each drawn (or read from init_from),
+  // frozen where the recipe freezes it and cut into its shards before the next, then its
+  // embeddings and head; it has no validation copy. An unsharded run builds the whole model
+  // in fp32, then the validation copy (of what trains, when the frozen weights are shared),
+  // and what is kept holds both anyway.
   void startup_memory() {
     const auto& counts = plan_.parameters;
-    plan_.built_sharded = recipe_.builds_sharded(plan_.sharded);
+    plan_.built_sharded = plan_.sharded;
     if (plan_.built_sharded) {
       // The embeddings and head are built whole and cut once the blocks are: beside the
       // shards, they and one block drawn and flattened, or their own largest group flattened.
@@ -678,8 +680,7 @@ class Planner {
       }
       plan_.startup_bytes = part_bytes("weights") + kFp32 * (ends + std::max(2 * block, largest_end_group));
     } else {
-      const double validation_copy =
-          plan_.sharded ? 0 : static_cast<double>(shape_.frozen ? counts.trained : counts.total);
+      const double validation_copy = static_cast<double>(shape_.frozen ? counts.trained : counts.total);
       plan_.startup_bytes = kFp32 * (static_cast<double>(counts.total) + validation_copy);
     }
     plan_.fits_at_startup = !plan_.sharded || plan_.startup_bytes <= plan_.capacity_bytes;

@@ -8,10 +8,12 @@
 
 namespace dalle::train {
 
-bool holds_as_they_are(const io::TensorMap& weights, const NamedTensors& ours, const std::vector<std::string>& frozen) {
+bool holds_as_they_are(const io::TensorMap& weights, const NamedTensors& ours, const std::vector<std::string>& frozen,
+                       const io::TensorMap& cut) {
   for (const auto& name : frozen) {
     const auto found = weights.find(name);
-    const auto& value = ours[name];
+    const auto was_cut = cut.find(name);
+    const auto& value = was_cut != cut.end() ? was_cut->second : ours[name];
     if (found == weights.end() || found->second.sizes() != value.sizes() ||
         !torch::equal(found->second.to(value.device(), value.scalar_type()), value)) {
       return false;

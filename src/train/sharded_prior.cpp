@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <unordered_set>
+
 #include "dalle/error.h"
 #include "dalle/train/activation_checkpoint.h"
 
@@ -133,9 +135,27 @@ void ShardedPrior::add_block(size_t b, models::ResblockImpl& block) {
 void ShardedPrior::add_ends(models::PriorImpl& prior) {
   if (ends_added_) throw Error("sharded prior: the ends were added twice");
   ends_added_ = true;
+  for (size_t b = 0; b < blocks_; ++b) keep_added_whole(b, *prior.resblocks()[b]);
   cut(blocks_, prior.end_parameters(models::PriorEnd::embeddings), torch::kFloat32);
   cut(blocks_ + 1, prior.end_parameters(models::PriorEnd::head), torch::kFloat32);
   prior.set_end_runner(end_runner());
+}
+
+void ShardedPrior::keep_added_whole(size_t b, models::ResblockImpl& block) {
+  std::unordered_set<std::string> known;
+  for (const size_t g : groups_of(b, units())) known.insert(names_[g].begin(), names_[g].end());
+  std::unordered_set<const torch::TensorImpl*> kept;
+  for (const auto& tensor : kept_whole_[b]) kept.insert(tensor.unsafeGetTensorImpl());
+  const std::string prefix = "resblocks." + std::to_string(b) + ".";
+  for (const auto& item : block.named_parameters()) {
+    const auto name = prefix + item.key();
+    if (known.count(name) || kept.count(item.value().unsafeGetTensorImpl())) continue;
+    if (!keep_whole_ || !keep_whole_(name) || !item.value().requires_grad()) {
+      throw Error("sharded prior: " + name + " was added after its block was cut, and only trained tensors that "
+                  "stay whole (adapters) may be");
+    }
+    kept_whole_[b].push_back(item.value());
+  }
 }
 
 // Group 2u: the unit's trained matrices (AdamW decays them), in `matrices`; 2u + 1: the rest

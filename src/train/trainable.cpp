@@ -2,6 +2,8 @@
 
 #include <fnmatch.h>
 
+#include <algorithm>
+
 #include "dalle/error.h"
 
 namespace dalle::train {
@@ -27,6 +29,16 @@ int64_t freeze_all_but(torch::nn::Module& model, const std::vector<std::string>&
   }
   if (trained == 0) throw Error(what + ": optimizer.trainable leaves no parameter to train");
   return trained;
+}
+
+void freeze_part_all_but(torch::nn::Module& part, const std::vector<std::string>& patterns, const std::string& prefix) {
+  if (patterns.empty()) return;
+  for (auto& item : part.named_parameters()) {
+    const auto name = prefix + item.key();
+    item.value().requires_grad_(std::any_of(patterns.begin(), patterns.end(), [&](const std::string& pattern) {
+      return fnmatch(pattern.c_str(), name.c_str(), 0) == 0;
+    }));
+  }
 }
 
 std::vector<std::string> trainable_patterns(std::vector<std::string> trainable, const models::AdapterConfig& adapter) {

@@ -105,8 +105,9 @@ struct TrainerState : RunRecord {
 
   // Once `model` is built: adds the recipe's adapters, moves it to the device and freezes what
   // optimizer.trainable (and adapters) leave out; unless `sharded`, makes the validation copy
-  // and starts the moving average of what trains. A sharded model (the prior's resblocks cut
-  // into shards next) has no validation copy, and starts its average once cut.
+  // and starts the moving average of what trains. A sharded model (the prior, its resblocks
+  // cut into shards as they were built) has no validation copy, starts its average once cut
+  // and says what trains from its shards.
   void place_model(bool sharded = false) {
     add_adapters_to(*model);
     model->to(device);
@@ -117,7 +118,7 @@ struct TrainerState : RunRecord {
       ema_model->to(device);
       start_average();
     }
-    if (frozen_names().empty()) return;
+    if (sharded || frozen_names().empty()) return;
     int64_t trained_values = 0, all_values = 0;
     for (const auto& parameter : model->parameters()) {
       all_values += parameter.numel();
@@ -145,7 +146,7 @@ struct TrainerState : RunRecord {
     if constexpr (requires(const Config& c) { c.adapter; }) return config.adapter;
     return {};
   }
-  void add_adapters_to(torch::nn::Module& target) const { models::add_adapters(target, adapters()); }
+  void add_adapters_to(torch::nn::Module& target) const { models::add_adapters(target, adapters(), torch::kFloat32); }
 
   // The names of the model's parameters that do not train.
   std::vector<std::string> frozen_names() const {
@@ -161,12 +162,14 @@ struct TrainerState : RunRecord {
   // checkpoint when its inference weights hold every frozen parameter under its name with the
   // value the model holds; else (an imported model under its family's own names, a run whose
   // adapters were folded in on loading) a copy of the frozen weights as the model holds them,
-  // written once into the run (`base/`) with its first checkpoint.
-  void refer_to_base(const std::string& init_from) {
+  // written once into the run (`base/`) with its first checkpoint. `cut`: the frozen values
+  // the model no longer holds whole (a prior built sharded: its blocks as they were read).
+  void refer_to_base(const std::string& init_from, const io::TensorMap& cut = {}) {
     const auto frozen = frozen_names();
     if (init_from.empty() || frozen.empty()) return;
     const auto base = io::resolve_checkpoint(init_from, what + " init_from");
-    if (holds_as_they_are(io::inference_weights(io::load_inference_checkpoint(base)), frozen)) {
+    if (train::holds_as_they_are(io::inference_weights(io::load_inference_checkpoint(base)), model->named_parameters(),
+                                 frozen, cut)) {
       base_checkpoint = base;
       log::info(what, ": checkpoints hold what trains and refer to ", base, " for the frozen weights");
       return;
@@ -175,9 +178,6 @@ struct TrainerState : RunRecord {
     write_base_copy_ = true;
     log::info(what, ": ", base, " does not hold the frozen weights as the model does; checkpoints refer to a copy "
               "of them under the model's names, ", base_checkpoint, ", written with the first checkpoint");
-  }
-  bool holds_as_they_are(const io::TensorMap& weights, const std::vector<std::string>& frozen) const {
-    return train::holds_as_they_are(weights, model->named_parameters(), frozen);
   }
   // The frozen weights as the model holds them, as the checkpoint `base_checkpoint` names;
   // `released`: those the model does not hold whole (a sharded run's frozen blocks).

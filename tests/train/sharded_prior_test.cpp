@@ -10,6 +10,7 @@
 
 #include "dalle/distributed/sharded_reducer.h"
 #include "dalle/error.h"
+#include "dalle/models/adapter.h"
 #include "dalle/train/resblock_runner.h"
 #include "distributed/on_ranks.h"
 #include "test_support.h"
@@ -96,6 +97,40 @@ TEST(ShardedPrior, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
       }
     });
   }
+}
+
+// A fine-tuning run cuts its blocks as they are built, then adds its adapters to the whole
+// prior (their draws follow the blocks' as in a whole build): the ends' cut keeps them whole,
+// in their block's fp16 scale group; anything else added after a block's cut is refused.
+TEST(ShardedPrior, AdaptersAddedOnceTheBlocksAreCutStayWhole) {
+  const auto config = tiny_model();
+  const models::AdapterConfig adapters{.rank = 2, .alpha = 2, .targets = {"resblocks.*.qkv"}};
+  testing::on_ranks(2, [&](const distributed::LaunchEnvironment& place) {
+    const size_t blocks = 2 * static_cast<size_t>(config.layers);
+    ShardedPrior shards(blocks, is_matrix, testing::group_at(place), true, models::is_adapter_tensor);
+    models::Prior prior(config, [&](size_t b, models::ResblockImpl& block) {
+      for (auto& parameter : block.parameters()) parameter.requires_grad_(false);
+      shards.add_block(b, block);
+    });
+    models::add_adapters(*prior, adapters, torch::kFloat32);
+    shards.add_ends(*prior);
+    const auto scales = shards.scale_groups();
+    ASSERT_EQ(scales.size(), blocks);
+    for (size_t b = 0; b < blocks; ++b) {
+      // An attention block: its two (empty) trained shards and qkv's A and B; an MLP block: its shards.
+      const bool attends = prior->resblocks()[b]->named_parameters().contains("qkv.weight");
+      ASSERT_EQ(scales[b].size(), attends ? 4u : 2u) << "block " << b;
+      for (size_t i = 2; i < scales[b].size(); ++i) {
+        EXPECT_EQ(scales[b][i].scalar_type(), torch::kFloat32);
+        EXPECT_GT(scales[b][i].numel(), 0) << "kept whole";
+      }
+    }
+    ShardedPrior late(blocks, is_matrix, testing::group_at(place), true, models::is_adapter_tensor);
+    models::Prior other(config, [&](size_t b, models::ResblockImpl& block) { late.add_block(b, block); });
+    other->resblocks()[1]->register_parameter("late", torch::zeros({2}));
+    EXPECT_THROW_WITH(late.add_ends(*other), Error,
+                      "resblocks.1.late was added after its block was cut, and only trained tensors that stay whole");
+  });
 }
 
 // On one machine the replicated parameters' buckets start during backward, on the world's

@@ -7,8 +7,10 @@
 // the base weights (W += weight * (alpha / rank) * B A), so that an adapted model samples
 // as fast as the base.
 #include <torch/nn/module.h>
+#include <torch/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,9 +30,11 @@ struct AdapterConfig {
 };
 
 // Adds an adapter to every models::Linear of `model` whose module name matches one of
-// config.targets (fnmatch globs, `*` crossing dots). Returns the adapted layers' names;
-// throws for a pattern that matches no linear layer.
-std::vector<std::string> add_adapters(torch::nn::Module& model, const AdapterConfig& config);
+// config.targets (fnmatch globs, `*` crossing dots), in `type` (by default its layer's weight's:
+// training passes float32, as a layer cut into shards keeps only an empty weight). Returns the
+// adapted layers' names; throws for a pattern that matches no linear layer.
+std::vector<std::string> add_adapters(torch::nn::Module& model, const AdapterConfig& config,
+                                      std::optional<torch::ScalarType> type = std::nullopt);
 // Folds every adapter of `model` into its layer's weight and removes it.
 void merge_adapters(torch::nn::Module& model);
 

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 namespace dalle::models {
 
@@ -30,10 +31,10 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   bool quantized() const { return packed_ != nullptr; }
 
   // Adds a low-rank adapter: forward then adds scale * B(A(x)), with A [rank, in] and B
-  // [out, rank] registered as `lora_A.weight` and `lora_B.weight` (peft's names), in the
-  // weight's dtype and device. A starts as peft's (Kaiming-uniform), B at zero, so that the
-  // layer computes what it did until training moves B.
-  void add_adapter(int64_t rank, double scale);
+  // [out, rank] registered as `lora_A.weight` and `lora_B.weight` (peft's names), on the
+  // weight's device, in `type` (by default the weight's). A starts as peft's
+  // (Kaiming-uniform), B at zero, so that the layer computes what it did until training moves B.
+  void add_adapter(int64_t rank, double scale, std::optional<torch::ScalarType> type = std::nullopt);
   bool adapted() const { return !lora_A.is_empty(); }
   double adapter_scale() const { return adapter_scale_; }
   // weight += scale * B A, rounded once to the weight's dtype; the adapter goes.

@@ -57,7 +57,9 @@ class ShardedPrior {
   void add_block(size_t b, models::ResblockImpl& block);
   // Cuts the prior's embeddings and head (float32) into their shards, empties their tensors
   // and installs the end runner that gathers them around each use (in forward, backward,
-  // validation and sampling alike). Once, after the blocks are added.
+  // validation and sampling alike). Once, after the blocks are added. What the blocks gained
+  // since they were cut, their adapters (added to the built prior, as to a whole one), is
+  // kept whole.
   void add_ends(models::PriorImpl& prior);
 
   const std::shared_ptr<distributed::ShardedParameters>& parameters() const { return sharded_; }
@@ -97,6 +99,8 @@ class ShardedPrior {
   // Cuts unit u's parameters, named as in the state dict, into its groups.
   void cut(size_t u, const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
            torch::ScalarType matrices);
+  // Keeps whole the trained tensors block b gained since it was cut (keep_whole's, or throws).
+  void keep_added_whole(size_t b, models::ResblockImpl& block);
   // Whether unit u has anything that trains (in its shards or kept whole).
   bool trains(size_t u) const;
   models::EndRunner end_runner() const;

@@ -15,6 +15,10 @@ namespace dalle::train {
 // crossing dots); nothing when `patterns` is empty. Returns how many parameters train.
 // Throws naming `what` for a pattern that matches no parameter, or patterns that leave none.
 int64_t freeze_all_but(torch::nn::Module& model, const std::vector<std::string>& patterns, const std::string& what);
+// The same for a part of a model built alone (a resblock, cut into shards before the next is
+// built), its parameters named `prefix` + their name in `part`: a pattern may match nothing
+// there (freeze_all_but on the whole model checks the patterns).
+void freeze_part_all_but(torch::nn::Module& part, const std::vector<std::string>& patterns, const std::string& prefix);
 
 // What trains in a recipe: optimizer.trainable's patterns, and the adapters' tensors when
 // `adapter` adds adapters (empty, with no adapters: everything trains).

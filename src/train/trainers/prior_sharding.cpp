@@ -9,7 +9,9 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
+#include <numeric>
 #include <unordered_set>
 
 #include "dalle/distributed/sharded_parameters.h"
@@ -26,6 +28,7 @@
 #include "dalle/train/resblock_runner.h"
 #include "dalle/train/sharded_prior.h"
 #include "dalle/train/stochastic_rounding.h"
+#include "dalle/train/trainable.h"
 #include "dalle/train/update_step.h"
 #include "train/run_directory.h"
 #include "train/trainers/trainer_support.h"
@@ -34,14 +37,14 @@ namespace dalle::train {
 
 using namespace prior_training;
 
-// A sharded run that trains every parameter (no adapters or optimizer.trainable) builds the
-// prior one block at a time, each drawn, or read from init_from's weights (`init`), and cut
-// into its shards on the run's device before the next exists: no rank ever holds the whole
-// prior, and the weights are those of a whole build, or of init_from, bit for bit (its
-// embeddings and head, built whole, are cut once placed). Otherwise the prior is built
-// whole, then loaded, frozen and cut (cut_into_shards).
+// A sharded run builds the prior one block at a time, each drawn, or read from init_from's
+// weights (`init`), frozen where the recipe freezes it (its frozen matrices rounded to
+// frozen_weights) and cut into its shards on the run's device before the next exists: no
+// rank ever holds the whole prior, and the weights are those of a whole build, or of
+// init_from, bit for bit (its embeddings and head, built whole, are cut once placed; the
+// adapters, drawn once the prior exists as for a whole build, stay whole).
 void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
-  if (!config.builds_sharded(shards_resblocks())) {
+  if (!shards_resblocks()) {
     model = models::Prior(config.model);
     if (init) io::load_state_dict(*model, init->weights, init->source);
     return;
@@ -49,11 +52,13 @@ void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
   shards = std::make_unique<ShardedPrior>(2 * static_cast<size_t>(config.model.layers), decayed_by_adamw,
                                           job->within_node(), config.distributed.overlap, models::is_adapter_tensor,
                                           config.precision.weights_dtype());
-  model = models::Prior(config.model, [this, init](size_t b, models::ResblockImpl& block) {
-    if (init) {
-      const std::string prefix = "resblocks." + std::to_string(b) + ".";
-      io::load_state_dict(block, io::with_prefix_removed(init->weights, prefix), init->source + ", " + prefix);
-    }
+  const auto trained = trainable_patterns(config.optimizer.trainable, adapters());
+  const auto frozen_storage = frozen_matrix_storage();
+  model = models::Prior(config.model, [&](size_t b, models::ResblockImpl& block) {
+    const std::string prefix = "resblocks." + std::to_string(b) + ".";
+    if (init) io::load_state_dict(block, io::with_prefix_removed(init->weights, prefix), init->source + ", " + prefix);
+    freeze_part_all_but(block, trained, prefix);
+    if (frozen_storage) store_frozen_matrices(block, "", *frozen_storage);
     block.to(device);
     shards->add_block(b, block);
   });
@@ -69,13 +74,27 @@ void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
 }
 
 // Each rank of a machine keeps 1/N of every resblock, of the embeddings and of the head (of
-// a frozen base too); the prior's own tensors are emptied. Adapters, small, stay whole. A
-// prior built sharded has its blocks cut already: its ends are cut here, once it is placed.
+// a frozen base too); the prior's own tensors are emptied. Adapters, small, stay whole. The
+// blocks were cut as they were built: the ends are cut here, once the prior is placed.
 void PriorTrainer::State::cut_into_shards() {
-  if (shards) return shards->add_ends(*model);
-  if (!shards_resblocks()) return;
-  shards = std::make_unique<ShardedPrior>(*model, decayed_by_adamw, job->within_node(), config.distributed.overlap,
-                                          models::is_adapter_tensor, config.precision.weights_dtype());
+  if (!shards) return;
+  shards->add_ends(*model);
+  if (frozen_names().empty()) return;
+  const auto& sharded = *shards->parameters();
+  int64_t trained = 0, all = 0;
+  for (size_t g = 0; g < sharded.groups(); ++g) {
+    for (const auto& shape : sharded.shapes(g)) {
+      const auto values = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+      all += values;
+      trained += g < shards->trained_groups() ? values : 0;
+    }
+  }
+  for (const auto& parameter : trained_only(model->parameters())) {
+    trained += parameter.numel();
+    all += parameter.numel();
+  }
+  const double percent = 100.0 * static_cast<double>(trained) / static_cast<double>(all);
+  log::info(what, ": ", trained, " of ", all, " values train (", percent, "% of the model); the rest is frozen");
 }
 
 // The update state of a sharded prior, made once: AdamW over the shards and what trains whole

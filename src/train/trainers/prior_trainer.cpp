@@ -68,10 +68,6 @@ torch::ScalarType PriorTrainConfig::checkpointed_inputs_type(const std::string& 
   return float_type_named(checkpointed_inputs);
 }
 
-bool PriorTrainConfig::builds_sharded(bool sharded) const {
-  return sharded && !adapter.enabled() && optimizer.trainable.empty();
-}
-
 double PriorLearningRate::at(int64_t step, int64_t total_steps, int64_t reductions) const {
   if (step < warmup_steps) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
   if (decay == "plateau") return peak * std::pow(plateau_factor, static_cast<double>(reductions));
@@ -190,13 +186,13 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   std::optional<models::TrainedPriorWeights> init;
   if (starts_from_init) init = read_init_from(s.config);
   s.build_model(init ? &*init : nullptr);
-  init.reset();
-  const bool sharded = s.shards_resblocks();
-  s.place_model(sharded);
+  s.place_model(/*sharded=*/s.shards != nullptr);
   s.store_frozen_blocks();
-  if (starts_from_init) s.refer_to_base(s.config.init_from);
-  // Sharded, the blocks are cut before the average and the update state are made, so that no
-  // rank ever holds a whole average of them (nor a validation copy).
+  // Sharded, the blocks were cut as they were built: the base is compared with what they read.
+  if (starts_from_init) s.refer_to_base(s.config.init_from, s.shards ? init->weights : io::TensorMap{});
+  init.reset();
+  // Sharded, the ends are cut before the average and the update state are made, so that no
+  // rank ever holds a whole average of the prior (nor a validation copy).
   s.cut_into_shards();
   // The update state is made once, on the shards when sharded (before the resume, which then
   // reads only this rank's part of the checkpoint), else on the whole model.
@@ -263,16 +259,22 @@ models::ResblockRunner PriorTrainer::State::validation_inner_runner() const {
   };
 }
 
-// frozen_weights: the resblocks' frozen matrices in 16 bits, shared with the validation model,
-// whose blocks then run under autocast as the training runner's do.
-void PriorTrainer::State::store_frozen_blocks() {
-  if (config.frozen_weights == "float32") return;
-  const auto autocast = config.precision.autocast_dtype();
-  if (!autocast) {
+std::optional<torch::ScalarType> PriorTrainer::State::frozen_matrix_storage() const {
+  if (config.frozen_weights == "float32") return std::nullopt;
+  if (!config.precision.autocast_dtype()) {
     throw Error("prior training: frozen_weights " + config.frozen_weights +
                 " needs precision.mode bfloat16 or float16 (a float32 run computes without autocast)");
   }
-  const auto stored = store_frozen_matrices(*model, "resblocks.", float_type_named(config.frozen_weights));
+  return float_type_named(config.frozen_weights);
+}
+
+// frozen_weights: the resblocks' frozen matrices in 16 bits, shared with the validation model,
+// whose blocks then run under autocast as the training runner's do. A sharded prior's were
+// rounded as its blocks were built, and are gathered in 16 bits.
+void PriorTrainer::State::store_frozen_blocks() {
+  const auto storage = frozen_matrix_storage();
+  if (!storage || shards) return;
+  const auto stored = store_frozen_matrices(*model, "resblocks.", *storage);
   if (stored.empty()) {
     log::warn(what, ": frozen_weights ", config.frozen_weights, " changes nothing: no resblock matrix is frozen");
     return;

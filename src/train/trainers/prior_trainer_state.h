@@ -8,6 +8,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -47,6 +48,9 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void install_resblock_runner();
   models::ResblockRunner validation_inner_runner() const;
   void store_frozen_blocks();
+  // frozen_weights' storage of the resblocks' frozen matrices (none: float32); throws unless
+  // precision.mode computes under autocast.
+  std::optional<torch::ScalarType> frozen_matrix_storage() const;
   void log_step() const;
   void update_plateau(double validation_loss);
   // The average's loss on (at most 256 of) `set`'s examples, the average swapped in by the caller.

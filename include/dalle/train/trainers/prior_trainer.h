@@ -91,11 +91,6 @@ struct PriorTrainConfig {
   // The type checkpointed resblocks keep their inputs in (checkpointed_inputs); 16 bits need a
   // 16-bit precision.mode, as the trainer and the planner (`who`) both require: throws Error.
   torch::ScalarType checkpointed_inputs_type(const std::string& who) const;
-  // Whether a run builds the prior one resblock at a time, each drawn (or read from
-  // init_from) and cut into its shards before the next exists: sharded (`sharded`) and
-  // training every parameter (no adapter, no optimizer.trainable). The trainer and the
-  // planner both ask.
-  bool builds_sharded(bool sharded) const;
 };
 
 struct PriorStepMetrics {
