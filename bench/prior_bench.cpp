@@ -17,6 +17,8 @@
 //             --finetune=emojich freezes the attention and MLP matrices (ruDALL-E Emojich's
 //             recipe), --finetune=adapters --adapter-rank=R trains rank-R adapters on them alone;
 //             --frozen-weights=bfloat16|float16 keeps the frozen resblock matrices in 16 bits;
+//             adamw_s times the optimizer's step alone: LibTorch's fused kernel on the CPU, on
+//             CUDA with --fused-adamw=on (torch's tensor-by-tensor loop there otherwise);
 //   data-parallel: the same steps on N processes of this machine, with the bytes each rank
 //             hands to all-reduce;
 //   trainer:  dalle-train's own PriorTrainer on random tokens of a recipe's layout
@@ -372,6 +374,7 @@ struct TrainingOptions {
   std::string finetune = "full";  // full, emojich (matrices frozen) or adapters (on the matrices, the rest frozen)
   int64_t adapter_rank = 8;
   std::string frozen_weights = "float32";  // storage of the frozen resblock matrices: float32, bfloat16 or float16
+  bool fused_adamw_on_cuda = false;
   torch::Device device = torch::kCPU;
   double peak_tflops = 989;  // the GPU's dense 16-bit peak (H100 and H200 SXM): the MFU's denominator
 };
@@ -410,6 +413,7 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
                                                           .checkpoint_every = options.checkpoint_every}));
   train::AdamW optimizer({torch::optim::OptimizerParamGroup(train::trained_only(prior->parameters()))},
                          torch::optim::AdamWOptions(1e-4));
+  optimizer.fuse_on_cuda(options.fused_adamw_on_cuda);
   train::UpdateStep update(optimizer, precision, {.what = "bench"});
   const auto tokens = random_tokens(config, batch).to(options.device);
   int64_t skipped = 0;
@@ -419,6 +423,11 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
     if (on_gpu) torch::cuda::synchronize();
   };
   const double seconds = time_per_call(steps, step);
+  // The last update's gradients stay: AdamW's step alone, as each update takes it.
+  const double adamw_seconds = time_per_call(steps, [&] {
+    optimizer.step();
+    if (on_gpu) torch::cuda::synchronize();
+  });
   int64_t parameters = 0, trained = 0;
   for (const auto& p : prior->parameters()) {
     parameters += p.numel();
@@ -442,6 +451,8 @@ void training(const models::PriorConfig& config, int64_t batch, int steps, const
                          {"trained_parameters", trained},
                          {"skipped_updates", skipped},
                          {"step_s", seconds},
+                         {"adamw_s", adamw_seconds},
+                         {"fused_adamw", !on_gpu || options.fused_adamw_on_cuda},
                          {"tokens_per_s", tokens_per_s},
                          {"peak_rss_mib", peak_rss_mib()},
                          {"rss_before_mib", rss_before}};
@@ -783,6 +794,7 @@ int main(int argc, char** argv) {
                                 .finetune = option(argc, argv, "finetune", "full"),
                                 .adapter_rank = std::stoll(option(argc, argv, "adapter-rank", "8")),
                                 .frozen_weights = option(argc, argv, "frozen-weights", "float32"),
+                                .fused_adamw_on_cuda = option(argc, argv, "fused-adamw", "off") == "on",
                                 .device = resolve_device(option(argc, argv, "device", "cpu"), "dalle_bench_prior"),
                                 .peak_tflops = std::stod(option(argc, argv, "peak-tflops", "989"))};
   const bool cuda_graphs = option(argc, argv, "cuda-graphs", "on") != "off";
@@ -862,7 +874,8 @@ int main(int argc, char** argv) {
                  "[--quick] [--path=sparse|dense] [--precision=float32|bfloat16|float16] [--checkpoint-every=K] "
                  "[--ranks=N] [--sharding=none|within_node] [--model=tiny|xl-slice|mega|mini] [--layers=L] [--steps=N] "
                  "[--dtype=float32|bfloat16|float16|int8 (CPU)] [--batch=B] [--images=N] [--tokens=N] [--device=cpu|cuda] "
-                 "[--peak-tflops=989] [--config=RECIPE --set=key=value... --gpu-memory=16 (trainer)]\n");
+                 "[--peak-tflops=989] [--fused-adamw=on (CUDA)] [--config=RECIPE --set=key=value... --gpu-memory=16 "
+                 "(trainer)]\n");
     return 2;
   }
   return 0;

@@ -27,16 +27,62 @@ bool AdamW::steps_as_torch() const {
   return true;
 }
 
+bool AdamW::fuses() const {
+  for (const auto& group : param_groups()) {
+    if (static_cast<const torch::optim::AdamWOptions&>(group.options()).amsgrad()) return false;
+    for (const auto& parameter : group.params()) {
+      const auto device = parameter.device();
+      if (device != group.params().front().device()) return false;
+      if (!device.is_cpu() && !(device.is_cuda() && fused_on_cuda_)) return false;
+    }
+  }
+  return true;
+}
+
 torch::Tensor AdamW::step(LossClosure closure) {
-  if (steps_as_torch()) return torch::optim::AdamW::step(std::move(closure));
+  if (steps_as_torch() && !fuses()) return torch::optim::AdamW::step(std::move(closure));
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure) {
     torch::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  step_with([](const torch::Tensor& parameter) { return parameter.grad(); });
+  if (steps_as_torch()) {
+    fused_step();
+  } else {
+    step_with([](const torch::Tensor& parameter) { return parameter.grad(); });
+  }
   return loss;
+}
+
+// Torch's AdamW, each group's parameters that have gradients stepped by one kernel. The
+// kernel takes each parameter's step count, already advanced, as a float32 tensor beside it.
+void AdamW::fused_step() {
+  for (auto& group : param_groups()) {
+    const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    std::vector<torch::Tensor> parameters, gradients, exp_avgs, exp_avg_sqs, steps;
+    for (auto& parameter : group.params()) {
+      if (!parameter.grad().defined()) continue;
+      auto& slot = state()[parameter.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+        fresh->exp_avg(torch::zeros_like(parameter, torch::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(torch::zeros_like(parameter, torch::MemoryFormat::Preserve));
+        slot = std::move(fresh);
+      }
+      auto& adam = static_cast<torch::optim::AdamWParamState&>(*slot);
+      adam.step(adam.step() + 1);
+      parameters.push_back(parameter);
+      gradients.push_back(parameter.grad());
+      exp_avgs.push_back(adam.exp_avg());
+      exp_avg_sqs.push_back(adam.exp_avg_sq());
+      steps.push_back(torch::full({}, static_cast<double>(adam.step()), parameter.options().dtype(torch::kFloat32)));
+    }
+    if (parameters.empty()) continue;
+    const auto [beta1, beta2] = options.betas();
+    at::_fused_adamw_(parameters, gradients, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, options.lr(), beta1,
+                      beta2, options.weight_decay(), options.eps(), /*amsgrad=*/false, /*maximize=*/false);
+  }
 }
 
 // The same arithmetic as torch's AdamW, operation for operation: a float32 model steps as it would.

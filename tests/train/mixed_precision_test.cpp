@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <memory>
+#include <vector>
 
 #include "dalle/models/prior.h"
 #include "dalle/train/activation_checkpoint.h"
@@ -348,37 +350,79 @@ TEST(MixedPrecision, Fp16AndBf16StepsFollowFp32) {
   for (const auto& parameter : prior->parameters()) EXPECT_EQ(parameter.grad().scalar_type(), torch::kFloat32);
 }
 
-TEST(AdamW, Bf16MomentsFollowFp32AndFp32IsTorchsAdamW) {
-  auto make = [] {
+// Ten updates of a linear layer by torch's AdamW (its tensor-by-tensor loop) and by ours,
+// with fp32 and bf16 moments, on `device`: ours returned beside the reference.
+struct AdamWRuns {
+  torch::nn::Linear reference{nullptr}, fp32{nullptr}, bf16{nullptr};
+  std::unique_ptr<AdamW> fp32_adamw, bf16_adamw;
+};
+AdamWRuns adamw_runs(const torch::Device& device, bool fuse_on_cuda) {
+  auto make = [&] {
     torch::manual_seed(0);
-    return torch::nn::Linear(16, 8);
+    torch::nn::Linear linear(16, 8);
+    linear->to(device);
+    return linear;
   };
-  auto reference = make(), ours = make(), bf16 = make();
+  AdamWRuns runs{make(), make(), make()};
   const auto options = torch::optim::AdamWOptions(1e-2).betas({0.9, 0.96}).weight_decay(0.05);
-  torch::optim::AdamW torch_adamw(reference->parameters(), options);
-  AdamW fp32_adamw({torch::optim::OptimizerParamGroup(ours->parameters())}, options);
-  AdamW bf16_adamw({torch::optim::OptimizerParamGroup(bf16->parameters())}, options, torch::kBFloat16);
+  torch::optim::AdamW torch_adamw(runs.reference->parameters(), options);
+  runs.fp32_adamw = std::make_unique<AdamW>(
+      std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(runs.fp32->parameters())},
+      options);
+  runs.fp32_adamw->fuse_on_cuda(fuse_on_cuda);
+  runs.bf16_adamw = std::make_unique<AdamW>(
+      std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(runs.bf16->parameters())},
+      options, torch::kBFloat16);
   auto update = [](torch::nn::Linear& linear, torch::optim::Optimizer& optimizer, const torch::Tensor& x) {
     optimizer.zero_grad();
     linear(x).pow(2).mean().backward();
     optimizer.step();
   };
   for (int step = 0; step < 10; ++step) {
-    const auto x = torch::randn({4, 16});
-    update(reference, torch_adamw, x);
-    update(ours, fp32_adamw, x);
-    update(bf16, bf16_adamw, x);
+    const auto x = torch::randn({4, 16}).to(device);
+    update(runs.reference, torch_adamw, x);
+    update(runs.fp32, *runs.fp32_adamw, x);
+    update(runs.bf16, *runs.bf16_adamw, x);
   }
+  return runs;
+}
+
+// fp32 state steps through LibTorch's fused kernel on the CPU: torch's AdamW to float32's
+// rounding (the kernel orders its arithmetic otherwise), its moments kept where torch keeps them.
+TEST(AdamW, Bf16MomentsFollowFp32AndFp32IsTorchsAdamW) {
+  const auto runs = adamw_runs(torch::kCPU, false);
+  const auto& reference = runs.reference;
   for (size_t i = 0; i < reference->parameters().size(); ++i) {
-    EXPECT_TRUE(torch::equal(ours->parameters()[i], reference->parameters()[i]));
-    EXPECT_TRUE(torch::allclose(bf16->parameters()[i], reference->parameters()[i], 1e-2, 2e-3));
-    EXPECT_FALSE(torch::equal(bf16->parameters()[i], reference->parameters()[i])) << "bf16 moments should round";
+    EXPECT_TRUE(torch::allclose(runs.fp32->parameters()[i], reference->parameters()[i], 0, 1e-6));
+    EXPECT_FALSE(torch::equal(runs.fp32->parameters()[i], reference->parameters()[i]))
+        << "the fused kernel steps the CPU's float32 state, not torch's loop";
+    EXPECT_TRUE(torch::allclose(runs.bf16->parameters()[i], reference->parameters()[i], 1e-2, 2e-3));
+    EXPECT_FALSE(torch::equal(runs.bf16->parameters()[i], reference->parameters()[i])) << "bf16 moments should round";
   }
+  const auto& fused = static_cast<const torch::optim::AdamWParamState&>(
+      *runs.fp32_adamw->state().at(runs.fp32->parameters()[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(fused.step(), 10);
+  EXPECT_EQ(fused.exp_avg().scalar_type(), torch::kFloat32);
+  EXPECT_GT(fused.exp_avg_sq().abs().sum().item<double>(), 0.0);
   const auto& state = static_cast<const torch::optim::AdamWParamState&>(
-      *bf16_adamw.state().at(bf16->parameters()[0].unsafeGetTensorImpl()));
+      *runs.bf16_adamw->state().at(runs.bf16->parameters()[0].unsafeGetTensorImpl()));
   EXPECT_EQ(state.exp_avg().scalar_type(), torch::kBFloat16);
   EXPECT_EQ(state.exp_avg_sq().scalar_type(), torch::kBFloat16);
   EXPECT_EQ(state.step(), 10);
+}
+
+// The fused kernel on CUDA (asked for: it is not yet the default there) steps as torch's loop
+// does on the same GPU. scripts/device/gpu-check runs it.
+TEST(AdamW, FusedOnCudaStepsAsTorchsLoop) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "torch sees no CUDA device";
+  const auto runs = adamw_runs(torch::kCUDA, true);
+  for (size_t i = 0; i < runs.reference->parameters().size(); ++i) {
+    EXPECT_TRUE(torch::allclose(runs.fp32->parameters()[i], runs.reference->parameters()[i], 0, 1e-6));
+  }
+  const auto& fused = static_cast<const torch::optim::AdamWParamState&>(
+      *runs.fp32_adamw->state().at(runs.fp32->parameters()[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(fused.step(), 10);
+  EXPECT_TRUE(fused.exp_avg().is_cuda());
 }
 
 // optimizer.trainable: the patterns freeze the rest, and what the update step reduces and

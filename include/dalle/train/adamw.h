@@ -1,9 +1,11 @@
 #pragma once
 // AdamW whose two moments are stored in a chosen type, and whose parameters may be stored in
-// 16 bits: float32 moments and parameters are torch's AdamW unchanged; bfloat16 moments halve
-// the optimizer's memory (DALL-E kept its moments in 16 bits); a 16-bit parameter (the
-// sharded resblocks' matrices under precision.weights) is updated in float32 and rounded back
-// stochastically (train/stochastic_rounding.h). Every update is computed in float32.
+// 16 bits: float32 moments and parameters step as torch's AdamW, through LibTorch's fused
+// kernel (_fused_adamw_: one pass over each group's tensors, where torch's loop makes five)
+// where it has run; bfloat16 moments halve the optimizer's memory (DALL-E kept its moments in
+// 16 bits); a 16-bit parameter (the sharded resblocks' matrices under precision.weights) is
+// updated in float32 and rounded back stochastically (train/stochastic_rounding.h), which no
+// fused kernel does. Every update is computed in float32.
 #include <torch/optim/adamw.h>
 
 #include <cstdint>
@@ -29,14 +31,20 @@ class AdamW : public torch::optim::AdamW {
   // resumed run rounds as the uninterrupted one. Ranks that hold the same values (the replicas
   // of a shard on other machines) must be given the same seed.
   void set_rounding_seed(uint64_t seed) { rounding_seed_ = seed; }
+  // The fused kernel steps float32 state on the CPU; on CUDA only when asked, until
+  // scripts/device/gpu-check has run it there (AdamW.FusedOnCudaStepsAsTorchsLoop).
+  void fuse_on_cuda(bool fused) { fused_on_cuda_ = fused; }
 
  private:
   bool steps_as_torch() const;
+  bool fuses() const;
+  void fused_step();
   void step_parameter(torch::Tensor& parameter, const torch::Tensor& gradient,
                       const torch::optim::AdamWOptions& options, uint64_t place);
 
   torch::ScalarType moments_;
   uint64_t rounding_seed_ = 0;
+  bool fused_on_cuda_ = false;
 };
 
 }  // namespace dalle::train
