@@ -268,6 +268,12 @@ TEST_F(PriorTrainerTest, InitFromRefusesAnotherModelOrAMissingRunBeforeWritingAn
   config.model.conv_kernel = 5;
   EXPECT_THROW_WITH(PriorTrainer(config, runs / "a"), Error, "is another model", "model.conv_kernel 3 (run 5)");
   EXPECT_FALSE(std::filesystem::exists(runs / "a"));
+  // What only training reads is the run's own: the weights mean the same.
+  config = tiny(1);
+  config.init_from = runs / "base";
+  config.model.text_loss_weight = 0.0;
+  config.model.dropout = 0.2;
+  EXPECT_NO_THROW(PriorTrainer(config, runs / "training-only"));
   config = tiny(1);
   config.init_from = runs / "nowhere";
   EXPECT_THROW_WITH(PriorTrainer(config, runs / "b"), Error, "nowhere");

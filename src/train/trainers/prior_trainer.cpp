@@ -80,7 +80,8 @@ void PriorTrainConfig::visit(ConfigVisitor& v) {
   v.section("model", "transformer sizes and options", model);
   v.field("init_from", init_from,
           "prior run or checkpoint whose weights (its moving average) the run starts from, with a fresh optimizer "
-          "and this schedule, instead of a random initialisation; its model section must be this one (empty: random)");
+          "and this schedule, instead of a random initialisation; its model section must be this one, but for what "
+          "only training reads (dropout, text_loss_weight) (empty: random)");
   v.section("data", "token datasets and batching", data);
   v.section("learning_rate", "warmup, then cosine or plateau decay", learning_rate);
   visit_shared_sections(v, {optimizer, run, precision, distributed});
@@ -136,14 +137,15 @@ void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig
   if (!problems.empty()) throw Error(where + ": the token dataset does not fit the model:" + problems);
 }
 
-// The moving average of a trained prior of the same sizes and options, by name.
+// The moving average of a trained prior of the same sizes and options, by name. What only
+// training reads (dropout, the text loss's weight) may differ: a fine-tuning recipe sets its own.
 models::TrainedPriorWeights read_init_from(const PriorTrainConfig& config) {
   auto trained = models::read_trained_prior_weights(config.init_from);
   auto wanted = config.model;
   const auto ours = flatten_config(visit_of(wanted)), theirs = flatten_config(visit_of(trained.config));
   std::string differences;
   for (size_t i = 0; i < ours.size() && i < theirs.size(); ++i) {
-    if (ours[i] == theirs[i]) continue;
+    if (ours[i] == theirs[i] || ours[i].first == "dropout" || ours[i].first == "text_loss_weight") continue;
     differences += " model." + ours[i].first + " " + theirs[i].second + " (run " + ours[i].second + ")";
   }
   if (!differences.empty()) {
