@@ -138,14 +138,14 @@ void check_dataset(const data::TokenDatasetInfo& info, const models::PriorConfig
 }
 
 // The moving average of a trained prior of the same sizes and options, by name. What only
-// training reads (dropout, the text loss's weight) may differ: a fine-tuning recipe sets its own.
+// training reads may differ: a fine-tuning recipe sets its own.
 models::TrainedPriorWeights read_init_from(const PriorTrainConfig& config) {
   auto trained = models::read_trained_prior_weights(config.init_from);
   auto wanted = config.model;
   const auto ours = flatten_config(visit_of(wanted)), theirs = flatten_config(visit_of(trained.config));
   std::string differences;
   for (size_t i = 0; i < ours.size() && i < theirs.size(); ++i) {
-    if (ours[i] == theirs[i] || ours[i].first == "dropout" || ours[i].first == "text_loss_weight") continue;
+    if (ours[i] == theirs[i] || only_training_reads(ours[i].first)) continue;
     differences += " model." + ours[i].first + " " + theirs[i].second + " (run " + ours[i].second + ")";
   }
   if (!differences.empty()) {
@@ -220,6 +220,10 @@ int64_t PriorTrainer::step() const { return state_->step; }
 PriorStepMetrics PriorTrainer::last_metrics() const { return state_->last; }
 models::Prior& PriorTrainer::model() { return state_->model; }
 const GradientScaler* PriorTrainer::gradient_scaler() const { return state_->precision->scaler(); }
+
+bool only_training_reads(const std::string& model_key) {
+  return model_key == "dropout" || model_key == "text_loss_weight";
+}
 
 bool PriorTrainer::State::shards_resblocks() const {
   return config.distributed.sharding == "within_node";

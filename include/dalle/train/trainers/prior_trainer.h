@@ -93,6 +93,10 @@ struct PriorTrainConfig {
   torch::ScalarType checkpointed_inputs_type(const std::string& who) const;
 };
 
+// Whether a run's model section may set `key` (as flatten_config names it) apart from its
+// init_from's: only training reads it (dropout, text_loss_weight), the weights mean the same.
+bool only_training_reads(const std::string& model_key);
+
 struct PriorStepMetrics {
   int64_t step = 0;
   double loss = 0, text_loss = 0, image_loss = 0, grad_norm = 0, learning_rate = 0;
