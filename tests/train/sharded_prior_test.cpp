@@ -107,7 +107,8 @@ TEST(ShardedPrior, AdaptersAddedOnceTheBlocksAreCutStayWhole) {
   const models::AdapterConfig adapters{.rank = 2, .alpha = 2, .targets = {"resblocks.*.qkv"}};
   testing::on_ranks(2, [&](const distributed::LaunchEnvironment& place) {
     const size_t blocks = 2 * static_cast<size_t>(config.layers);
-    ShardedPrior shards(blocks, is_matrix, testing::group_at(place), true, models::is_adapter_tensor);
+    const auto group = testing::group_at(place);  // one per rank: a second would rendezvous anew
+    ShardedPrior shards(blocks, is_matrix, group, true, models::is_adapter_tensor);
     models::Prior prior(config, [&](size_t b, models::ResblockImpl& block) {
       for (auto& parameter : block.parameters()) parameter.requires_grad_(false);
       shards.add_block(b, block);
@@ -125,7 +126,7 @@ TEST(ShardedPrior, AdaptersAddedOnceTheBlocksAreCutStayWhole) {
         EXPECT_GT(scales[b][i].numel(), 0) << "kept whole";
       }
     }
-    ShardedPrior late(blocks, is_matrix, testing::group_at(place), true, models::is_adapter_tensor);
+    ShardedPrior late(blocks, is_matrix, group, true, models::is_adapter_tensor);
     models::Prior other(config, [&](size_t b, models::ResblockImpl& block) { late.add_block(b, block); });
     other->resblocks()[1]->register_parameter("late", torch::zeros({2}));
     EXPECT_THROW_WITH(late.add_ends(*other), Error,
