@@ -40,14 +40,15 @@ bool AdamW::fuses() const {
 }
 
 torch::Tensor AdamW::step(LossClosure closure) {
-  if (steps_as_torch() && !fuses()) return torch::optim::AdamW::step(std::move(closure));
+  const bool as_torch = steps_as_torch();
+  if (as_torch && !fuses()) return torch::optim::AdamW::step(std::move(closure));
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure) {
     torch::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  if (steps_as_torch()) {
+  if (as_torch) {
     fused_step();
   } else {
     step_with([](const torch::Tensor& parameter) { return parameter.grad(); });
