@@ -124,7 +124,7 @@ std::string file_fingerprint(const fs::path& path) {
 
 }  // namespace
 
-void detail::fill_from_base(Checkpoint& checkpoint, const std::string& directory) {
+void detail::fill_from_base(Checkpoint& checkpoint, const std::string& directory, ShardedWeights* unread) {
   const auto base = base_of(checkpoint);
   if (base.empty()) return;
   const auto where = directory + " (fine-tuned from " + base + ")";
@@ -140,9 +140,8 @@ void detail::fill_from_base(Checkpoint& checkpoint, const std::string& directory
     throw Error(where + ": the base checkpoint's weights changed since the run started from them; put the "
                 "original back at that path");
   }
-  for (auto& [name, tensor] : inference_weights(load_inference_checkpoint(base))) {
-    checkpoint.weights.emplace(name, std::move(tensor));
-  }
+  const auto read = unread ? load_inference_checkpoint(base, *unread) : load_inference_checkpoint(base);
+  for (auto& [name, tensor] : inference_weights(read)) checkpoint.weights.emplace(name, std::move(tensor));
 }
 
 std::string checkpoint_config(const std::string& directory) {

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "dalle/io/checkpoint.h"
+#include "dalle/io/sharded_checkpoint.h"
 
 namespace dalle::io::detail {
 
@@ -13,8 +14,9 @@ void write_files(const std::string& folder, const Checkpoint& checkpoint);
 // Those three files of `directory` (a sharded checkpoint's rank 0 files), the shards left where
 // they are.
 Checkpoint read_files(const std::string& directory);
-// The base's inference weights into every name `checkpoint` lacks (refer_to_base).
-void fill_from_base(Checkpoint& checkpoint, const std::string& directory);
+// The base's inference weights into every name `checkpoint` lacks (refer_to_base). `unread`:
+// where a sharded base may leave its shards' parameters unread (else they are joined).
+void fill_from_base(Checkpoint& checkpoint, const std::string& directory, ShardedWeights* unread = nullptr);
 // A checkpoint written in shards (its state metadata holds the layout): the shards of
 // `directory` joined into `checkpoint`'s weights and state where the layout says, the layout
 // taken out of the metadata. Another checkpoint is left as it is. `inference_only`: of the

@@ -94,35 +94,59 @@ int64_t copy_overlap(const Piece& piece, int64_t low, int64_t high, torch::Tenso
   return (to - from) * static_cast<int64_t>(piece.values.element_size());
 }
 
+// Each rank's shard file of a checkpoint written by `ranks` ranks, mapped and unread.
+std::vector<Safetensors> map_shard_files(const fs::path& directory, int64_t ranks) {
+  std::vector<Safetensors> files;
+  for (int64_t rank = 0; rank < ranks; ++rank) {
+    const auto path = directory / shard_file(rank, ranks);
+    if (!fs::exists(path)) {
+      throw Error(directory.string() + ": incomplete checkpoint, " + path.filename().string() + " is missing");
+    }
+    files.push_back(read_safetensors(path.string()));
+  }
+  return files;
+}
+
+// Group g's values of `kind` as the shard files hold them, joined (a fresh tensor), each
+// shard's pages released once read; `visit` takes each parameter's values, a view of them.
+void join_group(const fs::path& directory, const std::vector<Safetensors>& files, const ShardLayout& layout,
+                const std::string& kind, size_t g,
+                const std::function<void(const ShardLayout::Parameter&, const torch::Tensor&)>& visit) {
+  const std::string key = slice_key(kind, g);
+  std::vector<torch::Tensor> parts;
+  for (const auto& file : files) {
+    const auto found = file.tensors.find(key);
+    if (found == file.tensors.end()) throw Error(directory.string() + ": a shard lacks '" + key + "'");
+    parts.push_back(found->second.reshape({-1}));
+  }
+  const auto flat = torch::cat(parts);
+  for (size_t rank = 0; rank < files.size(); ++rank) release_pages(files[rank], files[rank].tensors.at(key));
+  int64_t offset = 0;
+  for (const auto& parameter : layout.groups[g]) {
+    const int64_t numel = numel_of(parameter.shape);
+    if (offset + numel > flat.numel()) throw Error(directory.string() + ": the shards of '" + key + "' are short");
+    visit(parameter, flat.narrow(0, offset, numel).view(parameter.shape));
+    offset += numel;
+  }
+}
+
 // Joins the shards of `directory` into `checkpoint`, as `layout` lays them out (its kinds).
 void join(const fs::path& directory, const ShardLayout& layout, Checkpoint& checkpoint) {
-  std::vector<TensorMap> shards;
-  for (int64_t rank = 0; rank < layout.ranks; ++rank) {
-    const auto path = directory / shard_file(rank, layout.ranks);
-    if (!fs::exists(path)) throw Error(directory.string() + ": incomplete checkpoint, " + path.filename().string() + " is missing");
-    shards.push_back(read_safetensors(path.string()).tensors);
-  }
+  const auto files = map_shard_files(directory, layout.ranks);
   for (const auto& [kind, where] : layout.kinds) {
     auto& target = where.into_weights ? checkpoint.weights : checkpoint.state;
     for (size_t g = 0; g < layout.groups.size(); ++g) {
-      const std::string key = slice_key(kind, g);
-      std::vector<torch::Tensor> parts;
-      for (const auto& shard : shards) {
-        const auto found = shard.find(key);
-        if (found == shard.end()) throw Error(directory.string() + ": a shard lacks '" + key + "'");
-        parts.push_back(found->second.reshape({-1}));
-      }
-      const auto flat = torch::cat(parts);
-      int64_t offset = 0;
-      for (const auto& parameter : layout.groups[g]) {
-        const int64_t numel = numel_of(parameter.shape);
-        if (offset + numel > flat.numel()) throw Error(directory.string() + ": the shards of '" + key + "' are short");
-        target[name_in(where, parameter.name)] = flat.narrow(0, offset, numel).view(parameter.shape).clone();
-        offset += numel;
-      }
+      join_group(directory, files, layout, kind, g,
+                 [&](const ShardLayout::Parameter& parameter, const torch::Tensor& values) {
+                   target[name_in(where, parameter.name)] = values.clone();
+                 });
     }
   }
 }
+
+// The kind of a sharded checkpoint's values that inference_weights reads: its moving average
+// wherever it keeps one, else its weights.
+std::string inference_kind(const ShardLayout& layout) { return layout.kinds.count("ema") ? "ema" : "weights"; }
 
 }  // namespace
 
@@ -131,12 +155,54 @@ void detail::join_shards(const std::string& directory, Checkpoint& checkpoint, b
   if (layout == checkpoint.state_metadata.end()) return;
   auto parsed = parse_layout(fs::path(directory), layout->second);
   if (inference_only) {
-    // The average replaces the weights wherever it is kept (inference_weights).
-    const std::string read = parsed.kinds.count("ema") ? "ema" : "weights";
+    const auto read = inference_kind(parsed);
     std::erase_if(parsed.kinds, [&](const auto& kind) { return kind.first != read; });
   }
   join(fs::path(directory), parsed, checkpoint);
   checkpoint.state_metadata.erase(layout);
+}
+
+ShardedWeights::ShardedWeights(std::string directory, ShardLayout layout)
+    : directory_(std::move(directory)),
+      layout_(std::move(layout)),
+      kind_(inference_kind(layout_)),
+      files_(std::make_shared<const std::vector<Safetensors>>(map_shard_files(directory_, layout_.ranks))) {}
+
+std::vector<std::string> ShardedWeights::names() const {
+  std::vector<std::string> names;
+  for (const auto& group : layout_.groups) {
+    for (const auto& parameter : group) names.push_back(parameter.name);
+  }
+  return names;
+}
+
+TensorMap ShardedWeights::read(const std::function<bool(const std::string&)>& wanted) const {
+  TensorMap read;
+  for (size_t g = 0; files_ && g < layout_.groups.size(); ++g) {
+    const auto& group = layout_.groups[g];
+    if (std::none_of(group.begin(), group.end(), [&](const auto& parameter) { return wanted(parameter.name); })) {
+      continue;
+    }
+    join_group(directory_, *files_, layout_, kind_, g,
+               [&](const ShardLayout::Parameter& parameter, const torch::Tensor& values) {
+                 if (wanted(parameter.name)) read.emplace(parameter.name, values);
+               });
+  }
+  return read;
+}
+
+Checkpoint load_inference_checkpoint(const std::string& directory, ShardedWeights& unread) {
+  auto checkpoint = detail::read_files(directory);
+  const auto layout = checkpoint.state_metadata.find(kLayoutKey);
+  if (layout == checkpoint.state_metadata.end() || !base_of(checkpoint).empty()) {
+    detail::join_shards(directory, checkpoint, /*inference_only=*/true);
+    detail::fill_from_base(checkpoint, directory);
+    unread = {};
+    return checkpoint;
+  }
+  unread = ShardedWeights(directory, parse_layout(fs::path(directory), layout->second));
+  checkpoint.state_metadata.erase(layout);
+  return checkpoint;
 }
 
 RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
@@ -145,7 +211,7 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
   RankCheckpoint result;
   result.replicated = detail::read_files(directory);
   auto& checkpoint = result.replicated;
-  detail::fill_from_base(checkpoint, directory);
+  detail::fill_from_base(checkpoint, directory, &result.unread_base);
   std::optional<ShardLayout> written;
   if (const auto layout = checkpoint.state_metadata.find(kLayoutKey); layout != checkpoint.state_metadata.end()) {
     written = parse_layout(root, layout->second);

@@ -24,9 +24,12 @@ struct CheckpointConfig {
   ConfigSource source;
 };
 
-CheckpointConfig open_checkpoint(const std::string& run_or_checkpoint, const std::string& what) {
+// `unread`: where a sharded checkpoint may leave its shards unread (else they are joined).
+CheckpointConfig open_checkpoint(const std::string& run_or_checkpoint, const std::string& what,
+                                 io::ShardedWeights* unread = nullptr) {
   auto directory = io::resolve_checkpoint(run_or_checkpoint, what);
-  auto checkpoint = io::load_inference_checkpoint(directory);
+  auto checkpoint =
+      unread ? io::load_inference_checkpoint(directory, *unread) : io::load_inference_checkpoint(directory);
   auto source = ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml");
   return {std::move(directory), std::move(checkpoint), std::move(source)};
 }
@@ -103,8 +106,8 @@ struct PriorOpened {
 
 template <class Trained>
 PriorOpened open_prior(const std::string& run_or_checkpoint, const std::string& what, const std::string& kind,
-                       Trained& trained) {
-  PriorOpened prior{open_checkpoint(run_or_checkpoint, what), {}};
+                       Trained& trained, io::ShardedWeights* unread = nullptr) {
+  PriorOpened prior{open_checkpoint(run_or_checkpoint, what, unread), {}};
   trained.config = read_model_config<decltype(trained.config)>(prior.opened.source, kind, [&](ConfigVisitor& v) {
     v.field("tokenizer", trained.tokenizer, "");
     v.field("image_tokenizer", trained.image_tokenizer, "");
@@ -193,12 +196,27 @@ TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::Sca
       [](const io::TensorMap& weights, TrainedPrior& trained) { return with_dalle_names(weights, trained.config); });
 }
 
+// A sharded checkpoint's shards stay unread where its weights need neither renaming nor
+// folding (a checkpoint with a base or adapters has its shards joined when opened).
 TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpoint) {
   TrainedPrior trained;  // its config and names only: the model is never built
-  const auto prior = open_prior(run_or_checkpoint, "prior", "prior", trained);
-  auto weights = with_adapters_folded(with_dalle_names(io::inference_weights(prior.opened.checkpoint), trained.config),
-                                      prior);
-  return {trained.config, std::move(weights), weights_source(prior.opened)};
+  io::ShardedWeights unread;
+  const auto prior = open_prior(run_or_checkpoint, "prior", "prior", trained, &unread);
+  auto weights = io::inference_weights(prior.opened.checkpoint);
+  if (!unread.empty() && (!adapter_tensors(weights).empty() || weights.count("text_embeddings.weight"))) {
+    weights.merge(unread.read([](const std::string&) { return true; }));
+    unread = {};
+  }
+  weights = with_adapters_folded(with_dalle_names(weights, trained.config), prior);
+  return {trained.config, std::move(weights), std::move(unread), weights_source(prior.opened)};
+}
+
+io::TensorMap TrainedPriorWeights::read(const std::function<bool(const std::string&)>& wanted) const {
+  auto picked = unread.read(wanted);
+  for (const auto& [name, tensor] : weights) {
+    if (wanted(name)) picked.emplace(name, tensor);
+  }
+  return picked;
 }
 
 std::string prior_kind(const std::string& run_or_checkpoint) {

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "dalle/error.h"
@@ -279,14 +280,21 @@ io::TensorMap ShardedPrior::frozen_weights() const {
   return named;
 }
 
-void ShardedPrior::restore_frozen(io::TensorMap& weights) const {
+void ShardedPrior::restore_frozen(io::TensorMap& weights, const io::ShardedWeights& unread) const {
   torch::NoGradGuard no_grad;
   for (size_t g = trained_groups(); g < sharded_->groups(); ++g) {
+    const auto& names = names_[g];
+    auto joined = unread.read([&](const std::string& name) {
+      return !weights.count(name) && std::find(names.begin(), names.end(), name) != names.end();
+    });
     std::vector<torch::Tensor> full;
-    for (const auto& name : names_[g]) {
-      const auto found = weights.find(name);
-      if (found == weights.end()) throw Error("the checkpoint and its base lack the frozen weight " + name);
-      full.push_back(found->second);
+    for (const auto& name : names) {
+      const auto whole = weights.find(name);
+      const auto read = joined.find(name);
+      if (whole == weights.end() && read == joined.end()) {
+        throw Error("the checkpoint and its base lack the frozen weight " + name);
+      }
+      full.push_back(whole != weights.end() ? whole->second : read->second);
     }
     sharded_->shard(g).detach().copy_(sharded_->shard_of(g, full));
     for (const auto& name : names_[g]) weights.erase(name);

@@ -170,14 +170,19 @@ struct TrainerState : RunRecord {
     const auto base = io::resolve_checkpoint(init_from, what + " init_from");
     if (train::holds_as_they_are(io::inference_weights(io::load_inference_checkpoint(base)), model->named_parameters(),
                                  frozen, cut)) {
-      base_checkpoint = base;
-      log::info(what, ": checkpoints hold what trains and refer to ", base, " for the frozen weights");
-      return;
+      return refer_to_base_as_read(init_from);
     }
     base_checkpoint = (run / "base").string();
     write_base_copy_ = true;
     log::info(what, ": ", base, " does not hold the frozen weights as the model does; checkpoints refer to a copy "
               "of them under the model's names, ", base_checkpoint, ", written with the first checkpoint");
+  }
+  // refer_to_base for a model whose frozen weights are `init_from`'s as it stores them (a
+  // sharded checkpoint read block by block, never whole): that checkpoint is the base.
+  void refer_to_base_as_read(const std::string& init_from) {
+    if (init_from.empty() || frozen_names().empty()) return;
+    base_checkpoint = io::resolve_checkpoint(init_from, what + " init_from");
+    log::info(what, ": checkpoints hold what trains and refer to ", base_checkpoint, " for the frozen weights");
   }
   // The frozen weights as the model holds them, as the checkpoint `base_checkpoint` names;
   // `released`: those the model does not hold whole (a sharded run's frozen blocks).

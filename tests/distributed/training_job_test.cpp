@@ -701,6 +701,27 @@ TEST_F(TrainingJob, ShardedFromInitFromIsReadBlockByBlockAndTrainsAsDataParallel
   const auto started_from = io::inference_weights(io::load_checkpoint(dir / "base/checkpoints/step-000000005"));
   EXPECT_FALSE(torch::equal(weights_at(dir / "sharded", 10).at("to_logits.weight"), started_from.at("to_logits.weight")))
       << "it trains";
+
+  // Adapters on a sharded checkpoint: its shards are read one group at a time, never joined
+  // whole, for the start and for a resume (the frozen blocks, from the base the checkpoints
+  // refer to): the same updates, bit for bit, as adapters on its export (the same values,
+  // written whole) trained without a stop.
+  auto exported =
+      run_command(testing::tool_path("dalle-export") + " " + (dir / "sharded") + " --out " + (dir / "export"));
+  ASSERT_EQ(exported.status, 0) << exported.output;
+  const std::string adapters = " --nproc-per-node 2 --set distributed.sharding=within_node --set adapter.rank=2"
+                               " --set learning_rate.decay=plateau --set init_from=";
+  auto started = run_command(train_prior(dir / "from-shards", adapters + (dir / "sharded") + " --set run.steps=5"));
+  ASSERT_EQ(started.status, 0) << started.output;
+  EXPECT_THAT(started.output, ::testing::HasSubstr("each read from init_from's shard files"));
+  EXPECT_THAT(started.output, ::testing::HasSubstr("refer to " + (dir / "sharded/checkpoints/step-000000010")));
+  auto resumed = run_command(train_prior(dir / "from-shards", adapters + (dir / "sharded")));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_THAT(resumed.output, ::testing::HasSubstr("read its part of the frozen blocks from the base's shard files"));
+  auto whole = run_command(train_prior(dir / "from-export", adapters + (dir / "export")));
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  EXPECT_THAT(whole.output, ::testing::Not(::testing::HasSubstr("shard files")));
+  EXPECT_EQ(largest_difference(weights_at(dir / "from-shards", 10), weights_at(dir / "from-export", 10)), 0.0);
 }
 
 // Fine-tuning in DALL-E's hierarchy: the MLP matrices train (in shards, compressed across the

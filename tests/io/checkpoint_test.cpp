@@ -201,6 +201,45 @@ TEST(Checkpoint, AnInferenceCheckpointJoinsOnlyTheAveragesShards) {
   EXPECT_TRUE(torch::equal(weights.at("layer.weight"), torch::full({2, 2}, 3.0f)));
 }
 
+// A sharded checkpoint opened with its shards left unread (a sharded trainer's init_from):
+// each group is joined only when one of its parameters is read, and reads as the joined
+// checkpoint does.
+TEST(Checkpoint, UnreadShardsJoinOneGroupWhenItIsRead) {
+  ScratchDir dir;
+  const auto staging = dir / "ckpt";
+  fs::create_directories(staging);
+  const ShardLayout layout{.ranks = 2,
+                           .groups = {{{"a.weight", {2, 4}}, {"a.bias", {2}}}, {{"b.weight", {3}}}},
+                           .kinds = {{"weights", {.into_weights = true}}, {"ema", {.prefix = "ema."}}}};
+  write_checkpoint_files(staging, make_checkpoint(3), layout);
+  const auto a = torch::arange(10.0f), b = torch::constant_pad_nd(torch::arange(10.0f, 13.0f), {0, 1});
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    write_checkpoint_shard(staging, rank, 2,
+                           {{"weights.0", a.slice(0, 5 * rank, 5 * rank + 5)},
+                            {"ema.0", -a.slice(0, 5 * rank, 5 * rank + 5)},
+                            {"weights.1", b.slice(0, 2 * rank, 2 * rank + 2)},
+                            {"ema.1", -b.slice(0, 2 * rank, 2 * rank + 2)}});
+  }
+  ShardedWeights unread;
+  const auto opened = load_inference_checkpoint(staging, unread);
+  ASSERT_FALSE(unread.empty());
+  EXPECT_EQ(unread.names(), (std::vector<std::string>{"a.weight", "a.bias", "b.weight"}));
+  const auto read_whole = inference_weights(opened);
+  EXPECT_EQ(read_whole.count("a.weight") + read_whole.count("b.weight"), 0u) << "left in the shards";
+  EXPECT_EQ(opened.state_metadata.count("shard_layout"), 0u);
+  const auto only_b = unread.read([](const std::string& name) { return name == "b.weight"; });
+  ASSERT_EQ(only_b.size(), 1u);
+  EXPECT_TRUE(torch::equal(only_b.at("b.weight"), -torch::arange(10.0f, 13.0f))) << "the average, as inference reads";
+  const auto joined = inference_weights(load_inference_checkpoint(staging));
+  for (const auto& [name, tensor] : unread.read([](const std::string&) { return true; })) {
+    EXPECT_TRUE(torch::equal(tensor, joined.at(name))) << name;
+  }
+  save_checkpoint(dir / "whole", make_checkpoint(1));
+  ShardedWeights none;
+  load_inference_checkpoint(dir / "whole", none);
+  EXPECT_TRUE(none.empty()) << "a checkpoint that was not sharded has no shards to leave unread";
+}
+
 TEST(Checkpoint, ARankTakesItsSlicesOfACheckpointThatWasNotSharded) {
   ScratchDir dir;
   auto whole = make_checkpoint(3);

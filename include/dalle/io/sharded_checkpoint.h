@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,27 @@ struct ShardLayout {
   std::vector<std::vector<Parameter>> groups = {};
   std::map<std::string, Kind> kinds = {};
 };
+
+// A sharded checkpoint's inference weights (its moving average where it keeps one, else its
+// weights) left in its shard files, mapped and unread: each group is joined from the shards
+// when one of its parameters is read, and its pages released, so that a reader that takes one
+// block at a time holds one block at a time (a sharded trainer's init_from).
+class ShardedWeights {
+ public:
+  ShardedWeights() = default;
+  ShardedWeights(std::string directory, ShardLayout layout);
+  bool empty() const { return !files_; }
+  std::vector<std::string> names() const;
+  // The whole values of the parameters `wanted` picks by name (views of their groups, joined).
+  TensorMap read(const std::function<bool(const std::string&)>& wanted) const;
+
+ private:
+  std::string directory_;
+  ShardLayout layout_;
+  std::string kind_;
+  std::shared_ptr<const std::vector<Safetensors>> files_;
+};
+
 // A checkpoint as one rank of a sharded job needs it, reading only what that rank will hold:
 // rank 0's files (the replicated parameters and the state; in a checkpoint that was not
 // sharded, every parameter, mapped and left unread until used) and, of each group of
@@ -42,9 +64,11 @@ struct ShardLayout {
 // whole tensors; so are groups beyond those its shards hold (a checkpoint written when fewer
 // parameters were sharded). A kind the checkpoint lacks (moments before the first update)
 // has no slices.
-// The replicated part has its base's weights filled in, as load_checkpoint fills them.
+// The replicated part has its base's weights filled in, as load_checkpoint fills them, but for
+// a sharded base's shards, left unread.
 struct RankCheckpoint {
   Checkpoint replicated;  // the shard layout's own parameters absent
+  ShardedWeights unread_base;  // a sharded base's parameters, joined when read (the frozen blocks)
   TensorMap slices;       // "<kind>.<group>"
   // The bytes of values read from each shard file, by the rank that wrote it.
   std::map<int64_t, int64_t> shard_bytes_read;
@@ -59,6 +83,10 @@ using TakeGroup = std::function<void(size_t group, TensorMap& slices, const Chec
 // a rank then holds one group's slices at a time, not its whole state twice.
 RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
                                         int64_t ranks, const TakeGroup& take = nullptr);
+
+// load_inference_checkpoint (io/checkpoint.h), but a sharded checkpoint that refers to no base
+// keeps its shards' parameters in `unread`, absent from its weights (else `unread` is empty).
+Checkpoint load_inference_checkpoint(const std::string& directory, ShardedWeights& unread);
 
 // Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata.
 void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout);

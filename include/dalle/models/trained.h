@@ -9,11 +9,13 @@
 // rest of a training recipe is the trainer's, so recipes may change without orphaning the
 // models trained by them, and an exported folder (scripts/export_*.py) needs nothing more.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
 #include <torch/types.h>
 
+#include "dalle/io/sharded_checkpoint.h"
 #include "dalle/models/bart_prior.h"
 #include "dalle/models/clip.h"
 #include "dalle/models/dvae.h"
@@ -72,12 +74,16 @@ TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::Sca
 
 // A trained prior's inference weights by state-dict name (its moving average where it keeps
 // one, ruDALL-E's names imported, adapters folded in) and its model section, without building
-// the model: views of the mapped weights file (a sharded checkpoint's shards are joined in
-// host memory). What a sharded trainer copies into its prior one block at a time.
+// the model: views of the mapped weights file. A sharded checkpoint's shards are joined only
+// as they are read, one group at a time: what a sharded trainer copies into its prior one
+// block at a time, never holding it whole.
 struct TrainedPriorWeights {
   PriorConfig config;
-  io::TensorMap weights;
+  io::TensorMap weights;       // what was read whole
+  io::ShardedWeights unread;   // a sharded checkpoint's own parameters (as stored), joined when read
   std::string source;  // where the weights came from, for errors
+  // The weights `wanted` picks by name.
+  io::TensorMap read(const std::function<bool(const std::string&)>& wanted) const;
 };
 TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpoint);
 

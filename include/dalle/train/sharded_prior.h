@@ -26,6 +26,7 @@
 #include "dalle/distributed/process_group.h"
 #include "dalle/distributed/sharded_parameters.h"
 #include "dalle/io/safetensors.h"
+#include "dalle/io/sharded_checkpoint.h"
 #include "dalle/models/prior.h"
 #include "dalle/train/resblock_runner.h"
 
@@ -92,8 +93,9 @@ class ShardedPrior {
   // The frozen groups' values, whole, by name (every rank of the group calls it) ...
   io::TensorMap frozen_weights() const;
   // ... and this rank's shards of them from whole values by name (a checkpoint's base),
-  // each taken out of `weights` once used.
-  void restore_frozen(io::TensorMap& weights) const;
+  // each taken out of `weights` once used; those `weights` lacks from `unread` (a sharded
+  // base's shards), one group at a time.
+  void restore_frozen(io::TensorMap& weights, const io::ShardedWeights& unread = {}) const;
 
  private:
   // Cuts unit u's parameters, named as in the state dict, into its groups.

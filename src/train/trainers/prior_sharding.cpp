@@ -44,9 +44,10 @@ using namespace prior_training;
 // init_from, bit for bit (its embeddings and head, built whole, are cut once placed; the
 // adapters, drawn once the prior exists as for a whole build, stay whole).
 void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
+  const auto everything = [](const std::string&) { return true; };
   if (!shards_resblocks()) {
     model = models::Prior(config.model);
-    if (init) io::load_state_dict(*model, init->weights, init->source);
+    if (init) io::load_state_dict(*model, init->read(everything), init->source);
     return;
   }
   shards = std::make_unique<ShardedPrior>(2 * static_cast<size_t>(config.model.layers), decayed_by_adamw,
@@ -56,21 +57,29 @@ void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
   const auto frozen_storage = frozen_matrix_storage();
   model = models::Prior(config.model, [&](size_t b, models::ResblockImpl& block) {
     const std::string prefix = "resblocks." + std::to_string(b) + ".";
-    if (init) io::load_state_dict(block, io::with_prefix_removed(init->weights, prefix), init->source + ", " + prefix);
+    if (init) {
+      const auto in_block = [&prefix](const std::string& name) { return name.starts_with(prefix); };
+      io::load_state_dict(block, io::with_prefix_removed(init->read(in_block), prefix), init->source + ", " + prefix);
+    }
     freeze_part_all_but(block, trained, prefix);
     if (frozen_storage) store_frozen_matrices(block, "", *frozen_storage);
     block.to(device);
     shards->add_block(b, block);
   });
-  if (init) io::load_state_dict(*model, init->weights, init->source, block_names());
+  if (init) {
+    const auto in_blocks = block_names();
+    const auto outside = [&in_blocks](const std::string& name) { return in_blocks.count(name) == 0; };
+    io::load_state_dict(*model, init->read(outside), init->source, in_blocks);
+  }
 #if defined(__GLIBC__)
   // Each block drawn whole and freed leaves holes in the C heap between the shards kept there
   // (glibc's dynamic mmap threshold puts them on the heap once large blocks have been freed):
   // about 200 MiB per rank resident at 8 layers of width 2048 that nothing holds. Returned.
   malloc_trim(0);
 #endif
-  log::info(what, ": the prior was built one resblock at a time, each ", init ? "read from init_from" : "drawn",
-            " and cut into ", job->within_node()->size(), " shards before the next");
+  const std::string read = init && !init->unread.empty() ? "read from init_from's shard files" : "read from init_from";
+  log::info(what, ": the prior was built one resblock at a time, each ", init ? read : "drawn", " and cut into ",
+            job->within_node()->size(), " shards before the next");
 }
 
 // Each rank of a machine keeps 1/N of every resblock, of the embeddings and of the head (of
@@ -195,7 +204,12 @@ void PriorTrainer::State::resume(const std::string& directory) {
   log_shard_reads(read.shard_bytes_read);
   auto& checkpoint = read.replicated;
   base_checkpoint = io::base_of(checkpoint);
-  restore_frozen_blocks(checkpoint.weights);
+  shards->restore_frozen(checkpoint.weights, read.unread_base);
+  if (!read.unread_base.empty()) {
+    log::info(what, ": rank ", job->place().local_rank, " read its part of the frozen blocks from the base's shard "
+              "files, one group at a time");
+    read.unread_base = {};
+  }
   io::load_state_dict(*model, checkpoint.weights, directory + "/" + io::kWeightsFile, block_names());
   checkpoint.weights.clear();
   ema->load(io::with_prefix_removed(checkpoint.state, "ema."));
@@ -271,9 +285,6 @@ void PriorTrainer::State::restore_group(size_t g, io::TensorMap& slices, const i
   adam->exp_avg_sq(exp_avg_sq.to(options));
   optimizer->state()[sharded.shard(g).unsafeGetTensorImpl()] = std::move(adam);
 }
-
-// The frozen blocks' shards from the checkpoint's weights (its base's, filled in).
-void PriorTrainer::State::restore_frozen_blocks(io::TensorMap& weights) { shards->restore_frozen(weights); }
 
 void PriorTrainer::State::average_shards() {
   torch::NoGradGuard no_grad;

@@ -190,8 +190,13 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   s.build_model(init ? &*init : nullptr);
   s.place_model(/*sharded=*/s.shards != nullptr);
   s.store_frozen_blocks();
-  // Sharded, the blocks were cut as they were built: the base is compared with what they read.
-  if (starts_from_init) s.refer_to_base(s.config.init_from, s.shards ? init->weights : io::TensorMap{});
+  // Sharded, the blocks were cut as they were built: the base is compared with what they read,
+  // unless they read a sharded checkpoint's shards as it stores them (never joined whole).
+  if (starts_from_init && s.shards && !init->unread.empty()) {
+    s.refer_to_base_as_read(s.config.init_from);
+  } else if (starts_from_init) {
+    s.refer_to_base(s.config.init_from, s.shards ? init->weights : io::TensorMap{});
+  }
   init.reset();
   // Sharded, the ends are cut before the average and the update state are made, so that no
   // rank ever holds a whole average of the prior (nor a validation copy).

@@ -97,7 +97,6 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   // Sharded, a rank reads of a checkpoint only the replicated part and its own slices.
   void resume(const std::string& directory) override;
   void restore_group(size_t g, io::TensorMap& slices, const io::TensorMap& state);
-  void restore_frozen_blocks(io::TensorMap& weights);
   void log_shard_reads(const std::map<int64_t, int64_t>& bytes_by_writer) const;
   void restore_warm_q(const io::TensorMap& own);
   io::ShardLayout shard_layout(bool moments, bool errors) const;
