@@ -66,10 +66,13 @@ struct BlockShape {
     for (const auto& shape : groups[2]) sum += shape.size() >= 2 ? numel(shape) : 0;
     return sum;
   }
-  // A rank's shards of the block: every group, or the trained ones, padded to the ranks.
+  // A rank's shards of the block: every group, or the trained ones, padded to the ranks (the
+  // frozen tensors are two groups, the matrices and the rest).
   int64_t shard_values(int64_t ranks) const {
-    return trained_shard_values(ranks) + io::shard_size(values_of(groups[2]), ranks);
+    return trained_shard_values(ranks) + frozen_matrix_shard_values(ranks) +
+           io::shard_size(values_of(groups[2]) - frozen_matrix_values(), ranks);
   }
+  int64_t frozen_matrix_shard_values(int64_t ranks) const { return io::shard_size(frozen_matrix_values(), ranks); }
   int64_t trained_shard_values(int64_t ranks) const {
     return matrix_shard_values(ranks) + io::shard_size(values_of(groups[1]), ranks);
   }
@@ -353,21 +356,25 @@ class Planner {
         plan_.sharded ? share_of_blocks() + ", the embeddings and the head (padded)" : "the whole model";
     const bool frozen = shape_.frozen;
     // frozen_weights: the frozen block matrices in 16 bits, in the model and in the validation
-    // model that shares them (a sharded run's shards stay fp32).
-    double sixteen_bit = 0;
+    // model that shares them, or in a sharded run's shards of them.
+    double sixteen_bit = 0, sixteen_bit_held = 0;
     if (recipe_.frozen_weights != "float32") {
-      for (const auto& block : shape_.layer) sixteen_bit += static_cast<double>(layers_ * block.frozen_matrix_values());
+      for (const auto& block : shape_.layer) {
+        sixteen_bit += static_cast<double>(layers_ * block.frozen_matrix_values());
+        sixteen_bit_held += static_cast<double>(layers_ * block.frozen_matrix_shard_values(gpus_));
+      }
     }
-    const double saved = plan_.sharded ? 0 : 2 * sixteen_bit;
+    const double saved = (kFp32 - frozen_matrix_bytes()) * (plan_.sharded ? sixteen_bit_held : sixteen_bit);
     // precision.weights, sharded: the trained matrices' shards and their gradients in 16 bits.
     const double halved = (kFp32 - matrix_bytes_) * static_cast<double>(matrix_shard_values_);
+    const std::string frozen_stored = "frozen resblock matrices in " + recipe_.frozen_weights;
     const std::string stored =
-        !sixteen_bit_matrices() ? "fp32, "
-        : frozen                ? plan_.weights + " trained resblock matrices, fp32 frozen ones and the rest, "
-                                : plan_.weights + " resblock matrices, fp32 rest, ";
+        !sixteen_bit_matrices() ? (saved > 0 ? "fp32 but the " + frozen_stored + ", " : "fp32, ")
+        : !frozen               ? plan_.weights + " resblock matrices, fp32 rest, "
+        : saved > 0             ? plan_.weights + " trained resblock matrices, " + frozen_stored + ", fp32 rest, "
+                                : plan_.weights + " trained resblock matrices, fp32 frozen ones and the rest, ";
     add_memory("weights", MemoryPhase::kept, kFp32 * held - saved - halved,
-               saved > 0 ? "fp32, the whole model, its frozen resblock matrices in " + recipe_.frozen_weights
-                         : stored + what + (frozen ? ", frozen and trained" : ""));
+               stored + what + (frozen ? ", frozen and trained" : ""));
     const double trained = static_cast<double>(trained_per_rank_);
     const std::string trains =
         frozen ? "what trains (" + with_thousands(plan_.parameters.trained) + " values" +
@@ -498,16 +505,23 @@ class Planner {
   }
 
   // A block all-gathered, whole, as the forward and backward hold it: its trained matrices
-  // in precision.weights, the rest (and its whole adapters) fp32 ...
+  // in precision.weights, its frozen ones in frozen_weights, the rest (and its whole adapters)
+  // fp32 ...
   double gathered_bytes(const BlockShape& block) const {
     const auto matrices = static_cast<double>(block.matrix_values());
-    return matrix_bytes_ * matrices + kFp32 * (static_cast<double>(block.values() + block.adapter_values()) - matrices);
+    const auto frozen = static_cast<double>(block.frozen_matrix_values());
+    return matrix_bytes_ * matrices + frozen_matrix_bytes() * frozen +
+           kFp32 * (static_cast<double>(block.values() + block.adapter_values()) - matrices - frozen);
   }
   // ... and as the all-gather's output, each group padded to the ranks.
   double gathered_padded_bytes(const BlockShape& block) const {
     const auto matrices = static_cast<double>(gpus_ * block.matrix_shard_values(gpus_));
-    return matrix_bytes_ * matrices + kFp32 * (static_cast<double>(gpus_ * block.shard_values(gpus_)) - matrices);
+    const auto frozen = static_cast<double>(gpus_ * block.frozen_matrix_shard_values(gpus_));
+    return matrix_bytes_ * matrices + frozen_matrix_bytes() * frozen +
+           kFp32 * (static_cast<double>(gpus_ * block.shard_values(gpus_)) - matrices - frozen);
   }
+  // The bytes per value of the blocks' frozen matrices (frozen_weights).
+  double frozen_matrix_bytes() const { return recipe_.frozen_weights == "float32" ? kFp32 : 2.0; }
 
   // The embeddings or the head gathered (float32 in every group), as the all-gather's output.
   double gathered_end_bytes(const BlockShape& end) const {

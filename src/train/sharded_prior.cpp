@@ -14,14 +14,17 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Unit u's groups: its trained matrices, the rest of what trains, what is frozen.
-std::vector<size_t> groups_of(size_t u, size_t units) { return {2 * u, 2 * u + 1, 2 * units + u}; }
+// Unit u's groups: its trained matrices, the rest of what trains, its frozen matrices, the rest
+// of what is frozen.
+std::vector<size_t> groups_of(size_t u, size_t units) {
+  return {2 * u, 2 * u + 1, 2 * (units + u), 2 * (units + u) + 1};
+}
 
 // What a sharded unit's backward needs, carried through the autograd context.
 struct ShardedRun : torch::CustomClassHolder {
   std::function<torch::Tensor(const torch::Tensor&)> fn;
   std::shared_ptr<distributed::ShardedParameters> sharded;
-  // The unit's groups (its trained ones, then its frozen one), and those of the unit that
+  // The unit's groups (its trained ones, then its frozen ones), and those of the unit that
   // runs next: the following one in forward, the one before in backward (none at the ends).
   std::vector<size_t> groups, next_in_forward, next_in_backward;
   ForwardState state;
@@ -105,20 +108,23 @@ class ShardedEmbeddings : public torch::autograd::Function<ShardedEmbeddings> {
 
 ShardedPrior::ShardedPrior(models::PriorImpl& prior, const DecayRule& decayed,
                            std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
-                           const KeepWhole& keep_whole, torch::ScalarType matrices)
-    : ShardedPrior(prior.resblocks().size(), decayed, std::move(group), overlap, keep_whole, matrices) {
+                           const KeepWhole& keep_whole, torch::ScalarType matrices, torch::ScalarType frozen_matrices)
+    : ShardedPrior(prior.resblocks().size(), decayed, std::move(group), overlap, keep_whole, matrices,
+                   frozen_matrices) {
   for (size_t b = 0; b < blocks_; ++b) add_block(b, *prior.resblocks()[b]);
   add_ends(prior);
 }
 
 ShardedPrior::ShardedPrior(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
-                           bool overlap, const KeepWhole& keep_whole, torch::ScalarType matrices)
+                           bool overlap, const KeepWhole& keep_whole, torch::ScalarType matrices,
+                           torch::ScalarType frozen_matrices)
     : blocks_(blocks),
       decayed_(decayed),
       keep_whole_(keep_whole),
       matrices_(matrices),
-      sharded_(std::make_shared<distributed::ShardedParameters>(3 * units(), std::move(group), overlap)),
-      names_(3 * units()),
+      frozen_matrices_(frozen_matrices),
+      sharded_(std::make_shared<distributed::ShardedParameters>(4 * units(), std::move(group), overlap)),
+      names_(4 * units()),
       kept_whole_(units()) {}
 
 void ShardedPrior::add_block(size_t b, models::ResblockImpl& block) {
@@ -130,15 +136,15 @@ void ShardedPrior::add_block(size_t b, models::ResblockImpl& block) {
   std::vector<std::pair<std::string, torch::Tensor>> parameters;
   const std::string prefix = "resblocks." + std::to_string(b) + ".";
   for (const auto& item : block.named_parameters()) parameters.emplace_back(prefix + item.key(), item.value());
-  cut(b, parameters, matrices_);
+  cut(b, parameters, matrices_, frozen_matrices_);
 }
 
 void ShardedPrior::add_ends(models::PriorImpl& prior) {
   if (ends_added_) throw Error("sharded prior: the ends were added twice");
   ends_added_ = true;
   for (size_t b = 0; b < blocks_; ++b) keep_added_whole(b, *prior.resblocks()[b]);
-  cut(blocks_, prior.end_parameters(models::PriorEnd::embeddings), torch::kFloat32);
-  cut(blocks_ + 1, prior.end_parameters(models::PriorEnd::head), torch::kFloat32);
+  cut(blocks_, prior.end_parameters(models::PriorEnd::embeddings), torch::kFloat32, torch::kFloat32);
+  cut(blocks_ + 1, prior.end_parameters(models::PriorEnd::head), torch::kFloat32, torch::kFloat32);
   prior.set_end_runner(end_runner());
 }
 
@@ -160,14 +166,17 @@ void ShardedPrior::keep_added_whole(size_t b, models::ResblockImpl& block) {
 }
 
 // Group 2u: the unit's trained matrices (AdamW decays them), in `matrices`; 2u + 1: the rest
-// of what trains; 2 units + u: what is frozen.
+// of what trains; 2 (units + u): its frozen matrices, in `frozen_matrices`; 2 (units + u) + 1:
+// the rest of what is frozen (a norm reads its fp32 input with its own gains' type).
 void ShardedPrior::cut(size_t u, const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
-                       torch::ScalarType matrices) {
-  std::vector<torch::Tensor> decayed, rest, frozen;
+                       torch::ScalarType matrices, torch::ScalarType frozen_matrices) {
+  std::vector<torch::Tensor> decayed, rest, frozen[2];
+  const size_t first_frozen = 2 * (units() + u);
   for (const auto& [name, parameter] : parameters) {
     if (!parameter.requires_grad()) {
-      frozen.push_back(parameter);
-      names_[trained_groups() + u].push_back(name);
+      const size_t vector = parameter.dim() < 2 ? 1 : 0;
+      frozen[vector].push_back(parameter);
+      names_[first_frozen + vector].push_back(name);
     } else if (keep_whole_ && keep_whole_(name)) {
       kept_whole_[u].push_back(parameter);
     } else {
@@ -178,7 +187,8 @@ void ShardedPrior::cut(size_t u, const std::vector<std::pair<std::string, torch:
   }
   sharded_->set_group(2 * u, std::move(decayed), matrices);
   sharded_->set_group(2 * u + 1, std::move(rest));
-  sharded_->set_group(trained_groups() + u, std::move(frozen));
+  sharded_->set_group(first_frozen, std::move(frozen[0]), frozen_matrices);
+  sharded_->set_group(first_frozen + 1, std::move(frozen[1]));
 }
 
 bool ShardedPrior::trains(size_t u) const {

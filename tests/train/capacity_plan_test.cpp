@@ -565,6 +565,9 @@ TEST(CapacityPlan, AdaptersAtTheXlLayoutHoldStateOnlyForWhatTrains) {
   const auto eight = plan_capacity(sharded, {.gpus_per_node = 8, .gpu_memory_gib = 16});
   EXPECT_LT(eight.parameters.per_rank, plan.parameters.total / 4);
   EXPECT_DOUBLE_EQ(part_named(eight, "gradients").bytes, 4.0 * static_cast<double>(adapters));
+  // Its shards of the frozen matrices in fp16, as the whole model keeps them (none padded).
+  EXPECT_DOUBLE_EQ(part_named(eight, "weights").bytes,
+                   4.0 * static_cast<double>(eight.parameters.per_rank) - 2 * matrices / 8);
 }
 
 // Two ranks fine-tune the tiny prior sharded, with adapters on every linear layer and the

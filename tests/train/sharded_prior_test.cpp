@@ -75,7 +75,7 @@ TEST(ShardedPrior, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
       }
       EXPECT_THROW(shards.add_ends(*prior), Error);
       const auto& sharded = *shards.parameters();
-      ASSERT_EQ(sharded.groups(), 3 * (blocks + 2)) << "each resblock, the embeddings and the head";
+      ASSERT_EQ(sharded.groups(), 4 * (blocks + 2)) << "each resblock, the embeddings and the head";
       for (size_t g = 0; g < sharded.groups(); ++g) {
         const auto full = sharded.unshard(g, sharded.shard(g));
         ASSERT_EQ(full.size(), shards.names(g).size());
@@ -131,6 +131,47 @@ TEST(ShardedPrior, AdaptersAddedOnceTheBlocksAreCutStayWhole) {
     other->resblocks()[1]->register_parameter("late", torch::zeros({2}));
     EXPECT_THROW_WITH(late.add_ends(*other), Error,
                       "resblocks.1.late was added after its block was cut, and only trained tensors that stay whole");
+  });
+}
+
+// frozen_weights, sharded: a block's frozen matrices are one group, its shards kept (and
+// gathered) in 16 bits, rounded as the whole model rounds them; its frozen vectors (norms,
+// biases) and the ends' frozen tensors another, in fp32.
+TEST(ShardedPrior, FrozenMatricesAreShardedInTheirStorage) {
+  const auto config = tiny_model();
+  torch::manual_seed(3);
+  const models::Prior whole(config);
+  testing::on_ranks(2, [&](const distributed::LaunchEnvironment& place) {
+    auto prior = copy_of(whole);
+    for (auto& parameter : prior->parameters()) parameter.requires_grad_(false);
+    const auto group = testing::group_at(place);
+    ShardedPrior shards(*prior, is_matrix, group, true, nullptr, torch::kFloat32, torch::kBFloat16);
+    auto& sharded = *shards.parameters();
+    const auto expected = whole->named_parameters();
+    const size_t blocks = prior->resblocks().size();
+    for (size_t u = 0; u < shards.units(); ++u) {
+      const size_t matrices = shards.trained_groups() + 2 * u, rest = matrices + 1;
+      const auto stored = u < blocks ? torch::kBFloat16 : torch::kFloat32;
+      EXPECT_EQ(sharded.shard(matrices).scalar_type(), stored) << "unit " << u;
+      EXPECT_EQ(sharded.shard(rest).scalar_type(), torch::kFloat32) << "unit " << u;
+      EXPECT_FALSE(shards.names(matrices).empty());
+      for (const size_t g : {matrices, rest}) {
+        const auto full = sharded.unshard(g, sharded.shard(g));
+        for (size_t i = 0; i < full.size(); ++i) {
+          const auto& name = shards.names(g)[i];
+          EXPECT_EQ(full[i].dim() >= 2, g == matrices) << name;
+          EXPECT_TRUE(torch::equal(full[i], expected[name].detach().to(full[i].scalar_type()))) << name;
+        }
+      }
+    }
+    auto& block = *prior->resblocks()[0];
+    sharded.gather(shards.trained_groups());
+    for (const auto& item : block.named_parameters()) {
+      if (item.value().dim() >= 2) {
+        EXPECT_EQ(item.value().scalar_type(), torch::kBFloat16) << item.key();
+      }
+    }
+    sharded.release(shards.trained_groups());
   });
 }
 

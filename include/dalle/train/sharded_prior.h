@@ -42,17 +42,18 @@ class ShardedPrior {
   // as in `prior`'s state dict, and installs the prior's end runner (add_ends); a parameter
   // that requires no gradient is frozen.
   // `overlap`: a block's reduce-scatter runs while backward goes on (ShardedParameters).
-  // `matrices`: the storage of the trained groups AdamW decays (precision.weights); the
-  // rest is float32.
+  // `matrices`: the storage of the trained groups AdamW decays (precision.weights);
+  // `frozen_matrices`: that of the blocks' frozen matrices (frozen_weights); the rest is
+  // float32.
   ShardedPrior(models::PriorImpl& prior, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
                bool overlap = true, const KeepWhole& keep_whole = nullptr,
-               torch::ScalarType matrices = torch::kFloat32);
+               torch::ScalarType matrices = torch::kFloat32, torch::ScalarType frozen_matrices = torch::kFloat32);
   // The same for a prior of `blocks` resblocks not built yet, each then cut by add_block as it
   // is built (models::ResblockBuilt): no rank holds more than one block whole; add_ends once
   // the prior exists.
   ShardedPrior(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
                bool overlap = true, const KeepWhole& keep_whole = nullptr,
-               torch::ScalarType matrices = torch::kFloat32);
+               torch::ScalarType matrices = torch::kFloat32, torch::ScalarType frozen_matrices = torch::kFloat32);
   // Cuts resblock b (named "resblocks.<b>." as in the prior's state dict) into its shards and
   // empties its tensors. Once per block, in any order, before anything is gathered.
   void add_block(size_t b, models::ResblockImpl& block);
@@ -66,7 +67,8 @@ class ShardedPrior {
   const std::shared_ptr<distributed::ShardedParameters>& parameters() const { return sharded_; }
   // Units 0 .. blocks - 1 are the resblocks, then the embeddings and the head. The groups
   // that train come first, two per unit (2u: its matrices, 2u + 1: the rest, either possibly
-  // empty); the frozen groups follow (trained_groups() + u).
+  // empty); the frozen groups follow, two per unit too (trained_groups() + 2u: its frozen
+  // matrices, in a block the frozen_matrices storage; + 2u + 1: the rest).
   size_t units() const { return blocks_ + 2; }
   size_t trained_groups() const { return 2 * units(); }
   // The shards AdamW decays (the matrices) and those it does not.
@@ -100,7 +102,7 @@ class ShardedPrior {
  private:
   // Cuts unit u's parameters, named as in the state dict, into its groups.
   void cut(size_t u, const std::vector<std::pair<std::string, torch::Tensor>>& parameters,
-           torch::ScalarType matrices);
+           torch::ScalarType matrices, torch::ScalarType frozen_matrices);
   // Keeps whole the trained tensors block b gained since it was cut (keep_whole's, or throws).
   void keep_added_whole(size_t b, models::ResblockImpl& block);
   // Whether unit u has anything that trains (in its shards or kept whole).
@@ -111,7 +113,7 @@ class ShardedPrior {
   bool ends_added_ = false;
   DecayRule decayed_;
   KeepWhole keep_whole_;
-  torch::ScalarType matrices_ = torch::kFloat32;
+  torch::ScalarType matrices_ = torch::kFloat32, frozen_matrices_ = torch::kFloat32;
   std::shared_ptr<distributed::ShardedParameters> sharded_;
   std::vector<std::vector<std::string>> names_;  // of each group's tensors
   std::vector<std::vector<torch::Tensor>> kept_whole_;  // of each unit

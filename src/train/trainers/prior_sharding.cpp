@@ -50,11 +50,11 @@ void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
     if (init) io::load_state_dict(*model, init->read(everything), init->source);
     return;
   }
+  const auto frozen_storage = frozen_matrix_storage();
   shards = std::make_unique<ShardedPrior>(2 * static_cast<size_t>(config.model.layers), decayed_by_adamw,
                                           job->within_node(), config.distributed.overlap, models::is_adapter_tensor,
-                                          config.precision.weights_dtype());
+                                          config.precision.weights_dtype(), frozen_storage.value_or(torch::kFloat32));
   const auto trained = trainable_patterns(config.optimizer.trainable, adapters());
-  const auto frozen_storage = frozen_matrix_storage();
   model = models::Prior(config.model, [&](size_t b, models::ResblockImpl& block) {
     const std::string prefix = "resblocks." + std::to_string(b) + ".";
     if (init) {

@@ -281,7 +281,7 @@ std::optional<torch::ScalarType> PriorTrainer::State::frozen_matrix_storage() co
 
 // frozen_weights: the resblocks' frozen matrices in 16 bits, shared with the validation model,
 // whose blocks then run under autocast as the training runner's do. A sharded prior's were
-// rounded as its blocks were built, and are gathered in 16 bits.
+// rounded as its blocks were built: their shards are kept, and gathered, in 16 bits.
 void PriorTrainer::State::store_frozen_blocks() {
   const auto storage = frozen_matrix_storage();
   if (!storage || shards) return;
