@@ -224,6 +224,10 @@ void ShardedParameters::reduce_gradients(size_t g) {
     if (!shards_[g].grad().defined()) shards_[g].mutable_grad() = torch::zeros_like(shards_[g]);
     return;
   }
+  // Each reduction holds its group's whole gradient (flattened, float32) until it is done: the
+  // older ones are completed before this group's is made, the newest run on while backward
+  // goes on, so that a backward holds this block's gradient and at most one other group's.
+  finish_reductions_but(overlap_ ? kReductionsInFlight - 1 : 0);
   std::vector<torch::Tensor> gradients;
   for (size_t i = 0; i < groups_[g].size(); ++i) {
     auto& tensor = groups_[g][i];
@@ -232,13 +236,11 @@ void ShardedParameters::reduce_gradients(size_t g) {
   }
   Reduction reduction{g, nullptr, flatten(g, gradients),
                       torch::empty({shard_numel_[g]}, torch::TensorOptions().device(group_->device()))};
+  gradients.clear();  // flattened: the tensors' own are freed before the reduction runs
   reduction.pending = group_->start_reduce_scatter(reduction.input, reduction.output, ReduceOp::average);
   bytes_moved_ += reduction.input.numel() * static_cast<int64_t>(reduction.input.element_size());
   reductions_.push_back(std::move(reduction));
-  // Each reduction holds its group's whole gradient (flattened, float32) until it is done:
-  // the newest runs on while backward goes on, the older are completed, so that a backward
-  // holds one or two blocks' gradients whole, never every block's.
-  finish_reductions_but(overlap_ ? kReductionsInFlight : 0);
+  if (!overlap_) finish_reductions();
 }
 
 void ShardedParameters::finish_reductions() { finish_reductions_but(0); }

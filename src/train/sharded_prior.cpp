@@ -72,8 +72,8 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
     run->gather();
     run->prefetch(run->next_in_backward);
     torch::autograd::backward({run->state.rerun(run->fn, input)}, {grads[0]});
+    run->release();  // the gradients are computed: the gathered values are not needed
     run->reduce_gradients();
-    run->release();
     return {input.grad(), torch::Tensor()};
   }
 };
@@ -98,8 +98,8 @@ class ShardedEmbeddings : public torch::autograd::Function<ShardedEmbeddings> {
     const auto tokens = ctx->get_saved_variables()[0];
     run->gather();
     torch::autograd::backward({run->state.rerun(run->fn, tokens)}, {grads[0]});
+    run->release();  // the gradients are computed: the gathered values are not needed
     run->reduce_gradients();
-    run->release();
     return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
