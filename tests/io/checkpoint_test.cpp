@@ -234,6 +234,23 @@ TEST(Checkpoint, UnreadShardsJoinOneGroupWhenItIsRead) {
   for (const auto& [name, tensor] : unread.read([](const std::string&) { return true; })) {
     EXPECT_TRUE(torch::equal(tensor, joined.at(name))) << name;
   }
+  // Group 0's average missing from one shard: reading group 1 never touches it, reading
+  // group 0 finds it missing.
+  const auto broken = dir / "broken";
+  fs::create_directories(broken);
+  write_checkpoint_files(broken, make_checkpoint(3), layout);
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    TensorMap shard{{"weights.0", a.slice(0, 5 * rank, 5 * rank + 5)},
+                    {"weights.1", b.slice(0, 2 * rank, 2 * rank + 2)},
+                    {"ema.1", -b.slice(0, 2 * rank, 2 * rank + 2)}};
+    if (rank == 0) shard.emplace("ema.0", -a.slice(0, 0, 5));
+    write_checkpoint_shard(broken, rank, 2, shard);
+  }
+  ShardedWeights partly;
+  load_inference_checkpoint(broken, partly);
+  EXPECT_EQ(partly.read([](const std::string& name) { return name == "b.weight"; }).size(), 1u);
+  EXPECT_THROW_WITH(partly.read([](const std::string& name) { return name == "a.bias"; }), Error,
+                    "a shard lacks 'ema.0'");
   save_checkpoint(dir / "whole", make_checkpoint(1));
   ShardedWeights none;
   load_inference_checkpoint(dir / "whole", none);
