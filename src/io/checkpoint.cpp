@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include <torch/torch.h>
@@ -81,20 +82,43 @@ Checkpoint detail::read_files(const std::string& directory) {
   return checkpoint;
 }
 
-void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint) {
+namespace {
+
+// A checkpoint directory `fill` writes into a staging folder, renamed into place once complete.
+void save_into_place(const std::string& directory, const std::function<void(const std::string&)>& fill) {
   const fs::path target(directory);
   if (target.has_parent_path()) fs::create_directories(target.parent_path());
   remove_stale_temporaries(directory);
   const fs::path staging(temporary_sibling(directory));
   try {
     fs::create_directory(staging);
-    detail::write_files(staging.string(), checkpoint);
+    fill(staging.string());
     rename_into_place(staging, target);
   } catch (...) {
     std::error_code ignored;
     fs::remove_all(staging, ignored);
     throw;
   }
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint) {
+  save_into_place(directory, [&](const std::string& staging) { detail::write_files(staging, checkpoint); });
+}
+
+void save_checkpoint(const std::string& directory, const std::string& config_yaml,
+                     const std::vector<TensorSpec>& weights, const std::function<void(SafetensorsWriter&)>& write) {
+  save_into_place(directory, [&](const std::string& staging) {
+    const fs::path root(staging);
+    write_file_atomic((root / kConfigFile).string(), config_yaml);
+    write_file_atomic((root / kWeightsFile).string(), [&](std::ostream& out) {
+      SafetensorsWriter writer(out, weights);
+      write(writer);
+      writer.finish();
+    });
+    write_safetensors((root / kStateFile).string(), {});
+  });
 }
 
 namespace {

@@ -17,6 +17,7 @@
 
 #include "dalle/input_limits.h"
 #include "dalle/io/atomic_file.h"
+#include "dalle/io/safetensors_writer.h"
 
 namespace dalle::io {
 namespace {
@@ -284,31 +285,11 @@ void release_pages(const Safetensors& file, const torch::Tensor& tensor) {
 
 namespace {
 
-// Streams the file so that a large checkpoint is never copied whole into memory.
+// Streams the file, one tensor at a time, so that a large checkpoint is never copied whole
+// into memory (nor, from a GPU, whole onto the host).
 void write_safetensors_to(std::ostream& out, const TensorMap& tensors, const Metadata& metadata) {
-  json header = json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<torch::Tensor> contiguous;
-  uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    if (name == "__metadata__") throw FormatError("'__metadata__' cannot name a tensor");
-    auto cpu = tensor.detach().to(torch::kCPU).contiguous();
-    const uint64_t bytes = cpu.numel() * cpu.element_size();
-    header[name] = {{"dtype", safetensors_dtype_name(cpu.scalar_type())},
-                    {"shape", cpu.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
-    contiguous.push_back(std::move(cpu));
-  }
-  std::string header_text = header.dump();
-  header_text.append((8 - header_text.size() % 8) % 8, ' ');
-  const uint64_t header_bytes = header_text.size();
-  out.write(reinterpret_cast<const char*>(&header_bytes), 8);
-  out.write(header_text.data(), static_cast<std::streamsize>(header_text.size()));
-  for (const auto& tensor : contiguous) {
-    out.write(static_cast<const char*>(tensor.data_ptr()),
-              static_cast<std::streamsize>(tensor.numel() * tensor.element_size()));
-  }
+  SafetensorsWriter writer(out, specs_of(tensors), metadata);
+  for (const auto& [name, tensor] : tensors) writer.write(name, tensor);
 }
 
 }  // namespace

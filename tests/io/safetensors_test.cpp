@@ -9,6 +9,8 @@
 #include <sstream>
 #include <string>
 
+#include "dalle/io/checkpoint.h"
+#include "dalle/io/safetensors_writer.h"
 #include "test_support.h"
 
 namespace dalle::io {
@@ -238,6 +240,54 @@ TEST(Safetensors, ATensorAtAnOffsetItsTypeCannotBeReadFromIsCopied) {
   EXPECT_EQ(read.at("a").item<int8_t>(), 7);
   EXPECT_TRUE(torch::equal(read.at("b"), torch::tensor({1.5f, -2.0f})));
   EXPECT_EQ(reinterpret_cast<uintptr_t>(read.at("b").data_ptr()) % 4, 0u);
+}
+
+// Written one tensor at a time in a declared order (not the names'): the file reads back
+// whole; a tensor out of order, of another shape or dtype, or one left unwritten is refused.
+TEST(SafetensorsWriter, WritesTensorsInTheDeclaredOrderAndRefusesAnyOther) {
+  const auto b = torch::randn({2, 3}), a = torch::arange(5, torch::kInt64);
+  std::ostringstream out;
+  SafetensorsWriter writer(out, {{"b", torch::kFloat32, {2, 3}}, {"a", torch::kInt64, {5}}}, {{"kind", "test"}});
+  EXPECT_THROW_WITH(writer.write("a", a), Error, "got tensor 'a' where 'b' comes next");
+  EXPECT_THROW_WITH(writer.write("b", b.t()), Error, "'b' is", "declared Float [2, 3]");
+  EXPECT_THROW_WITH(writer.write("b", b.to(torch::kFloat64)), Error, "declared Float");
+  EXPECT_THROW_WITH(writer.finish(), Error, "2 declared tensors unwritten, 'b' first");
+  writer.write("b", b);
+  writer.write("a", a);
+  writer.finish();
+  EXPECT_THROW_WITH(writer.write("a", a), Error, "every declared tensor was written");
+  const auto bytes = out.str();
+  const auto file = parse_safetensors(bytes);
+  EXPECT_TRUE(torch::equal(file.tensors.at("a"), a));
+  EXPECT_TRUE(torch::equal(file.tensors.at("b"), b));
+  EXPECT_EQ(file.metadata.at("kind"), "test");
+  // b's bytes come first, as declared.
+  EXPECT_EQ(std::memcmp(bytes.data() + bytes.size() - 5 * 8 - 6 * 4, b.data_ptr(), 6 * 4), 0);
+  std::ostringstream twice;
+  EXPECT_THROW_WITH(SafetensorsWriter(twice, {{"a", torch::kInt64, {5}}, {"a", torch::kInt64, {5}}}), FormatError,
+                    "'a' is declared twice");
+}
+
+// A checkpoint written as it is made appears whole or not at all: a writer that stops early
+// (an error while reading what it writes) leaves no directory and replaces nothing.
+TEST(SafetensorsWriter, AStreamedCheckpointAppearsOnlyWhenComplete) {
+  ScratchDir dir;
+  const std::vector<TensorSpec> specs{{"w", torch::kFloat32, {3}}, {"v", torch::kFloat32, {2}}};
+  save_checkpoint(dir / "ckpt", "model: {}\n", specs, [](SafetensorsWriter& writer) {
+    writer.write("w", torch::ones({3}));
+    writer.write("v", torch::zeros({2}));
+  });
+  const auto written = load_checkpoint(dir / "ckpt");
+  EXPECT_TRUE(torch::equal(written.weights.at("w"), torch::ones({3})));
+  EXPECT_TRUE(written.state.empty());
+  EXPECT_THROW_WITH(save_checkpoint(dir / "ckpt", "model: {}\n", specs,
+                                    [](SafetensorsWriter& writer) { writer.write("w", torch::full({3}, 2.0f)); }),
+                    Error, "1 declared tensors unwritten, 'v' first");
+  EXPECT_TRUE(torch::equal(load_checkpoint(dir / "ckpt").weights.at("w"), torch::ones({3})));
+  EXPECT_THROW_WITH(save_checkpoint(dir / "other", "model: {}\n", specs,
+                                    [](SafetensorsWriter&) { throw Error("the shards are short"); }),
+                    Error, "the shards are short");
+  EXPECT_FALSE(std::filesystem::exists(dir / "other"));
 }
 
 }  // namespace

@@ -5,11 +5,13 @@
 // name and renamed into place, so a run killed at any moment leaves only complete
 // checkpoints behind.
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "dalle/io/safetensors.h"
+#include "dalle/io/safetensors_writer.h"
 
 namespace dalle::io {
 
@@ -26,6 +28,11 @@ struct Checkpoint {
 };
 
 void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint);
+// A checkpoint of weights alone (its state empty) whose weights, declared by `weights` in the
+// order they come, are handed to the writer by `write` as they are made: a model too large to
+// hold whole is saved one part at a time. The directory appears only once it is complete.
+void save_checkpoint(const std::string& directory, const std::string& config_yaml,
+                     const std::vector<TensorSpec>& weights, const std::function<void(SafetensorsWriter&)>& write);
 // A checkpoint, whole: one written in shards (io/sharded_checkpoint.h) comes back as if
 // written by one process, and one that refers to a base (below) with the base's weights filled
 // in.
