@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
               ") of ", exported.checkpoint, exported.averaged.size() > 1 ? " averaged with the " +
               std::to_string(exported.averaged.size() - 1) + " checkpoints before it" : "", " -> ", out,
               exported.merged_adapters > 0 ? " (the adapters of " + std::to_string(exported.merged_adapters) +
-                                                 " layers merged)" : "");
+                                                 " layers merged)" : "",
+              exported.streamed ? " (its shards read and written one resblock at a time)" : "");
   });
 }

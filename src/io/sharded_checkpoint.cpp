@@ -176,6 +176,19 @@ std::vector<std::string> ShardedWeights::names() const {
   return names;
 }
 
+std::vector<TensorSpec> ShardedWeights::specs() const {
+  std::vector<TensorSpec> specs;
+  for (size_t g = 0; files_ && g < layout_.groups.size(); ++g) {
+    const auto key = slice_key(kind_, g);
+    const auto found = files_->front().tensors.find(key);
+    if (found == files_->front().tensors.end()) throw Error(directory_ + ": a shard lacks '" + key + "'");
+    for (const auto& parameter : layout_.groups[g]) {
+      specs.push_back({parameter.name, found->second.scalar_type(), parameter.shape});
+    }
+  }
+  return specs;
+}
+
 TensorMap ShardedWeights::read(const std::function<bool(const std::string&)>& wanted) const {
   TensorMap read;
   for (size_t g = 0; files_ && g < layout_.groups.size(); ++g) {

@@ -1,7 +1,11 @@
 #include "dalle/models/export_weights.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
+#include <string_view>
+#include <unordered_set>
+#include <utility>
 
 #include <torch/torch.h>
 
@@ -108,6 +112,54 @@ io::TensorMap averaged_weights(const std::vector<std::string>& directories, io::
   return newest;
 }
 
+// The resblock a weight belongs to ("resblocks.<b>."), or the number of blocks for the rest.
+size_t block_of(const std::string& name, size_t blocks) {
+  constexpr std::string_view prefix = "resblocks.";
+  if (!name.starts_with(prefix)) return blocks;
+  const auto dot = name.find('.', prefix.size());
+  try {
+    return std::stoul(name.substr(prefix.size(), dot - prefix.size()));
+  } catch (const std::exception&) {
+    return blocks;
+  }
+}
+
+// A sharded run's prior (no base, no adapters): each resblock joined from the shards, checked
+// by loading it into its block of a prior built one block at a time, written, and emptied before
+// the next; then the embeddings and head. The export never holds the model whole (DALL-E 12B:
+// 46 GiB in fp32), only the ends and one block. The weights keep the dtype they were stored in.
+int64_t export_sharded_prior(const std::string& out, const std::string& config_yaml,
+                             const TrainedPriorWeights& weights) {
+  auto specs = weights.unread.specs();
+  for (const auto& [name, tensor] : weights.weights) specs.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
+  const auto blocks = static_cast<size_t>(2 * weights.config.layers);
+  // In the order they are read: block by block, each block's names in order, then the rest.
+  std::sort(specs.begin(), specs.end(), [&](const io::TensorSpec& a, const io::TensorSpec& b) {
+    return std::pair(block_of(a.name, blocks), a.name) < std::pair(block_of(b.name, blocks), b.name);
+  });
+  std::map<std::string, torch::ScalarType> stored;
+  for (const auto& spec : specs) stored[spec.name] = spec.dtype;
+  io::save_checkpoint(out, config_yaml, specs, [&](io::SafetensorsWriter& writer) {
+    const auto write = [&](const io::TensorMap& tensors, const std::string& prefix) {
+      for (const auto& [name, tensor] : tensors) writer.write(prefix + name, tensor.to(stored.at(prefix + name)));
+    };
+    std::unordered_set<std::string> in_blocks;
+    const auto prior = build_trained_prior(weights.config, weights, [&](size_t b, ResblockImpl& block) {
+      const auto prefix = "resblocks." + std::to_string(b) + ".";
+      auto values = io::state_dict(block);
+      write(values, prefix);
+      for (auto& [name, tensor] : values) {
+        in_blocks.insert(prefix + name);
+        tensor.set_data(torch::empty({0}, tensor.options()));
+      }
+    });
+    auto ends = io::state_dict(*prior);
+    std::erase_if(ends, [&](const auto& item) { return in_blocks.count(item.first) > 0; });
+    write(ends, "");
+  });
+  return static_cast<int64_t>(specs.size());
+}
+
 }  // namespace
 
 ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
@@ -130,13 +182,27 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
       throw Error(out + ": is a checkpoint being exported; choose another output folder");
     }
   }
-  auto checkpoint = io::load_inference_checkpoint(exported.checkpoint);
-  check_loadable(exported.checkpoint, checkpoint.config_yaml);
+  // A sharded prior's shards are read one group at a time, where nothing needs them whole
+  // (averaging, adapters to fold).
+  io::ShardedWeights unread;
+  auto checkpoint = average_last > 1 ? io::load_inference_checkpoint(exported.checkpoint)
+                                     : io::load_inference_checkpoint(exported.checkpoint, unread);
+  const bool streamed = !unread.empty() && adapter_tensors(io::inference_weights(checkpoint)).empty();
+  if (!unread.empty() && !streamed) checkpoint = io::load_inference_checkpoint(exported.checkpoint);
+  unread = {};
+  if (!streamed) check_loadable(exported.checkpoint, checkpoint.config_yaml);
   if (!config_overrides.empty()) {
     // The exported config is complete, so a key it lacks is a typo, not an addition.
     auto config = ConfigSource::from_string(checkpoint.config_yaml, exported.checkpoint + "/config.yaml");
     for (const auto& assignment : config_overrides) config.replace(assignment);
     checkpoint.config_yaml = config.yaml();
+  }
+  if (streamed) {
+    const auto prior = read_trained_prior_weights(exported.checkpoint);
+    exported.moving_average = prior.unread.moving_average();
+    exported.streamed = true;
+    exported.tensors = export_sharded_prior(out, checkpoint.config_yaml, prior);
+    return exported;
   }
   auto weights = inference_weights(checkpoint, exported.moving_average);
   if (exported.averaged.size() > 1) weights = averaged_weights(exported.averaged, std::move(weights), exported.moving_average);

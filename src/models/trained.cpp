@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <unordered_set>
 #include <vector>
 
 #include "dalle/config.h"
@@ -190,16 +191,11 @@ torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& 
   return tokenizer.model->decode_tokens(tokenizer.model->encode_tokens(images)).clamp(0, 1);
 }
 
-TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype) {
-  return load_prior<TrainedPrior>(
-      run_or_checkpoint, dtype, "prior", "prior",
-      [](const io::TensorMap& weights, TrainedPrior& trained) { return with_dalle_names(weights, trained.config); });
-}
+namespace {
 
 // A sharded checkpoint's shards stay unread where its weights need neither renaming nor
 // folding (a checkpoint with a base or adapters has its shards joined when opened).
-TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpoint) {
-  TrainedPrior trained;  // its config and names only: the model is never built
+TrainedPriorWeights read_prior_weights(const std::string& run_or_checkpoint, TrainedPrior& trained) {
   io::ShardedWeights unread;
   const auto prior = open_prior(run_or_checkpoint, "prior", "prior", trained, &unread);
   auto weights = io::inference_weights(prior.opened.checkpoint);
@@ -209,6 +205,39 @@ TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpo
   }
   weights = with_adapters_folded(with_dalle_names(weights, trained.config), prior);
   return {trained.config, std::move(weights), std::move(unread), weights_source(prior.opened)};
+}
+
+}  // namespace
+
+// Built one block at a time: a sharded run's prior is joined block by block into the model,
+// never whole beside it.
+TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype) {
+  check_weight_dtype(dtype, "prior");
+  TrainedPrior trained;
+  const auto weights = read_prior_weights(run_or_checkpoint, trained);
+  const DefaultDtype building(dtype);
+  trained.model = build_trained_prior(trained.config, weights);
+  return trained;
+}
+
+TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpoint) {
+  TrainedPrior trained;  // its config and names only: the model is never built
+  return read_prior_weights(run_or_checkpoint, trained);
+}
+
+Prior build_trained_prior(const PriorConfig& config, const TrainedPriorWeights& weights, const ResblockBuilt& built) {
+  std::unordered_set<std::string> in_blocks;
+  Prior prior(config, [&](size_t b, ResblockImpl& block) {
+    const std::string prefix = "resblocks." + std::to_string(b) + ".";
+    const auto in_block = [&prefix](const std::string& name) { return name.starts_with(prefix); };
+    io::load_state_dict(block, io::with_prefix_removed(weights.read(in_block), prefix), weights.source + ", " + prefix);
+    for (const auto& [name, value] : io::state_dict(block)) in_blocks.insert(prefix + name);
+    if (built) built(b, block);
+  });
+  const auto outside = [&in_blocks](const std::string& name) { return in_blocks.count(name) == 0; };
+  io::load_state_dict(*prior, weights.read(outside), weights.source, in_blocks);
+  prior->eval();
+  return prior;
 }
 
 io::TensorMap TrainedPriorWeights::read(const std::function<bool(const std::string&)>& wanted) const {

@@ -174,12 +174,18 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
     EXPECT_NEAR(validation_at(dir / "sharded", step), validation_at(dir / "job", step), 1e-5) << step;
   }
   EXPECT_TRUE(std::filesystem::exists(dir / "sharded/samples/step-000000010.png"));
-  // Every rank wrote its shard of the resblocks; dalle-export joins them, as load_checkpoint does.
+  // Every rank wrote its shard of the resblocks; dalle-export reads them one resblock at a time
+  // and writes what load_checkpoint joins, bit for bit.
   EXPECT_TRUE(std::filesystem::exists(dir / "sharded/checkpoints/step-000000010/shard-00000-of-0000" +
                                       std::to_string(ranks) + ".safetensors"));
   auto exported = run("dalle-export", (dir / "sharded") + " --out " + (dir / "exported"));
   ASSERT_EQ(exported.status, 0) << exported.output;
+  EXPECT_THAT(exported.output, ::testing::HasSubstr("read and written one resblock at a time"));
   const auto model = io::read_safetensors(dir / "exported/model.safetensors").tensors;
+  const auto joined =
+      io::inference_weights(io::load_inference_checkpoint(dir / "sharded/checkpoints/step-000000010"));
+  ASSERT_EQ(model.size(), joined.size());
+  for (const auto& [name, tensor] : joined) EXPECT_TRUE(torch::equal(model.at(name), tensor)) << name;
   const auto average = io::with_prefix_removed(
       io::read_safetensors(dir / "job/checkpoints/step-000000010/state.safetensors").tensors, "ema.");
   EXPECT_LT(largest_difference(average, model), 1e-5) << "the moving average of data parallelism's run";

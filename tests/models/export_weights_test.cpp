@@ -2,11 +2,16 @@
 
 #include <torch/torch.h>
 
+#include <limits>
+#include <optional>
+
 #include "dalle/error.h"
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
+#include "dalle/io/sharded_checkpoint.h"
 #include "dalle/io/state_dict.h"
 #include "dalle/models/clip.h"
+#include "dalle/models/prior.h"
 #include "dalle/models/trained.h"
 #include "test_support.h"
 
@@ -104,6 +109,94 @@ TEST(ExportWeights, AveragingRefusesTooFewOrMismatchedCheckpointsAndWritesNothin
   EXPECT_THROW_WITH(export_weights(run, dir / "out", {}, 2), Error, "step-000000250",
                     "tensor visual.proj is missing or has another shape");
   EXPECT_FALSE(fs::exists(dir / "out"));
+}
+
+const char* const kPriorYaml =
+    "model:\n  text_length: 6\n  text_vocab_size: 20\n  grid_size: 4\n  image_vocab_size: 12\n  layers: 2\n"
+    "  width: 32\n  heads: 4\n  conv_kernel: 3\n";
+
+// A checkpoint as 2 ranks of a sharded run write it: each resblock a group cut in two shards
+// (of the weights, the checkpoint keeping no average), the embeddings and head whole in rank
+// 0's files; `poison` NaN in the first value of that group's second shard.
+std::string write_sharded_prior(const testing::ScratchDir& dir, const io::TensorMap& weights,
+                                std::optional<size_t> poison = std::nullopt) {
+  const int64_t ranks = 2;
+  io::ShardLayout layout{.ranks = ranks, .kinds = {{"weights", {.into_weights = true}}}};
+  io::TensorMap ends;
+  std::vector<io::TensorMap> shards(ranks);
+  for (size_t b = 0; b < 4; ++b) {
+    const auto prefix = "resblocks." + std::to_string(b) + ".";
+    std::vector<torch::Tensor> values;
+    layout.groups.emplace_back();
+    for (const auto& [name, tensor] : weights) {
+      if (!name.starts_with(prefix)) continue;
+      layout.groups.back().push_back({name, tensor.sizes().vec()});
+      values.push_back(tensor.reshape({-1}));
+    }
+    auto flat = torch::cat(values);
+    const auto share = io::shard_size(flat.numel(), ranks);
+    flat = torch::constant_pad_nd(flat, {0, share * ranks - flat.numel()});
+    if (poison == b) flat[share] = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t rank = 0; rank < ranks; ++rank) {
+      shards[rank].emplace("weights." + std::to_string(b), flat.narrow(0, rank * share, share).clone());
+    }
+  }
+  for (const auto& [name, tensor] : weights) {
+    if (!name.starts_with("resblocks.")) ends.emplace(name, tensor);
+  }
+  const auto directory = dir / "sharded";
+  std::filesystem::create_directories(directory);
+  io::write_checkpoint_files(directory, {kPriorYaml, ends, {}, {}}, layout);
+  for (int64_t rank = 0; rank < ranks; ++rank) io::write_checkpoint_shard(directory, rank, ranks, shards[rank]);
+  return directory;
+}
+
+io::TensorMap tiny_prior_weights() {
+  torch::manual_seed(7);
+  Prior prior(PriorConfig{.text_length = 6, .text_vocab_size = 20, .grid_size = 4, .image_vocab_size = 12,
+                          .layers = 2, .width = 32, .heads = 4, .conv_kernel = 3});
+  return io::state_dict(*prior);
+}
+
+// A sharded run's prior is exported one resblock at a time (read from the shards, checked by
+// loading it into its block, written, freed): the file holds the joined checkpoint's weights,
+// bit for bit, in the order they were read, and loads as a prior; the generator loads the
+// sharded checkpoint block by block to the same model.
+TEST(ExportWeights, AShardedPriorIsWrittenBlockByBlockAsTheJoinedCheckpointHoldsIt) {
+  testing::ScratchDir dir;
+  const auto weights = tiny_prior_weights();
+  const auto sharded = write_sharded_prior(dir, weights);
+  const auto exported = export_weights(sharded, dir / "out");
+  EXPECT_TRUE(exported.streamed);
+  EXPECT_FALSE(exported.moving_average);
+  EXPECT_EQ(exported.tensors, static_cast<int64_t>(weights.size()));
+  const auto file = io::read_safetensors(dir / "out/model.safetensors");
+  ASSERT_EQ(file.tensors.size(), weights.size());
+  for (const auto& [name, tensor] : weights) EXPECT_TRUE(torch::equal(file.tensors.at(name), tensor)) << name;
+  // Block 0's first, the ends last: the bytes follow the reading, not the names.
+  const auto offset = [&](const std::string& name) { return file.tensors.at(name).data_ptr<float>(); };
+  EXPECT_LT(offset("resblocks.0.qkv.weight"), offset("resblocks.1.fc_in.weight"));
+  EXPECT_LT(offset("resblocks.3.fc_out.weight"), offset("image_embedding.weight"));
+  const auto loaded = io::state_dict(*load_trained_prior(dir / "out").model);
+  const auto from_shards = io::state_dict(*load_trained_prior(sharded).model);
+  for (const auto& [name, tensor] : weights) {
+    EXPECT_TRUE(torch::equal(loaded.at(name), tensor)) << name;
+    EXPECT_TRUE(torch::equal(from_shards.at(name), tensor)) << name;
+  }
+  // A second export replaces the first.
+  EXPECT_NO_THROW(export_weights(sharded, dir / "out"));
+}
+
+// The check still reads every value: a NaN in a block's shard is refused by name, after the
+// blocks before it were written, and nothing appears at the output.
+TEST(ExportWeights, AShardedPriorWithANonFiniteBlockIsRefusedAndWritesNothing) {
+  testing::ScratchDir dir;
+  const auto sharded = write_sharded_prior(dir, tiny_prior_weights(), /*poison=*/2);
+  EXPECT_THROW_WITH(export_weights(sharded, dir / "out"), Error, "resblocks.2.", "NaN or infinite");
+  EXPECT_FALSE(fs::exists(dir / "out"));
+  for (const auto& entry : fs::directory_iterator(dir.path())) {
+    EXPECT_EQ(entry.path().filename().string().find("out."), std::string::npos) << entry.path() << " was left";
+  }
 }
 
 }  // namespace

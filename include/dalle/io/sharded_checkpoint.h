@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dalle/io/checkpoint.h"
+#include "dalle/io/safetensors_writer.h"
 
 namespace dalle::io {
 
@@ -44,6 +45,10 @@ class ShardedWeights {
   ShardedWeights(std::string directory, ShardLayout layout);
   bool empty() const { return !files_; }
   std::vector<std::string> names() const;
+  // Each parameter's name, shape and stored dtype, in the layout's order.
+  std::vector<TensorSpec> specs() const;
+  // True when they are the checkpoint's moving average (else its weights).
+  bool moving_average() const { return kind_ == "ema"; }
   // The whole values of the parameters `wanted` picks by name (views of their groups, joined).
   TensorMap read(const std::function<bool(const std::string&)>& wanted) const;
 

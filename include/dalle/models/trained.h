@@ -87,6 +87,14 @@ struct TrainedPriorWeights {
 };
 TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpoint);
 
+// A prior of `config` holding `weights`, each resblock filled as soon as it is built (a sharded
+// checkpoint's groups joined one block at a time) and then handed to `built`, which may take
+// its values and empty it; the embeddings and head are filled last. A missing, unexpected,
+// misshapen or non-finite weight is refused by name (io::load_state_dict). Built in torch's
+// default dtype, in eval mode: with nothing taken, the prior plus one block's joined values.
+Prior build_trained_prior(const PriorConfig& config, const TrainedPriorWeights& weights,
+                          const ResblockBuilt& built = nullptr);
+
 // Which prior a run or checkpoint holds, as its `kind` says: "prior" (the sparse
 // transformer, also when `kind` is absent) or "bart_prior" (DALL-E Mega / Mini).
 std::string prior_kind(const std::string& run_or_checkpoint);

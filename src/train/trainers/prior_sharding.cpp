@@ -44,10 +44,9 @@ using namespace prior_training;
 // init_from, bit for bit (its embeddings and head, built whole, are cut once placed; the
 // adapters, drawn once the prior exists as for a whole build, stay whole).
 void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
-  const auto everything = [](const std::string&) { return true; };
   if (!shards_resblocks()) {
-    model = models::Prior(config.model);
-    if (init) io::load_state_dict(*model, init->read(everything), init->source);
+    model = init ? models::build_trained_prior(config.model, *init) : models::Prior(config.model);
+    model->train();
     return;
   }
   const auto frozen_storage = frozen_matrix_storage();
@@ -55,22 +54,14 @@ void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
                                           job->within_node(), config.distributed.overlap, models::is_adapter_tensor,
                                           config.precision.weights_dtype(), frozen_storage.value_or(torch::kFloat32));
   const auto trained = trainable_patterns(config.optimizer.trainable, adapters());
-  model = models::Prior(config.model, [&](size_t b, models::ResblockImpl& block) {
-    const std::string prefix = "resblocks." + std::to_string(b) + ".";
-    if (init) {
-      const auto in_block = [&prefix](const std::string& name) { return name.starts_with(prefix); };
-      io::load_state_dict(block, io::with_prefix_removed(init->read(in_block), prefix), init->source + ", " + prefix);
-    }
-    freeze_part_all_but(block, trained, prefix);
+  const auto cut = [&](size_t b, models::ResblockImpl& block) {
+    freeze_part_all_but(block, trained, "resblocks." + std::to_string(b) + ".");
     if (frozen_storage) store_frozen_matrices(block, "", *frozen_storage);
     block.to(device);
     shards->add_block(b, block);
-  });
-  if (init) {
-    const auto in_blocks = block_names();
-    const auto outside = [&in_blocks](const std::string& name) { return in_blocks.count(name) == 0; };
-    io::load_state_dict(*model, init->read(outside), init->source, in_blocks);
-  }
+  };
+  model = init ? models::build_trained_prior(config.model, *init, cut) : models::Prior(config.model, cut);
+  model->train();
 #if defined(__GLIBC__)
   // Each block drawn whole and freed leaves holes in the C heap between the shards kept there
   // (glibc's dynamic mmap threshold puts them on the heap once large blocks have been freed):
