@@ -10,7 +10,10 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <iterator>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -222,11 +225,45 @@ torch::Tensor copied(const Entry& entry, const char* bytes) {
   return tensor;
 }
 
+// The address ranges of the files mapped now (first byte -> size): what tells release_pages a
+// tensor over a file's pages from one in memory of its own, whose pages it must never drop.
+class MappedRanges {
+ public:
+  static MappedRanges& instance() {
+    static MappedRanges ranges;
+    return ranges;
+  }
+  void add(uintptr_t begin, size_t size) {
+    const std::lock_guard lock(mutex_);
+    ranges_[begin] = size;
+  }
+  void remove(uintptr_t begin) {
+    const std::lock_guard lock(mutex_);
+    ranges_.erase(begin);
+  }
+  bool holds(uintptr_t begin, uintptr_t end) const {
+    const std::lock_guard lock(mutex_);
+    auto after = ranges_.upper_bound(begin);
+    if (after == ranges_.begin()) return false;
+    const auto& [first, size] = *std::prev(after);
+    return end <= first + size;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<uintptr_t, size_t> ranges_;
+};
+
 // A file mapped copy-on-write, unmapped when the last tensor over it is gone.
 class Mapping {
  public:
-  Mapping(void* address, size_t size) : address_(address), size_(size) {}
-  ~Mapping() { ::munmap(address_, size_); }
+  Mapping(void* address, size_t size) : address_(address), size_(size) {
+    MappedRanges::instance().add(reinterpret_cast<uintptr_t>(address_), size_);
+  }
+  ~Mapping() {
+    MappedRanges::instance().remove(reinterpret_cast<uintptr_t>(address_));
+    ::munmap(address_, size_);
+  }
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
 
@@ -262,21 +299,17 @@ Safetensors read_safetensors(const std::string& path) {
   // second copy of the checkpoint in memory of its own. A tensor at an offset its type cannot
   // be read from (possible in files written elsewhere) is copied instead.
   const std::string_view bytes(static_cast<const char*>(address), size);
-  auto file = parse(bytes, path,
-               [&mapping](const Entry& entry, const char* bytes) {
-                 if (reinterpret_cast<uintptr_t>(bytes) % entry.dtype->bytes != 0) return copied(entry, bytes);
-                 return torch::from_blob(const_cast<char*>(bytes), entry.shape, [mapping](void*) {},
-                                         torch::TensorOptions().dtype(entry.dtype->type));
-               });
-  file.mapped = bytes;
-  return file;
+  return parse(bytes, path, [&mapping](const Entry& entry, const char* bytes) {
+    if (reinterpret_cast<uintptr_t>(bytes) % entry.dtype->bytes != 0) return copied(entry, bytes);
+    return torch::from_blob(const_cast<char*>(bytes), entry.shape, [mapping](void*) {},
+                            torch::TensorOptions().dtype(entry.dtype->type));
+  });
 }
 
-void release_pages(const Safetensors& file, const torch::Tensor& tensor) {
-  if (file.mapped.empty() || !tensor.defined() || tensor.nbytes() == 0) return;
+void release_pages(const torch::Tensor& tensor) {
+  if (!tensor.defined() || tensor.nbytes() == 0) return;
   const auto begin = reinterpret_cast<uintptr_t>(tensor.data_ptr()), end = begin + tensor.nbytes();
-  const auto mapped = reinterpret_cast<uintptr_t>(file.mapped.data());
-  if (begin < mapped || end > mapped + file.mapped.size()) return;
+  if (!MappedRanges::instance().holds(begin, end)) return;
   // Whole pages only: a page shared with a neighbouring tensor stays.
   const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const uintptr_t first = (begin + page - 1) / page * page, last = end / page * page;

@@ -120,7 +120,7 @@ void join_group(const fs::path& directory, const std::vector<Safetensors>& files
     parts.push_back(found->second.reshape({-1}));
   }
   const auto flat = torch::cat(parts);
-  for (size_t rank = 0; rank < files.size(); ++rank) release_pages(files[rank], files[rank].tensors.at(key));
+  for (const auto& file : files) release_pages(file.tensors.at(key));
   int64_t offset = 0;
   for (const auto& parameter : layout.groups[g]) {
     const int64_t numel = numel_of(parameter.shape);
@@ -274,7 +274,7 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
           result.shard_bytes_read[writer] +=
               copy_overlap({writer * written_share, found->second.reshape({-1})}, low, high, slice);
           // Read once: its pages need not stay resident beside the slices until the end.
-          release_pages(shard_files.at(writer), found->second);
+          release_pages(found->second);
         }
       } else {
         auto& source = where.into_weights ? checkpoint.weights : checkpoint.state;

@@ -225,17 +225,29 @@ TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpo
   return read_prior_weights(run_or_checkpoint, trained);
 }
 
+namespace {
+
+// Weights copied into the model: the pages of a mapped file they were read from leave the
+// process's memory (read again from the file if they are read again).
+void release_read(const io::TensorMap& read) {
+  for (const auto& [name, tensor] : read) io::release_pages(tensor);
+}
+
+}  // namespace
+
 Prior build_trained_prior(const PriorConfig& config, const TrainedPriorWeights& weights, const ResblockBuilt& built) {
   std::unordered_set<std::string> in_blocks;
   Prior prior(config, [&](size_t b, ResblockImpl& block) {
     const std::string prefix = "resblocks." + std::to_string(b) + ".";
-    const auto in_block = [&prefix](const std::string& name) { return name.starts_with(prefix); };
-    io::load_state_dict(block, io::with_prefix_removed(weights.read(in_block), prefix), weights.source + ", " + prefix);
+    const auto read = weights.read([&prefix](const std::string& name) { return name.starts_with(prefix); });
+    io::load_state_dict(block, io::with_prefix_removed(read, prefix), weights.source + ", " + prefix);
+    release_read(read);
     for (const auto& [name, value] : io::state_dict(block)) in_blocks.insert(prefix + name);
     if (built) built(b, block);
   });
-  const auto outside = [&in_blocks](const std::string& name) { return in_blocks.count(name) == 0; };
-  io::load_state_dict(*prior, weights.read(outside), weights.source, in_blocks);
+  const auto read = weights.read([&in_blocks](const std::string& name) { return in_blocks.count(name) == 0; });
+  io::load_state_dict(*prior, read, weights.source, in_blocks);
+  release_read(read);
   prior->eval();
   return prior;
 }

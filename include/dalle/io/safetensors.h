@@ -25,7 +25,6 @@ class FormatError : public Error {
 struct Safetensors {
   TensorMap tensors;
   Metadata metadata;  // the header's "__metadata__": string keys to string values
-  std::string_view mapped;  // the file's bytes as read_safetensors mapped them; empty when parsed
 };
 
 // Headers larger than this are refused: real checkpoints stay far below it, and a hostile
@@ -37,12 +36,12 @@ inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull << 20;
 // into a tensor never reaches the file. (A tensor whose offset its type cannot be read from,
 // possible in files written elsewhere, is copied.)
 Safetensors read_safetensors(const std::string& path);
-// Drops the file pages under `tensor`, one of `file`'s mapped tensors, from the process's
-// memory: a tensor read once (a checkpoint's slice, copied where it belongs) then stops
-// counting until the file is closed, and is read from the file again if it is read. Only for
-// a tensor never written (a private mapping's written pages would be lost); nothing for a
-// tensor the mapping does not hold (a copied one, a parsed file's).
-void release_pages(const Safetensors& file, const torch::Tensor& tensor);
+// Drops the file pages under `tensor`, a view of a file read_safetensors mapped, from the
+// process's memory: a tensor read once (a checkpoint's slice or a model's weight, copied where
+// it belongs) then stops counting until the file is closed, and is read from the file again if
+// it is read. Only for a tensor never written (a private mapping's written pages would be
+// lost); nothing for a tensor over no mapped file (a copied one, a parsed file's, any other).
+void release_pages(const torch::Tensor& tensor);
 // Parses an in-memory file; `name` appears in error messages.
 Safetensors parse_safetensors(std::string_view bytes, const std::string& name = "<memory>");
 

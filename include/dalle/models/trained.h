@@ -90,8 +90,9 @@ TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpo
 // A prior of `config` holding `weights`, each resblock filled as soon as it is built (a sharded
 // checkpoint's groups joined one block at a time) and then handed to `built`, which may take
 // its values and empty it; the embeddings and head are filled last. A missing, unexpected,
-// misshapen or non-finite weight is refused by name (io::load_state_dict). Built in torch's
-// default dtype, in eval mode: with nothing taken, the prior plus one block's joined values.
+// misshapen or non-finite weight is refused by name (io::load_state_dict). The pages of a
+// mapped file each block was copied from are released once it is filled. Built in torch's
+// default dtype, in eval mode: the prior plus one block's values read, never the prior twice.
 Prior build_trained_prior(const PriorConfig& config, const TrainedPriorWeights& weights,
                           const ResblockBuilt& built = nullptr);
 
