@@ -185,39 +185,45 @@ PriorTrainer::PriorTrainer(PriorTrainConfig config, std::string run_directory) {
   }
   // A resumed run has its own weights; init_from is read only to start one.
   const bool starts_from_init = !s.config.init_from.empty() && !s.checkpoints.latest();
-  std::optional<models::TrainedPriorWeights> init;
-  if (starts_from_init) init = read_init_from(s.config);
-  s.build_model(init ? &*init : nullptr);
-  s.place_model(/*sharded=*/s.shards != nullptr);
-  s.store_frozen_blocks();
-  // Sharded, the blocks were cut as they were built: the base is compared with what they read,
-  // unless they read a sharded checkpoint's shards as it stores them (never joined whole).
-  if (starts_from_init && s.shards && !init->unread.empty()) {
-    s.refer_to_base_as_read(s.config.init_from);
-  } else if (starts_from_init) {
-    s.refer_to_base(s.config.init_from, s.shards ? init->weights : io::TensorMap{});
-  }
-  init.reset();
-  // Sharded, the ends are cut before the average and the update state are made, so that no
-  // rank ever holds a whole average of the prior (nor a validation copy).
-  s.cut_into_shards();
-  // The update state is made once, on the shards when sharded (before the resume, which then
-  // reads only this rank's part of the checkpoint), else on the whole model.
-  if (s.shards) {
-    s.start_average();
-    s.build_sharded_update();
-  } else {
-    s.build_update(parameter_groups(*s.model, s.config.optimizer.weight_decay), s.config.learning_rate.peak,
-                   std::make_unique<ModelPrecision>(s.config.precision, s.model->parameters(),
-                                                    resblock_parameter_groups(s.model->resblocks()), s.replicas()),
-                   {.measure_norm = true});
-  }
+  s.parallelize(starts_from_init ? std::make_optional(read_init_from(s.config)) : std::nullopt);
   s.loader = std::make_unique<data::DataLoader<data::TokenDataset>>(
       s.train_set, data::LoaderOptions{.batch_size = s.rank_batch(s.config.data.batch_size),
                                        .workers = s.config.data.workers,
                                        .sampler = s.shard()});
   s.open_run(/*samples=*/true);
   s.install_resblock_runner();
+}
+
+// The prior made trainable as the recipe says, in one place (as torchtitan's parallelize):
+// built (sharded as it is built, or whole; from init_from when given), placed, its frozen
+// blocks stored, its base referred to, its ends cut, and its moving average, optimizer,
+// precision, reducer and update step made once, on the shards when sharded (before a resume,
+// which then reads only this rank's part of the checkpoint). The resblock runner is installed
+// after the resume (checkpoint_activations_every may change on it).
+void PriorTrainer::State::parallelize(std::optional<models::TrainedPriorWeights> init) {
+  build_model(init ? &*init : nullptr);
+  place_model(/*sharded=*/shards != nullptr);
+  store_frozen_blocks();
+  // Sharded, the blocks were cut as they were built: the base is compared with what they read,
+  // unless they read a sharded checkpoint's shards as it stores them (never joined whole).
+  if (init && shards && !init->unread.empty()) {
+    refer_to_base_as_read(config.init_from);
+  } else if (init) {
+    refer_to_base(config.init_from, shards ? init->weights : io::TensorMap{});
+  }
+  init.reset();
+  // Sharded, the ends are cut before the average and the update state are made, so that no
+  // rank ever holds a whole average of the prior (nor a validation copy).
+  cut_into_shards();
+  if (shards) {
+    start_average();
+    build_sharded_update();
+  } else {
+    build_update(parameter_groups(*model, config.optimizer.weight_decay), config.learning_rate.peak,
+                 std::make_unique<ModelPrecision>(config.precision, model->parameters(),
+                                                  resblock_parameter_groups(model->resblocks()), replicas()),
+                 {.measure_norm = true});
+  }
 }
 
 PriorTrainer::~PriorTrainer() = default;

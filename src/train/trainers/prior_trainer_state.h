@@ -101,6 +101,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void restore_warm_q(const io::TensorMap& own);
   io::ShardLayout shard_layout(bool moments, bool errors) const;
   std::unordered_set<std::string> block_names() const;
+  void parallelize(std::optional<models::TrainedPriorWeights> init);
   void build_model(const models::TrainedPriorWeights* init);
   void cut_into_shards();
   void build_sharded_update();
