@@ -72,6 +72,15 @@ inline std::string read_text(const std::string& path) {
   return text.str();
 }
 
+// This process's resident pages mapped from files (RssFile of /proc/self/status), in kB.
+inline int64_t resident_file_kb() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.starts_with("RssFile:")) return std::stoll(line.substr(8));
+  }
+  return -1;
+}
+
 // Asserts that `statement` throws `Exception` whose message contains every `parts`.
 #define EXPECT_THROW_WITH(statement, Exception, ...)                                   \
   do {                                                                                 \

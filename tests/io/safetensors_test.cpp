@@ -190,15 +190,6 @@ TEST(Safetensors, ReadTensorsAreViewsOfTheFileThatWritesNeverReach) {
   EXPECT_TRUE(torch::equal(read_safetensors(path).tensors.at("w"), torch::arange(1024, torch::kFloat32)));
 }
 
-// The process's resident file pages (RssFile), in kB.
-int64_t resident_file_kb() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.starts_with("RssFile:")) return std::stoll(line.substr(8));
-  }
-  return -1;
-}
-
 // release_pages: a mapped tensor read once leaves the process's memory, and reads its values
 // from the file again if read; a parsed (copied) tensor, in memory of its own, is left alone.
 TEST(Safetensors, ReleasedPagesLeaveMemoryAndAreReadAgain) {
@@ -209,11 +200,11 @@ TEST(Safetensors, ReleasedPagesLeaveMemoryAndAreReadAgain) {
   const auto file = read_safetensors(path);
   const auto& mapped = file.tensors.at("w");
   EXPECT_EQ(mapped.sum().item<double>(), values.sum().item<double>());  // every page read
-  const int64_t read = resident_file_kb();
+  const int64_t read = testing::resident_file_kb();
   release_pages(mapped.narrow(0, 0, 1));  // less than a page: nothing
-  EXPECT_GT(resident_file_kb(), read - 1024);
+  EXPECT_GT(testing::resident_file_kb(), read - 1024);
   release_pages(mapped);
-  const int64_t released = resident_file_kb();
+  const int64_t released = testing::resident_file_kb();
   EXPECT_GT(read - released, 48 * 1024) << "most of the 64 MiB left: " << read << " -> " << released << " kB";
   EXPECT_TRUE(torch::equal(mapped, values)) << "read from the file again";
   const auto parsed = parse_safetensors(serialize_safetensors({{"w", torch::arange(4096, torch::kFloat32)}}));

@@ -3,7 +3,6 @@
 
 #include <torch/torch.h>
 
-#include <fstream>
 #include <map>
 #include <string>
 
@@ -80,15 +79,6 @@ TEST(PriorBuild, BlockByBlockDrawsThePlainBuildsWeights) {
   EXPECT_GT(differ, 0u) << "another seed draws other weights";
 }
 
-// The pages of this process mapped from files and resident (kB).
-int64_t resident_file_kb() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.starts_with("RssFile:")) return std::stoll(line.substr(8));
-  }
-  return -1;
-}
-
 // A prior built from a mapped checkpoint holds its weights once: each block's file pages are
 // released once the block is filled (the 25 MB file stays mapped but leaves memory), and the
 // values are the checkpoint's.
@@ -104,9 +94,9 @@ TEST(PriorBuild, FromAMappedCheckpointReleasesEachBlocksPages) {
                        values, {}, {}});
   build_trained_prior(config, read_trained_prior_weights(dir / "ckpt"));  // the code's own pages read once
   const auto weights = read_trained_prior_weights(dir / "ckpt");
-  const int64_t before = resident_file_kb();
+  const int64_t before = testing::resident_file_kb();
   const auto built = build_trained_prior(config, weights);
-  const int64_t grown = resident_file_kb() - before;
+  const int64_t grown = testing::resident_file_kb() - before;
   EXPECT_LT(grown, 8 * 1024) << "of the 25 MB read, " << grown << " kB stayed resident";
   for (const auto& [name, tensor] : io::state_dict(*built)) EXPECT_TRUE(torch::equal(tensor, values.at(name))) << name;
 }
