@@ -103,14 +103,26 @@ bool ShardedParameters::holds(const torch::Tensor& tensor) const {
   return shard_impls_.count(tensor.unsafeGetTensorImpl()) > 0;
 }
 
-torch::Tensor ShardedParameters::flatten(size_t g, const std::vector<torch::Tensor>& tensors) const {
-  const auto device = group_->device();
-  std::vector<torch::Tensor> parts{torch::zeros({0}, device)};
-  for (const auto& tensor : tensors) parts.push_back(tensor.detach().reshape({-1}).to(device, torch::kFloat32));
-  auto flat = torch::cat(parts);
+// Each tensor is copied into its place in one float32 buffer, padding included, and dropped
+// as soon as it is, so that the group is never held twice over (a concatenation and then its
+// padded copy held it three times, gradients included). An undefined tensor is zeros.
+torch::Tensor ShardedParameters::flatten(size_t g, std::vector<torch::Tensor> tensors) const {
   const int64_t padded = shard_numel_[g] * group_->size();
-  if (flat.numel() > padded) throw Error("sharded parameters: more values than group " + std::to_string(g) + " holds");
-  return torch::constant_pad_nd(flat, {0, padded - flat.numel()});
+  auto flat = torch::empty({padded}, torch::TensorOptions().device(group_->device()));
+  int64_t offset = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t numel = layouts_[g][i].numel;
+    auto place = flat.narrow(0, offset, numel);
+    if (tensors[i].defined()) {
+      place.copy_(tensors[i].detach().reshape({-1}));
+    } else {
+      place.zero_();
+    }
+    tensors[i] = torch::Tensor();
+    offset += numel;
+  }
+  flat.narrow(0, offset, padded - offset).zero_();
+  return flat;
 }
 
 // Only this rank's range of the group's values is read, never the whole group flattened: a
@@ -204,9 +216,11 @@ void ShardedParameters::gather(size_t g) {
   } else {
     full = unflatten(g, all_gather(gather_source(g)));
   }
+  // The tensors are views of the gathered buffer where its type and device are theirs (a copy
+  // would hold the group twice while it is made), converted copies where they are not.
   for (size_t i = 0; i < full.size(); ++i) {
-    groups_[g][i].set_data(full[i].to(layouts_[g][i].options.device(), layouts_[g][i].options.dtype().toScalarType(),
-                                      /*non_blocking=*/false, /*copy=*/true));
+    groups_[g][i].set_data(
+        full[i].to(layouts_[g][i].options.device(), layouts_[g][i].options.dtype().toScalarType()));
   }
 }
 
@@ -231,12 +245,11 @@ void ShardedParameters::reduce_gradients(size_t g) {
   std::vector<torch::Tensor> gradients;
   for (size_t i = 0; i < groups_[g].size(); ++i) {
     auto& tensor = groups_[g][i];
-    gradients.push_back(tensor.grad().defined() ? tensor.grad() : torch::zeros(layouts_[g][i].shape));
+    gradients.push_back(tensor.grad());  // undefined: no gradient reached it, zeros
     tensor.mutable_grad() = torch::Tensor();
   }
-  Reduction reduction{g, nullptr, flatten(g, gradients),
+  Reduction reduction{g, nullptr, flatten(g, std::move(gradients)),
                       torch::empty({shard_numel_[g]}, torch::TensorOptions().device(group_->device()))};
-  gradients.clear();  // flattened: the tensors' own are freed before the reduction runs
   reduction.pending = group_->start_reduce_scatter(reduction.input, reduction.output, ReduceOp::average);
   bytes_moved_ += reduction.input.numel() * static_cast<int64_t>(reduction.input.element_size());
   reductions_.push_back(std::move(reduction));

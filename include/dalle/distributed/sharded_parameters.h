@@ -88,7 +88,7 @@ class ShardedParameters {
   int64_t bytes_moved() const { return bytes_moved_; }
 
  private:
-  torch::Tensor flatten(size_t g, const std::vector<torch::Tensor>& tensors) const;
+  torch::Tensor flatten(size_t g, std::vector<torch::Tensor> tensors) const;
   // Completes the reductions under way but the `newest` (they run on).
   void finish_reductions_but(size_t newest);
   // Reduce-scatters left running while backward goes on: the latest block's two trained
