@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string_view>
 #include <unordered_set>
@@ -87,29 +88,58 @@ void accumulate(io::TensorMap& sum, const io::TensorMap& other, const std::strin
   }
 }
 
-// `newest` is the last of `directories`' inference weights; an older checkpoint must hold the
-// same kind (moving average or weights), or the mean would blend two different things.
-io::TensorMap averaged_weights(const std::vector<std::string>& directories, io::TensorMap newest,
-                               bool newest_is_moving_average) {
+// An older checkpoint must hold the same kind of weights as the newest (moving average or
+// weights), or the mean would blend two different things.
+void check_like_newest(const std::string& directory, bool moving_average, bool newest_is_moving_average) {
+  if (moving_average != newest_is_moving_average) {
+    throw Error(directory + ": " + (moving_average ? "keeps" : "keeps no") +
+                " moving average of the weights, unlike the newest checkpoint; only like checkpoints are averaged");
+  }
+}
+
+// The mean of `newest` and `older` (each read in turn; sums in float64, each tensor cast back
+// to the newest's type; integer tensors are the newest's).
+io::TensorMap mean(io::TensorMap newest, size_t count, const std::function<void(io::TensorMap& sum)>& add_older) {
   std::map<std::string, torch::ScalarType> types;
   for (auto& [name, tensor] : newest) {
     types[name] = tensor.scalar_type();
     if (tensor.is_floating_point()) tensor = tensor.to(torch::kFloat64);
   }
-  for (size_t i = 0; i + 1 < directories.size(); ++i) {
-    auto checkpoint = io::load_inference_checkpoint(directories[i]);
-    bool moving_average = false;
-    auto weights = inference_weights(checkpoint, moving_average);
-    if (moving_average != newest_is_moving_average) {
-      throw Error(directories[i] + ": " + (moving_average ? "keeps" : "keeps no") +
-                  " moving average of the weights, unlike the newest checkpoint; only like checkpoints are averaged");
-    }
-    accumulate(newest, weights, directories[i]);
-  }
+  add_older(newest);
   for (auto& [name, tensor] : newest) {
-    if (tensor.is_floating_point()) tensor = tensor.div(static_cast<double>(directories.size())).to(types[name]);
+    if (tensor.is_floating_point()) tensor = tensor.div(static_cast<double>(count)).to(types[name]);
   }
   return newest;
+}
+
+// `newest` is the last of `directories`' inference weights.
+io::TensorMap averaged_weights(const std::vector<std::string>& directories, io::TensorMap newest,
+                               bool newest_is_moving_average) {
+  return mean(std::move(newest), directories.size(), [&](io::TensorMap& sum) {
+    for (size_t i = 0; i + 1 < directories.size(); ++i) {
+      auto checkpoint = io::load_inference_checkpoint(directories[i]);
+      bool moving_average = false;
+      auto weights = inference_weights(checkpoint, moving_average);
+      check_like_newest(directories[i], moving_average, newest_is_moving_average);
+      accumulate(sum, weights, directories[i]);
+    }
+  });
+}
+
+// The sharded priors of `directories` (the newest last), each left unread but for what is
+// kept whole; none when one of them is not a sharded prior that can be read one block at a
+// time (adapters to fold, ruDALL-E's names, no shards).
+std::vector<TrainedPriorWeights> sharded_priors(const std::vector<std::string>& directories) {
+  std::vector<TrainedPriorWeights> priors;
+  for (const auto& directory : directories) {
+    priors.push_back(read_trained_prior_weights(directory));
+    if (priors.back().unread.empty()) return {};
+  }
+  const bool newest_is_moving_average = priors.back().unread.moving_average();
+  for (size_t i = 0; i + 1 < priors.size(); ++i) {
+    check_like_newest(directories[i], priors[i].unread.moving_average(), newest_is_moving_average);
+  }
+  return priors;
 }
 
 // The resblock a weight belongs to ("resblocks.<b>."), or the number of blocks for the rest.
@@ -124,27 +154,35 @@ size_t block_of(const std::string& name, size_t blocks) {
   }
 }
 
-// A sharded run's prior (no base, no adapters): each resblock joined from the shards, checked
-// by loading it into its block of a prior built one block at a time, written, and emptied before
-// the next; then the embeddings and head. The export never holds the model whole (DALL-E 12B:
-// 46 GiB in fp32), only the ends and one block. The weights keep the dtype they were stored in.
+// A sharded run's prior (no base, no adapters), or the mean of several checkpoints' (the
+// newest last): each resblock joined from the shards (and averaged), checked by loading it into
+// its block of a prior built one block at a time, written, and emptied before the next; then
+// the embeddings and head. The export never holds the model whole (DALL-E 12B: 46 GiB in
+// fp32), only the ends and one block (one per checkpoint averaged). The weights keep the dtype
+// the newest stored them in.
 int64_t export_sharded_prior(const std::string& out, const std::string& config_yaml,
-                             const TrainedPriorWeights& weights) {
-  auto specs = weights.unread.specs();
-  for (const auto& [name, tensor] : weights.weights) specs.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
-  const auto blocks = static_cast<size_t>(2 * weights.config.layers);
+                             const std::vector<TrainedPriorWeights>& sources) {
+  const auto& newest = sources.back();
+  auto specs = newest.unread.specs();
+  for (const auto& [name, tensor] : newest.weights) specs.push_back({name, tensor.scalar_type(), tensor.sizes().vec()});
+  const auto blocks = static_cast<size_t>(2 * newest.config.layers);
   // In the order they are read: block by block, each block's names in order, then the rest.
   std::sort(specs.begin(), specs.end(), [&](const io::TensorSpec& a, const io::TensorSpec& b) {
     return std::pair(block_of(a.name, blocks), a.name) < std::pair(block_of(b.name, blocks), b.name);
   });
   std::map<std::string, torch::ScalarType> stored;
   for (const auto& spec : specs) stored[spec.name] = spec.dtype;
+  const auto read_mean = [&sources, &newest](const WeightPicker& wanted) {
+    return mean(newest.read(wanted), sources.size(), [&](io::TensorMap& sum) {
+      for (size_t i = 0; i + 1 < sources.size(); ++i) accumulate(sum, sources[i].read(wanted), sources[i].source);
+    });
+  };
   io::save_checkpoint(out, config_yaml, specs, [&](io::SafetensorsWriter& writer) {
     const auto write = [&](const io::TensorMap& tensors, const std::string& prefix) {
       for (const auto& [name, tensor] : tensors) writer.write(prefix + name, tensor.to(stored.at(prefix + name)));
     };
     std::unordered_set<std::string> in_blocks;
-    const auto prior = build_trained_prior(weights.config, weights, [&](size_t b, ResblockImpl& block) {
+    const auto built = [&](size_t b, ResblockImpl& block) {
       const auto prefix = "resblocks." + std::to_string(b) + ".";
       auto values = io::state_dict(block);
       write(values, prefix);
@@ -152,7 +190,8 @@ int64_t export_sharded_prior(const std::string& out, const std::string& config_y
         in_blocks.insert(prefix + name);
         tensor.set_data(torch::empty({0}, tensor.options()));
       }
-    });
+    };
+    const auto prior = build_trained_prior(newest.config, read_mean, newest.source, built);
     auto ends = io::state_dict(*prior);
     std::erase_if(ends, [&](const auto& item) { return in_blocks.count(item.first) > 0; });
     write(ends, "");
@@ -183,11 +222,11 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
     }
   }
   // A sharded prior's shards are read one group at a time, where nothing needs them whole
-  // (averaging, adapters to fold).
+  // (adapters to fold).
   io::ShardedWeights unread;
-  auto checkpoint = average_last > 1 ? io::load_inference_checkpoint(exported.checkpoint)
-                                     : io::load_inference_checkpoint(exported.checkpoint, unread);
-  const bool streamed = !unread.empty() && adapter_tensors(io::inference_weights(checkpoint)).empty();
+  auto checkpoint = io::load_inference_checkpoint(exported.checkpoint, unread);
+  const auto sharded = unread.empty() ? std::vector<TrainedPriorWeights>{} : sharded_priors(exported.averaged);
+  const bool streamed = !sharded.empty();
   if (!unread.empty() && !streamed) checkpoint = io::load_inference_checkpoint(exported.checkpoint);
   unread = {};
   if (!streamed) check_loadable(exported.checkpoint, checkpoint.config_yaml);
@@ -198,10 +237,9 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
     checkpoint.config_yaml = config.yaml();
   }
   if (streamed) {
-    const auto prior = read_trained_prior_weights(exported.checkpoint);
-    exported.moving_average = prior.unread.moving_average();
+    exported.moving_average = sharded.back().unread.moving_average();
     exported.streamed = true;
-    exported.tensors = export_sharded_prior(out, checkpoint.config_yaml, prior);
+    exported.tensors = export_sharded_prior(out, checkpoint.config_yaml, sharded);
     return exported;
   }
   auto weights = inference_weights(checkpoint, exported.moving_average);

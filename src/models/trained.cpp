@@ -236,23 +236,29 @@ void release_read(const io::TensorMap& read) {
 }  // namespace
 
 Prior build_trained_prior(const PriorConfig& config, const TrainedPriorWeights& weights, const ResblockBuilt& built) {
+  return build_trained_prior(config, [&weights](const WeightPicker& wanted) { return weights.read(wanted); },
+                             weights.source, built);
+}
+
+Prior build_trained_prior(const PriorConfig& config, const WeightReader& read_weights, const std::string& source,
+                          const ResblockBuilt& built) {
   std::unordered_set<std::string> in_blocks;
   Prior prior(config, [&](size_t b, ResblockImpl& block) {
     const std::string prefix = "resblocks." + std::to_string(b) + ".";
-    const auto read = weights.read([&prefix](const std::string& name) { return name.starts_with(prefix); });
-    io::load_state_dict(block, io::with_prefix_removed(read, prefix), weights.source + ", " + prefix);
+    const auto read = read_weights([&prefix](const std::string& name) { return name.starts_with(prefix); });
+    io::load_state_dict(block, io::with_prefix_removed(read, prefix), source + ", " + prefix);
     release_read(read);
     for (const auto& [name, value] : io::state_dict(block)) in_blocks.insert(prefix + name);
     if (built) built(b, block);
   });
-  const auto read = weights.read([&in_blocks](const std::string& name) { return in_blocks.count(name) == 0; });
-  io::load_state_dict(*prior, read, weights.source, in_blocks);
+  const auto read = read_weights([&in_blocks](const std::string& name) { return in_blocks.count(name) == 0; });
+  io::load_state_dict(*prior, read, source, in_blocks);
   release_read(read);
   prior->eval();
   return prior;
 }
 
-io::TensorMap TrainedPriorWeights::read(const std::function<bool(const std::string&)>& wanted) const {
+io::TensorMap TrainedPriorWeights::read(const WeightPicker& wanted) const {
   auto picked = unread.read(wanted);
   for (const auto& [name, tensor] : weights) {
     if (wanted(name)) picked.emplace(name, tensor);

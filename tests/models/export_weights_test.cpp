@@ -117,8 +117,8 @@ const char* const kPriorYaml =
 
 // A checkpoint as 2 ranks of a sharded run write it: each resblock a group cut in two shards
 // (of the weights, the checkpoint keeping no average), the embeddings and head whole in rank
-// 0's files; `poison` NaN in the first value of that group's second shard.
-std::string write_sharded_prior(const testing::ScratchDir& dir, const io::TensorMap& weights,
+// 0's files, in `directory`; `poison` NaN in the first value of that group's second shard.
+std::string write_sharded_prior(const std::string& directory, const io::TensorMap& weights,
                                 std::optional<size_t> poison = std::nullopt) {
   const int64_t ranks = 2;
   io::ShardLayout layout{.ranks = ranks, .kinds = {{"weights", {.into_weights = true}}}};
@@ -144,15 +144,14 @@ std::string write_sharded_prior(const testing::ScratchDir& dir, const io::Tensor
   for (const auto& [name, tensor] : weights) {
     if (!name.starts_with("resblocks.")) ends.emplace(name, tensor);
   }
-  const auto directory = dir / "sharded";
   std::filesystem::create_directories(directory);
   io::write_checkpoint_files(directory, {kPriorYaml, ends, {}, {}}, layout);
   for (int64_t rank = 0; rank < ranks; ++rank) io::write_checkpoint_shard(directory, rank, ranks, shards[rank]);
   return directory;
 }
 
-io::TensorMap tiny_prior_weights() {
-  torch::manual_seed(7);
+io::TensorMap tiny_prior_weights(uint64_t seed = 7) {
+  torch::manual_seed(seed);
   Prior prior(PriorConfig{.text_length = 6, .text_vocab_size = 20, .grid_size = 4, .image_vocab_size = 12,
                           .layers = 2, .width = 32, .heads = 4, .conv_kernel = 3});
   return io::state_dict(*prior);
@@ -165,7 +164,7 @@ io::TensorMap tiny_prior_weights() {
 TEST(ExportWeights, AShardedPriorIsWrittenBlockByBlockAsTheJoinedCheckpointHoldsIt) {
   testing::ScratchDir dir;
   const auto weights = tiny_prior_weights();
-  const auto sharded = write_sharded_prior(dir, weights);
+  const auto sharded = write_sharded_prior(dir / "sharded", weights);
   const auto exported = export_weights(sharded, dir / "out");
   EXPECT_TRUE(exported.streamed);
   EXPECT_FALSE(exported.moving_average);
@@ -191,12 +190,49 @@ TEST(ExportWeights, AShardedPriorIsWrittenBlockByBlockAsTheJoinedCheckpointHolds
 // blocks before it were written, and nothing appears at the output.
 TEST(ExportWeights, AShardedPriorWithANonFiniteBlockIsRefusedAndWritesNothing) {
   testing::ScratchDir dir;
-  const auto sharded = write_sharded_prior(dir, tiny_prior_weights(), /*poison=*/2);
+  const auto sharded = write_sharded_prior(dir / "sharded", tiny_prior_weights(), /*poison=*/2);
   EXPECT_THROW_WITH(export_weights(sharded, dir / "out"), Error, "resblocks.2.", "NaN or infinite");
   EXPECT_FALSE(fs::exists(dir / "out"));
   for (const auto& entry : fs::directory_iterator(dir.path())) {
     EXPECT_EQ(entry.path().filename().string().find("out."), std::string::npos) << entry.path() << " was left";
   }
+}
+
+// Averaging a sharded run's newest checkpoints reads them one block at a time as well: the
+// file holds, bit for bit, what averaging the same weights written whole gives; an older
+// checkpoint of another model is refused by name, and nothing is written.
+TEST(ExportWeights, AShardedRunsNewestCheckpointsAreAveragedBlockByBlock) {
+  testing::ScratchDir dir;
+  const io::CheckpointStore sharded(dir / "run/checkpoints", 0);
+  io::CheckpointStore whole(dir / "whole/checkpoints", 0);
+  for (uint64_t seed : {7, 8, 9}) {
+    write_sharded_prior(sharded.directory_for(100 * static_cast<int64_t>(seed)), tiny_prior_weights(seed));
+    whole.save(100 * static_cast<int64_t>(seed), {kPriorYaml, tiny_prior_weights(seed), {}, {}});
+  }
+  const auto exported = export_weights(dir / "run", dir / "out", {}, 2);
+  EXPECT_TRUE(exported.streamed);
+  ASSERT_EQ(exported.averaged.size(), 2u);
+  EXPECT_THAT(exported.averaged.front(), ::testing::HasSubstr("step-000000800"));
+  EXPECT_FALSE(export_weights(dir / "whole", dir / "whole-out", {}, 2).streamed);
+  const auto streamed = io::read_safetensors(dir / "out/model.safetensors").tensors;
+  const auto joined = io::read_safetensors(dir / "whole-out/model.safetensors").tensors;
+  ASSERT_EQ(streamed.size(), joined.size());
+  for (const auto& [name, tensor] : joined) EXPECT_TRUE(torch::equal(streamed.at(name), tensor)) << name;
+  // Truly the mean, not the newest alone.
+  const auto& weight = joined.at("resblocks.3.fc_in.weight");
+  const auto expected = tiny_prior_weights(8).at("resblocks.3.fc_in.weight").to(torch::kFloat64)
+                            .add(tiny_prior_weights(9).at("resblocks.3.fc_in.weight").to(torch::kFloat64))
+                            .div(2)
+                            .to(torch::kFloat32);
+  EXPECT_TRUE(torch::equal(weight, expected));
+
+  auto other = tiny_prior_weights(8);
+  other["resblocks.1.fc_out.weight"] = torch::zeros({32, 64});
+  fs::remove_all(sharded.directory_for(800));
+  write_sharded_prior(sharded.directory_for(800), other);
+  EXPECT_THROW_WITH(export_weights(dir / "run", dir / "refused", {}, 2), Error, "step-000000800",
+                    "resblocks.1.");
+  EXPECT_FALSE(fs::exists(dir / "refused"));
 }
 
 }  // namespace

@@ -32,9 +32,10 @@ struct ExportedWeights {
 // layer's weight, the config's adapter.rank set to 0. `average_last` > 1 writes the mean of the inference weights of the run's newest
 // `average_last` checkpoints (its config, and any integer tensor, are the newest's); a
 // checkpoint directory, a run with fewer checkpoints, or checkpoints whose tensors differ in
-// name or shape are refused. A sharded run's prior (no base, no adapters, not averaged) is
-// never whole in memory: each resblock is joined from the shards, checked by loading it into
-// its block of a prior built one block at a time, written and freed before the next is read.
+// name or shape are refused. A sharded run's prior (no base, no adapters; averaged or not) is
+// never whole in memory: each resblock is joined from the shards (of each checkpoint averaged,
+// and averaged), checked by loading it into its block of a prior built one block at a time,
+// written and freed before the next is read.
 ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::string& out,
                                const std::vector<std::string>& config_overrides = {}, int64_t average_last = 1);
 

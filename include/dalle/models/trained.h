@@ -72,6 +72,9 @@ using TrainedPrior = TrainedPriorOf<Prior, PriorConfig>;
 // load models from one thread at a time.
 TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::ScalarType dtype = torch::kFloat32);
 
+// Picks weights by their state-dict name.
+using WeightPicker = std::function<bool(const std::string&)>;
+
 // A trained prior's inference weights by state-dict name (its moving average where it keeps
 // one, ruDALL-E's names imported, adapters folded in) and its model section, without building
 // the model: views of the mapped weights file. A sharded checkpoint's shards are joined only
@@ -83,7 +86,7 @@ struct TrainedPriorWeights {
   io::ShardedWeights unread;   // a sharded checkpoint's own parameters (as stored), joined when read
   std::string source;  // where the weights came from, for errors
   // The weights `wanted` picks by name.
-  io::TensorMap read(const std::function<bool(const std::string&)>& wanted) const;
+  io::TensorMap read(const WeightPicker& wanted) const;
 };
 TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpoint);
 
@@ -94,6 +97,11 @@ TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpo
 // mapped file each block was copied from are released once it is filled. Built in torch's
 // default dtype, in eval mode: the prior plus one block's values read, never the prior twice.
 Prior build_trained_prior(const PriorConfig& config, const TrainedPriorWeights& weights,
+                          const ResblockBuilt& built = nullptr);
+// The same from any reader of weights by name (the mean of several checkpoints', read as the
+// blocks are built); `source` names them in errors.
+using WeightReader = std::function<io::TensorMap(const WeightPicker& wanted)>;
+Prior build_trained_prior(const PriorConfig& config, const WeightReader& read, const std::string& source,
                           const ResblockBuilt& built = nullptr);
 
 // Which prior a run or checkpoint holds, as its `kind` says: "prior" (the sparse
