@@ -548,10 +548,13 @@ class Planner {
                    " and gradients of the largest block, whole");
     add_memory("prefetched resblock", MemoryPhase::backward_blocks, prefetched,
                stored + ", the next block's all-gather in flight");
-    // ShardedParameters keeps the latest unit's reduce-scatters running on (their inputs,
-    // flattened in fp32) while the next one's backward runs, and completes the older.
-    add_memory("reduce-scatter in flight", MemoryPhase::backward_blocks, flattened,
-               "fp32, the largest unit's trained gradients flattened, reduced while the next block computes");
+    // With overlap, ShardedParameters keeps the latest unit's reduce-scatters running on (their
+    // inputs, flattened in fp32) while the next one's backward runs, and completes the older;
+    // without, each is complete before backward goes on.
+    if (overlap_) {
+      add_memory("reduce-scatter in flight", MemoryPhase::backward_blocks, flattened,
+                 "fp32, the largest unit's trained gradients flattened, reduced while the next block computes");
+    }
     add_memory("gathered head", MemoryPhase::backward_head,
                2 * kFp32 * static_cast<double>(head.values() + head.adapter_values()),
                "fp32 values and gradients of the head, whole, as backward starts");
@@ -563,8 +566,10 @@ class Planner {
                2 * kFp32 * static_cast<double>(embeddings.values() + embeddings.adapter_values()),
                "fp32 values and gradients of the embeddings, whole, as backward ends (the blocks' inputs freed)");
     add_memory("embeddings' reduce-scatter", MemoryPhase::backward_embeddings,
-               kFp32 * static_cast<double>(gpus_ * embeddings.trained_shard_values(gpus_)) + block_flattened,
-               "fp32, the embeddings' gradients flattened; the first block's reduce-scatter in flight");
+               kFp32 * static_cast<double>(gpus_ * embeddings.trained_shard_values(gpus_)) +
+                   (overlap_ ? block_flattened : 0.0),
+               overlap_ ? "fp32, the embeddings' gradients flattened; the first block's reduce-scatter in flight"
+                        : "fp32, the embeddings' gradients flattened");
   }
 
   bool reduces_low_rank() const {

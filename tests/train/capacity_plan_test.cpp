@@ -257,6 +257,26 @@ TEST(CapacityPlan, SixteenBitWeightsHalveTheShardedMatricesAndTheirGradients) {
   EXPECT_THAT(table, ::testing::HasSubstr("weights bfloat16, sharding within_node"));
 }
 
+// Without overlap each block's reduce-scatter completes before backward goes on: no unit's
+// flattened gradients run on beside the next block's, and the peak in backward falls by
+// exactly that row (the block's gather is prefetched either way).
+TEST(CapacityPlan, WithoutOverlapNoReduceScatterRunsOnBesideTheNextBlock) {
+  auto recipe = recipe_of(tiny_model(), 8);
+  recipe.distributed.sharding = "within_node";
+  const auto overlapped = plan_capacity(recipe, {.nodes = 1, .gpus_per_node = 4});
+  recipe.distributed.overlap = false;
+  const auto plan = plan_capacity(recipe, {.nodes = 1, .gpus_per_node = 4});
+  const double in_flight = part_named(overlapped, "reduce-scatter in flight").bytes;
+  EXPECT_GT(in_flight, 0.0);
+  EXPECT_THROW(part_named(plan, "reduce-scatter in flight"), Error);
+  EXPECT_DOUBLE_EQ(part_named(plan, "prefetched resblock").bytes, part_named(overlapped, "prefetched resblock").bytes);
+  EXPECT_DOUBLE_EQ(part_named(overlapped, "embeddings' reduce-scatter").bytes -
+                       part_named(plan, "embeddings' reduce-scatter").bytes,
+                   in_flight);
+  EXPECT_DOUBLE_EQ(plan.kept_bytes, overlapped.kept_bytes);
+  EXPECT_LT(plan.backward_bytes, overlapped.backward_bytes);
+}
+
 // precision.weights needs 16-bit compute and shards to store, as the trainer does.
 TEST(CapacityPlan, SixteenBitWeightsNeedSixteenBitComputeAndSharding) {
   auto recipe = recipe_of(tiny_model(), 8);
