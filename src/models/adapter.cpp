@@ -109,6 +109,8 @@ void merge_adapters(torch::nn::Module& model) {
 
 bool is_adapter_tensor(const std::string& name) { return ends_with(name, kDown) || ends_with(name, kUp); }
 
+std::string adapted_weight(const std::string& adapter_tensor) { return layer_of(adapter_tensor) + ".weight"; }
+
 io::TensorMap adapter_tensors(const io::TensorMap& weights) {
   io::TensorMap kept;
   for (const auto& [name, tensor] : weights) {

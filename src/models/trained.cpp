@@ -193,8 +193,9 @@ torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& 
 
 namespace {
 
-// A sharded checkpoint's shards stay unread where its weights need neither renaming nor
-// folding (a checkpoint with a base or adapters has its shards joined when opened).
+// A sharded checkpoint's shards stay unread where its weights need no renaming (a checkpoint
+// with a base, as a run's adapters have, has its shards joined when opened). A run's adapters
+// are kept apart, checked against the weights they adapt, and folded as those are read.
 TrainedPriorWeights read_prior_weights(const std::string& run_or_checkpoint, TrainedPrior& trained) {
   io::ShardedWeights unread;
   const auto prior = open_prior(run_or_checkpoint, "prior", "prior", trained, &unread);
@@ -203,8 +204,22 @@ TrainedPriorWeights read_prior_weights(const std::string& run_or_checkpoint, Tra
     weights.merge(unread.read([](const std::string&) { return true; }));
     unread = {};
   }
-  weights = with_adapters_folded(with_dalle_names(weights, trained.config), prior);
-  return {trained.config, std::move(weights), std::move(unread), weights_source(prior.opened)};
+  weights = with_dalle_names(weights, trained.config);
+  TrainedPriorWeights read{trained.config, {}, std::move(unread), weights_source(prior.opened), {}, 0.0};
+  read.adapters = adapter_tensors(weights);
+  if (!read.adapters.empty()) {
+    const auto& directory = prior.opened.directory;
+    if (!prior.adapter.enabled()) throw Error(directory + ": holds adapters, but its config has no adapter.rank");
+    read.adapter_scale = prior.adapter.scale();
+    weights = without_adapter_tensors(weights);
+    for (const auto& [name, tensor] : read.adapters) {
+      if (!weights.count(adapted_weight(name))) {
+        throw Error(directory + ": the model has no linear layer " + adapted_weight(name) + " for adapter " + name);
+      }
+    }
+  }
+  read.weights = std::move(weights);
+  return read;
 }
 
 }  // namespace
@@ -263,7 +278,12 @@ io::TensorMap TrainedPriorWeights::read(const WeightPicker& wanted) const {
   for (const auto& [name, tensor] : weights) {
     if (wanted(name)) picked.emplace(name, tensor);
   }
-  return picked;
+  if (adapters.empty()) return picked;
+  io::TensorMap adapting_picked;
+  for (const auto& [name, tensor] : adapters) {
+    if (picked.count(adapted_weight(name))) adapting_picked.emplace(name, tensor);
+  }
+  return merge_adapter_tensors(std::move(picked), adapting_picked, adapter_scale, 1.0, source);
 }
 
 std::string prior_kind(const std::string& run_or_checkpoint) {

@@ -9,6 +9,7 @@
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/trained.h"
 #include "dalle/text/tokenizer.h"
 #include "test_support.h"
@@ -99,6 +100,50 @@ TEST(PriorBuild, FromAMappedCheckpointReleasesEachBlocksPages) {
   const int64_t grown = testing::resident_file_kb() - before;
   EXPECT_LT(grown, 8 * 1024) << "of the 25 MB read, " << grown << " kB stayed resident";
   for (const auto& [name, tensor] : io::state_dict(*built)) EXPECT_TRUE(torch::equal(tensor, values.at(name))) << name;
+}
+
+// A run's adapters are folded into each block as it is read, never into a whole copy of the
+// model first: the weights read keep the matrices as the file stores them and the adapters
+// apart; a block read holds its matrices folded; the prior built equals the adapters merged as
+// tensors, bit for bit. An adapter of a layer the model lacks is refused by name.
+TEST(PriorBuild, ARunsAdaptersAreFoldedIntoEachBlockAsItIsRead) {
+  testing::ScratchDir dir;
+  torch::manual_seed(3);
+  const auto config = tiny_config();
+  const AdapterConfig adapter{.rank = 4, .alpha = 8, .targets = {"resblocks.*.qkv", "resblocks.*.fc_*"}};
+  Prior trained(config);
+  add_adapters(*trained, adapter);
+  io::TensorMap values;
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, tensor] : io::state_dict(*trained)) {
+      values.emplace(name, name.ends_with(".lora_B.weight") ? torch::randn_like(tensor) * 0.05 : tensor.clone());
+    }
+  }
+  const std::string yaml =
+      "model: {text_length: 6, text_vocab_size: 20, grid_size: 5, image_vocab_size: 12, layers: 5, width: 32, "
+      "heads: 4, conv_kernel: 3}\nadapter: {rank: 4, alpha: 8, targets: [resblocks.*.qkv, resblocks.*.fc_*]}\n";
+  io::save_checkpoint(dir / "run", {yaml, values, {}, {}});
+  const auto merged = merge_adapter_tensors(values, adapter_tensors(values), adapter.scale());
+
+  const auto weights = read_trained_prior_weights(dir / "run");
+  EXPECT_EQ(weights.adapters.size(), adapter_tensors(values).size());
+  EXPECT_TRUE(adapter_tensors(weights.weights).empty());
+  const std::string matrix = "resblocks.1.fc_in.weight";
+  EXPECT_TRUE(torch::equal(weights.weights.at(matrix), values.at(matrix))) << "kept as stored until read";
+  ASSERT_FALSE(torch::equal(merged.at(matrix), values.at(matrix))) << "the adapters change the matrices";
+  const auto block = weights.read([](const std::string& name) { return name.starts_with("resblocks.1."); });
+  EXPECT_TRUE(adapter_tensors(block).empty());
+  EXPECT_TRUE(torch::equal(block.at(matrix), merged.at(matrix))) << "folded as read";
+  const auto built = io::state_dict(*build_trained_prior(config, weights));
+  ASSERT_EQ(built.size(), merged.size());
+  for (const auto& [name, tensor] : built) EXPECT_TRUE(torch::equal(tensor, merged.at(name))) << name;
+
+  auto stray = values;
+  stray.emplace("resblocks.12.qkv.lora_A.weight", torch::zeros({4, 32}));
+  stray.emplace("resblocks.12.qkv.lora_B.weight", torch::zeros({96, 4}));
+  io::save_checkpoint(dir / "stray", {yaml, stray, {}, {}});
+  EXPECT_THROW_WITH(read_trained_prior_weights(dir / "stray"), Error, "no linear layer resblocks.12.qkv.weight");
 }
 
 class RudalleParity : public ::testing::Test {

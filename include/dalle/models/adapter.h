@@ -39,6 +39,8 @@ std::vector<std::string> add_adapters(torch::nn::Module& model, const AdapterCon
 void merge_adapters(torch::nn::Module& model);
 
 bool is_adapter_tensor(const std::string& name);
+// The weight an adapter tensor's pair folds into ("<layer>.weight").
+std::string adapted_weight(const std::string& adapter_tensor);
 // The adapter tensors of a state dict, and the rest.
 io::TensorMap adapter_tensors(const io::TensorMap& weights);
 io::TensorMap without_adapter_tensors(const io::TensorMap& weights);

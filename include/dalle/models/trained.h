@@ -76,16 +76,19 @@ TrainedPrior load_trained_prior(const std::string& run_or_checkpoint, torch::Sca
 using WeightPicker = std::function<bool(const std::string&)>;
 
 // A trained prior's inference weights by state-dict name (its moving average where it keeps
-// one, ruDALL-E's names imported, adapters folded in) and its model section, without building
-// the model: views of the mapped weights file. A sharded checkpoint's shards are joined only
-// as they are read, one group at a time: what a sharded trainer copies into its prior one
-// block at a time, never holding it whole.
+// one, ruDALL-E's names imported, a run's adapters folded in as read) and its model section,
+// without building the model: views of the mapped weights file. A sharded checkpoint's shards
+// are joined only as they are read, one group at a time, and a run's adapters are folded into
+// the weights they adapt only as those are read: what a prior built one block at a time
+// copies into each block, never holding the model twice.
 struct TrainedPriorWeights {
   PriorConfig config;
-  io::TensorMap weights;       // what was read whole
+  io::TensorMap weights;       // what was read whole (without the adapters)
   io::ShardedWeights unread;   // a sharded checkpoint's own parameters (as stored), joined when read
   std::string source;  // where the weights came from, for errors
-  // The weights `wanted` picks by name.
+  io::TensorMap adapters;      // a run's adapters, folded into the weights they adapt as those are read
+  double adapter_scale = 0;    // alpha / rank
+  // The weights `wanted` picks by name, adapters folded in.
   io::TensorMap read(const WeightPicker& wanted) const;
 };
 TrainedPriorWeights read_trained_prior_weights(const std::string& run_or_checkpoint);

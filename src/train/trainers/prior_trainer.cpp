@@ -209,7 +209,9 @@ void PriorTrainer::State::parallelize(std::optional<models::TrainedPriorWeights>
   if (init && shards && !init->unread.empty()) {
     refer_to_base_as_read(config.init_from);
   } else if (init) {
-    refer_to_base(config.init_from, shards ? init->weights : io::TensorMap{});
+    // What the blocks read, a run's adapters folded in (whole here, as the comparison needs).
+    const auto as_read = shards ? init->read([](const std::string&) { return true; }) : io::TensorMap{};
+    refer_to_base(config.init_from, as_read);
   }
   init.reset();
   // Sharded, the ends are cut before the average and the update state are made, so that no
