@@ -82,8 +82,9 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           {.choices = {"auto", "gloo", "nccl"}});
   v.field("overlap", overlap,
           "true: each bucket of gradients is averaged (each resblock's reduce-scatter, sharded) as soon as backward "
-          "has made it, while backward goes on; false: after backward. The same bytes are summed either way: the "
-          "weights are identical");
+          "has made it, while backward goes on; false: after backward (sharded: each resblock's before the next "
+          "one's backward, which then holds no other block's gradients; dalle-plan counts the difference). The "
+          "same bytes are summed either way: the weights are identical");
   v.field("simulated_link", simulated_link,
           "for measurements: 'gbps,latency_ms' (for instance '10,0.5') delays every collective between machines "
           "(between all ranks on one machine) as such a link would; empty: none");
