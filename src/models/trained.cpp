@@ -118,13 +118,19 @@ PriorOpened open_prior(const std::string& run_or_checkpoint, const std::string& 
   return prior;
 }
 
+// The scale of the adapters a run's checkpoint holds, which its config must describe.
+double adapter_scale(const PriorOpened& prior) {
+  if (!prior.adapter.enabled()) {
+    throw Error(prior.opened.directory + ": holds adapters, but its config has no adapter.rank");
+  }
+  return prior.adapter.scale();
+}
+
 // A run that trained adapters: they are folded into the layers they adapt.
 io::TensorMap with_adapters_folded(io::TensorMap weights, const PriorOpened& prior) {
   const auto adapters = adapter_tensors(weights);
   if (adapters.empty()) return weights;
-  const auto& directory = prior.opened.directory;
-  if (!prior.adapter.enabled()) throw Error(directory + ": holds adapters, but its config has no adapter.rank");
-  return merge_adapter_tensors(std::move(weights), adapters, prior.adapter.scale(), 1.0, directory);
+  return merge_adapter_tensors(std::move(weights), adapters, adapter_scale(prior), 1.0, prior.opened.directory);
 }
 
 // ruDALL-E's released weights keep its own names (scripts/export_rudalle_prior.py).
@@ -208,13 +214,12 @@ TrainedPriorWeights read_prior_weights(const std::string& run_or_checkpoint, Tra
   TrainedPriorWeights read{trained.config, {}, std::move(unread), weights_source(prior.opened), {}, 0.0};
   read.adapters = adapter_tensors(weights);
   if (!read.adapters.empty()) {
-    const auto& directory = prior.opened.directory;
-    if (!prior.adapter.enabled()) throw Error(directory + ": holds adapters, but its config has no adapter.rank");
-    read.adapter_scale = prior.adapter.scale();
+    read.adapter_scale = adapter_scale(prior);
     weights = without_adapter_tensors(weights);
     for (const auto& [name, tensor] : read.adapters) {
       if (!weights.count(adapted_weight(name))) {
-        throw Error(directory + ": the model has no linear layer " + adapted_weight(name) + " for adapter " + name);
+        throw Error(prior.opened.directory + ": the model has no linear layer " + adapted_weight(name) +
+                    " for adapter " + name);
       }
     }
   }
