@@ -105,7 +105,8 @@ TEST(PriorBuild, FromAMappedCheckpointReleasesEachBlocksPages) {
 // A run's adapters are folded into each block as it is read, never into a whole copy of the
 // model first: the weights read keep the matrices as the file stores them and the adapters
 // apart; a block read holds its matrices folded; the prior built equals the adapters merged as
-// tensors, bit for bit. An adapter of a layer the model lacks is refused by name.
+// tensors, bit for bit. An adapter of a layer the model lacks, or adapters without a rank in the
+// config, are refused.
 TEST(PriorBuild, ARunsAdaptersAreFoldedIntoEachBlockAsItIsRead) {
   testing::ScratchDir dir;
   torch::manual_seed(3);
@@ -144,6 +145,10 @@ TEST(PriorBuild, ARunsAdaptersAreFoldedIntoEachBlockAsItIsRead) {
   stray.emplace("resblocks.12.qkv.lora_B.weight", torch::zeros({96, 4}));
   io::save_checkpoint(dir / "stray", {yaml, stray, {}, {}});
   EXPECT_THROW_WITH(read_trained_prior_weights(dir / "stray"), Error, "no linear layer resblocks.12.qkv.weight");
+  // Adapters whose scale the config does not give are refused, not folded at a guess.
+  io::save_checkpoint(dir / "unscaled", {yaml.substr(0, yaml.find("adapter:")), values, {}, {}});
+  EXPECT_THROW_WITH(read_trained_prior_weights(dir / "unscaled"), Error, "holds adapters, but its config has no "
+                    "adapter.rank");
 }
 
 class RudalleParity : public ::testing::Test {
