@@ -537,9 +537,9 @@ class Planner {
       prefetched = std::max(prefetched, gathered_padded_bytes(block));
       flattened = std::max(flattened, kFp32 * static_cast<double>(gpus_ * block.trained_shard_values(gpus_)));
     }
-    const double last_block = prefetched, block_flattened = flattened;
+    const double last_block = prefetched;
     // The first block prefetches the embeddings; the head's reduce-scatter may still run while
-    // the last block computes.
+    // the last block recomputes.
     prefetched = std::max(prefetched, gathered_end_bytes(embeddings));
     flattened = std::max(flattened, kFp32 * static_cast<double>(gpus_ * head.trained_shard_values(gpus_)));
     const std::string stored = sixteen_bit_matrices() ? plan_.weights + " matrices, fp32 rest" : "fp32";
@@ -548,12 +548,15 @@ class Planner {
                    " and gradients of the largest block, whole");
     add_memory("prefetched resblock", MemoryPhase::backward_blocks, prefetched,
                stored + ", the next block's all-gather in flight");
-    // With overlap, ShardedParameters keeps the latest unit's reduce-scatters running on (their
-    // inputs, flattened in fp32) while the next one's backward runs, and completes the older;
-    // without, each is complete before backward goes on.
-    if (overlap_) {
-      add_memory("reduce-scatter in flight", MemoryPhase::backward_blocks, flattened,
-                 "fp32, the largest unit's trained gradients flattened, reduced while the next block computes");
+    // With overlap, a unit's reduce-scatter (its trained gradients flattened in fp32) runs on
+    // while the next unit gathers and recomputes, and completes before that unit prefetches
+    // the one after it and makes its gradients (ShardedPrior's backward): it never meets
+    // those, and adds only what it holds beyond them (nothing, unless a unit's gradients in
+    // fp32 outweigh a block's gradients and gather).
+    if (const double beyond = flattened - gathered - prefetched; overlap_ && beyond > 0) {
+      add_memory("reduce-scatter in flight", MemoryPhase::backward_blocks, beyond,
+                 "fp32, the previous unit's trained gradients flattened, reduced while a block recomputes: what "
+                 "they hold beyond its gradients and the next block's gather, made once it is complete");
     }
     add_memory("gathered head", MemoryPhase::backward_head,
                2 * kFp32 * static_cast<double>(head.values() + head.adapter_values()),
@@ -566,10 +569,8 @@ class Planner {
                2 * kFp32 * static_cast<double>(embeddings.values() + embeddings.adapter_values()),
                "fp32 values and gradients of the embeddings, whole, as backward ends (the blocks' inputs freed)");
     add_memory("embeddings' reduce-scatter", MemoryPhase::backward_embeddings,
-               kFp32 * static_cast<double>(gpus_ * embeddings.trained_shard_values(gpus_)) +
-                   (overlap_ ? block_flattened : 0.0),
-               overlap_ ? "fp32, the embeddings' gradients flattened; the first block's reduce-scatter in flight"
-                        : "fp32, the embeddings' gradients flattened");
+               kFp32 * static_cast<double>(gpus_ * embeddings.trained_shard_values(gpus_)),
+               "fp32, the embeddings' gradients flattened");
   }
 
   bool reduces_low_rank() const {

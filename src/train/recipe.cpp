@@ -82,9 +82,9 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           {.choices = {"auto", "gloo", "nccl"}});
   v.field("overlap", overlap,
           "true: each bucket of gradients is averaged (each resblock's reduce-scatter, sharded) as soon as backward "
-          "has made it, while backward goes on; false: after backward (sharded: each resblock's before the next "
-          "one's backward, which then holds no other block's gradients; dalle-plan counts the difference). The "
-          "same bytes are summed either way: the weights are identical");
+          "has made it, while backward goes on (sharded: while the next resblock gathers and recomputes, complete "
+          "before it makes its gradients, so no more memory is held); false: after backward (sharded: each "
+          "resblock's before backward goes on). The same bytes are summed either way: the weights are identical");
   v.field("simulated_link", simulated_link,
           "for measurements: 'gbps,latency_ms' (for instance '10,0.5') delays every collective between machines "
           "(between all ranks on one machine) as such a link would; empty: none");

@@ -36,6 +36,17 @@ struct ShardedRun : torch::CustomClassHolder {
   void prefetch(const std::vector<size_t>& next) const {
     for (const size_t g : next) sharded->prefetch(g);
   }
+  // Backward: this unit gathered (the previous one's reduce-scatters running on, with overlap)
+  // and recomputed; then those reduce-scatters complete, the next unit's gather starts, and
+  // this unit's gradients are made. A reduce-scatter's buffers (with gloo, its input and a
+  // copy of it) so never meet the next unit's gather or this unit's gradients.
+  torch::Tensor recomputed_for_backward(const torch::Tensor& input) {
+    gather();
+    auto output = state.rerun(fn, input);
+    sharded->finish_reductions();
+    prefetch(next_in_backward);
+    return output;
+  }
   void reduce_gradients() const {
     for (const size_t g : groups) {
       if (sharded->trains(g)) sharded->reduce_gradients(g);
@@ -69,9 +80,7 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
     const auto input = recomputation_input(ctx->get_saved_variables()[0], run->input_type);
-    run->gather();
-    run->prefetch(run->next_in_backward);
-    torch::autograd::backward({run->state.rerun(run->fn, input)}, {grads[0]});
+    torch::autograd::backward({run->recomputed_for_backward(input)}, {grads[0]});
     run->release();  // the gradients are computed: the gathered values are not needed
     run->reduce_gradients();
     return {input.grad(), torch::Tensor()};
@@ -96,8 +105,7 @@ class ShardedEmbeddings : public torch::autograd::Function<ShardedEmbeddings> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
     const auto tokens = ctx->get_saved_variables()[0];
-    run->gather();
-    torch::autograd::backward({run->state.rerun(run->fn, tokens)}, {grads[0]});
+    torch::autograd::backward({run->recomputed_for_backward(tokens)}, {grads[0]});
     run->release();  // the gradients are computed: the gathered values are not needed
     run->reduce_gradients();
     return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
