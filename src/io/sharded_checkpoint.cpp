@@ -173,7 +173,23 @@ std::vector<std::string> ShardedWeights::names() const {
   for (const auto& group : layout_.groups) {
     for (const auto& parameter : group) names.push_back(parameter.name);
   }
+  if (base_) {
+    for (auto& name : base_->names()) {
+      if (from_base(name)) names.push_back(std::move(name));
+    }
+  }
   return names;
+}
+
+bool ShardedWeights::from_base(const std::string& name) const { return !shadowed_.count(name); }
+
+void ShardedWeights::rest_on(ShardedWeights base, const std::vector<std::string>& held) {
+  if (base.empty()) return;
+  shadowed_ = {held.begin(), held.end()};
+  for (const auto& group : layout_.groups) {
+    for (const auto& parameter : group) shadowed_.insert(parameter.name);
+  }
+  base_ = std::make_shared<const ShardedWeights>(std::move(base));
 }
 
 std::vector<TensorSpec> ShardedWeights::specs() const {
@@ -184,6 +200,11 @@ std::vector<TensorSpec> ShardedWeights::specs() const {
     if (found == files_->front().tensors.end()) throw Error(directory_ + ": a shard lacks '" + key + "'");
     for (const auto& parameter : layout_.groups[g]) {
       specs.push_back({parameter.name, found->second.scalar_type(), parameter.shape});
+    }
+  }
+  if (base_) {
+    for (auto& spec : base_->specs()) {
+      if (from_base(spec.name)) specs.push_back(std::move(spec));
     }
   }
   return specs;
@@ -201,20 +222,27 @@ TensorMap ShardedWeights::read(const std::function<bool(const std::string&)>& wa
                  if (wanted(parameter.name)) read.emplace(parameter.name, values);
                });
   }
+  if (base_) {
+    read.merge(base_->read([&](const std::string& name) { return from_base(name) && wanted(name); }));
+  }
   return read;
 }
 
 Checkpoint load_inference_checkpoint(const std::string& directory, ShardedWeights& unread) {
   auto checkpoint = detail::read_files(directory);
-  const auto layout = checkpoint.state_metadata.find(kLayoutKey);
-  if (layout == checkpoint.state_metadata.end() || !base_of(checkpoint).empty()) {
-    detail::join_shards(directory, checkpoint, /*inference_only=*/true);
-    detail::fill_from_base(checkpoint, directory);
-    unread = {};
-    return checkpoint;
+  unread = {};
+  if (const auto layout = checkpoint.state_metadata.find(kLayoutKey); layout != checkpoint.state_metadata.end()) {
+    unread = ShardedWeights(directory, parse_layout(fs::path(directory), layout->second));
+    checkpoint.state_metadata.erase(layout);
   }
-  unread = ShardedWeights(directory, parse_layout(fs::path(directory), layout->second));
-  checkpoint.state_metadata.erase(layout);
+  // What the checkpoint holds, whole (its moving average included) or in its shards, hides
+  // the base's values of it, shards or whole.
+  std::vector<std::string> held;
+  for (const auto& [name, tensor] : inference_weights(checkpoint)) held.push_back(name);
+  ShardedWeights base;
+  detail::fill_from_base(checkpoint, directory, &base);
+  for (const auto& name : unread.names()) checkpoint.weights.erase(name);
+  unread.rest_on(std::move(base), held);
   return checkpoint;
 }
 

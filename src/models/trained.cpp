@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <functional>
 #include <unordered_set>
 #include <vector>
@@ -118,19 +119,13 @@ PriorOpened open_prior(const std::string& run_or_checkpoint, const std::string& 
   return prior;
 }
 
-// The scale of the adapters a run's checkpoint holds, which its config must describe.
-double adapter_scale(const PriorOpened& prior) {
-  if (!prior.adapter.enabled()) {
-    throw Error(prior.opened.directory + ": holds adapters, but its config has no adapter.rank");
-  }
-  return prior.adapter.scale();
-}
-
 // A run that trained adapters: they are folded into the layers they adapt.
 io::TensorMap with_adapters_folded(io::TensorMap weights, const PriorOpened& prior) {
   const auto adapters = adapter_tensors(weights);
   if (adapters.empty()) return weights;
-  return merge_adapter_tensors(std::move(weights), adapters, adapter_scale(prior), 1.0, prior.opened.directory);
+  const auto& directory = prior.opened.directory;
+  return merge_adapter_tensors(std::move(weights), adapters, prior.adapter.scale_of_adapters_in(directory), 1.0,
+                               directory);
 }
 
 // ruDALL-E's released weights keep its own names (scripts/export_rudalle_prior.py).
@@ -199,25 +194,31 @@ torch::Tensor round_trip(TrainedImageTokenizer& tokenizer, const torch::Tensor& 
 
 namespace {
 
-// A sharded checkpoint's shards stay unread where its weights need no renaming (a checkpoint
-// with a base, as a run's adapters have, has its shards joined when opened). A run's adapters
-// are kept apart, checked against the weights they adapt, and folded as those are read.
+// A sharded checkpoint's shards (and a sharded base's) stay unread where its weights need no
+// renaming and its adapters are whole. A run's adapters are kept apart, checked against the
+// weights they adapt, and folded as those are read.
 TrainedPriorWeights read_prior_weights(const std::string& run_or_checkpoint, TrainedPrior& trained) {
   io::ShardedWeights unread;
   const auto prior = open_prior(run_or_checkpoint, "prior", "prior", trained, &unread);
   auto weights = io::inference_weights(prior.opened.checkpoint);
-  if (!unread.empty() && (!adapter_tensors(weights).empty() || weights.count("text_embeddings.weight"))) {
+  const auto unread_names = unread.names();
+  if (weights.count("text_embeddings.weight") ||
+      std::any_of(unread_names.begin(), unread_names.end(), is_adapter_tensor)) {
     weights.merge(unread.read([](const std::string&) { return true; }));
     unread = {};
   }
   weights = with_dalle_names(weights, trained.config);
-  TrainedPriorWeights read{trained.config, {}, std::move(unread), weights_source(prior.opened), {}, 0.0};
+  const bool moving_average =
+      !io::with_prefix_removed(prior.opened.checkpoint.state, "ema.").empty() || unread.moving_average();
+  TrainedPriorWeights read{trained.config, {}, std::move(unread), weights_source(prior.opened), {}, 0.0,
+                           moving_average};
   read.adapters = adapter_tensors(weights);
   if (!read.adapters.empty()) {
-    read.adapter_scale = adapter_scale(prior);
+    read.adapter_scale = prior.adapter.scale_of_adapters_in(prior.opened.directory);
     weights = without_adapter_tensors(weights);
+    const std::unordered_set<std::string> in_shards(unread_names.begin(), unread_names.end());
     for (const auto& [name, tensor] : read.adapters) {
-      if (!weights.count(adapted_weight(name))) {
+      if (!weights.count(adapted_weight(name)) && !in_shards.count(adapted_weight(name))) {
         throw Error(prior.opened.directory + ": the model has no linear layer " + adapted_weight(name) +
                     " for adapter " + name);
       }

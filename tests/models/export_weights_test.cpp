@@ -10,6 +10,7 @@
 #include "dalle/io/safetensors.h"
 #include "dalle/io/sharded_checkpoint.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/models/adapter.h"
 #include "dalle/models/clip.h"
 #include "dalle/models/prior.h"
 #include "dalle/models/trained.h"
@@ -116,10 +117,12 @@ const char* const kPriorYaml =
     "  width: 32\n  heads: 4\n  conv_kernel: 3\n";
 
 // A checkpoint as 2 ranks of a sharded run write it: each resblock a group cut in two shards
-// (of the weights, the checkpoint keeping no average), the embeddings and head whole in rank
-// 0's files, in `directory`; `poison` NaN in the first value of that group's second shard.
+// (of the weights, the checkpoint keeping no average), the embeddings, the head and adapters
+// whole in rank 0's files, in `directory`; `poison` NaN in the first value of that group's
+// second shard; `base`: the checkpoint it refers to for what it lacks.
 std::string write_sharded_prior(const std::string& directory, const io::TensorMap& weights,
-                                std::optional<size_t> poison = std::nullopt) {
+                                std::optional<size_t> poison = std::nullopt, const std::string& yaml = kPriorYaml,
+                                const std::string& base = "") {
   const int64_t ranks = 2;
   io::ShardLayout layout{.ranks = ranks, .kinds = {{"weights", {.into_weights = true}}}};
   io::TensorMap ends;
@@ -129,7 +132,7 @@ std::string write_sharded_prior(const std::string& directory, const io::TensorMa
     std::vector<torch::Tensor> values;
     layout.groups.emplace_back();
     for (const auto& [name, tensor] : weights) {
-      if (!name.starts_with(prefix)) continue;
+      if (!name.starts_with(prefix) || is_adapter_tensor(name)) continue;
       layout.groups.back().push_back({name, tensor.sizes().vec()});
       values.push_back(tensor.reshape({-1}));
     }
@@ -142,10 +145,12 @@ std::string write_sharded_prior(const std::string& directory, const io::TensorMa
     }
   }
   for (const auto& [name, tensor] : weights) {
-    if (!name.starts_with("resblocks.")) ends.emplace(name, tensor);
+    if (!name.starts_with("resblocks.") || is_adapter_tensor(name)) ends.emplace(name, tensor);
   }
   std::filesystem::create_directories(directory);
-  io::write_checkpoint_files(directory, {kPriorYaml, ends, {}, {}}, layout);
+  io::Checkpoint checkpoint{yaml, ends, {}, {}};
+  if (!base.empty()) io::refer_to_base(checkpoint, base);
+  io::write_checkpoint_files(directory, checkpoint, layout);
   for (int64_t rank = 0; rank < ranks; ++rank) io::write_checkpoint_shard(directory, rank, ranks, shards[rank]);
   return directory;
 }
@@ -233,6 +238,77 @@ TEST(ExportWeights, AShardedRunsNewestCheckpointsAreAveragedBlockByBlock) {
   EXPECT_THROW_WITH(export_weights(dir / "run", dir / "refused", {}, 2), Error, "step-000000800",
                     "resblocks.1.");
   EXPECT_FALSE(fs::exists(dir / "refused"));
+}
+
+// A sharded fine-tuning run (its blocks' norms trained and sharded, adapters on two matrices
+// kept whole, the rest frozen in its base, sharded or whole) is exported one block at a time
+// too: each block read from the run's shards or the base's, its adapters folded in as it is
+// read. The file holds, bit for bit, the base with the run's norms and the adapters folded; it
+// loads as a prior without adapters; the generator reads the run to the same model.
+TEST(ExportWeights, AShardedFineTuningRunIsReadBlockByBlockFromItsShardsAndItsBases) {
+  testing::ScratchDir dir;
+  const auto base_weights = tiny_prior_weights(7);
+  write_sharded_prior(dir / "sharded-base", base_weights);
+  io::save_checkpoint(dir / "whole-base", {kPriorYaml, base_weights, {}, {}});
+  torch::manual_seed(5);
+  io::TensorMap run, expected = base_weights;
+  for (int b = 0; b < 4; ++b) {
+    for (const std::string part : {"weight", "bias"}) {
+      const auto name = "resblocks." + std::to_string(b) + ".norm." + part;
+      run[name] = expected[name] = torch::randn({32});
+    }
+  }
+  for (const auto& [layer, out] : {std::pair{"resblocks.0.qkv", 96}, std::pair{"resblocks.3.fc_in", 128}}) {
+    run[std::string(layer) + ".lora_A.weight"] = torch::randn({4, 32});
+    run[std::string(layer) + ".lora_B.weight"] = torch::randn({out, 4});
+  }
+  expected = merge_adapter_tensors(expected, adapter_tensors(run), /*scale=*/8.0 / 4);
+  const std::string yaml = std::string(kPriorYaml) + "adapter: {rank: 4, alpha: 8}\n";
+  for (const std::string base : {"sharded-base", "whole-base"}) {
+    const auto directory = write_sharded_prior(dir / ("run-on-" + base), run, std::nullopt, yaml, dir / base);
+    const auto read = read_trained_prior_weights(directory);
+    EXPECT_FALSE(read.unread.empty()) << base << ": not joined whole";
+    EXPECT_EQ(read.weights.count("resblocks.0.qkv.weight"), base == "whole-base" ? 1u : 0u) << base;
+    const auto exported = export_weights(directory, dir / ("out-" + base));
+    EXPECT_TRUE(exported.streamed) << base;
+    EXPECT_EQ(exported.merged_adapters, 2) << base;
+    const auto file = io::read_safetensors(dir / ("out-" + base + "/model.safetensors"));
+    ASSERT_EQ(file.tensors.size(), expected.size()) << base;
+    for (const auto& [name, tensor] : expected) EXPECT_TRUE(torch::equal(file.tensors.at(name), tensor)) << name;
+    const auto loaded = io::state_dict(*load_trained_prior(dir / ("out-" + base)).model);
+    const auto from_run = io::state_dict(*load_trained_prior(directory).model);
+    for (const auto& [name, tensor] : expected) {
+      EXPECT_TRUE(torch::equal(loaded.at(name), tensor)) << name;
+      EXPECT_TRUE(torch::equal(from_run.at(name), tensor)) << name;
+    }
+  }
+}
+
+// Averaging a run's checkpoints that hold adapters averages the models they make: each
+// checkpoint's adapters folded into its weights first (the mean of B A, not the product of
+// the means of B and of A).
+TEST(ExportWeights, AveragingARunWithAdaptersAveragesTheModelsTheyMake) {
+  testing::ScratchDir dir;
+  const auto base = tiny_prior_weights(7);
+  const std::string yaml = std::string(kPriorYaml) + "adapter: {rank: 2, alpha: 2}\n";
+  io::CheckpointStore store(dir / "run/checkpoints", 0);
+  std::vector<io::TensorMap> folded;
+  for (int64_t step : {1, 2}) {
+    auto weights = base;
+    torch::manual_seed(static_cast<uint64_t>(step));
+    weights["resblocks.1.fc_out.lora_A.weight"] = torch::randn({2, 128});
+    weights["resblocks.1.fc_out.lora_B.weight"] = torch::randn({32, 2});
+    folded.push_back(merge_adapter_tensors(weights, adapter_tensors(weights), 1.0));
+    store.save(step, {yaml, weights, {}, {}});
+  }
+  const auto exported = export_weights(dir / "run", dir / "out", {}, 2);
+  EXPECT_EQ(exported.merged_adapters, 1);
+  const auto file = io::read_safetensors(dir / "out/model.safetensors").tensors;
+  const std::string matrix = "resblocks.1.fc_out.weight";
+  const auto expected =
+      folded[0].at(matrix).to(torch::kFloat64).add(folded[1].at(matrix).to(torch::kFloat64)).div(2).to(torch::kFloat32);
+  EXPECT_TRUE(torch::equal(file.at(matrix), expected));
+  EXPECT_EQ(file.count("resblocks.1.fc_out.lora_A.weight"), 0u);
 }
 
 }  // namespace

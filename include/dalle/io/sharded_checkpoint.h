@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -38,25 +39,34 @@ struct ShardLayout {
 // A sharded checkpoint's inference weights (its moving average where it keeps one, else its
 // weights) left in its shard files, mapped and unread: each group is joined from the shards
 // when one of its parameters is read, and its pages released, so that a reader that takes one
-// block at a time holds one block at a time (a sharded trainer's init_from).
+// block at a time holds one block at a time (a sharded trainer's init_from). A fine-tuning
+// run's may rest on its base's: what the run does not hold is read from the base's shards.
 class ShardedWeights {
  public:
   ShardedWeights() = default;
   ShardedWeights(std::string directory, ShardLayout layout);
-  bool empty() const { return !files_; }
+  bool empty() const { return !files_ && !base_; }
   std::vector<std::string> names() const;
-  // Each parameter's name, shape and stored dtype, in the layout's order.
+  // Each parameter's name, shape and stored dtype, in the layout's order (the base's after).
   std::vector<TensorSpec> specs() const;
-  // True when they are the checkpoint's moving average (else its weights).
-  bool moving_average() const { return kind_ == "ema"; }
+  // True when the checkpoint's own shards are its moving average (else its weights, or none).
+  bool moving_average() const { return files_ && kind_ == "ema"; }
   // The whole values of the parameters `wanted` picks by name (views of their groups, joined).
   TensorMap read(const std::function<bool(const std::string&)>& wanted) const;
+  // `base`'s weights beneath these: read where neither these nor `held` (what the checkpoint
+  // holds whole) name them.
+  void rest_on(ShardedWeights base, const std::vector<std::string>& held);
 
  private:
+  // The base's parameters read: those these and `held` do not name.
+  bool from_base(const std::string& name) const;
+
   std::string directory_;
   ShardLayout layout_;
   std::string kind_;
   std::shared_ptr<const std::vector<Safetensors>> files_;
+  std::shared_ptr<const ShardedWeights> base_;
+  std::set<std::string> shadowed_;  // of the base's parameters, those not read from it
 };
 
 // A checkpoint as one rank of a sharded job needs it, reading only what that rank will hold:
@@ -89,8 +99,9 @@ using TakeGroup = std::function<void(size_t group, TensorMap& slices, const Chec
 RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const ShardLayout& wanted, int64_t rank,
                                         int64_t ranks, const TakeGroup& take = nullptr);
 
-// load_inference_checkpoint (io/checkpoint.h), but a sharded checkpoint that refers to no base
-// keeps its shards' parameters in `unread`, absent from its weights (else `unread` is empty).
+// load_inference_checkpoint (io/checkpoint.h), but a sharded checkpoint keeps its shards'
+// parameters in `unread`, absent from its weights, and so does a sharded base of it (a
+// fine-tuning run's frozen blocks); else `unread` is empty.
 Checkpoint load_inference_checkpoint(const std::string& directory, ShardedWeights& unread);
 
 // Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata.

@@ -78,7 +78,8 @@ using WeightPicker = std::function<bool(const std::string&)>;
 // A trained prior's inference weights by state-dict name (its moving average where it keeps
 // one, ruDALL-E's names imported, a run's adapters folded in as read) and its model section,
 // without building the model: views of the mapped weights file. A sharded checkpoint's shards
-// are joined only as they are read, one group at a time, and a run's adapters are folded into
+// (and a sharded base's, beneath a fine-tuning run's) are joined only as they are read, one
+// group at a time, and a run's adapters are folded into
 // the weights they adapt only as those are read: what a prior built one block at a time
 // copies into each block, never holding the model twice.
 struct TrainedPriorWeights {
@@ -88,6 +89,7 @@ struct TrainedPriorWeights {
   std::string source;  // where the weights came from, for errors
   io::TensorMap adapters;      // a run's adapters, folded into the weights they adapt as those are read
   double adapter_scale = 0;    // alpha / rank
+  bool moving_average = false;  // the weights are the checkpoint's moving average
   // The weights `wanted` picks by name, adapters folded in.
   io::TensorMap read(const WeightPicker& wanted) const;
 };

@@ -205,8 +205,9 @@ void PriorTrainer::State::parallelize(std::optional<models::TrainedPriorWeights>
   place_model(/*sharded=*/shards != nullptr);
   store_frozen_blocks();
   // Sharded, the blocks were cut as they were built: the base is compared with what they read,
-  // unless they read a sharded checkpoint's shards as it stores them (never joined whole).
-  if (init && shards && !init->unread.empty()) {
+  // unless they read a sharded checkpoint's shards as it stores them (never joined whole; a
+  // run's adapters folded in change them).
+  if (init && shards && !init->unread.empty() && init->adapters.empty()) {
     refer_to_base_as_read(config.init_from);
   } else if (init) {
     // What the blocks read, a run's adapters folded in (whole here, as the comparison needs).
