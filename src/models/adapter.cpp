@@ -75,6 +75,11 @@ void AdapterConfig::visit(ConfigVisitor& v) {
           "\"decoder.layers.*.self_attn.*\"); empty: every linear layer; a pattern matching none is refused");
 }
 
+double AdapterConfig::scale_of_adapters_in(const std::string& where) const {
+  if (!enabled()) throw Error(where + ": holds adapters, but its config has no adapter.rank");
+  return scale();
+}
+
 std::vector<std::string> add_adapters(torch::nn::Module& model, const AdapterConfig& config,
                                       std::optional<torch::ScalarType> type) {
   if (!config.enabled()) return {};

@@ -23,10 +23,17 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Whether a checkpoint's config describes the transformer prior (no `kind`, as OpenAI's
+// imported dVAE has none either, but no prior key).
+bool is_prior(const std::string& directory, const std::string& config_yaml) {
+  const auto kind = peek_choice(ConfigSource::from_string(config_yaml, directory + "/config.yaml"), "kind", "",
+                                {"dvae", "vqgan", "clip", "rrdbnet", "bart_prior"});
+  return kind.empty() && config_yaml.find("text_vocab_size") != std::string::npos;
+}
+
 // Loads the checkpoint as the model its config describes, as the tools that read the export
 // will: a config without sizes, NaN weights, or weights that do not fit the config are
-// refused here rather than shipped. The prior's config has no `kind`; OpenAI's imported
-// dVAE has none either, but no prior key.
+// refused here rather than shipped.
 void check_loadable(const std::string& directory, const std::string& config_yaml) {
   const auto kind = peek_choice(ConfigSource::from_string(config_yaml, directory + "/config.yaml"), "kind", "",
                                 {"dvae", "vqgan", "clip", "rrdbnet", "bart_prior"});
@@ -36,7 +43,7 @@ void check_loadable(const std::string& directory, const std::string& config_yaml
     load_trained_rrdbnet(directory);
   } else if (kind == "bart_prior") {
     load_trained_bart_prior(directory);
-  } else if (kind.empty() && config_yaml.find("text_vocab_size") != std::string::npos) {
+  } else if (is_prior(directory, config_yaml)) {
     load_trained_prior(directory);
   } else {
     load_image_tokenizer(directory);
@@ -53,6 +60,20 @@ AdapterConfig adapter_config(const ConfigSource& config) {
   AdapterConfig adapter;
   bind_config_parts(config, [&](ConfigVisitor& v) { v.section("adapter", "", adapter); });
   return adapter;
+}
+
+// The model a checkpoint holds: its inference weights with a run's adapters folded into the
+// layers they adapt (`folded`: how many), each checkpoint its own before any averaging (the
+// mean of B A is not the product of the means).
+io::TensorMap model_weights(io::Checkpoint& checkpoint, const std::string& directory, bool& moving_average,
+                            int64_t& folded) {
+  auto weights = inference_weights(checkpoint, moving_average);
+  const auto adapters = adapter_tensors(weights);
+  folded = static_cast<int64_t>(adapters.size() / 2);
+  if (adapters.empty()) return weights;
+  const auto config = ConfigSource::from_string(checkpoint.config_yaml, directory + "/config.yaml");
+  const auto scale = adapter_config(config).scale_of_adapters_in(directory);
+  return merge_adapter_tensors(std::move(weights), adapters, scale, 1.0, directory);
 }
 
 // The run's newest `count` checkpoint directories, oldest first.
@@ -119,25 +140,34 @@ io::TensorMap averaged_weights(const std::vector<std::string>& directories, io::
     for (size_t i = 0; i + 1 < directories.size(); ++i) {
       auto checkpoint = io::load_inference_checkpoint(directories[i]);
       bool moving_average = false;
-      auto weights = inference_weights(checkpoint, moving_average);
+      int64_t folded = 0;
+      auto weights = model_weights(checkpoint, directories[i], moving_average, folded);
       check_like_newest(directories[i], moving_average, newest_is_moving_average);
       accumulate(sum, weights, directories[i]);
     }
   });
 }
 
+// The config written with the export: `overrides` applied (the exported config is complete, so
+// a key it lacks is a typo, not an addition), and no adapters where they were folded in.
+std::string exported_config(const std::string& config_yaml, const std::string& directory,
+                            const std::vector<std::string>& overrides, bool adapters_folded) {
+  if (overrides.empty() && !adapters_folded) return config_yaml;
+  auto config = ConfigSource::from_string(config_yaml, directory + "/config.yaml");
+  for (const auto& assignment : overrides) config.replace(assignment);
+  if (adapters_folded) config.replace("adapter.rank=0");
+  return config.yaml();
+}
+
 // The sharded priors of `directories` (the newest last), each left unread but for what is
-// kept whole; none when one of them is not a sharded prior that can be read one block at a
-// time (adapters to fold, ruDALL-E's names, no shards).
+// kept whole (a fine-tuning run's base's shards beneath its own); none when one of them is not
+// a sharded prior that can be read one block at a time (ruDALL-E's names, no shards).
 std::vector<TrainedPriorWeights> sharded_priors(const std::vector<std::string>& directories) {
   std::vector<TrainedPriorWeights> priors;
-  for (const auto& directory : directories) {
-    priors.push_back(read_trained_prior_weights(directory));
-    if (priors.back().unread.empty()) return {};
-  }
-  const bool newest_is_moving_average = priors.back().unread.moving_average();
-  for (size_t i = 0; i + 1 < priors.size(); ++i) {
-    check_like_newest(directories[i], priors[i].unread.moving_average(), newest_is_moving_average);
+  for (auto directory = directories.rbegin(); directory != directories.rend(); ++directory) {
+    priors.insert(priors.begin(), read_trained_prior_weights(*directory));
+    if (priors.front().unread.empty()) return {};
+    check_like_newest(*directory, priors.front().moving_average, priors.back().moving_average);
   }
   return priors;
 }
@@ -221,40 +251,29 @@ ExportedWeights export_weights(const std::string& run_or_checkpoint, const std::
       throw Error(out + ": is a checkpoint being exported; choose another output folder");
     }
   }
-  // A sharded prior's shards are read one group at a time, where nothing needs them whole
-  // (adapters to fold).
-  io::ShardedWeights unread;
-  auto checkpoint = io::load_inference_checkpoint(exported.checkpoint, unread);
-  const auto sharded = unread.empty() ? std::vector<TrainedPriorWeights>{} : sharded_priors(exported.averaged);
-  const bool streamed = !sharded.empty();
-  if (!unread.empty() && !streamed) checkpoint = io::load_inference_checkpoint(exported.checkpoint);
-  unread = {};
-  if (!streamed) check_loadable(exported.checkpoint, checkpoint.config_yaml);
-  if (!config_overrides.empty()) {
-    // The exported config is complete, so a key it lacks is a typo, not an addition.
-    auto config = ConfigSource::from_string(checkpoint.config_yaml, exported.checkpoint + "/config.yaml");
-    for (const auto& assignment : config_overrides) config.replace(assignment);
-    checkpoint.config_yaml = config.yaml();
-  }
-  if (streamed) {
-    exported.moving_average = sharded.back().unread.moving_average();
+  // A sharded prior's shards (and a sharded base's) are read one group at a time.
+  const auto config_yaml = io::checkpoint_config(exported.checkpoint);
+  const auto sharded = is_prior(exported.checkpoint, config_yaml) ? sharded_priors(exported.averaged)
+                                                                  : std::vector<TrainedPriorWeights>{};
+  if (!sharded.empty()) {
+    const auto& newest = sharded.back();
+    exported.moving_average = newest.moving_average;
+    exported.merged_adapters = static_cast<int64_t>(newest.adapters.size() / 2);
     exported.streamed = true;
-    exported.tensors = export_sharded_prior(out, checkpoint.config_yaml, sharded);
+    exported.tensors = export_sharded_prior(
+        out, exported_config(config_yaml, exported.checkpoint, config_overrides, !newest.adapters.empty()), sharded);
     return exported;
   }
-  auto weights = inference_weights(checkpoint, exported.moving_average);
-  if (exported.averaged.size() > 1) weights = averaged_weights(exported.averaged, std::move(weights), exported.moving_average);
-  if (const auto adapters = adapter_tensors(weights); !adapters.empty()) {
-    // A run that trained adapters exports the model they make: folded in, no adapter left.
-    auto config = ConfigSource::from_string(checkpoint.config_yaml, exported.checkpoint + "/config.yaml");
-    const auto adapter = adapter_config(config);
-    if (!adapter.enabled()) throw Error(exported.checkpoint + ": holds adapters, but its config has no adapter.rank");
-    weights = merge_adapter_tensors(std::move(weights), adapters, adapter.scale(), 1.0, exported.checkpoint);
-    config.replace("adapter.rank=0");
-    checkpoint.config_yaml = config.yaml();
-    exported.merged_adapters = static_cast<int64_t>(adapters.size() / 2);
+  auto checkpoint = io::load_inference_checkpoint(exported.checkpoint);
+  check_loadable(exported.checkpoint, checkpoint.config_yaml);
+  // A run that trained adapters exports the model they make: folded in, no adapter left.
+  auto weights = model_weights(checkpoint, exported.checkpoint, exported.moving_average, exported.merged_adapters);
+  if (exported.averaged.size() > 1) {
+    weights = averaged_weights(exported.averaged, std::move(weights), exported.moving_average);
   }
-  io::Checkpoint weights_only{std::move(checkpoint.config_yaml), std::move(weights), {}, {}};
+  io::Checkpoint weights_only{exported_config(checkpoint.config_yaml, exported.checkpoint, config_overrides,
+                                              exported.merged_adapters > 0),
+                              std::move(weights), {}, {}};
   exported.tensors = static_cast<int64_t>(weights_only.weights.size());
   io::save_checkpoint(out, weights_only);
   return exported;
