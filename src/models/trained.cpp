@@ -201,6 +201,8 @@ TrainedPriorWeights read_prior_weights(const std::string& run_or_checkpoint, Tra
   io::ShardedWeights unread;
   const auto prior = open_prior(run_or_checkpoint, "prior", "prior", trained, &unread);
   auto weights = io::inference_weights(prior.opened.checkpoint);
+  const bool moving_average =
+      !io::with_prefix_removed(prior.opened.checkpoint.state, "ema.").empty() || unread.moving_average();
   const auto unread_names = unread.names();
   if (weights.count("text_embeddings.weight") ||
       std::any_of(unread_names.begin(), unread_names.end(), is_adapter_tensor)) {
@@ -208,8 +210,6 @@ TrainedPriorWeights read_prior_weights(const std::string& run_or_checkpoint, Tra
     unread = {};
   }
   weights = with_dalle_names(weights, trained.config);
-  const bool moving_average =
-      !io::with_prefix_removed(prior.opened.checkpoint.state, "ema.").empty() || unread.moving_average();
   TrainedPriorWeights read{trained.config, {}, std::move(unread), weights_source(prior.opened), {}, 0.0,
                            moving_average};
   read.adapters = adapter_tensors(weights);

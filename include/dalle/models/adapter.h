@@ -55,9 +55,6 @@ struct AdapterFile {
   std::string base;    // the checkpoint the adapter was trained on, as the run named it
   std::string family;  // "prior" or "bart_prior"
   double scale() const { return alpha / static_cast<double>(rank); }
-  // scale(), for the checkpoint `where` whose weights hold adapters: refused unless this, its
-  // config's adapter section, names their rank.
-  double scale_of_adapters_in(const std::string& where) const;
 };
 // Written atomically; `tensors` may hold other names, of which only the adapters' are kept.
 void save_adapter_file(const std::string& path, const io::TensorMap& tensors, const AdapterConfig& config,
