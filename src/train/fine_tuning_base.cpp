@@ -22,17 +22,34 @@ bool holds_as_they_are(const io::TensorMap& weights, const NamedTensors& ours, c
   return true;
 }
 
+namespace {
+
+const char* const kFrozenCopyConfig =
+    "# The frozen weights of this run's init_from, under the model's names: the base its checkpoints\n"
+    "# refer to (docs/fine-tuning.md).\n";
+
+bool copy_exists(const std::string& directory) {
+  return std::filesystem::exists(std::filesystem::path(directory) / io::kWeightsFile);
+}
+
+}  // namespace
+
 void write_frozen_copy(const std::string& directory, const NamedTensors& ours, const std::vector<std::string>& frozen,
                        const io::TensorMap& released) {
-  if (std::filesystem::exists(std::filesystem::path(directory) / io::kWeightsFile)) return;
+  if (copy_exists(directory)) return;
   io::Checkpoint copy;
-  copy.config_yaml = "# The frozen weights of this run's init_from, under the model's names: the base its checkpoints\n"
-                     "# refer to (docs/fine-tuning.md).\n";
+  copy.config_yaml = kFrozenCopyConfig;
   for (const auto& name : frozen) {
     const auto found = released.find(name);
     copy.weights.emplace(name, (found != released.end() ? found->second : ours[name]).detach().cpu());
   }
   io::save_checkpoint(directory, copy);
+}
+
+void write_frozen_copy(const std::string& directory, const std::vector<io::TensorSpec>& specs,
+                       const std::function<void(io::SafetensorsWriter*)>& write) {
+  if (copy_exists(directory)) return write(nullptr);
+  io::save_checkpoint(directory, kFrozenCopyConfig, specs, [&write](io::SafetensorsWriter& writer) { write(&writer); });
 }
 
 }  // namespace dalle::train

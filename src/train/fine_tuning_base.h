@@ -4,10 +4,12 @@
 // copy written when none does. Private to the library.
 #include <torch/types.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "dalle/io/safetensors.h"
+#include "dalle/io/safetensors_writer.h"
 
 namespace dalle::train {
 
@@ -21,5 +23,10 @@ bool holds_as_they_are(const io::TensorMap& weights, const NamedTensors& ours, c
 // `released` does) as the checkpoint `directory`, unless one is there.
 void write_frozen_copy(const std::string& directory, const NamedTensors& ours, const std::vector<std::string>& frozen,
                        const io::TensorMap& released);
+// The same for frozen weights never held whole: declared by `specs`, in order, and handed to
+// the writer by `write` as they are made; where a copy is there already, `write` runs with no
+// writer (what it gathers to make them, every rank gathers).
+void write_frozen_copy(const std::string& directory, const std::vector<io::TensorSpec>& specs,
+                       const std::function<void(io::SafetensorsWriter*)>& write);
 
 }  // namespace dalle::train

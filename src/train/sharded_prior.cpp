@@ -291,11 +291,29 @@ models::EndRunner ShardedPrior::end_runner() const {
 
 io::TensorMap ShardedPrior::frozen_weights() const {
   io::TensorMap named;
+  each_frozen_group([&named](const io::TensorMap& group) {
+    for (const auto& [name, tensor] : group) named.emplace(name, tensor.clone());
+  });
+  return named;
+}
+
+void ShardedPrior::each_frozen_group(const std::function<void(const io::TensorMap& group)>& take) const {
   for (size_t g = trained_groups(); g < sharded_->groups(); ++g) {
     const auto full = sharded_->unshard(g, sharded_->shard(g));
-    for (size_t i = 0; i < full.size(); ++i) named.emplace(names_[g][i], full[i].clone());
+    io::TensorMap group;
+    for (size_t i = 0; i < full.size(); ++i) group.emplace(names_[g][i], full[i]);
+    take(group);
   }
-  return named;
+}
+
+std::vector<io::TensorSpec> ShardedPrior::frozen_specs() const {
+  std::vector<io::TensorSpec> specs;
+  for (size_t g = trained_groups(); g < sharded_->groups(); ++g) {
+    const auto shapes = sharded_->shapes(g);
+    const auto stored = sharded_->shard(g).scalar_type();
+    for (size_t i = 0; i < shapes.size(); ++i) specs.push_back({names_[g][i], stored, shapes[i]});
+  }
+  return specs;
 }
 
 void ShardedPrior::restore_frozen(io::TensorMap& weights, const io::ShardedWeights& unread) const {

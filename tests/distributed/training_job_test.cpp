@@ -15,6 +15,7 @@
 #include "dalle/io/checkpoint.h"
 #include "dalle/io/safetensors.h"
 #include "dalle/io/state_dict.h"
+#include "dalle/models/trained.h"
 #include "test_support.h"
 #include "tool_runner.h"
 
@@ -450,6 +451,11 @@ TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains
   }
   EXPECT_TRUE(std::filesystem::exists(dir / "again-sharded/base/model.safetensors"));
   EXPECT_LT(largest_difference(weights_at(dir / "again", 5), weights_at(dir / "again-sharded", 5)), 1e-5);
+  // The copy, gathered and written one group at a time, holds the folded model bit for bit.
+  const auto folded = io::state_dict(*models::load_trained_prior(dir / "sharded").model);
+  const auto copy = io::read_safetensors(dir / "again-sharded/base/model.safetensors").tensors;
+  EXPECT_EQ(copy.size(), folded.size());
+  for (const auto& [name, tensor] : copy) EXPECT_TRUE(torch::equal(tensor, folded.at(name))) << name;
   // The frozen matrices kept in bf16 (frozen_weights) are gathered as such.
   const std::string halved = adapters + " --set precision.mode=bfloat16 --set frozen_weights=bfloat16 --set run.steps=5";
   for (const auto& [run, arguments] : {std::pair{std::string("bf16"), halved}, {"bf16-sharded", halved + sharded}}) {

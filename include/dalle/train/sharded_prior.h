@@ -94,6 +94,11 @@ class ShardedPrior {
 
   // The frozen groups' values, whole, by name (every rank of the group calls it) ...
   io::TensorMap frozen_weights() const;
+  // ... the same one group at a time, handed to `take` in the order of frozen_specs() and
+  // freed before the next is gathered (views of the gathered buffer, valid during the call) ...
+  void each_frozen_group(const std::function<void(const io::TensorMap& group)>& take) const;
+  // ... their names, stored dtypes and shapes, group by group.
+  std::vector<io::TensorSpec> frozen_specs() const;
   // ... and this rank's shards of them from whole values by name (a checkpoint's base),
   // each taken out of `weights` once used; those `weights` lacks from `unread` (a sharded
   // base's shards), one group at a time.

@@ -110,6 +110,7 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   void save_checkpoint() override;
   void write_own_shards(const std::string& staging, bool moments, const std::vector<torch::Tensor>& errors) const;
   void write_checkpoint_files(const std::string& staging, bool moments, bool errors, io::TensorMap frozen);
+  void write_sharded_base_copy();
 };
 
 namespace prior_training {
