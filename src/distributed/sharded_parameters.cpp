@@ -239,8 +239,9 @@ void ShardedParameters::reduce_gradients(size_t g) {
     return;
   }
   // Each reduction holds its group's whole gradient (flattened, float32) until it is done: the
-  // older ones are completed before this group's is made, the newest run on while backward
-  // goes on, so that a backward holds this block's gradient and at most one other group's.
+  // older ones are completed before this group's is made, the newest run on (at most a unit's
+  // two groups). ShardedPrior's backward completes them sooner, before the next unit makes
+  // its gradients (finish_reductions); this bound holds for any caller.
   finish_reductions_but(overlap_ ? kReductionsInFlight - 1 : 0);
   std::vector<torch::Tensor> gradients;
   for (size_t i = 0; i < groups_[g].size(); ++i) {
