@@ -521,11 +521,13 @@ void trainer_steps(train::PriorTrainConfig recipe, const std::string& name, int6
   std::fflush(stdout);
 }
 
-// How the ranks of data_parallel talk: overlapped or not, in buckets of how many bytes, and
-// over which simulated link: a fixed one, or one whose communication alone takes
-// `comm_ratio` times the step measured without it.
+// How the ranks of data_parallel talk: overlapped or not, in buckets of how many bytes, each
+// sharded block's backward prefetching before its gradients or after (distributed.
+// backward_prefetch), and over which simulated link: a fixed one, or one whose communication
+// alone takes `comm_ratio` times the step measured without it.
 struct LinkOptions {
   bool overlap = true;
+  bool prefetch_before_gradients = true;
   int64_t bucket_bytes = 25 << 20;
   distributed::SimulatedLink link = {};
   double comm_ratio = 0;
@@ -559,7 +561,8 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   if (sharded && job.size() > 1) {
     shards = std::make_unique<train::ShardedPrior>(
         *prior, [](const std::string&, const torch::Tensor& p) { return p.dim() == 2; }, job.within_node(),
-        link.overlap);
+        train::ShardedCollectives{.overlap = link.overlap,
+                                  .prefetch_before_gradients = link.prefetch_before_gradients});
     for (const auto& shard : shards->parameters()->shards()) learned.push_back(shard);
     prior->set_resblock_runner(shards->runner(
         [](models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
@@ -632,6 +635,7 @@ void data_parallel(const models::PriorConfig& config, int64_t batch, int steps, 
   nlohmann::json line = {
       {"benchmark", "data_parallel"}, {"model", name}, {"ranks", job.size()}, {"parameters", parameters},
       {"overlap", link.overlap}, {"bucket_bytes", link.bucket_bytes},
+      {"backward_prefetch", link.prefetch_before_gradients ? "before_gradients" : "after_gradients"},
       {"sharding", shards ? "within_node" : "none"}, {"state_mib_per_rank", state_bytes / 1048576.0},
       {"global_batch", batch}, {"step_s", seconds}, {"tokens_per_s", batch * config.length() / seconds},
       // What this rank handed to collectives: the data-parallel all-reduce of the gradients,
@@ -828,6 +832,7 @@ int main(int argc, char** argv) {
     const bool sharded = option(argc, argv, "sharding", "none") == "within_node";
     const std::vector<std::string> arguments(argv, argv + argc);
     LinkOptions link{.overlap = option(argc, argv, "overlap", "1") != "0",
+                     .prefetch_before_gradients = option(argc, argv, "backward-prefetch", "before") != "after",
                      .bucket_bytes = std::llround(std::stod(option(argc, argv, "bucket-mb", "25")) * (1 << 20)),
                      .comm_ratio = std::stod(option(argc, argv, "comm-ratio", "0"))};
     if (const auto fixed = option(argc, argv, "simulate-link", ""); !fixed.empty()) {

@@ -44,6 +44,9 @@ int64_t numel(const Shape& shape) {
 // optimizer.trainable applied: its trained matrices (which AdamW decays: no embeddings live in
 // a block), its other trained tensors, its frozen ones, each in the block's parameter order,
 // and its adapters, which stay whole.
+// The traffic row of backward's all-gathers, hidden or not by distributed.backward_prefetch.
+constexpr const char* kBackwardGathers = "gathered again for backward";
+
 struct BlockShape {
   bool attention = false;
   std::vector<Shape> groups[3];
@@ -269,6 +272,7 @@ class Planner {
     gpus_ = cluster.gpus_per_node;
     powersgd_ = recipe.distributed.gradient_reduction == "powersgd";
     overlap_ = recipe.distributed.overlap;
+    prefetch_before_gradients_ = recipe.distributed.backward_prefetch == "before_gradients";
   }
 
   CapacityPlan run() {
@@ -528,49 +532,85 @@ class Planner {
     return kFp32 * static_cast<double>(gpus_ * end.shard_values(gpus_));
   }
 
+  // What a unit's backward holds beyond its values and gradients (`values` each, made whole):
+  // its gradients flattened in fp32 for their reduce-scatter, the values freed by then (what
+  // 16-bit gradients grow), and the gather of the unit backward reaches next (`next`). That
+  // gather (distributed.backward_prefetch) is held before the gradients beside their making
+  // and flattening, all of it; after them only beside the flattened gradients still in flight
+  // with overlap, what that moment holds beyond the others (without overlap, nothing).
+  struct UnitBackward {
+    double flattened_beyond = 0, prefetched_before = 0, prefetched_after = 0;
+  };
+  UnitBackward unit_backward(double values, double flattened, double next) const {
+    const double making = 2 * values, flattening = values + std::max(flattened, values);
+    return {.flattened_beyond = std::max(0.0, flattened - values),
+            .prefetched_before = next,
+            .prefetched_after = overlap_ ? std::max(0.0, flattened + next - std::max(making, flattening)) : 0.0};
+  }
+  double prefetched(const UnitBackward& unit) const {
+    return prefetch_before_gradients_ ? unit.prefetched_before : unit.prefetched_after;
+  }
+
   void gathered_memory() {
     const auto& embeddings = shape_.ends[0];
     const auto& head = shape_.ends[1];
-    double gathered = 0, prefetched = 0, flattened = 0;
+    double gathered = 0, prefetched_block = 0, flattened = 0;
     for (const auto& block : shape_.layer) {
       gathered = std::max(gathered, gathered_bytes(block));
-      prefetched = std::max(prefetched, gathered_padded_bytes(block));
+      prefetched_block = std::max(prefetched_block, gathered_padded_bytes(block));
       flattened = std::max(flattened, kFp32 * static_cast<double>(gpus_ * block.trained_shard_values(gpus_)));
     }
-    const double last_block = prefetched;
+    const double block_flattened = flattened;
     // The first block prefetches the embeddings; the head's reduce-scatter may still run while
     // the last block recomputes.
-    prefetched = std::max(prefetched, gathered_end_bytes(embeddings));
-    flattened = std::max(flattened, kFp32 * static_cast<double>(gpus_ * head.trained_shard_values(gpus_)));
+    const double head_flattened = kFp32 * static_cast<double>(gpus_ * head.trained_shard_values(gpus_));
+    flattened = std::max(flattened, head_flattened);
+    const auto block = unit_backward(gathered, flattened, std::max(prefetched_block, gathered_end_bytes(embeddings)));
+    blocks_saved_after_gradients_ = block.prefetched_before - block.prefetched_after;
     const std::string stored = sixteen_bit_matrices() ? plan_.weights + " matrices, fp32 rest" : "fp32";
     add_memory("gathered resblock", MemoryPhase::backward_blocks, 2 * gathered,
                (sixteen_bit_matrices() ? stored + ": values" : "fp32 values") +
                    " and gradients of the largest block, whole");
-    add_memory("prefetched resblock", MemoryPhase::backward_blocks, prefetched,
-               stored + ", the next block's all-gather in flight");
-    // With overlap, a unit's reduce-scatter (its trained gradients flattened in fp32) runs on
-    // while the next unit gathers and recomputes, and completes before that unit prefetches
-    // the one after it and makes its gradients (ShardedPrior's backward): it never meets
-    // those, and adds only what it holds beyond them (nothing, unless a unit's gradients in
-    // fp32 outweigh a block's gradients and gather).
-    if (const double beyond = flattened - gathered - prefetched; overlap_ && beyond > 0) {
-      add_memory("reduce-scatter in flight", MemoryPhase::backward_blocks, beyond,
-                 "fp32, the previous unit's trained gradients flattened, reduced while a block recomputes: what "
-                 "they hold beyond its gradients and the next block's gather, made once it is complete");
-    }
-    add_memory("gathered head", MemoryPhase::backward_head,
-               2 * kFp32 * static_cast<double>(head.values() + head.adapter_values()),
+    add_rows(MemoryPhase::backward_blocks, block, "flattened gradients", "prefetched resblock", stored,
+             "the next block's");
+    const auto head_values = kFp32 * static_cast<double>(head.values() + head.adapter_values());
+    add_memory("gathered head", MemoryPhase::backward_head, 2 * head_values,
                "fp32 values and gradients of the head, whole, as backward starts");
-    add_memory("head's reduce-scatter", MemoryPhase::backward_head,
-               kFp32 * static_cast<double>(gpus_ * head.trained_shard_values(gpus_)) + last_block,
-               "fp32, the head's gradients flattened; the last block's all-gather in flight");
+    const auto head_unit = unit_backward(head_values, head_flattened, prefetched_block);
+    head_saved_after_gradients_ = head_unit.prefetched_before - head_unit.prefetched_after;
+    add_rows(MemoryPhase::backward_head, head_unit, "head's reduce-scatter", "last resblock prefetched", stored,
+             "the last block's");
     if (embeddings.trained_values() == 0) return;
-    add_memory("gathered embeddings", MemoryPhase::backward_embeddings,
-               2 * kFp32 * static_cast<double>(embeddings.values() + embeddings.adapter_values()),
+    const auto embeddings_values = kFp32 * static_cast<double>(embeddings.values() + embeddings.adapter_values());
+    add_memory("gathered embeddings", MemoryPhase::backward_embeddings, 2 * embeddings_values,
                "fp32 values and gradients of the embeddings, whole, as backward ends (the blocks' inputs freed)");
-    add_memory("embeddings' reduce-scatter", MemoryPhase::backward_embeddings,
-               kFp32 * static_cast<double>(gpus_ * embeddings.trained_shard_values(gpus_)),
-               "fp32, the embeddings' gradients flattened");
+    const double embeddings_flattened = kFp32 * static_cast<double>(gpus_ * embeddings.trained_shard_values(gpus_));
+    add_rows(MemoryPhase::backward_embeddings, unit_backward(embeddings_values, embeddings_flattened, 0),
+             "embeddings' reduce-scatter", "", stored, "");
+    // With overlap the first block's reduce-scatter runs on while the embeddings recompute.
+    if (const double beside = block_flattened - std::max(embeddings_values, embeddings_flattened);
+        overlap_ && beside > 0) {
+      add_memory("first block's reduce-scatter", MemoryPhase::backward_embeddings, beside,
+                 "fp32, the first block's gradients flattened, in flight while the embeddings recompute: what that "
+                 "holds beyond their values and gradients");
+    }
+  }
+
+  // A unit's rows beyond its values and gradients (unit_backward).
+  void add_rows(MemoryPhase phase, const UnitBackward& unit, const std::string& flattened_name,
+                const std::string& prefetched_name, const std::string& stored, const std::string& next) {
+    if (unit.flattened_beyond > 0) {
+      add_memory(flattened_name, phase, unit.flattened_beyond,
+                 "fp32, the gradients flattened for their reduce-scatter, the values freed: what they hold beyond "
+                 "them");
+    }
+    if (const double held = prefetched(unit); !prefetched_name.empty() && held > 0) {
+      add_memory(prefetched_name, phase, held,
+                 stored + ", " + next +
+                     (prefetch_before_gradients_ ? " all-gather, in flight while the gradients are made"
+                                                 : " all-gather, started once the gradients are handed to their "
+                                                   "reduce-scatter: what it holds beyond them"));
+    }
   }
 
   bool reduces_low_rank() const {
@@ -648,6 +688,14 @@ class Planner {
     double at_head = 0, at_blocks = 0, at_embeddings = 0;
     for (const auto& part : plan_.memory) {
       bytes_of_phase(part.phase, at_head, at_blocks, at_embeddings) += part.bytes;
+    }
+    // The same with backward_prefetch after_gradients, for the note: only the head's and the
+    // blocks' moments change.
+    if (prefetch_before_gradients_) {
+      const double after = std::max(plan_.backward_bytes + std::max(at_head - head_saved_after_gradients_,
+                                                                    at_blocks - blocks_saved_after_gradients_),
+                                    at_embeddings);
+      peak_after_gradients_ = plan_.kept_bytes + std::max(after, plan_.reduction_bytes);
     }
     plan_.backward_bytes += std::max(at_head, at_blocks);
     auto busiest = at_head >= at_blocks ? MemoryPhase::backward_head : MemoryPhase::backward_blocks;
@@ -773,7 +821,8 @@ class Planner {
     const auto within = CollectiveScope::within, across = CollectiveScope::across;
     const char* moved = "ShardedParameters::bytes_moved";
     add_traffic("the prior gathered for forward", "all-gather", within, gpus_, forward, moved, true);
-    add_traffic("gathered again for backward", "all-gather", within, gpus_, backward, moved, true);
+    // Prefetched after a block's gradients, backward's gathers wait with nothing to hide them.
+    add_traffic(kBackwardGathers, "all-gather", within, gpus_, backward, moved, prefetch_before_gradients_);
     if (trained_units > 0) {
       add_traffic("gradients reduce-scattered", "reduce-scatter", within, gpus_, trained_units, moved, overlap_);
     }
@@ -818,6 +867,16 @@ class Planner {
                 kFp32 * low_rank_.whole_values, "ShardedReducer::bytes_across_nodes");
   }
 
+  // The communication compute does not hide; `gathers_hidden`: whether backward's gathers
+  // may be (backward_prefetch before_gradients).
+  double exposed_seconds(bool gathers_hidden) const {
+    double hidden = 0, exposed = 0;
+    for (const auto& part : plan_.traffic) {
+      ((part.name == kBackwardGathers ? gathers_hidden : part.hidden) ? hidden : exposed) += part.seconds;
+    }
+    return exposed + std::max(0.0, hidden - plan_.compute_seconds);
+  }
+
   void step_time() {
     plan_.flops_per_token = models::prior_flops_per_token(static_cast<double>(plan_.parameters.matrix_weights),
                                                           recipe_.model);
@@ -825,9 +884,7 @@ class Planner {
     plan_.flops_per_update = plan_.flops_per_token * static_cast<double>(plan_.global_batch) * sequence;
     plan_.compute_seconds = plan_.flops_per_token * static_cast<double>(plan_.tokens_per_rank) /
                             (cluster_.peak_tflops * 1e12 * cluster_.mfu);
-    double hidden = 0, exposed = 0;
-    for (const auto& part : plan_.traffic) (part.hidden ? hidden : exposed) += part.seconds;
-    plan_.exposed_communication_seconds = exposed + std::max(0.0, hidden - plan_.compute_seconds);
+    plan_.exposed_communication_seconds = exposed_seconds(prefetch_before_gradients_);
     plan_.step_seconds = plan_.compute_seconds + plan_.exposed_communication_seconds;
     plan_.tokens_per_second = static_cast<double>(plan_.global_batch) * sequence / plan_.step_seconds;
   }
@@ -845,6 +902,15 @@ class Planner {
                     "at start each rank places the whole model on its GPU in fp32 before sharding (it is loaded "
                     "from init_from or frozen in part): %.1f GiB, more than the GPU holds",
                     plan_.startup_bytes / kGiB);
+      notes.push_back(text);
+    }
+    if (prefetch_before_gradients_ && plan_.sharded && plan_.peak_bytes - peak_after_gradients_ >= 0.005 * kGiB) {
+      char text[240];
+      std::snprintf(text, sizeof text,
+                    "distributed.backward_prefetch after_gradients would peak at %.2f GiB (%.2f less) and step in "
+                    "%.3f s (%.3f s now): backward's gathers then not hidden",
+                    peak_after_gradients_ / kGiB, (plan_.peak_bytes - peak_after_gradients_) / kGiB,
+                    plan_.compute_seconds + exposed_seconds(false), plan_.step_seconds);
       notes.push_back(text);
     }
     if (!powersgd_) return;
@@ -877,6 +943,10 @@ class Planner {
   double matrix_bytes_ = kFp32;  // per value of the sharded trained matrices and their gradients
   bool powersgd_ = false;
   bool overlap_ = true;  // distributed.overlap: buckets and reduce-scatters start during backward
+  bool prefetch_before_gradients_ = true;  // distributed.backward_prefetch
+  // What the blocks' and the head's backward would hold less with backward_prefetch after_gradients, and
+  // the peak it would make.
+  double blocks_saved_after_gradients_ = 0, head_saved_after_gradients_ = 0, peak_after_gradients_ = 0;
   LowRankCost low_rank_;  // per rank, the mean over local ranks when sharded
 };
 

@@ -85,6 +85,14 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           "has made it, while backward goes on (sharded: while the next resblock gathers and recomputes, complete "
           "before it makes its gradients, so no more memory is held); false: after backward (sharded: each "
           "resblock's before backward goes on). The same bytes are summed either way: the weights are identical");
+  v.field("backward_prefetch", backward_prefetch,
+          "sharded: when a resblock's backward starts gathering the resblock it reaches next (FSDP's "
+          "backward_prefetch). before_gradients: while this one's gradients are made, which hides the gather but "
+          "holds it beside this one's values and gradients; after_gradients: once they are made and handed to their "
+          "reduce-scatter, which holds a block less with fp32 weights (with gloo, whose reduce-scatter copies its "
+          "input, only with distributed.overlap false) but leaves the gather unhidden. dalle-plan counts both; the "
+          "weights are identical",
+          {.choices = {"before_gradients", "after_gradients"}});
   v.field("simulated_link", simulated_link,
           "for measurements: 'gbps,latency_ms' (for instance '10,0.5') delays every collective between machines "
           "(between all ranks on one machine) as such a link would; empty: none");

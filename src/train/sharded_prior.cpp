@@ -27,6 +27,7 @@ struct ShardedRun : torch::CustomClassHolder {
   // The unit's groups (its trained ones, then its frozen ones), and those of the unit that
   // runs next: the following one in forward, the one before in backward (none at the ends).
   std::vector<size_t> groups, next_in_forward, next_in_backward;
+  bool prefetch_before_gradients = true;
   ForwardState state;
   torch::ScalarType kept_as = torch::kFloat32, input_type = torch::kFloat32;
 
@@ -37,15 +38,22 @@ struct ShardedRun : torch::CustomClassHolder {
     for (const size_t g : next) sharded->prefetch(g);
   }
   // Backward: this unit gathered (the previous one's reduce-scatters running on, with overlap)
-  // and recomputed; then those reduce-scatters complete, the next unit's gather starts, and
-  // this unit's gradients are made. A reduce-scatter's buffers (with gloo, its input and a
-  // copy of it) so never meet the next unit's gather or this unit's gradients.
+  // and recomputed; then those reduce-scatters complete, and (prefetching before gradients)
+  // the next unit's gather starts before this unit's gradients are made. A reduce-scatter's
+  // buffers (with gloo, its input and a copy of it) so never meet this unit's gradients.
   torch::Tensor recomputed_for_backward(const torch::Tensor& input) {
     gather();
     auto output = state.rerun(fn, input);
     sharded->finish_reductions();
-    prefetch(next_in_backward);
+    if (prefetch_before_gradients) prefetch(next_in_backward);
     return output;
+  }
+  // ... and once they are made: the values released, the gradients handed to their reduce-
+  // scatter, then (prefetching after gradients) the next unit's gather started.
+  void after_gradients() const {
+    release();
+    reduce_gradients();
+    if (!prefetch_before_gradients) prefetch(next_in_backward);
   }
   void reduce_gradients() const {
     for (const size_t g : groups) {
@@ -81,8 +89,7 @@ class ShardedBlock : public torch::autograd::Function<ShardedBlock> {
     auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
     const auto input = recomputation_input(ctx->get_saved_variables()[0], run->input_type);
     torch::autograd::backward({run->recomputed_for_backward(input)}, {grads[0]});
-    run->release();  // the gradients are computed: the gathered values are not needed
-    run->reduce_gradients();
+    run->after_gradients();
     return {input.grad(), torch::Tensor()};
   }
 };
@@ -106,8 +113,7 @@ class ShardedEmbeddings : public torch::autograd::Function<ShardedEmbeddings> {
     auto run = c10::static_intrusive_pointer_cast<ShardedRun>(ctx->saved_data["run"].toCapsule());
     const auto tokens = ctx->get_saved_variables()[0];
     torch::autograd::backward({run->recomputed_for_backward(tokens)}, {grads[0]});
-    run->release();  // the gradients are computed: the gathered values are not needed
-    run->reduce_gradients();
+    run->after_gradients();
     return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -115,23 +121,24 @@ class ShardedEmbeddings : public torch::autograd::Function<ShardedEmbeddings> {
 }  // namespace
 
 ShardedPrior::ShardedPrior(models::PriorImpl& prior, const DecayRule& decayed,
-                           std::shared_ptr<distributed::ProcessGroup> group, bool overlap,
+                           std::shared_ptr<distributed::ProcessGroup> group, ShardedCollectives collectives,
                            const KeepWhole& keep_whole, torch::ScalarType matrices, torch::ScalarType frozen_matrices)
-    : ShardedPrior(prior.resblocks().size(), decayed, std::move(group), overlap, keep_whole, matrices,
+    : ShardedPrior(prior.resblocks().size(), decayed, std::move(group), collectives, keep_whole, matrices,
                    frozen_matrices) {
   for (size_t b = 0; b < blocks_; ++b) add_block(b, *prior.resblocks()[b]);
   add_ends(prior);
 }
 
 ShardedPrior::ShardedPrior(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
-                           bool overlap, const KeepWhole& keep_whole, torch::ScalarType matrices,
+                           ShardedCollectives collectives, const KeepWhole& keep_whole, torch::ScalarType matrices,
                            torch::ScalarType frozen_matrices)
     : blocks_(blocks),
+      prefetch_before_gradients_(collectives.prefetch_before_gradients),
       decayed_(decayed),
       keep_whole_(keep_whole),
       matrices_(matrices),
       frozen_matrices_(frozen_matrices),
-      sharded_(std::make_shared<distributed::ShardedParameters>(4 * units(), std::move(group), overlap)),
+      sharded_(std::make_shared<distributed::ShardedParameters>(4 * units(), std::move(group), collectives.overlap)),
       names_(4 * units()),
       kept_whole_(units()) {}
 
@@ -245,8 +252,8 @@ models::ResblockRunner ShardedPrior::runner(models::ResblockRunner inner, torch:
   // Frozen embeddings have no backward to take a prefetch.
   const auto before_first = trains(blocks_) ? groups_of(blocks_, units) : std::vector<size_t>{};
   return [inner = std::move(inner), sharded = sharded_, index = block_index_, trained = std::move(trained), kept_as,
-          units, head, before_first](models::ResblockImpl& block, const torch::Tensor& x,
-                                     const models::ResblockContext& context) {
+          units, head, before_first, before_gradients = prefetch_before_gradients_](
+             models::ResblockImpl& block, const torch::Tensor& x, const models::ResblockContext& context) {
     const size_t b = index.at(&block);
     auto run = c10::make_intrusive<ShardedRun>();
     run->fn = [inner, &block, context](const torch::Tensor& input) { return inner(block, input, context); };
@@ -255,6 +262,7 @@ models::ResblockRunner ShardedPrior::runner(models::ResblockRunner inner, torch:
     run->next_in_forward = groups_of(b + 1 < index.size() ? b + 1 : head, units);
     run->next_in_backward = b > 0 ? groups_of(b - 1, units) : before_first;
     run->kept_as = kept_as;
+    run->prefetch_before_gradients = before_gradients;
     if (!torch::GradMode::is_enabled() || (!x.requires_grad() && !trained.at(b))) return run->gathered_run(x);
     // A block that trains behind frozen layers (adapters after frozen embeddings) gets an
     // input that requires a gradient, without which its backward would never run.
@@ -266,11 +274,13 @@ models::EndRunner ShardedPrior::end_runner() const {
   const size_t units = this->units(), embeddings = blocks_, head = blocks_ + 1;
   const bool embeddings_train = trains(embeddings), head_trains = trains(head);
   const size_t first = 0, last = blocks_ - 1;
-  return [sharded = sharded_, units, embeddings, head, embeddings_train, head_trains, first, last](
-             models::PriorEnd end, const models::EndPart& part, const torch::Tensor& input) {
+  return [sharded = sharded_, units, embeddings, head, embeddings_train, head_trains, first, last,
+          before_gradients = prefetch_before_gradients_](models::PriorEnd end, const models::EndPart& part,
+                                                         const torch::Tensor& input) {
     auto run = c10::make_intrusive<ShardedRun>();
     run->fn = part;
     run->sharded = sharded;
+    run->prefetch_before_gradients = before_gradients;
     const bool is_head = end == models::PriorEnd::head;
     run->groups = groups_of(is_head ? head : embeddings, units);
     if (is_head) {

@@ -193,9 +193,9 @@ TEST_P(TrainingJobAtWorldSize, TheRanksTrainThePriorAsOneProcessDoes) {
 }
 
 // Overlap changes when the bytes move, never which are summed: data parallelism, sharding
-// (with one bucket, and with many) and PowerSGD (whole, then compressed), in fp16 with
-// per-resblock scales, end on the same bits with their buckets and reduce-scatters started
-// during backward and after it.
+// (with one bucket, and with many; prefetching each block's gather before its gradients and
+// after them) and PowerSGD (whole, then compressed), in fp16 with per-resblock scales, end on
+// the same bits with their buckets and reduce-scatters started during backward and after it.
 TEST_P(TrainingJobAtWorldSize, OverlappedAndAfterBackwardReductionsGiveIdenticalWeights) {
   const int64_t ranks = GetParam();
   ScratchDir dir;
@@ -207,6 +207,8 @@ TEST_P(TrainingJobAtWorldSize, OverlappedAndAfterBackwardReductionsGiveIdentical
       // Buckets of 4 kB: the replicated gradients' many all-reduces interleave with the blocks'
       // reduce-scatters (on a group of their own) during backward.
       {"sharded-buckets", " --set distributed.sharding=within_node --set distributed.bucket_megabytes=0.004"},
+      {"sharded-after-gradients", " --set distributed.sharding=within_node"
+                                  " --set distributed.backward_prefetch=after_gradients"},
       {"powersgd", " --set distributed.gradient_reduction=powersgd --set distributed.powersgd.start_update=3"
                    " --set distributed.powersgd.rank=2 --set distributed.powersgd.min_compression_rate=0"}};
   for (const auto& [name, setting] : kinds) {
@@ -218,6 +220,9 @@ TEST_P(TrainingJobAtWorldSize, OverlappedAndAfterBackwardReductionsGiveIdentical
     ASSERT_EQ(a.size(), b.size());
     for (const auto& [key, tensor] : a) EXPECT_TRUE(torch::equal(tensor, b.at(key))) << name << ": " << key;
   }
+  const auto before = weights_at(dir / "sharded", 4), after = weights_at(dir / "sharded-after-gradients", 4);
+  ASSERT_EQ(before.size(), after.size());
+  for (const auto& [key, tensor] : before) EXPECT_TRUE(torch::equal(tensor, after.at(key))) << "prefetch: " << key;
 }
 
 // PowerSGD at a rank that spans every matrix averages as data parallelism does, to the

@@ -1,5 +1,7 @@
 #include "dalle/train/capacity_plan.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -260,7 +262,8 @@ TEST(CapacityPlan, SixteenBitWeightsHalveTheShardedMatricesAndTheirGradients) {
 // With overlap a unit's reduce-scatter runs on only while the next block gathers and
 // recomputes, completed before that block's gradients and the following gather are made:
 // beside those it holds nothing, and the plan's memory is the same with overlap and without
-// (no row of a reduce-scatter in flight in the blocks' phase nor in the embeddings').
+// (no row of a reduce-scatter in flight in the blocks' phase nor in the head's; the
+// embeddings' recompute beside the first block's: TwelveBillionFitsOnV100sWithAGibFree).
 TEST(CapacityPlan, AReduceScatterInFlightNeverMeetsTheNextBlocksGradientsOrGather) {
   auto recipe = recipe_of(tiny_model(), 8);
   recipe.distributed.sharding = "within_node";
@@ -270,11 +273,60 @@ TEST(CapacityPlan, AReduceScatterInFlightNeverMeetsTheNextBlocksGradientsOrGathe
   for (const auto* each : {&overlapped, &plan}) {
     EXPECT_THROW(part_named(*each, "reduce-scatter in flight"), Error);
   }
-  EXPECT_DOUBLE_EQ(part_named(plan, "embeddings' reduce-scatter").bytes,
-                   part_named(overlapped, "embeddings' reduce-scatter").bytes);
+  const auto in_phase = [](const CapacityPlan& plan, MemoryPhase phase) {
+    double bytes = 0;
+    for (const auto& part : plan.memory) bytes += part.phase == phase ? part.bytes : 0;
+    return bytes;
+  };
+  for (const auto phase : {MemoryPhase::backward_head, MemoryPhase::backward_blocks}) {
+    EXPECT_DOUBLE_EQ(in_phase(plan, phase), in_phase(overlapped, phase));
+  }
   EXPECT_DOUBLE_EQ(plan.kept_bytes, overlapped.kept_bytes);
   EXPECT_DOUBLE_EQ(plan.backward_bytes, overlapped.backward_bytes);
   EXPECT_DOUBLE_EQ(plan.peak_bytes, overlapped.peak_bytes);
+}
+
+// distributed.backward_prefetch: prefetched before a block's gradients, the next block's gather
+// is held beside their making and their flattening; after them, only beside the flattened
+// gradients still in flight (none without overlap), and backward's gathers are not hidden.
+TEST(CapacityPlan, PrefetchingAfterGradientsHoldsTheNextGatherOnlyBesideTheReduceScatter) {
+  // A batch whose compute outlasts every collective: what is hidden is then free.
+  auto recipe = recipe_of(tiny_model(), 4096);
+  recipe.distributed.sharding = "within_node";
+  recipe.precision.mode = "bfloat16";
+  recipe.precision.weights = "bfloat16";
+  const ClusterShape machine{.nodes = 1, .gpus_per_node = 4};
+  const auto before = plan_capacity(recipe, machine);
+  recipe.distributed.backward_prefetch = "after_gradients";
+  const auto after = plan_capacity(recipe, machine);
+  recipe.distributed.overlap = false;
+  const auto after_alone = plan_capacity(recipe, machine);
+  const double values_and_gradients = part_named(before, "gathered resblock").bytes;
+  const double gradients = values_and_gradients / 2;
+  const double flattened = gradients + part_named(before, "flattened gradients").bytes;
+  const double prefetched = part_named(before, "prefetched resblock").bytes;
+  EXPECT_GT(flattened, gradients) << "16-bit gradients flattened in fp32";
+  const auto blocks = [](const CapacityPlan& plan) {  // the block's parameters, gathered or not
+    double bytes = 0;
+    for (const auto& part : plan.memory) {
+      if (part.phase == MemoryPhase::backward_blocks && part.name != "16-bit weight copies") bytes += part.bytes;
+    }
+    return bytes;
+  };
+  EXPECT_DOUBLE_EQ(blocks(before), values_and_gradients + (flattened - gradients) + prefetched);
+  EXPECT_DOUBLE_EQ(blocks(after), std::max({values_and_gradients, gradients + flattened, flattened + prefetched}));
+  EXPECT_DOUBLE_EQ(blocks(after_alone), std::max(values_and_gradients, gradients + flattened));
+  EXPECT_LT(blocks(after), blocks(before));
+  const auto backward_gathers = [](const CapacityPlan& plan) {
+    for (const auto& part : plan.traffic) {
+      if (part.name == "gathered again for backward") return part;
+    }
+    throw Error("no backward gathers");
+  };
+  EXPECT_TRUE(backward_gathers(before).hidden);
+  EXPECT_FALSE(backward_gathers(after).hidden);
+  EXPECT_DOUBLE_EQ(after.exposed_communication_seconds,
+                   before.exposed_communication_seconds + backward_gathers(after).seconds);
 }
 
 // precision.weights needs 16-bit compute and shards to store, as the trainer does.
@@ -441,7 +493,7 @@ TEST(CapacityPlan, SixteenBitShardsHoldAndMoveWhatThePlanCounts) {
   const auto plan = plan_capacity(recipe, {.nodes = 1, .gpus_per_node = 2});
   testing::on_ranks(2, [&](const LaunchEnvironment& place) {
     models::Prior prior(recipe.model);
-    ShardedPrior shards(*prior, decayed, testing::group_at(place), true, nullptr, torch::kBFloat16);
+    ShardedPrior shards(*prior, decayed, testing::group_at(place), {}, nullptr, torch::kBFloat16);
     const auto bytes_of = [](const torch::Tensor& tensor) {
       return static_cast<double>(tensor.numel()) * static_cast<double>(tensor.element_size());
     };
@@ -501,13 +553,31 @@ TEST(CapacityPlan, TwelveBillionFitsOnV100sWithAGibFree) {
   EXPECT_DOUBLE_EQ(frozen.startup_bytes,
                    part_named(frozen, "weights").bytes + 4 * (198'369'280 + 2 * (8 * d * d + 7 * d)));
   // Backward's peak is as it starts: every block's input, the logits and the head gathered in
-  // fp32 (values and gradients) with its flattened gradients and the last block prefetched.
+  // fp32 (values and gradients; flattened, the values freed, they hold no more) beside the last
+  // block's gather (an MLP's 8 d^2 matrices in bf16, its 7 d gains and biases in fp32).
   const double classes = 16384 + 256 + 8192;       // caption ids, a padding id per position, image codes
   const double head = classes * d + classes + 2 * d;  // to_logits, its bias, the final LayerNorm
+  const double last_block = 2 * 8 * d * d + 4 * 7 * d;
   EXPECT_DOUBLE_EQ(part_named(shipped, "gathered head").bytes, 2 * 4 * head);
+  EXPECT_THROW(part_named(shipped, "head's reduce-scatter"), Error) << "its flattened gradients replace its values";
+  EXPECT_DOUBLE_EQ(part_named(shipped, "last resblock prefetched").bytes, last_block);
+  // As backward ends, the embeddings recompute beside the first block's reduce-scatter, its
+  // gradients flattened in fp32: what they hold beyond the embeddings' values and gradients.
+  EXPECT_DOUBLE_EQ(part_named(shipped, "first block's reduce-scatter").bytes,
+                   4 * (8 * d * d + 7 * d) - part_named(shipped, "gathered embeddings").bytes / 2);
+  // Prefetched after the gradients (distributed.backward_prefetch), the head's and the blocks'
+  // moments hold less and backward's gathers are not hidden: the shipped plan's note says so.
+  const auto after = plan_capacity(twelve_billion({"distributed.backward_prefetch=after_gradients"}), v100s);
+  EXPECT_LT(after.peak_bytes, shipped.peak_bytes);
+  EXPECT_GT(after.step_seconds, shipped.step_seconds);
+  char said[160];
+  std::snprintf(said, sizeof said, "after_gradients would peak at %.2f GiB (%.2f less) and step in %.3f s (%.3f s now)",
+                after.peak_bytes / (1 << 30), (shipped.peak_bytes - after.peak_bytes) / (1 << 30), after.step_seconds,
+                shipped.step_seconds);
+  EXPECT_THAT(shipped.notes, ::testing::Contains(::testing::HasSubstr(said)));
+  EXPECT_THAT(after.notes, ::testing::Not(::testing::Contains(::testing::HasSubstr("backward_prefetch"))));
   EXPECT_DOUBLE_EQ(shipped.backward_bytes, part_named(shipped, "activations").bytes +
-                                               part_named(shipped, "logits").bytes + 2 * 4 * head +
-                                               part_named(shipped, "head's reduce-scatter").bytes);
+                                               part_named(shipped, "logits").bytes + 2 * 4 * head + last_block);
   // PowerSGD reads its bf16 buffers back in fp32 one matrix at a time: the largest is a rank's
   // 1/8 of an MLP's matrices (8 d^2: d whole rows of fc_in, or d / 4 of fc_out), d^2 values,
   // held with its decompressed product, beside the gradient of one MLP group's shard (d^2)
@@ -613,7 +683,7 @@ TEST(CapacityPlan, ShardedFineTuningIsWhatTheShardsAndTheReducerCount) {
       held += item.value().numel();
       learned.push_back(item.value());
     }
-    ShardedPrior shards(*prior, decayed, group, true, models::is_adapter_tensor);
+    ShardedPrior shards(*prior, decayed, group, {}, models::is_adapter_tensor);
     for (size_t g = 0; g < shards.parameters()->groups(); ++g) {
       held += shards.parameters()->shard(g).numel();
       if (shards.parameters()->trains(g)) learned.push_back(shards.parameters()->shard(g));

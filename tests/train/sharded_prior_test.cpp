@@ -55,7 +55,7 @@ TEST(ShardedPrior, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
     testing::on_ranks(ranks, [&](const distributed::LaunchEnvironment& place) {
       const size_t blocks = 2 * static_cast<size_t>(config.layers);
       const auto group = testing::group_at(place);
-      ShardedPrior shards(blocks, is_matrix, group, true, nullptr, torch::kBFloat16);
+      ShardedPrior shards(blocks, is_matrix, group, {}, nullptr, torch::kBFloat16);
       models::Prior prior{nullptr};
       {
         std::lock_guard<std::mutex> lock(drawing);
@@ -90,7 +90,7 @@ TEST(ShardedPrior, APriorBuiltShardedHoldsTheWholeBuildsWeights) {
       models::Prior copy(config);
       torch::NoGradGuard no_grad;
       for (auto& item : copy->named_parameters()) item.value().copy_(expected.at(item.key()));
-      ShardedPrior cut(*copy, is_matrix, group, true, nullptr, torch::kBFloat16);
+      ShardedPrior cut(*copy, is_matrix, group, {}, nullptr, torch::kBFloat16);
       for (size_t g = 0; g < sharded.groups(); ++g) {
         EXPECT_TRUE(torch::equal(cut.parameters()->shard(g), sharded.shard(g))) << "group " << g;
         EXPECT_EQ(cut.names(g), shards.names(g)) << "group " << g;
@@ -108,7 +108,7 @@ TEST(ShardedPrior, AdaptersAddedOnceTheBlocksAreCutStayWhole) {
   testing::on_ranks(2, [&](const distributed::LaunchEnvironment& place) {
     const size_t blocks = 2 * static_cast<size_t>(config.layers);
     const auto group = testing::group_at(place);  // one per rank: a second would rendezvous anew
-    ShardedPrior shards(blocks, is_matrix, group, true, models::is_adapter_tensor);
+    ShardedPrior shards(blocks, is_matrix, group, {}, models::is_adapter_tensor);
     models::Prior prior(config, [&](size_t b, models::ResblockImpl& block) {
       for (auto& parameter : block.parameters()) parameter.requires_grad_(false);
       shards.add_block(b, block);
@@ -126,7 +126,7 @@ TEST(ShardedPrior, AdaptersAddedOnceTheBlocksAreCutStayWhole) {
         EXPECT_GT(scales[b][i].numel(), 0) << "kept whole";
       }
     }
-    ShardedPrior late(blocks, is_matrix, group, true, models::is_adapter_tensor);
+    ShardedPrior late(blocks, is_matrix, group, {}, models::is_adapter_tensor);
     models::Prior other(config, [&](size_t b, models::ResblockImpl& block) { late.add_block(b, block); });
     other->resblocks()[1]->register_parameter("late", torch::zeros({2}));
     EXPECT_THROW_WITH(late.add_ends(*other), Error,
@@ -145,7 +145,7 @@ TEST(ShardedPrior, FrozenMatricesAreShardedInTheirStorage) {
     auto prior = copy_of(whole);
     for (auto& parameter : prior->parameters()) parameter.requires_grad_(false);
     const auto group = testing::group_at(place);
-    ShardedPrior shards(*prior, is_matrix, group, true, nullptr, torch::kFloat32, torch::kBFloat16);
+    ShardedPrior shards(*prior, is_matrix, group, {}, nullptr, torch::kFloat32, torch::kBFloat16);
     auto& sharded = *shards.parameters();
     const auto expected = whole->named_parameters();
     const size_t blocks = prior->resblocks().size();

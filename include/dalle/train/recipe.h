@@ -60,6 +60,8 @@ struct DistributedConfig {
   std::string gradient_reduction = "allreduce";  // or "powersgd"
   std::string backend = "auto";  // c10d's: auto (NCCL on GPUs, gloo on the CPU), gloo or nccl
   bool overlap = true;  // gradients averaged while backward runs
+  // Sharded: when a block's backward starts gathering the block before it (FSDP's backward_prefetch).
+  std::string backward_prefetch = "before_gradients";  // or "after_gradients"
   std::string simulated_link;  // "gbps,latency_ms": every collective across machines delayed as on that link
   PowerSgdConfig powersgd;
 

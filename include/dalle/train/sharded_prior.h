@@ -32,6 +32,14 @@
 
 namespace dalle::train {
 
+// How a sharded prior's collectives meet its backward.
+struct ShardedCollectives {
+  bool overlap = true;  // a block's reduce-scatter runs while backward goes on (ShardedParameters)
+  // Whether a block's backward starts gathering the block it reaches next before making its
+  // gradients (hidden behind them, held beside them) or after (distributed.backward_prefetch).
+  bool prefetch_before_gradients = true;
+};
+
 class ShardedPrior {
  public:
   // Whether AdamW decays a parameter, by its name in the prior's state dict.
@@ -41,18 +49,17 @@ class ShardedPrior {
   // Shards the blocks' and the ends' current values (the same on every rank of `group`), named
   // as in `prior`'s state dict, and installs the prior's end runner (add_ends); a parameter
   // that requires no gradient is frozen.
-  // `overlap`: a block's reduce-scatter runs while backward goes on (ShardedParameters).
   // `matrices`: the storage of the trained groups AdamW decays (precision.weights);
   // `frozen_matrices`: that of the blocks' frozen matrices (frozen_weights); the rest is
   // float32.
   ShardedPrior(models::PriorImpl& prior, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
-               bool overlap = true, const KeepWhole& keep_whole = nullptr,
+               ShardedCollectives collectives = {}, const KeepWhole& keep_whole = nullptr,
                torch::ScalarType matrices = torch::kFloat32, torch::ScalarType frozen_matrices = torch::kFloat32);
   // The same for a prior of `blocks` resblocks not built yet, each then cut by add_block as it
   // is built (models::ResblockBuilt): no rank holds more than one block whole; add_ends once
   // the prior exists.
   ShardedPrior(size_t blocks, const DecayRule& decayed, std::shared_ptr<distributed::ProcessGroup> group,
-               bool overlap = true, const KeepWhole& keep_whole = nullptr,
+               ShardedCollectives collectives = {}, const KeepWhole& keep_whole = nullptr,
                torch::ScalarType matrices = torch::kFloat32, torch::ScalarType frozen_matrices = torch::kFloat32);
   // Cuts resblock b (named "resblocks.<b>." as in the prior's state dict) into its shards and
   // empties its tensors. Once per block, in any order, before anything is gathered.
@@ -116,6 +123,7 @@ class ShardedPrior {
 
   size_t blocks_ = 0;
   bool ends_added_ = false;
+  bool prefetch_before_gradients_ = true;
   DecayRule decayed_;
   KeepWhole keep_whole_;
   torch::ScalarType matrices_ = torch::kFloat32, frozen_matrices_ = torch::kFloat32;

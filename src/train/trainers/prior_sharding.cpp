@@ -50,8 +50,11 @@ void PriorTrainer::State::build_model(const models::TrainedPriorWeights* init) {
     return;
   }
   const auto frozen_storage = frozen_matrix_storage();
+  const ShardedCollectives collectives{
+      .overlap = config.distributed.overlap,
+      .prefetch_before_gradients = config.distributed.backward_prefetch == "before_gradients"};
   shards = std::make_unique<ShardedPrior>(2 * static_cast<size_t>(config.model.layers), decayed_by_adamw,
-                                          job->within_node(), config.distributed.overlap, models::is_adapter_tensor,
+                                          job->within_node(), collectives, models::is_adapter_tensor,
                                           config.precision.weights_dtype(), frozen_storage.value_or(torch::kFloat32));
   const auto trained = trainable_patterns(config.optimizer.trainable, adapters());
   const auto cut = [&](size_t b, models::ResblockImpl& block) {
