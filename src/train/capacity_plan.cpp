@@ -40,13 +40,13 @@ int64_t numel(const Shape& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
 }
 
+// The traffic row of backward's all-gathers, hidden or not by distributed.backward_prefetch.
+constexpr const char* kBackwardGathers = "gathered again for backward";
+
 // One resblock as ShardedPrior groups it, once the recipe's adapters are added and
 // optimizer.trainable applied: its trained matrices (which AdamW decays: no embeddings live in
 // a block), its other trained tensors, its frozen ones, each in the block's parameter order,
 // and its adapters, which stay whole.
-// The traffic row of backward's all-gathers, hidden or not by distributed.backward_prefetch.
-constexpr const char* kBackwardGathers = "gathered again for backward";
-
 struct BlockShape {
   bool attention = false;
   std::vector<Shape> groups[3];
