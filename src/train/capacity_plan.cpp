@@ -689,20 +689,22 @@ class Planner {
     for (const auto& part : plan_.memory) {
       bytes_of_phase(part.phase, at_head, at_blocks, at_embeddings) += part.bytes;
     }
+    // Backward's peak, given its head's and blocks' moments: what all of it holds and the larger
+    // of those, or the embeddings' moment alone.
+    const double held_throughout = plan_.backward_bytes;
+    const auto backward_with = [&](double head, double blocks) {
+      return std::max(held_throughout + std::max(head, blocks), at_embeddings);
+    };
     // The same with backward_prefetch after_gradients, for the note: only the head's and the
     // blocks' moments change.
     if (prefetch_before_gradients_) {
-      const double after = std::max(plan_.backward_bytes + std::max(at_head - head_saved_after_gradients_,
-                                                                    at_blocks - blocks_saved_after_gradients_),
-                                    at_embeddings);
+      const double after =
+          backward_with(at_head - head_saved_after_gradients_, at_blocks - blocks_saved_after_gradients_);
       peak_after_gradients_ = plan_.kept_bytes + std::max(after, plan_.reduction_bytes);
     }
-    plan_.backward_bytes += std::max(at_head, at_blocks);
+    plan_.backward_bytes = backward_with(at_head, at_blocks);
     auto busiest = at_head >= at_blocks ? MemoryPhase::backward_head : MemoryPhase::backward_blocks;
-    if (at_embeddings > plan_.backward_bytes) {
-      plan_.backward_bytes = at_embeddings;
-      busiest = MemoryPhase::backward_embeddings;
-    }
+    if (at_embeddings > held_throughout + std::max(at_head, at_blocks)) busiest = MemoryPhase::backward_embeddings;
     const auto peak_phase =
         plan_.backward_bytes >= plan_.reduction_bytes ? MemoryPhase::backward : MemoryPhase::reduction;
     plan_.peak_bytes = plan_.kept_bytes + std::max(plan_.backward_bytes, plan_.reduction_bytes);
