@@ -9,11 +9,15 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "dalle/error.h"
 #include "distributed/nccl_backend.h"
@@ -54,6 +58,29 @@ double bytes_of(const torch::Tensor& tensor) {
   return static_cast<double>(tensor.numel()) * static_cast<double>(tensor.element_size());
 }
 
+// gloo's all-gather receives into a flat buffer of its own, then copies it into the output:
+// issued in pieces of at most this much of the output, that buffer is a piece, not the whole
+// (a resblock gathered for validation was held twice while it came).
+constexpr int64_t kGlooPieceBytes = int64_t{16} << 20;
+
+// `input` of every rank into `gathered` (rank r's at r * input.numel()), piece by piece: each
+// piece's part of every rank's place received straight into it.
+std::vector<c10::intrusive_ptr<c10d::Work>> gloo_all_gather_in_pieces(c10d::Backend& backend, const torch::Tensor& input,
+                                                                      const torch::Tensor& gathered, int64_t ranks) {
+  const int64_t values = input.numel();
+  const int64_t piece = std::max<int64_t>(1, kGlooPieceBytes / (ranks * static_cast<int64_t>(input.element_size())));
+  const auto received = gathered.view({-1});
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (int64_t start = 0; start < values; start += piece) {
+    const int64_t length = std::min(piece, values - start);
+    std::vector<at::Tensor> inputs{input.reshape({-1}).narrow(0, start, length)};
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int64_t r = 0; r < ranks; ++r) outputs[0].push_back(received.narrow(0, r * values + start, length));
+    works.push_back(backend.allgather(outputs, inputs));
+  }
+  return works;
+}
+
 // torch 2.11's flight recorder, one per process, registers each process group on its first
 // collective before taking its own lock (pytorch/pytorch#179313): collectives of several
 // groups started at once from several threads (ranks as threads, as the tests run them)
@@ -83,6 +110,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const ProcessGroupOptions& options) {
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;  // gloo or NCCL
+  bool gloo = false;
   torch::Device device{torch::kCPU};
   int64_t rank = 0, size = 1;
   // Every rank counts up its key in the store each second, so that when a collective fails
@@ -148,12 +176,14 @@ struct ProcessGroup::Impl {
   }
 
   // A collective handed to c10d, delayed as `link` would carry `bytes_sent`.
+  using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
+  std::unique_ptr<PendingCollective> pending(Works works, const std::string& what, double bytes_sent);
   std::unique_ptr<PendingCollective> pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what,
                                              double bytes_sent);
 
   // The collective `call` starts, started as the comment at gloo_start_mutex says.
   template <class Call>
-  c10::intrusive_ptr<c10d::Work> start(Call call) {
+  auto start(Call call) {
     if (device.is_cuda()) return call();
     std::lock_guard lock(gloo_start_mutex);
     return call();
@@ -191,6 +221,7 @@ ProcessGroup::ProcessGroup(const ProcessGroupOptions& options) : impl_(std::make
       auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
       gloo_options->devices = {c10d::ProcessGroupGloo::createDeviceForHostname(options.address)};
       impl_->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(impl_->store, rank, size, gloo_options);
+      impl_->gloo = true;
     }
     impl_->start_heartbeat();
   } catch (const std::exception& error) {
@@ -208,25 +239,45 @@ namespace {
 
 class PendingWork final : public PendingCollective {
  public:
-  PendingWork(ProcessGroup::Impl& group, c10::intrusive_ptr<c10d::Work> work, std::string what,
+  PendingWork(ProcessGroup::Impl& group, ProcessGroup::Impl::Works works, std::string what,
               std::optional<std::chrono::steady_clock::time_point> not_before)
-      : group_(group), work_(std::move(work)), what_(std::move(what)), not_before_(not_before) {}
+      : group_(group), works_(std::move(works)), what_(std::move(what)), not_before_(not_before) {}
   void wait() override {
-    group_.wait(work_, what_);
+    for (const auto& work : works_) group_.wait(work, what_);
     if (not_before_) std::this_thread::sleep_until(*not_before_);
   }
 
  private:
   ProcessGroup::Impl& group_;
-  c10::intrusive_ptr<c10d::Work> work_;
+  ProcessGroup::Impl::Works works_;
   std::string what_;
   std::optional<std::chrono::steady_clock::time_point> not_before_;
+};
+
+// A collective whose result `then` completes once it is done.
+class PendingThen final : public PendingCollective {
+ public:
+  PendingThen(std::unique_ptr<PendingCollective> collective, std::function<void()> then)
+      : collective_(std::move(collective)), then_(std::move(then)) {}
+  void wait() override {
+    collective_->wait();
+    if (then_) std::exchange(then_, nullptr)();
+  }
+
+ private:
+  std::unique_ptr<PendingCollective> collective_;
+  std::function<void()> then_;
 };
 
 }  // namespace
 
 std::unique_ptr<PendingCollective> ProcessGroup::Impl::pending(c10::intrusive_ptr<c10d::Work> work,
                                                                const std::string& what, double bytes_sent) {
+  return pending(Works{std::move(work)}, what, bytes_sent);
+}
+
+std::unique_ptr<PendingCollective> ProcessGroup::Impl::pending(Works works, const std::string& what,
+                                                               double bytes_sent) {
   std::optional<std::chrono::steady_clock::time_point> not_before;
   std::lock_guard lock(link_mutex);
   bytes_sent_so_far += bytes_sent;
@@ -237,7 +288,7 @@ std::unique_ptr<PendingCollective> ProcessGroup::Impl::pending(c10::intrusive_pt
                    std::chrono::duration_cast<Duration>(std::chrono::duration<double>(seconds));
     not_before = link_free_at;
   }
-  return std::make_unique<PendingWork>(*this, std::move(work), what, not_before);
+  return std::make_unique<PendingWork>(*this, std::move(works), what, not_before);
 }
 
 void ProcessGroup::all_reduce(torch::Tensor& tensor, ReduceOp op) { start_all_reduce(tensor, op)->wait(); }
@@ -260,28 +311,46 @@ std::unique_ptr<PendingCollective> ProcessGroup::start_all_gather(const torch::T
     throw Error("all_gather: " + std::to_string(gathered.numel()) + " elements for " + std::to_string(size()) +
                 " ranks of " + std::to_string(tensor.numel()));
   }
-  if (!tensor.is_contiguous()) throw Error("all_gather: a tensor that is not contiguous");
+  if (!tensor.is_contiguous() || !gathered.is_contiguous()) {
+    throw Error("all_gather: a tensor that is not contiguous");
+  }
+  const double bytes_sent = ring_share(size()) * bytes_of(gathered);
+  if (impl_->gloo) {
+    auto works = impl_->start([&] { return gloo_all_gather_in_pieces(*impl_->backend, tensor, gathered, size()); });
+    return impl_->pending(std::move(works), "all_gather", bytes_sent);
+  }
   auto input = tensor;
   auto work = impl_->start([&] { return impl_->backend->_allgather_base(gathered, input); });
-  return impl_->pending(std::move(work), "all_gather", ring_share(size()) * bytes_of(gathered));
+  return impl_->pending(std::move(work), "all_gather", bytes_sent);
 }
 
-void ProcessGroup::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op) {
-  start_reduce_scatter(input.contiguous(), output, op)->wait();
+void ProcessGroup::reduce_scatter(torch::Tensor& input, torch::Tensor& output, ReduceOp op) {
+  start_reduce_scatter(input, output, op)->wait();
 }
 
-std::unique_ptr<PendingCollective> ProcessGroup::start_reduce_scatter(const torch::Tensor& input,
-                                                                      torch::Tensor& output, ReduceOp op) {
+std::unique_ptr<PendingCollective> ProcessGroup::start_reduce_scatter(torch::Tensor& input, torch::Tensor& output,
+                                                                      ReduceOp op) {
   if (input.numel() != output.numel() * size()) {
     throw Error("reduce_scatter: " + std::to_string(input.numel()) + " elements for " + std::to_string(size()) +
                 " ranks of " + std::to_string(output.numel()));
   }
   if (!input.is_contiguous()) throw Error("reduce_scatter: an input that is not contiguous");
-  auto whole = input;
+  const double bytes_sent = ring_share(size()) * bytes_of(input);
+  if (impl_->gloo) {
+    // gloo's reduce-scatter all-reduces a copy of its input and copies this rank's part out:
+    // the input itself is all-reduced (the same sums, without a second input-sized buffer).
+    std::vector<at::Tensor> tensors{input};
+    c10d::AllreduceOptions options;
+    options.reduceOp = to_c10d(op);
+    auto work = impl_->start([&] { return impl_->backend->allreduce(tensors, options); });
+    const auto mine = input.narrow(0, rank() * output.numel(), output.numel());
+    return std::make_unique<PendingThen>(impl_->pending(std::move(work), "reduce_scatter", bytes_sent),
+                                         [mine, output]() mutable { output.copy_(mine); });
+  }
   c10d::ReduceScatterOptions options;
   options.reduceOp = to_c10d(op);
-  auto work = impl_->start([&] { return impl_->backend->_reduce_scatter_base(output, whole, options); });
-  return impl_->pending(std::move(work), "reduce_scatter", ring_share(size()) * bytes_of(input));
+  auto work = impl_->start([&] { return impl_->backend->_reduce_scatter_base(output, input, options); });
+  return impl_->pending(std::move(work), "reduce_scatter", bytes_sent);
 }
 
 void ProcessGroup::barrier() {

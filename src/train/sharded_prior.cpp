@@ -40,7 +40,7 @@ struct ShardedRun : torch::CustomClassHolder {
   // Backward: this unit gathered (the previous one's reduce-scatters running on, with overlap)
   // and recomputed; then those reduce-scatters complete, and (prefetching before gradients)
   // the next unit's gather starts before this unit's gradients are made. A reduce-scatter's
-  // buffers (with gloo, its input and a copy of it) so never meet this unit's gradients.
+  // buffer (its flattened input) so never meets this unit's gradients.
   torch::Tensor recomputed_for_backward(const torch::Tensor& input) {
     gather();
     auto output = state.rerun(fn, input);

@@ -37,6 +37,23 @@ TEST_P(ProcessGroupAtWorldSize, AllReduceAndAllGatherOverGlooOnLoopback) {
     group.all_gather(torch::full({2}, static_cast<double>(group.rank())), gathered);
     EXPECT_TRUE(torch::equal(gathered, torch::arange(world).to(torch::kFloat32).repeat_interleave(2)));
     EXPECT_THROW_WITH(group.all_gather(torch::ones({3}), gathered), Error, "all_gather:");
+    // An output of more than one of gloo's pieces (16 MiB), the last piece short.
+    const int64_t values = (int64_t{5} << 20) / world + 3;
+    auto whole = torch::empty({values * world});
+    group.start_all_gather(torch::arange(values * group.rank(), values * (group.rank() + 1)).to(torch::kFloat32),
+                           whole)->wait();
+    EXPECT_TRUE(torch::equal(whole, torch::arange(values * world).to(torch::kFloat32)));
+    // Rank r sends r + i at place i; each receives its two places summed, or averaged.
+    const auto places = torch::arange(2 * world).to(torch::kFloat32);
+    const auto mine = places.slice(0, 2 * group.rank(), 2 * group.rank() + 2);
+    auto input = places + static_cast<double>(group.rank()), part = torch::empty({2});
+    group.reduce_scatter(input, part);
+    EXPECT_TRUE(torch::equal(part, world * mine + sum - world));
+    input = places + static_cast<double>(group.rank());
+    group.start_reduce_scatter(input, part, ReduceOp::average)->wait();
+    EXPECT_TRUE(torch::equal(part, mine + (sum - world) / world));
+    auto odd = torch::ones({2 * world + 1});
+    EXPECT_THROW_WITH(group.reduce_scatter(odd, part), Error, "reduce_scatter:");
     group.barrier();
   });
 }
@@ -115,7 +132,8 @@ TEST(ProcessGroup, NcclCarriesEveryCollectiveOnAGpu) {
   group.start_all_gather(torch::full({4}, 5.0, on_gpu), prefetched)->wait();
   EXPECT_TRUE(torch::equal(prefetched.cpu(), torch::full({4}, 5.0)));
   auto scattered = torch::empty({4}, on_gpu);
-  group.reduce_scatter(torch::arange(4, on_gpu.dtype(torch::kFloat32)), scattered);
+  auto reduced = torch::arange(4, on_gpu.dtype(torch::kFloat32));
+  group.reduce_scatter(reduced, scattered);
   EXPECT_TRUE(torch::equal(scattered.cpu(), torch::arange(4).to(torch::kFloat32)));
   group.barrier();
 }

@@ -78,11 +78,12 @@ class ProcessGroup {
   void all_gather(const torch::Tensor& tensor, torch::Tensor& gathered);
   // The same, started: `tensor` and `gathered` must stay alive and untouched until wait().
   std::unique_ptr<PendingCollective> start_all_gather(const torch::Tensor& tensor, torch::Tensor& gathered);
-  // `input` ([size * n]) reduced over the ranks with `op`; rank r receives part r into
-  // `output` ([n]). gloo makes it an all-reduce and a copy: right, but all-reduce-sized.
-  void reduce_scatter(const torch::Tensor& input, torch::Tensor& output, ReduceOp op = ReduceOp::sum);
+  // `input` ([size * n], contiguous) reduced over the ranks with `op`; rank r receives part r
+  // into `output` ([n]). The input is the collective's: gloo all-reduces it in place (its own
+  // reduce-scatter is an all-reduce of a copy), so its values after are undefined.
+  void reduce_scatter(torch::Tensor& input, torch::Tensor& output, ReduceOp op = ReduceOp::sum);
   // The same, started: `input` and `output` must stay alive and untouched until wait().
-  std::unique_ptr<PendingCollective> start_reduce_scatter(const torch::Tensor& input, torch::Tensor& output,
+  std::unique_ptr<PendingCollective> start_reduce_scatter(torch::Tensor& input, torch::Tensor& output,
                                                           ReduceOp op = ReduceOp::sum);
   void barrier();
 
