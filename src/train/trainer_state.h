@@ -162,14 +162,14 @@ struct TrainerState : RunRecord {
   // checkpoint when its inference weights hold every frozen parameter under its name with the
   // value the model holds; else (an imported model under its family's own names, a run whose
   // adapters were folded in on loading) a copy of the frozen weights as the model holds them,
-  // written once into the run (`base/`) with its first checkpoint. `cut`: the frozen values
-  // the model no longer holds whole (a prior built sharded: its blocks as they were read).
-  void refer_to_base(const std::string& init_from, const io::TensorMap& cut = {}) {
+  // written once into the run (`base/`) with its first checkpoint. `as_read`: the frozen values
+  // the model no longer holds whole (a prior built sharded: its blocks as they were read),
+  // read and compared one block at a time.
+  void refer_to_base(const std::string& init_from, const ValuesAsRead& as_read = nullptr) {
     const auto frozen = frozen_names();
     if (init_from.empty() || frozen.empty()) return;
     const auto base = io::resolve_checkpoint(init_from, what + " init_from");
-    if (train::holds_as_they_are(io::inference_weights(io::load_inference_checkpoint(base)), model->named_parameters(),
-                                 frozen, cut)) {
+    if (train::holds_as_they_are(base, model->named_parameters(), frozen, as_read)) {
       return refer_to_base_as_read(init_from);
     }
     base_checkpoint = (run / "base").string();

@@ -209,10 +209,11 @@ void PriorTrainer::State::parallelize(std::optional<models::TrainedPriorWeights>
   // run's adapters folded in change them).
   if (init && shards && !init->unread.empty() && init->adapters.empty()) {
     refer_to_base_as_read(config.init_from);
+  } else if (init && shards) {
+    // What the blocks read, a run's adapters folded in, read again block by block to compare.
+    refer_to_base(config.init_from, [&init](const models::WeightPicker& wanted) { return init->read(wanted); });
   } else if (init) {
-    // What the blocks read, a run's adapters folded in (whole here, as the comparison needs).
-    const auto as_read = shards ? init->read([](const std::string&) { return true; }) : io::TensorMap{};
-    refer_to_base(config.init_from, as_read);
+    refer_to_base(config.init_from);
   }
   init.reset();
   // Sharded, the ends are cut before the average and the update state are made, so that no
