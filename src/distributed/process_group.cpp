@@ -175,8 +175,9 @@ struct ProcessGroup::Impl {
     }
   }
 
-  // A collective handed to c10d, delayed as `link` would carry `bytes_sent`.
   using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
+  // A collective handed to c10d (in one work or several), delayed as `link` would carry
+  // `bytes_sent`.
   std::unique_ptr<PendingCollective> pending(Works works, const std::string& what, double bytes_sent);
   std::unique_ptr<PendingCollective> pending(c10::intrusive_ptr<c10d::Work> work, const std::string& what,
                                              double bytes_sent);
