@@ -58,27 +58,40 @@ double bytes_of(const torch::Tensor& tensor) {
   return static_cast<double>(tensor.numel()) * static_cast<double>(tensor.element_size());
 }
 
-// gloo's all-gather receives into a flat buffer of its own, then copies it into the output:
-// issued in pieces of at most this much of the output, that buffer is a piece, not the whole
-// (a resblock gathered for validation was held twice while it came).
-constexpr int64_t kGlooPieceBytes = int64_t{16} << 20;
+// gloo's all-gather receives into a flat buffer of its own, then copies it into the output.
+// Issued in pieces of at most this much of the output, that buffer is a piece, not the
+// whole: above glibc's largest dynamic mmap threshold (32 MiB), so that each piece's buffer is
+// mapped and returned when freed, never kept in the heaps of gloo's threads.
+constexpr int64_t kGlooPieceBytes = int64_t{64} << 20;
 
-// `input` of every rank into `gathered` (rank r's at r * input.numel()), piece by piece: each
-// piece's part of every rank's place received straight into it.
-std::vector<c10::intrusive_ptr<c10d::Work>> gloo_all_gather_in_pieces(c10d::Backend& backend, const torch::Tensor& input,
-                                                                      const torch::Tensor& gathered, int64_t ranks) {
+// Piece `index` of gloo_pieces(...) of `input` of every rank into `gathered` (rank r's at r *
+// input.numel()): that part of every rank's place received straight into it.
+c10::intrusive_ptr<c10d::Work> gloo_all_gather_piece(c10d::Backend& backend, const torch::Tensor& input,
+                                                     const torch::Tensor& gathered, int64_t ranks, int64_t index) {
   const int64_t values = input.numel();
   const int64_t piece = std::max<int64_t>(1, kGlooPieceBytes / (ranks * static_cast<int64_t>(input.element_size())));
+  const int64_t start = index * piece, length = std::min(piece, values - start);
+  std::vector<at::Tensor> inputs{input.reshape({-1}).narrow(0, start, length)};
+  std::vector<std::vector<at::Tensor>> outputs(1);
   const auto received = gathered.view({-1});
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (int64_t start = 0; start < values; start += piece) {
-    const int64_t length = std::min(piece, values - start);
-    std::vector<at::Tensor> inputs{input.reshape({-1}).narrow(0, start, length)};
-    std::vector<std::vector<at::Tensor>> outputs(1);
-    for (int64_t r = 0; r < ranks; ++r) outputs[0].push_back(received.narrow(0, r * values + start, length));
-    works.push_back(backend.allgather(outputs, inputs));
+  for (int64_t r = 0; r < ranks; ++r) outputs[0].push_back(received.narrow(0, r * values + start, length));
+  return backend.allgather(outputs, inputs);
+}
+
+void check_all_gather(const torch::Tensor& tensor, const torch::Tensor& gathered, int64_t ranks) {
+  if (gathered.numel() != tensor.numel() * ranks) {
+    throw Error("all_gather: " + std::to_string(gathered.numel()) + " elements for " + std::to_string(ranks) +
+                " ranks of " + std::to_string(tensor.numel()));
   }
-  return works;
+  if (!tensor.is_contiguous() || !gathered.is_contiguous()) {
+    throw Error("all_gather: a tensor that is not contiguous");
+  }
+}
+
+// How many pieces gloo_all_gather_piece cuts an all-gather of `input` into.
+int64_t gloo_pieces(const torch::Tensor& input, int64_t ranks) {
+  const int64_t piece = std::max<int64_t>(1, kGlooPieceBytes / (ranks * static_cast<int64_t>(input.element_size())));
+  return (input.numel() + piece - 1) / piece;
 }
 
 // torch 2.11's flight recorder, one per process, registers each process group on its first
@@ -303,21 +316,30 @@ std::unique_ptr<PendingCollective> ProcessGroup::start_all_reduce(torch::Tensor&
 }
 
 void ProcessGroup::all_gather(const torch::Tensor& tensor, torch::Tensor& gathered) {
-  start_all_gather(tensor.contiguous(), gathered)->wait();
+  if (!impl_->gloo) return start_all_gather(tensor.contiguous(), gathered)->wait();
+  // Waited for piece by piece, gloo's buffer is one piece at a time.
+  const auto input = tensor.contiguous();
+  check_all_gather(input, gathered, size());
+  for (int64_t index = 0; index < gloo_pieces(input, size()); ++index) {
+    impl_->wait(impl_->start([&] { return gloo_all_gather_piece(*impl_->backend, input, gathered, size(), index); }),
+                "all_gather");
+  }
+  impl_->pending(Impl::Works{}, "all_gather", ring_share(size()) * bytes_of(gathered))->wait();
 }
+
 
 std::unique_ptr<PendingCollective> ProcessGroup::start_all_gather(const torch::Tensor& tensor,
                                                                   torch::Tensor& gathered) {
-  if (gathered.numel() != tensor.numel() * size()) {
-    throw Error("all_gather: " + std::to_string(gathered.numel()) + " elements for " + std::to_string(size()) +
-                " ranks of " + std::to_string(tensor.numel()));
-  }
-  if (!tensor.is_contiguous() || !gathered.is_contiguous()) {
-    throw Error("all_gather: a tensor that is not contiguous");
-  }
+  check_all_gather(tensor, gathered, size());
   const double bytes_sent = ring_share(size()) * bytes_of(gathered);
   if (impl_->gloo) {
-    auto works = impl_->start([&] { return gloo_all_gather_in_pieces(*impl_->backend, tensor, gathered, size()); });
+    auto works = impl_->start([&] {
+      Impl::Works started;
+      for (int64_t index = 0; index < gloo_pieces(tensor, size()); ++index) {
+        started.push_back(gloo_all_gather_piece(*impl_->backend, tensor, gathered, size(), index));
+      }
+      return started;
+    });
     return impl_->pending(std::move(works), "all_gather", bytes_sent);
   }
   auto input = tensor;

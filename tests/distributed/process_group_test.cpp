@@ -37,11 +37,15 @@ TEST_P(ProcessGroupAtWorldSize, AllReduceAndAllGatherOverGlooOnLoopback) {
     group.all_gather(torch::full({2}, static_cast<double>(group.rank())), gathered);
     EXPECT_TRUE(torch::equal(gathered, torch::arange(world).to(torch::kFloat32).repeat_interleave(2)));
     EXPECT_THROW_WITH(group.all_gather(torch::ones({3}), gathered), Error, "all_gather:");
-    // An output of more than one of gloo's pieces (16 MiB), the last piece short.
-    const int64_t values = (int64_t{5} << 20) / world + 3;
+    // An output of more than one of gloo's pieces (64 MiB), the last piece short, started or
+    // waited for piece by piece.
+    const int64_t values = (int64_t{17} << 20) / world + 3;
+    const auto own = torch::arange(values * group.rank(), values * (group.rank() + 1)).to(torch::kFloat32);
     auto whole = torch::empty({values * world});
-    group.start_all_gather(torch::arange(values * group.rank(), values * (group.rank() + 1)).to(torch::kFloat32),
-                           whole)->wait();
+    group.start_all_gather(own, whole)->wait();
+    EXPECT_TRUE(torch::equal(whole, torch::arange(values * world).to(torch::kFloat32)));
+    whole.zero_();
+    group.all_gather(own, whole);
     EXPECT_TRUE(torch::equal(whole, torch::arange(values * world).to(torch::kFloat32)));
     // Rank r sends r + i at place i; each receives its two places summed, or averaged.
     const auto places = torch::arange(2 * world).to(torch::kFloat32);
