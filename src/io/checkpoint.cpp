@@ -60,10 +60,23 @@ void rename_into_place(const fs::path& built, const fs::path& target) {
 
 }  // namespace
 
-void detail::write_files(const std::string& folder, const Checkpoint& checkpoint) {
+void detail::write_files(const std::string& folder, const Checkpoint& checkpoint,
+                         const std::vector<TensorSpec>& streamed, const std::function<void(SafetensorsWriter&)>& write) {
   const fs::path root(folder);
   write_file_atomic((root / kConfigFile).string(), checkpoint.config_yaml);
-  write_safetensors((root / kWeightsFile).string(), checkpoint.weights);
+  if (!write) {
+    write_safetensors((root / kWeightsFile).string(), checkpoint.weights);
+  } else {
+    auto specs = specs_of(checkpoint.weights);
+    const size_t own = specs.size();
+    specs.insert(specs.end(), streamed.begin(), streamed.end());
+    write_file_atomic((root / kWeightsFile).string(), [&](std::ostream& out) {
+      SafetensorsWriter writer(out, specs);
+      for (size_t i = 0; i < own; ++i) writer.write(specs[i].name, checkpoint.weights.at(specs[i].name));
+      write(writer);
+      writer.finish();
+    });
+  }
   write_safetensors((root / kStateFile).string(), checkpoint.state, checkpoint.state_metadata);
 }
 
@@ -110,14 +123,9 @@ void save_checkpoint(const std::string& directory, const Checkpoint& checkpoint)
 void save_checkpoint(const std::string& directory, const std::string& config_yaml,
                      const std::vector<TensorSpec>& weights, const std::function<void(SafetensorsWriter&)>& write) {
   save_into_place(directory, [&](const std::string& staging) {
-    const fs::path root(staging);
-    write_file_atomic((root / kConfigFile).string(), config_yaml);
-    write_file_atomic((root / kWeightsFile).string(), [&](std::ostream& out) {
-      SafetensorsWriter writer(out, weights);
-      write(writer);
-      writer.finish();
-    });
-    write_safetensors((root / kStateFile).string(), {});
+    Checkpoint weights_alone;
+    weights_alone.config_yaml = config_yaml;
+    detail::write_files(staging, weights_alone, weights, write);
   });
 }
 

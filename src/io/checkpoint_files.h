@@ -2,15 +2,21 @@
 // What io/checkpoint.cpp and io/sharded_checkpoint.cpp share: the files of a checkpoint
 // directory, a fine-tuned checkpoint's base, and the joining of a sharded checkpoint's shards.
 // Private to the library.
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "dalle/io/checkpoint.h"
+#include "dalle/io/safetensors_writer.h"
 #include "dalle/io/sharded_checkpoint.h"
 
 namespace dalle::io::detail {
 
-// config.yaml, model.safetensors and state.safetensors (with its metadata) into `folder`.
-void write_files(const std::string& folder, const Checkpoint& checkpoint);
+// config.yaml, model.safetensors and state.safetensors (with its metadata) into `folder`;
+// `streamed`: weights after the checkpoint's own, declared by their specs and handed to the
+// writer by `write` as they are made.
+void write_files(const std::string& folder, const Checkpoint& checkpoint, const std::vector<TensorSpec>& streamed = {},
+                 const std::function<void(SafetensorsWriter&)>& write = nullptr);
 // Those three files of `directory` (a sharded checkpoint's rank 0 files), the shards left where
 // they are.
 Checkpoint read_files(const std::string& directory);

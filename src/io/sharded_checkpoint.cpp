@@ -348,9 +348,11 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
   return result;
 }
 
-void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout) {
+void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout,
+                            const std::vector<TensorSpec>& streamed,
+                            const std::function<void(SafetensorsWriter&)>& write) {
   checkpoint.state_metadata[kLayoutKey] = layout_json(layout);
-  detail::write_files(staging, checkpoint);
+  detail::write_files(staging, checkpoint, streamed, write);
 }
 
 void write_checkpoint_shard(const std::string& staging, int64_t rank, int64_t ranks, const TensorMap& shard) {

@@ -299,14 +299,6 @@ models::EndRunner ShardedPrior::end_runner() const {
   };
 }
 
-io::TensorMap ShardedPrior::frozen_weights() const {
-  io::TensorMap named;
-  each_frozen_group([&named](const io::TensorMap& group) {
-    for (const auto& [name, tensor] : group) named.emplace(name, tensor.clone());
-  });
-  return named;
-}
-
 void ShardedPrior::each_frozen_group(const std::function<void(const io::TensorMap& group)>& take) const {
   for (size_t g = trained_groups(); g < sharded_->groups(); ++g) {
     const auto full = sharded_->unshard(g, sharded_->shard(g));

@@ -486,7 +486,8 @@ TEST_F(TrainingJob, ShardedFineTuningTrainsAsDataParallelAndWritesOnlyWhatTrains
   EXPECT_LT(largest_difference(weights_at(dir / "emojich", 10), weights_at(dir / "emojich-sharded", 10)), 1e-3);
 
   // Without a base (a fresh model with part frozen) the frozen blocks are gathered into every
-  // checkpoint whole, and a sharded resume takes its frozen shards from there.
+  // checkpoint's weights file, one group at a time, and a sharded resume takes its frozen
+  // shards from there.
   const std::string fresh = " --nproc-per-node 2 --set 'optimizer.trainable=[\"*embedding*\",\"resblocks.*.fc_*\"]'"
                             " --set learning_rate.decay=plateau --set run.checkpoint_every=3";
   auto replicated = run_command(train_prior(dir / "fresh", fresh + " --set run.steps=6"));

@@ -104,8 +104,12 @@ RankCheckpoint load_checkpoint_for_rank(const std::string& directory, const Shar
 // fine-tuning run's frozen blocks); else `unread` is empty.
 Checkpoint load_inference_checkpoint(const std::string& directory, ShardedWeights& unread);
 
-// Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata.
-void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout);
+// Rank 0's files of a sharded checkpoint into `staging`, the layout in its state metadata;
+// `streamed`: weights after the checkpoint's own, declared by their specs and handed to the
+// writer by `write` as they are made (frozen blocks gathered one group at a time).
+void write_checkpoint_files(const std::string& staging, Checkpoint checkpoint, const ShardLayout& layout,
+                            const std::vector<TensorSpec>& streamed = {},
+                            const std::function<void(SafetensorsWriter&)>& write = nullptr);
 // Rank `rank`'s shard into `staging`.
 void write_checkpoint_shard(const std::string& staging, int64_t rank, int64_t ranks, const TensorMap& shard);
 

@@ -99,10 +99,9 @@ class ShardedPrior {
   // shards) until called with none: validation on the moving average, block by block.
   void gather_averages(const std::vector<torch::Tensor>& averages) const;
 
-  // The frozen groups' values, whole, by name (every rank of the group calls it) ...
-  io::TensorMap frozen_weights() const;
-  // ... the same one group at a time, handed to `take` in the order of frozen_specs() and
-  // freed before the next is gathered (views of the gathered buffer, valid during the call) ...
+  // The frozen groups' values by name, one group at a time (every rank of the group calls
+  // it), handed to `take` in the order of frozen_specs() and freed before the next is
+  // gathered (views of the gathered buffer, valid during the call) ...
   void each_frozen_group(const std::function<void(const io::TensorMap& group)>& take) const;
   // ... their names, stored dtypes and shapes, group by group.
   std::vector<io::TensorSpec> frozen_specs() const;

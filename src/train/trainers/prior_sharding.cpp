@@ -324,10 +324,8 @@ void PriorTrainer::State::save_checkpoint() {
   // rest (the replicated parameters, the state) and the shards' layout, into a staging folder
   // that rank 0 renames into place once every rank has written. load_checkpoint reads it whole,
   // so any number of ranks, sharded or not, resumes from it and dalle-export reads it.
-  // Frozen blocks' weights are gathered (by every rank) only where no base holds them, or to
-  // write the base's copy.
-  io::TensorMap frozen;
-  if (base_checkpoint.empty()) frozen = shards->frozen_weights();
+  // Frozen blocks' weights are gathered (by every rank, one group at a time) only where no
+  // base holds them, into rank 0's weights file, or to write the base's copy.
   if (write_base_copy_) write_sharded_base_copy();
   if (writes_files) checkpoints.stage(step);
   job->barrier();
@@ -342,7 +340,11 @@ void PriorTrainer::State::save_checkpoint() {
   for (size_t g = 0; g < shards->trained_groups(); ++g) errors.push_back(sharded_reducer->shard_error(g));
   const bool has_errors = !errors.empty() && errors.front().defined();
   if (job->place().node_rank == 0) write_own_shards(staging, moments, errors);
-  if (writes_files) write_checkpoint_files(staging, moments, has_errors, std::move(frozen));
+  if (writes_files) {
+    write_checkpoint_files(staging, moments, has_errors);
+  } else if (base_checkpoint.empty()) {
+    write_frozen_groups(nullptr);
+  }
   job->barrier();
   if (writes_files) log::info(what, ": checkpoint ", checkpoints.publish(step));
 }
@@ -358,19 +360,23 @@ void PriorTrainer::State::write_sharded_base_copy() {
   for (const auto& name : frozen_names()) {
     if (!in_shards.count(name)) throw Error(what + ": the frozen " + name + " is in no shard; its copy cannot be made");
   }
-  const auto write = [&](io::SafetensorsWriter* writer) {
-    size_t next = 0;
-    shards->each_frozen_group([&](const io::TensorMap& group) {
-      for (const size_t end = next + group.size(); next < end; ++next) {
-        if (writer) writer->write(specs[next].name, group.at(specs[next].name));
-      }
-    });
-  };
   if (writes_files) {
-    write_frozen_copy(base_checkpoint, specs, write);
+    write_frozen_copy(base_checkpoint, specs, [this](io::SafetensorsWriter* writer) { write_frozen_groups(writer); });
   } else {
-    write(nullptr);
+    write_frozen_groups(nullptr);
   }
+}
+
+// The frozen groups gathered one at a time (every rank of the machine takes part) and handed
+// to `writer` in the order of frozen_specs(); none: gathered for another rank's writer.
+void PriorTrainer::State::write_frozen_groups(io::SafetensorsWriter* writer) const {
+  const auto specs = shards->frozen_specs();
+  size_t next = 0;
+  shards->each_frozen_group([&](const io::TensorMap& group) {
+    for (const size_t end = next + group.size(); next < end; ++next) {
+      if (writer) writer->write(specs[next].name, group.at(specs[next].name));
+    }
+  });
 }
 
 void PriorTrainer::State::write_own_shards(const std::string& staging, bool moments,
@@ -404,16 +410,14 @@ void PriorTrainer::State::write_own_shards(const std::string& staging, bool mome
   io::write_checkpoint_shard(staging, job->place().local_rank, job->place().local_world_size, mine);
 }
 
-// `frozen`: the frozen blocks' weights, written whole where the run has no base.
-void PriorTrainer::State::write_checkpoint_files(const std::string& staging, bool moments, bool errors,
-                                                 io::TensorMap frozen) {
+// Rank 0's files; where the run has no base, the frozen blocks' weights streamed into them
+// one group at a time (every rank gathers them with it: save_checkpoint).
+void PriorTrainer::State::write_checkpoint_files(const std::string& staging, bool moments, bool errors) {
   const auto& sharded = *shards->parameters();
   const auto layout = shard_layout(moments, errors);
   auto weights = io::state_dict(*model);
   for (const auto& name : block_names()) weights.erase(name);
-  if (base_checkpoint.empty()) {
-    weights.merge(frozen);
-  } else {
+  if (!base_checkpoint.empty()) {
     for (const auto& name : frozen_names()) weights.erase(name);
   }
   auto replicated_moments = adamw_state(*optimizer, *model);
@@ -427,7 +431,9 @@ void PriorTrainer::State::write_checkpoint_files(const std::string& staging, boo
   auto checkpoint = make_checkpoint(config_to_yaml(visit_of(config)), std::move(weights), ema->weights(),
                                     replicated_moments, step, loader_position());
   add_run_state(checkpoint);
-  io::write_checkpoint_files(staging, std::move(checkpoint), layout);
+  if (!base_checkpoint.empty()) return io::write_checkpoint_files(staging, std::move(checkpoint), layout);
+  io::write_checkpoint_files(staging, std::move(checkpoint), layout, shards->frozen_specs(),
+                             [this](io::SafetensorsWriter& writer) { write_frozen_groups(&writer); });
 }
 
 }  // namespace dalle::train

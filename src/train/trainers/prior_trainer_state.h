@@ -109,8 +109,9 @@ struct PriorTrainer::State : detail::TrainerState<PriorTrainConfig, models::Prio
   torch::Tensor average_of(const torch::Tensor& shard) const;
   void save_checkpoint() override;
   void write_own_shards(const std::string& staging, bool moments, const std::vector<torch::Tensor>& errors) const;
-  void write_checkpoint_files(const std::string& staging, bool moments, bool errors, io::TensorMap frozen);
+  void write_checkpoint_files(const std::string& staging, bool moments, bool errors);
   void write_sharded_base_copy();
+  void write_frozen_groups(io::SafetensorsWriter* writer) const;
 };
 
 namespace prior_training {
