@@ -89,9 +89,8 @@ void DistributedConfig::visit(ConfigVisitor& v) {
           "sharded: when a resblock's backward starts gathering the resblock it reaches next (FSDP's "
           "backward_prefetch). before_gradients: while this one's gradients are made, which hides the gather but "
           "holds it beside this one's values and gradients; after_gradients: once they are made and handed to their "
-          "reduce-scatter, which holds a block less with fp32 weights (with gloo, whose reduce-scatter copies its "
-          "input, only with distributed.overlap false) but leaves the gather unhidden. dalle-plan counts both; the "
-          "weights are identical",
+          "reduce-scatter, which holds a block less with fp32 weights but leaves the gather unhidden (slower "
+          "steps where communication is slow). dalle-plan counts both; the weights are identical",
           {.choices = {"before_gradients", "after_gradients"}});
   v.field("simulated_link", simulated_link,
           "for measurements: 'gbps,latency_ms' (for instance '10,0.5') delays every collective between machines "
