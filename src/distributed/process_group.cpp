@@ -64,12 +64,22 @@ double bytes_of(const torch::Tensor& tensor) {
 // mapped and returned when freed, never kept in the heaps of gloo's threads.
 constexpr int64_t kGlooPieceBytes = int64_t{64} << 20;
 
-// Piece `index` of gloo_pieces(...) of `input` of every rank into `gathered` (rank r's at r *
-// input.numel()): that part of every rank's place received straight into it.
+// How many of each rank's values one piece of an all-gather of `input` carries.
+int64_t values_per_gloo_piece(const torch::Tensor& input, int64_t ranks) {
+  return std::max<int64_t>(1, kGlooPieceBytes / (ranks * static_cast<int64_t>(input.element_size())));
+}
+
+// How many pieces an all-gather of `input` is cut into.
+int64_t gloo_pieces(const torch::Tensor& input, int64_t ranks) {
+  const int64_t piece = values_per_gloo_piece(input, ranks);
+  return (input.numel() + piece - 1) / piece;
+}
+
+// Piece `index` of `input` of every rank into `gathered` (rank r's at r * input.numel()):
+// that part of every rank's place received straight into it.
 c10::intrusive_ptr<c10d::Work> gloo_all_gather_piece(c10d::Backend& backend, const torch::Tensor& input,
                                                      const torch::Tensor& gathered, int64_t ranks, int64_t index) {
-  const int64_t values = input.numel();
-  const int64_t piece = std::max<int64_t>(1, kGlooPieceBytes / (ranks * static_cast<int64_t>(input.element_size())));
+  const int64_t values = input.numel(), piece = values_per_gloo_piece(input, ranks);
   const int64_t start = index * piece, length = std::min(piece, values - start);
   std::vector<at::Tensor> inputs{input.reshape({-1}).narrow(0, start, length)};
   std::vector<std::vector<at::Tensor>> outputs(1);
@@ -86,12 +96,6 @@ void check_all_gather(const torch::Tensor& tensor, const torch::Tensor& gathered
   if (!tensor.is_contiguous() || !gathered.is_contiguous()) {
     throw Error("all_gather: a tensor that is not contiguous");
   }
-}
-
-// How many pieces gloo_all_gather_piece cuts an all-gather of `input` into.
-int64_t gloo_pieces(const torch::Tensor& input, int64_t ranks) {
-  const int64_t piece = std::max<int64_t>(1, kGlooPieceBytes / (ranks * static_cast<int64_t>(input.element_size())));
-  return (input.numel() + piece - 1) / piece;
 }
 
 // torch 2.11's flight recorder, one per process, registers each process group on its first
