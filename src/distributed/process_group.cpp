@@ -331,7 +331,6 @@ void ProcessGroup::all_gather(const torch::Tensor& tensor, torch::Tensor& gather
   impl_->pending(Impl::Works{}, "all_gather", ring_share(size()) * bytes_of(gathered))->wait();
 }
 
-
 std::unique_ptr<PendingCollective> ProcessGroup::start_all_gather(const torch::Tensor& tensor,
                                                                   torch::Tensor& gathered) {
   check_all_gather(tensor, gathered, size());

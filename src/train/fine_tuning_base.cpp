@@ -56,7 +56,8 @@ bool holds_as_they_are(const std::string& base, const NamedTensors& ours, const 
     const auto theirs = unread.empty() ? io::TensorMap{} : unread.read(in_block);
     const auto read = as_read ? as_read(in_block) : io::TensorMap{};
     for (const auto& name : names) {
-      const auto* stored = found_in(theirs, name) ? found_in(theirs, name) : found_in(whole, name);
+      const auto* joined = found_in(theirs, name);
+      const auto* stored = joined ? joined : found_in(whole, name);
       const auto* given = found_in(read, name);
       const auto& value = given ? *given : ours[name];
       if (!stored || stored->sizes() != value.sizes() ||

@@ -373,8 +373,8 @@ void PriorTrainer::State::write_frozen_groups(io::SafetensorsWriter* writer) con
   const auto specs = shards->frozen_specs();
   size_t next = 0;
   shards->each_frozen_group([&](const io::TensorMap& group) {
-    for (const size_t end = next + group.size(); next < end; ++next) {
-      if (writer) writer->write(specs[next].name, group.at(specs[next].name));
+    for (const size_t end = next + group.size(); writer && next < end; ++next) {
+      writer->write(specs[next].name, group.at(specs[next].name));
     }
   });
 }
